@@ -1,0 +1,48 @@
+"""coda-jax: fused GEMM + epilogue kernels (CODA) for Llama-style Transformers in JAX.
+
+Public API:
+
+* ops (2-D ``[tokens, features]``, ``jax.custom_vjp``): :func:`matmul_residual_rms`,
+  :func:`rms_norm_matmul`, :func:`rms_norm_matmul_swiglu`, :func:`rms_norm_matmul_rope`,
+  :func:`linear_cross_entropy`, with the cross-layer :class:`NormCarry`;
+* backends: :func:`set_backend`, :func:`use_backend`, :func:`resolve_backend`
+  (``"xla"``, ``"pallas"``, ``"cutedsl"``, ``"auto"``; env ``CODA_JAX_BACKEND``);
+* layers (Flax NNX): ``coda_jax.layers.CodaLlamaBlock``, ``CodaLlama``, ``LlamaConfig``;
+* the epilogue spec for new ops: :mod:`coda_jax.epilogue`, :mod:`coda_jax.programs`.
+"""
+
+from coda_jax.backend import (
+    BACKENDS,
+    BackendError,
+    BackendOpMissingError,
+    BackendUnavailableError,
+    UnknownBackendError,
+    backend_unavailable_reason,
+    resolve_backend,
+    set_backend,
+    use_backend,
+)
+from coda_jax.ops import (
+    Llama3RopeScaling,
+    NormCarry,
+    interleave_gate_up,
+    linear_cross_entropy,
+    matmul_residual_rms,
+    norm_carry,
+    rms_norm_matmul,
+    rms_norm_matmul_rope,
+    rms_norm_matmul_swiglu,
+    rope_inv_freq,
+    rstd_from_partials,
+    split_gate_up,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS", "BackendError", "BackendOpMissingError", "BackendUnavailableError", "UnknownBackendError",
+    "backend_unavailable_reason", "resolve_backend", "set_backend", "use_backend",
+    "Llama3RopeScaling", "NormCarry", "interleave_gate_up", "linear_cross_entropy", "matmul_residual_rms",
+    "norm_carry", "rms_norm_matmul", "rms_norm_matmul_rope", "rms_norm_matmul_swiglu", "rope_inv_freq",
+    "rstd_from_partials", "split_gate_up",
+]

@@ -1,0 +1,229 @@
+"""The backend-neutral epilogue spec: CODA's five primitive kinds as a declaration.
+
+An :class:`Epilogue` says what a GEMM epilogue *loads* (per-row vectors, per-column
+vectors, scalars, a second ``[M, N]`` tile), what it *outputs* (extra tiles), what it
+*reduces* (per-row sums over the N-tile, per-column sums over the M-tile, an online
+row log-sum-exp across N-tiles) and a small *body* of math over the float32
+accumulator. Every backend lowers the same declaration:
+
+* the reference backend (:mod:`coda_jax.reference`) runs the body on whole arrays;
+* the Pallas backend (:mod:`coda_jax.pallas`) runs it on each accumulator sub-tile
+  of its Hopper GEMM, in registers;
+* the CuTeDSL backend (:mod:`coda_jax.ffi`) lowers it into its own GEMM.
+
+The body contract
+-----------------
+``body(acc, ctx, **loads) -> dict[str, jax.Array]``
+
+* ``acc`` is the float32 accumulator ``A @ B`` of the region being processed; in pair
+  mode (``pair_block=b``) it is a tuple ``(lo, hi)``: the columns of every ``2*b``-wide
+  block split into its first and second half (SwiGLU's gate/up, RoPE's rotate-half).
+* ``loads`` are already broadcastable against ``acc`` (a row vector arrives with a
+  trailing unit axis, a column vector with a leading one); tiles arrive with ``acc``'s
+  shape. All floating loads arrive as float32. In pair mode, column and tile loads
+  arrive as ``(lo, hi)`` like the accumulator, unless declared ``half=True`` (one value
+  per pair: ``[N/2]`` / ``[M, N/2]`` in memory, one array in the body).
+* ``ctx`` (:class:`EpilogueContext`) gives the few operations whose implementation
+  differs between "whole array" and "register tile": ``ctx.row_sum`` (a keep-dims sum
+  over the columns of the current pair block) and ``ctx.col_index`` (global column ids).
+* The body returns one value per declared output: the tile for a ``tile`` output, the
+  summand for ``row_sum`` / ``col_sum`` (the backend reduces and masks padding), the
+  logits for ``row_logsumexp``.
+
+The body must be pure ``jnp`` math: elementwise ops, ``where``, ``exp``/``log``/``rsqrt``,
+casts. No reshapes, no cross-column ops other than through ``ctx``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "LoadKind",
+    "OutputKind",
+    "Load",
+    "Output",
+    "Epilogue",
+    "EpilogueContext",
+    "row",
+    "col",
+    "scalar",
+    "tile",
+    "tile_out",
+    "row_sum",
+    "col_sum",
+    "row_logsumexp",
+    "split_pairs",
+    "join_pairs",
+]
+
+
+class LoadKind(enum.Enum):
+    ROW = "row"  # [M] vector, one value per accumulator row (rstd, zdz, positions, targets)
+    COL = "col"  # [N] vector, one value per accumulator column (gamma, RoPE frequencies)
+    SCALAR = "scalar"  # [] scalar (alpha, loss scale)
+    TILE = "tile"  # [M, N] matrix block (residual, saved pre-activation)
+
+
+class OutputKind(enum.Enum):
+    TILE = "tile"  # [M, N] (or [M, N/2] in pair mode with half=True) extra tile output
+    ROW_SUM = "row_sum"  # per-row sum over the N-tile, written as float32 partials
+    COL_SUM = "col_sum"  # per-column sum over the M-tile, written as float32 partials
+    ROW_LOGSUMEXP = "row_logsumexp"  # online row max / sum-exp across N-tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """One value the epilogue reads besides the accumulator."""
+
+    name: str
+    kind: LoadKind
+    half: bool = False  # pair mode, COL/TILE loads: one value per pair ([N/2] / [M, N/2])
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One value the epilogue writes.
+
+    Attributes:
+      name: key in the body's returned dict and in the backend's result dict.
+      kind: see :class:`OutputKind`.
+      dtype: storage dtype of a tile output; ``None`` means the GEMM operand dtype.
+        Reductions are always float32.
+      half: pair mode only: the tile output has one column per *pair* (``[M, N/2]``),
+        and the body returns a single array; otherwise it returns ``(lo, hi)``.
+    """
+
+    name: str
+    kind: OutputKind
+    dtype: Any = None
+    half: bool = False
+
+
+class EpilogueContext(Protocol):
+    """The operations a body may need beyond elementwise ``jnp`` math."""
+
+    def row_sum(self, x: jax.Array) -> jax.Array:
+        """Sum over the columns of the current pair half, keeping a broadcastable axis."""
+        ...
+
+    def col_index(self) -> jax.Array:
+        """Global int32 column indices of the accumulator, broadcastable against it."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """A GEMM epilogue program: declared once, lowered by every backend.
+
+    Attributes:
+      name: a short identifier, used in kernel names and error messages.
+      loads: what the body reads, in the order of its keyword arguments.
+      outputs: what the epilogue writes.
+      body: ``body(acc, ctx, **loads) -> {output name: value}``.
+      pair_block: ``None``, or ``b``: the accumulator columns form blocks of ``2*b``
+        and the body receives ``(lo, hi)`` halves of every block.
+      uses_col_index: the body calls ``ctx.col_index()``.
+    """
+
+    name: str
+    loads: tuple[Load, ...]
+    outputs: tuple[Output, ...]
+    body: Callable[..., Mapping[str, Any]]
+    pair_block: int | None = None
+    uses_col_index: bool = False
+
+    def __post_init__(self):
+        names = [l.name for l in self.loads] + [o.name for o in self.outputs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"epilogue {self.name!r}: load/output names must be unique, got {names}")
+        if not self.outputs:
+            raise ValueError(f"epilogue {self.name!r}: declares no output")
+        for o in self.outputs:
+            if o.half and self.pair_block is None:
+                raise ValueError(f"epilogue {self.name!r}: output {o.name!r} is half-width but pair_block is None")
+        for l in self.loads:
+            if l.half and (self.pair_block is None or l.kind not in (LoadKind.COL, LoadKind.TILE)):
+                raise ValueError(f"epilogue {self.name!r}: load {l.name!r}: half-width needs pair mode and a col/tile load")
+        if self.pair_block is not None and self.uses_col_index:
+            raise ValueError(f"epilogue {self.name!r}: col_index is not defined in pair mode")
+
+    def load_names(self, kind: LoadKind | None = None) -> tuple[str, ...]:
+        return tuple(l.name for l in self.loads if kind is None or l.kind is kind)
+
+    def output(self, name: str) -> Output:
+        for o in self.outputs:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+    def validate_loads(self, loads: Mapping[str, jax.Array], m: int, n: int) -> None:
+        """Checks that ``loads`` matches the declaration for an ``[m, n]`` accumulator."""
+        missing = set(self.load_names()) - set(loads)
+        extra = set(loads) - set(self.load_names())
+        if missing or extra:
+            raise ValueError(
+                f"epilogue {self.name!r}: loads mismatch; missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
+        for l in self.loads:
+            v = loads[l.name]
+            nl = n // 2 if l.half else n
+            want = {LoadKind.ROW: (m,), LoadKind.COL: (nl,), LoadKind.SCALAR: (), LoadKind.TILE: (m, nl)}[l.kind]
+            if tuple(v.shape) != want:
+                raise ValueError(
+                    f"epilogue {self.name!r}: load {l.name!r} ({l.kind.value}) must have shape {want}, got {tuple(v.shape)}"
+                )
+
+
+def split_pairs(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Pair layout: ``[..., N] -> (lo, hi)``, each ``[..., N/(2*block), block]``."""
+    n = x.shape[-1]
+    if n % (2 * block):
+        raise ValueError(f"pair mode needs a width divisible by 2*{block}, got {n}")
+    y = x.reshape(x.shape[:-1] + (n // (2 * block), 2, block))
+    return y[..., 0, :], y[..., 1, :]
+
+
+def join_pairs(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Inverse of :func:`split_pairs`: ``(lo, hi) [..., C, b] -> [..., 2*C*b]``."""
+    y = jnp.stack([lo, hi], axis=-2)
+    return y.reshape(y.shape[:-3] + (-1,))
+
+
+# Short constructors, so that declarations read like the paper's decorators.
+def row(name: str) -> Load:
+    return Load(name, LoadKind.ROW)
+
+
+def col(name: str, *, half: bool = False) -> Load:
+    return Load(name, LoadKind.COL, half)
+
+
+def scalar(name: str) -> Load:
+    return Load(name, LoadKind.SCALAR)
+
+
+def tile(name: str, *, half: bool = False) -> Load:
+    return Load(name, LoadKind.TILE, half)
+
+
+def tile_out(name: str, dtype: Any = None, *, half: bool = False) -> Output:
+    return Output(name, OutputKind.TILE, dtype, half)
+
+
+def row_sum(name: str) -> Output:
+    return Output(name, OutputKind.ROW_SUM, jnp.float32)
+
+
+def col_sum(name: str) -> Output:
+    return Output(name, OutputKind.COL_SUM, jnp.float32)
+
+
+def row_logsumexp(name: str) -> Output:
+    return Output(name, OutputKind.ROW_LOGSUMEXP, jnp.float32)

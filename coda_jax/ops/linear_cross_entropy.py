@@ -1,0 +1,148 @@
+"""Final RMSNorm + LM-head GEMM + cross-entropy, never holding all ``[M, V]`` logits.
+
+Forward: one GEMM ``logits = rstd * (h @ W^T)`` whose epilogue keeps an online row
+log-sum-exp across vocab tiles (stateful transform) and the target's logit (a masked row
+reduction); only ``[P, M]`` partials reach memory.
+
+    loss_i = lse_i - logit_i[target_i] + z_loss * lse_i^2     (rows with ignore_index: 0)
+
+Backward, one vocab chunk at a time (only ``[M, chunk]`` alive): the logits GEMM is
+recomputed and its epilogue writes ``dlogits = (softmax * (1 + 2 z lse) - onehot) * g``
+(from the saved LSE) and the final norm's row term ``sum_V(logits * dlogits)``; then
+``g_h += dlogits @ W_c`` and ``dW_c = dlogits^T @ (x_hat * gamma)``. The final RMSNorm
+backward ``dx = dres + rstd*(gamma*g_h - x_hat*zdz)`` closes it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import programs
+from coda_jax.backend import lowering_for
+from coda_jax.lowering import GemmLowering
+from coda_jax.ops.checks import check_2d, check_float, check_same_dtype, check_vector
+from coda_jax.ops.names import LINEAR_CROSS_ENTROPY
+from coda_jax.ops.norm_carry import NormCarry, resolve_carry, rstd_from_partials
+
+REDUCTIONS = ("mean", "sum", "none")
+# Vocab columns per backward chunk: the largest dlogits block alive is [M, VOCAB_CHUNK].
+VOCAB_CHUNK = 16384
+
+
+def _forward(lowering, eps, z_loss, x, gamma, w, h, sumsq, targets):
+    rstd = rstd_from_partials(sumsq, x.shape[1], eps)
+    outs = lowering.gemm(programs.RMS_LSE, h, w, {"rstd": rstd, "target": targets}, transpose_b=True)
+    lse = jax.nn.logsumexp(outs["lse"], axis=0)
+    target_logit = jnp.sum(outs["target_logit"], axis=0)
+    valid = targets >= 0
+    losses = jnp.where(valid, lse - target_logit + z_loss * lse * lse, 0.0)
+    # A target outside [0, V) that is not ignore_index cannot be reported under jit: its
+    # row's loss is NaN, so the error shows instead of a silently wrong loss.
+    losses = jnp.where(targets >= w.shape[0], jnp.nan, losses)
+    return losses, rstd, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _row_losses(lowering: GemmLowering, eps: float, z_loss: float, x, gamma, w, h, sumsq, targets):
+    return _forward(lowering, eps, z_loss, x, gamma, w, h, sumsq, targets)[0]
+
+
+def _row_losses_fwd(lowering, eps, z_loss, x, gamma, w, h, sumsq, targets):
+    losses, rstd, lse = _forward(lowering, eps, z_loss, x, gamma, w, h, sumsq, targets)
+    return losses, (x, gamma, w, h, sumsq, targets, rstd, lse)
+
+
+def _row_losses_bwd(lowering, eps, z_loss, res, dloss):
+    x, gamma, w, h, sumsq, targets, rstd, lse = res
+    m, d = x.shape
+    v = w.shape[0]
+    valid = (targets >= 0) & (targets < v)
+    loads = {"rstd": rstd, "lse": lse, "gscale": jnp.where(valid, dloss, 0.0).astype(jnp.float32),
+             "zcoef": 1.0 + 2.0 * z_loss * lse}
+    xg = (x.astype(jnp.float32) * rstd[:, None] * gamma.astype(jnp.float32)).astype(w.dtype)  # x_hat * gamma
+    g_h = jnp.zeros((m, d), jnp.float32)
+    zdz = jnp.zeros((m,), jnp.float32)
+    dw_chunks = []
+    for c0 in range(0, v, VOCAB_CHUNK):
+        c1 = min(v, c0 + VOCAB_CHUNK)
+        w_c = w[c0:c1]
+        outs = lowering.gemm(programs.CE_GRAD, h, w_c, dict(loads, target=targets - c0), transpose_b=True,
+                             out_dtypes={"dlogits": w.dtype})
+        dlog = outs["dlogits"]
+        zdz = zdz + jnp.sum(outs["zdz"], axis=0)
+        g_h = lowering.gemm(programs.ACCUMULATE, dlog, w_c, {"prev": g_h}, out_dtypes={"out": jnp.float32})["out"]
+        dw_chunks.append(lowering.gemm(programs.IDENTITY, dlog, xg, {}, transpose_a=True,
+                                       out_dtypes={"out": w.dtype})["out"])
+    dw = jnp.concatenate(dw_chunks, axis=0) if len(dw_chunks) > 1 else dw_chunks[0]
+    # Final RMSNorm backward (zdz = sum_V(logits * dlogits) / d), elementwise over [M, d].
+    xf = x.astype(jnp.float32)
+    xh = xf * rstd[:, None]
+    gf = gamma.astype(jnp.float32)
+    dx = rstd[:, None] * (gf * g_h - xh * (zdz / d)[:, None])
+    dgamma = jnp.sum(g_h * xh, axis=0)
+    return (dx.astype(x.dtype), dgamma.astype(gamma.dtype), dw, jnp.zeros_like(h), jnp.zeros_like(sumsq),
+            None)
+
+
+_row_losses.defvjp(_row_losses_fwd, _row_losses_bwd)
+
+
+def linear_cross_entropy(
+    x: jax.Array,
+    gamma: jax.Array,
+    w_vocab: jax.Array,
+    targets: jax.Array,
+    *,
+    carry: NormCarry | None = None,
+    eps: float = 1e-5,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    backend: str | None = None,
+) -> jax.Array:
+    """Cross-entropy of ``RMSNorm(x; gamma) @ w_vocab^T`` against ``targets``.
+
+    Args:
+      x: ``[M, d]`` final residual stream.
+      gamma: ``[d]`` final-norm weight.
+      w_vocab: ``[V, d]`` LM-head weight (Hugging Face ``lm_head.weight`` layout; a tied
+        embedding table works as is), same dtype as ``x``.
+      targets: ``[M]`` integer class ids in ``[0, V)`` or ``ignore_index``.
+      carry: optional :class:`NormCarry` of ``x`` (from the last block's GEMM).
+      eps: final-norm epsilon.
+      ignore_index: rows whose target equals it contribute no loss and no gradient.
+      reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"`` (``[M]``).
+      z_loss: coefficient of the auxiliary ``lse^2`` term (PaLM's z-loss); 0 disables it.
+      backend: see :mod:`coda_jax.backend`.
+
+    Returns:
+      float32 scalar (``mean`` / ``sum``) or ``[M]`` float32 per-row losses.
+    """
+    check_2d("x", x)
+    check_float("x", x)
+    check_vector("gamma", gamma, x.shape[1])
+    if w_vocab.ndim != 2 or w_vocab.shape[1] != x.shape[1]:
+        raise ValueError(f"w_vocab must be [vocab, d={x.shape[1]}], got shape {tuple(w_vocab.shape)}")
+    check_same_dtype(x=x, w_vocab=w_vocab)
+    if targets.shape != (x.shape[0],) or not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"targets must be an integer array of shape ({x.shape[0]},), got {targets.dtype}{tuple(targets.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    carry = resolve_carry(x, gamma, carry)
+    lowering = lowering_for(LINEAR_CROSS_ENTROPY, backend)
+    # Ignored rows get target -1: no column matches, and the loss masks them. Other
+    # out-of-range targets become V: the forward marks their loss NaN.
+    v = w_vocab.shape[0]
+    t = jnp.where(targets == ignore_index, -1, jnp.where((targets < 0) | (targets >= v), v, targets)).astype(jnp.int32)
+    losses = _row_losses(lowering, float(eps), float(z_loss), x, gamma, w_vocab, carry.h, carry.sumsq, t)
+    if reduction == "none":
+        return losses
+    total = jnp.sum(losses)
+    if reduction == "sum":
+        return total
+    return total / jnp.maximum(jnp.sum(t >= 0), 1).astype(jnp.float32)

@@ -1,0 +1,94 @@
+"""The RMSNorm-scaled GEMM and its backward, shared by every "norm -> GEMM -> f" op.
+
+Math (CODA section 1 and 3). With ``h = x * gamma``, ``rstd = 1/sqrt(mean(x^2)+eps)``:
+
+    forward:   z = rstd * (h @ W)          (epilogue: row scale), then out = f(z)
+    backward:  dz = f'(z)^T dout           (variant-specific, elementwise)
+               zdz = sum_N(z * dz) / d      (row term; = mean_d(x_hat*gamma*g) because the
+                                            inner product is preserved through the GEMM)
+               g = dz @ W^T                 dgrad GEMM, whose epilogue does the norm backward:
+               dx = dres + rstd*(gamma*g - x_hat*zdz),  d_gamma partials,  xg = x_hat*gamma
+               dW = xg^T @ dz               wgrad GEMM
+
+``dres`` is the residual-stream gradient: the ops return ``x`` itself as a second output
+(``return_residual=True``) so that the gradient of everything downstream that reads the
+residual stream arrives here and is accumulated in the same epilogue.
+
+A *variant* supplies ``f``: its forward epilogue program and its backward ``dz``. Saved for
+backward: ``x``, ``gamma``, ``W``, ``rstd`` (one float per row) and what the variant needs
+(the output itself for plain / RoPE, the pre-activation ``z`` for SwiGLU / QK-norm).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import programs
+from coda_jax.epilogue import Epilogue
+from coda_jax.lowering import GemmLowering
+from coda_jax.ops.norm_carry import rstd_from_partials
+
+
+class NormedGemmVariant(Protocol):
+    """What follows the RMSNorm-scaled GEMM (hashable: it is a static argument)."""
+
+    def program(self, train: bool) -> Epilogue:
+        """The forward epilogue; ``train=True`` also outputs what backward needs."""
+
+    def loads(self, aux: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Extra epilogue loads (besides ``rstd``) computed from the aux inputs."""
+
+    def primal(self, outs: Mapping[str, jax.Array]) -> jax.Array:
+        """The op's output from the epilogue's outputs."""
+
+    def saved(self, outs: Mapping[str, jax.Array]) -> Any:
+        """What the backward keeps from the forward outputs."""
+
+    def backward(self, saved: Any, dout: jax.Array, aux: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict]:
+        """``(dz [M, N] float32, sum_N(z*dz) [M] float32, aux cotangents)``."""
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def normed_gemm(lowering: GemmLowering, variant: NormedGemmVariant, eps: float, return_residual: bool,
+                x, gamma, w, h, sumsq, aux):
+    """``f(rstd * (h @ w))`` (and ``x``) with CODA's backward; see the module docstring.
+
+    ``h``/``sumsq`` are the carry (cache of ``x * gamma`` and partial sums of ``x^2``):
+    they get zero cotangents; the exact gradients go to ``x`` and ``gamma``.
+    """
+    rstd = rstd_from_partials(sumsq, x.shape[1], eps)
+    outs = lowering.gemm(variant.program(False), h, w, {"rstd": rstd, **variant.loads(aux)})
+    out = variant.primal(outs)
+    return (out, x) if return_residual else out
+
+
+def _normed_gemm_fwd(lowering, variant, eps, return_residual, x, gamma, w, h, sumsq, aux):
+    rstd = rstd_from_partials(sumsq, x.shape[1], eps)
+    outs = lowering.gemm(variant.program(True), h, w, {"rstd": rstd, **variant.loads(aux)})
+    out = variant.primal(outs)
+    res = (x, gamma, w, rstd, variant.saved(outs), aux, h, sumsq)
+    return ((out, x) if return_residual else out), res
+
+
+def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
+    x, gamma, w, rstd, saved, aux, h, sumsq = res
+    dout, dres = cot if return_residual else (cot, None)
+    d = x.shape[1]
+    dz, zdz_sum, daux = variant.backward(saved, dout, aux)
+    dz = dz.astype(w.dtype)
+    loads = {"x": x, "rstd": rstd, "zdz": zdz_sum / d, "gamma": gamma}
+    if dres is not None:
+        loads["dres"] = dres
+    outs = lowering.gemm(programs.rms_dgrad(dres is not None), dz, w, loads, transpose_b=True,
+                         out_dtypes={"dx": x.dtype, "xg": w.dtype})
+    dgamma = jnp.sum(outs["dgamma"], axis=0).astype(gamma.dtype)
+    dw = lowering.gemm(programs.IDENTITY, outs["xg"], dz, {}, transpose_a=True, out_dtypes={"out": w.dtype})["out"]
+    return outs["dx"], dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
+
+
+normed_gemm.defvjp(_normed_gemm_fwd, _normed_gemm_bwd)

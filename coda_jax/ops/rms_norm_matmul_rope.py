@@ -1,0 +1,153 @@
+"""RMSNorm -> fused QKV GEMM -> (QK-norm) -> RoPE on Q and K (attention input, CODA step 4).
+
+    z = rstd * (h @ w_qkv)                          [M, (H + 2*KV) * hd]: Q heads, K heads, V heads
+    u = z, or per-head RMSNorm(z) * w for Q/K heads (QK-norm)
+    qkv = RoPE(u) for Q/K heads (rotate-half pairs (i, i+hd/2)), u for V heads
+
+The epilogue runs in pair mode with ``pair_block = hd/2``, so one head is one pair block;
+V heads get frequency 0 (cos=1, sin=0) and QK-norm off. Backward (no QK-norm): RoPE is a
+rotation, ``dz = R^T dqkv`` and ``sum(z*dz) = sum(qkv*dqkv)`` (CODA's zdz trick: nothing but
+the output is saved). With QK-norm the pre-norm ``z`` is saved and the per-head norm is
+differentiated inside each head (block-local).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coda_jax import programs
+from coda_jax.backend import lowering_for
+from coda_jax.epilogue import join_pairs, split_pairs
+from coda_jax.ops.checks import check_vector
+from coda_jax.ops.names import RMS_NORM_MATMUL_ROPE
+from coda_jax.ops.norm_carry import NormCarry, resolve_carry
+from coda_jax.ops.normed_gemm import normed_gemm
+from coda_jax.ops.rms_norm_matmul import check_norm_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeVariant:
+    half_head: int
+    qk_norm_eps: float | None
+
+    def program(self, train):
+        return programs.rms_rope(self.half_head, self.qk_norm_eps, train and self.qk_norm_eps is not None)
+
+    def loads(self, aux):
+        out = {"pos": aux["pos"], "freq": aux["freq"]}
+        if self.qk_norm_eps is not None:
+            out.update(qk_w=aux["qk_w"], qk_on=aux["qk_on"])
+        return out
+
+    def primal(self, outs):
+        return outs["qkv"]
+
+    def saved(self, outs):
+        return (outs["qkv"], outs.get("z"))
+
+    def backward(self, saved, dqkv, aux):
+        qkv, z = saved
+        b = self.half_head
+        d_lo, d_hi = (v.astype(jnp.float32) for v in split_pairs(dqkv, b))
+        freq = aux["freq"].reshape(-1, b)[None]  # [1, heads, b]
+        ang = aux["pos"][:, None, None] * freq
+        c, s = jnp.cos(ang), jnp.sin(ang)
+        du_lo, du_hi = d_lo * c + d_hi * s, d_hi * c - d_lo * s  # R^T dqkv
+        zero_aux = jax.tree.map(jnp.zeros_like, aux)
+        if self.qk_norm_eps is None:
+            zdz = jnp.sum(qkv.astype(jnp.float32) * dqkv.astype(jnp.float32), axis=1)
+            return join_pairs(du_lo, du_hi), zdz, zero_aux
+        z_lo, z_hi = (v.astype(jnp.float32) for v in split_pairs(z, b))
+        w_lo, w_hi = (v[None] for v in split_pairs(aux["qk_w"], b))
+        on = aux["qk_on"].reshape(-1, b)[None] > 0
+        r = jax.lax.rsqrt((jnp.sum(z_lo * z_lo, -1, keepdims=True) + jnp.sum(z_hi * z_hi, -1, keepdims=True))
+                          / (2 * b) + self.qk_norm_eps)
+        zh_lo, zh_hi = z_lo * r, z_hi * r
+        dzh_lo, dzh_hi = du_lo * w_lo, du_hi * w_hi
+        mean = (jnp.sum(zh_lo * dzh_lo, -1, keepdims=True) + jnp.sum(zh_hi * dzh_hi, -1, keepdims=True)) / (2 * b)
+        dz_lo = jnp.where(on, r * (dzh_lo - zh_lo * mean), du_lo)
+        dz_hi = jnp.where(on, r * (dzh_hi - zh_hi * mean), du_hi)
+        dqk_w = join_pairs(jnp.where(on, du_lo * zh_lo, 0.0).sum(0), jnp.where(on, du_hi * zh_hi, 0.0).sum(0))
+        zdz = jnp.sum(z_lo * dz_lo + z_hi * dz_hi, axis=(1, 2))
+        daux = dict(zero_aux, qk_w=dqk_w.astype(aux["qk_w"].dtype))
+        return join_pairs(dz_lo, dz_hi), zdz, daux
+
+
+def rope_column_vectors(num_heads: int, num_kv_heads: int, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-pair-column ``freq`` and ``on`` vectors ``[(H + 2*KV) * hd/2]`` (V heads: 0)."""
+    qk = num_heads + num_kv_heads
+    freq = jnp.concatenate([jnp.tile(inv_freq.astype(jnp.float32), qk),
+                            jnp.zeros((num_kv_heads * inv_freq.shape[0],), jnp.float32)])
+    on = jnp.concatenate([jnp.ones((qk * inv_freq.shape[0],), jnp.float32),
+                          jnp.zeros((num_kv_heads * inv_freq.shape[0],), jnp.float32)])
+    return freq, on
+
+
+def rms_norm_matmul_rope(
+    x: jax.Array,
+    gamma: jax.Array,
+    w_qkv: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm: jax.Array | None = None,
+    k_norm: jax.Array | None = None,
+    qk_norm_eps: float = 1e-6,
+    carry: NormCarry | None = None,
+    eps: float = 1e-5,
+    return_residual: bool = False,
+    backend: str | None = None,
+):
+    """``RoPE(QKnorm?(RMSNorm(x) @ w_qkv))`` on Q and K heads; V heads untouched.
+
+    Args:
+      x: ``[M, d]`` residual stream.
+      gamma: ``[d]`` RMSNorm weight.
+      w_qkv: ``[d, (H + 2*KV) * hd]`` fused weight: columns of the ``H`` query heads, then
+        the ``KV`` key heads, then the ``KV`` value heads, each head in Hugging Face order
+        (rotate-half: dimension ``i`` pairs with ``i + hd/2``).
+      positions: ``[M]`` integer position of each token (any order: packed sequences work).
+      inv_freq: ``[hd/2]`` rotary inverse frequencies (:func:`coda_jax.rope_inv_freq`).
+      num_heads, num_kv_heads: ``H`` and ``KV`` (GQA: ``H % KV == 0``).
+      q_norm, k_norm: optional ``[hd]`` QK-norm weights (both or neither).
+      qk_norm_eps: QK-norm epsilon.
+      carry, eps, return_residual, backend: as in :func:`coda_jax.rms_norm_matmul`.
+
+    Returns:
+      ``qkv [M, (H + 2*KV) * hd]`` in ``x.dtype`` (and ``x`` if ``return_residual``).
+    """
+    check_norm_inputs(x, gamma, w_qkv)
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    half = inv_freq.shape[0] if inv_freq.ndim == 1 else -1
+    hd = 2 * half
+    n = (num_heads + 2 * num_kv_heads) * hd
+    if half <= 0 or w_qkv.shape[1] != n:
+        raise ValueError(
+            f"w_qkv must have (num_heads + 2*num_kv_heads) * head_dim = {n} columns with head_dim = "
+            f"2 * inv_freq.shape[0] = {hd}; got w_qkv {tuple(w_qkv.shape)}, inv_freq {tuple(inv_freq.shape)}")
+    if positions.shape != (x.shape[0],) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be an integer array of shape ({x.shape[0]},), got {positions.dtype}{tuple(positions.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("pass both q_norm and k_norm, or neither")
+    freq, on = rope_column_vectors(num_heads, num_kv_heads, inv_freq)
+    aux = {"pos": positions.astype(jnp.float32), "freq": freq}
+    qk_eps = None
+    if q_norm is not None:
+        check_vector("q_norm", q_norm, hd)
+        check_vector("k_norm", k_norm, hd)
+        aux["qk_w"] = jnp.concatenate([jnp.tile(q_norm.astype(jnp.float32), num_heads),
+                                       jnp.tile(k_norm.astype(jnp.float32), num_kv_heads),
+                                       jnp.ones((num_kv_heads * hd,), jnp.float32)])
+        aux["qk_on"] = on
+        qk_eps = float(qk_norm_eps)
+    carry = resolve_carry(x, gamma, carry)
+    lowering = lowering_for(RMS_NORM_MATMUL_ROPE, backend)
+    return normed_gemm(lowering, RopeVariant(half, qk_eps), float(eps), return_residual,
+                       x, gamma, w_qkv, carry.h, carry.sumsq, aux)

@@ -1,0 +1,232 @@
+"""Every epilogue program of the op set, declared once (forward and backward).
+
+Notation (CODA): tokens are rows. ``x`` residual stream ``[M, d]``, ``gamma`` an RMSNorm
+weight ``[d]``, ``rstd = 1/sqrt(mean(x^2) + eps)`` per row, ``h = x * gamma``.
+RMSNorm(x) @ W = rstd * ((x * gamma) @ W): the row scale commutes with the GEMM, so the
+GEMM that produces ``x`` writes ``h`` and per-tile partial sums of squares, and the GEMM
+that consumes the norm multiplies its accumulator by ``rstd``.
+
+Programs are built by cached factories so that the same parameters give the *same*
+object (kernel caches key on it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import epilogue as E
+
+# Width of one half of a SwiGLU pair block: the fused gate/up weight stores columns as
+# [gate 0..63, up 0..63, gate 64..127, up 64..127, ...] so that one N-tile holds both
+# halves of its pairs (CODA interleaves single columns; blocks of 64 keep the kernel's
+# register tiles whole). See :func:`coda_jax.ops.swiglu_layout.interleave_gate_up`.
+SWIGLU_BLOCK = 64
+
+
+def _silu(g: jax.Array) -> jax.Array:
+    return g * jax.nn.sigmoid(g)
+
+
+# ---------------------------------------------------------------- forward ----------
+def _residual_rms_body(acc, ctx, residual, gamma):
+    x = acc + residual  # x = residual + y @ W
+    return {"x": x, "h": x * gamma, "sumsq": x * x}
+
+
+RESIDUAL_RMS = E.Epilogue(
+    name="residual_rms",
+    loads=(E.tile("residual"), E.col("gamma")),
+    outputs=(E.tile_out("x"), E.tile_out("h"), E.row_sum("sumsq")),
+    body=_residual_rms_body,
+)
+"""x = residual + acc; outputs x, h = x * gamma and per-tile sum(x^2) (next norm's stats)."""
+
+
+def _residual_body(acc, ctx, residual):
+    return {"x": acc + residual}
+
+
+RESIDUAL = E.Epilogue(
+    name="residual",
+    loads=(E.tile("residual"),),
+    outputs=(E.tile_out("x"),),
+    body=_residual_body,
+)
+"""x = residual + acc (last block: no next norm)."""
+
+
+def _identity_body(acc, ctx):
+    return {"out": acc}
+
+
+IDENTITY = E.Epilogue(name="identity", loads=(), outputs=(E.tile_out("out"),), body=_identity_body)
+"""Plain GEMM (wgrad/dgrad GEMMs without an epilogue)."""
+
+
+def _row_scale_body(acc, ctx, rstd):
+    return {"z": acc * rstd}
+
+
+ROW_SCALE = E.Epilogue(
+    name="row_scale",
+    loads=(E.row("rstd"),),
+    outputs=(E.tile_out("z"),),
+    body=_row_scale_body,
+)
+"""RMSNorm-scaled GEMM: z = rstd * (h @ W)."""
+
+
+@functools.cache
+def rms_swiglu(save_preactivation: bool) -> E.Epilogue:
+    """z = rstd * (h @ W_gu); y = silu(z_gate) * z_up (gate/up in SWIGLU_BLOCK pairs)."""
+
+    def body(acc, ctx, rstd):
+        lo, hi = acc
+        gate, up = lo * rstd, hi * rstd
+        out = {"y": _silu(gate) * up}
+        if save_preactivation:
+            out["z"] = (gate, up)
+        return out
+
+    outputs = (E.tile_out("y", half=True),) + ((E.tile_out("z"),) if save_preactivation else ())
+    return E.Epilogue(
+        name=f"rms_swiglu{'_train' if save_preactivation else ''}",
+        loads=(E.row("rstd"),),
+        outputs=outputs,
+        body=body,
+        pair_block=SWIGLU_BLOCK,
+    )
+
+
+@functools.cache
+def rms_rope(half_head: int, qk_norm_eps: float | None, save_preactivation: bool) -> E.Epilogue:
+    """qkv = RoPE(rstd * (h @ W_qkv)) with rotate-half pairs inside each head.
+
+    Pair mode with ``pair_block = head_dim / 2``: ``lo``/``hi`` are the two halves of a
+    head. Loads: ``rstd``, ``pos`` (token positions, row), ``freq`` (per pair column: the
+    rotary frequency for Q/K columns, 0 for V columns so that V passes unrotated).
+    With QK-norm (``qk_norm_eps`` set), each Q/K head is RMS-normalized over head_dim
+    with weight ``qk_w`` (col, full width) before the rotation; ``qk_on`` (per pair
+    column, 1 for Q/K heads, 0 for V) says where the norm applies.
+    """
+
+    def body(acc, ctx, rstd, pos, freq, **kw):
+        lo, hi = acc
+        zr, zi = lo * rstd, hi * rstd
+        out = {}
+        if save_preactivation:
+            out["z"] = (zr, zi)
+        if qk_norm_eps is not None:
+            w_lo, w_hi = kw["qk_w"]
+            on = kw["qk_on"]
+            ms = (ctx.row_sum(zr * zr) + ctx.row_sum(zi * zi)) / (2 * half_head)
+            r = jax.lax.rsqrt(ms + qk_norm_eps)
+            zr = jnp.where(on > 0, zr * r * w_lo, zr)
+            zi = jnp.where(on > 0, zi * r * w_hi, zi)
+        ang = pos * freq  # [rows, pairs]
+        c, s = jnp.cos(ang), jnp.sin(ang)
+        out["qkv"] = (zr * c - zi * s, zi * c + zr * s)
+        return out
+
+    loads = (E.row("rstd"), E.row("pos"), E.col("freq", half=True))
+    if qk_norm_eps is not None:
+        loads += (E.col("qk_w"), E.col("qk_on", half=True))
+    outputs = (E.tile_out("qkv"),) + ((E.tile_out("z"),) if save_preactivation else ())
+    return E.Epilogue(
+        name=f"rms_rope{'_qknorm' if qk_norm_eps is not None else ''}{'_train' if save_preactivation else ''}",
+        loads=loads,
+        outputs=outputs,
+        body=body,
+        pair_block=half_head,
+    )
+
+
+def _rms_lse_body(acc, ctx, rstd, target):
+    logits = acc * rstd
+    hit = ctx.col_index() == target
+    return {"lse": logits, "target_logit": jnp.where(hit, logits, 0.0)}
+
+
+RMS_LSE = E.Epilogue(
+    name="rms_lse",
+    loads=(E.row("rstd"), E.row("target")),
+    outputs=(E.row_logsumexp("lse"), E.row_sum("target_logit")),
+    body=_rms_lse_body,
+    uses_col_index=True,
+)
+"""LM head: logits = rstd * (h @ W_vocab^T); online row LSE and the target's logit."""
+
+
+# ---------------------------------------------------------------- backward ---------
+@functools.cache
+def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
+    """RMSNorm (+ residual) backward on the dgrad GEMM ``g = dz @ W^T``.
+
+    With x_hat = rstd * x and zdz = sum_N(z * dz) / d (equal to mean_d(x_hat*gamma*g):
+    the inner product is preserved through the GEMM, so no row reduction of g is
+    needed here):   dx = dres + rstd * (gamma * g - x_hat * zdz).
+    Also emits the column partials of d_gamma = sum_rows(g * x_hat) and
+    ``xg = x_hat * gamma``, the A^T operand of the wgrad GEMM ``dW = xg^T @ dz``.
+    """
+
+    def body(acc, ctx, x, rstd, zdz, gamma, **kw):
+        xh = x * rstd
+        dx = rstd * (gamma * acc - xh * zdz)
+        if with_residual_grad:
+            dx = dx + kw["dres"]
+        return {"dx": dx, "dgamma": acc * xh, "xg": xh * gamma}
+
+    loads = (E.tile("x"), E.row("rstd"), E.row("zdz"), E.col("gamma"))
+    if with_residual_grad:
+        loads += (E.tile("dres"),)
+    return E.Epilogue(
+        name=f"rms_dgrad{'_res' if with_residual_grad else ''}",
+        loads=loads,
+        outputs=(E.tile_out("dx"), E.col_sum("dgamma"), E.tile_out("xg")),
+        body=body,
+    )
+
+
+def swiglu_grad(gate, up, dy):
+    """(d_gate, d_up, y) of y = silu(gate) * up, given dy; float32 math."""
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    d_up = dy * silu
+    d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    return d_gate, d_up, silu * up
+
+
+def _ce_grad_body(acc, ctx, rstd, lse, target, gscale, zcoef):
+    logits = acc * rstd
+    p = jnp.exp(logits - lse)
+    onehot = (ctx.col_index() == target).astype(jnp.float32)
+    dlogits = (p * zcoef - onehot) * gscale  # zcoef = 1 + 2 * z_loss * lse
+    # zdz: the final norm's row term sum_V(logits * dlogits), reduced per vocab tile.
+    return {"dlogits": dlogits, "zdz": logits * dlogits}
+
+
+CE_GRAD = E.Epilogue(
+    name="ce_grad",
+    loads=(E.row("rstd"), E.row("lse"), E.row("target"), E.row("gscale"), E.row("zcoef")),
+    outputs=(E.tile_out("dlogits"), E.row_sum("zdz")),
+    body=_ce_grad_body,
+    uses_col_index=True,
+)
+"""Cross-entropy backward on the recomputed logits GEMM, one vocab chunk at a time:
+dlogits = (softmax * (1 + 2 z lse) - onehot) * dloss_row, from the saved LSE."""
+
+
+def _accumulate_body(acc, ctx, prev):
+    return {"out": acc + prev}
+
+
+ACCUMULATE = E.Epilogue(
+    name="accumulate",
+    loads=(E.tile("prev"),),
+    outputs=(E.tile_out("out"),),
+    body=_accumulate_body,
+)
+"""out = prev + acc (float32 accumulation across vocab chunks)."""

@@ -1,0 +1,198 @@
+"""The reference ("xla") lowering: epilogue bodies run on whole arrays with ``jnp``.
+
+The GEMM is one ``jnp.dot`` with float32 accumulation; the body then sees the whole
+``[M, N]`` accumulator as its "tile". Epilogues with an online log-sum-exp are run in
+column chunks under ``lax.scan``, so the full ``[M, N]`` logits never exist at once:
+that is the stateful transform, carried across chunks as (running max, running sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from coda_jax.epilogue import Epilogue, LoadKind, OutputKind, join_pairs, split_pairs
+
+# Column chunk of the reference's online log-sum-exp (the largest logits block alive).
+LSE_CHUNK = 8192
+
+
+def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:
+    """float32 ``op(a) @ op(b)``; full float32 precision for float32 operands."""
+    ca = 0 if transpose_a else 1
+    cb = 1 if transpose_b else 0
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(
+        a, b, (((ca,), (cb,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _as_compute(v: jax.Array) -> jax.Array:
+    return v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v
+
+
+@dataclasses.dataclass(frozen=True)
+class _WholeArrayContext:
+    """EpilogueContext for whole arrays; ``col_offset`` is the chunk's first column."""
+
+    n: int
+    col_offset: Any = 0
+
+    def row_sum(self, x: jax.Array) -> jax.Array:
+        return jnp.sum(x, axis=-1, keepdims=True)
+
+    def col_index(self) -> jax.Array:
+        return (lax.broadcasted_iota(jnp.int32, (1, self.n), 1) + self.col_offset).astype(jnp.int32)
+
+
+def _split_pairs(x: jax.Array, b: int, lead: int | None) -> tuple[jax.Array, jax.Array]:
+    """[..., N] -> (lo, hi), each [lead?, N/(2b), b]."""
+    lo, hi = split_pairs(x, b)
+    if lead is not None and x.ndim == 1:
+        lo, hi = lo[None], hi[None]
+    return lo, hi
+
+
+def _split_half(x: jax.Array, b: int) -> jax.Array:
+    """[..., N/2] -> [..., N/(2b), b]."""
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // b, b))
+
+
+def _prepare_loads(epi: Epilogue, loads: Mapping[str, jax.Array]) -> dict[str, Any]:
+    """Loads made broadcastable against the accumulator (or its pair halves)."""
+    out = {}
+    b = epi.pair_block
+    for l in epi.loads:
+        v = _as_compute(loads[l.name])
+        if l.kind is LoadKind.SCALAR:
+            out[l.name] = v
+        elif b is None:
+            out[l.name] = {LoadKind.ROW: lambda v: v[:, None], LoadKind.COL: lambda v: v[None, :],
+                           LoadKind.TILE: lambda v: v}[l.kind](v)
+        elif l.kind is LoadKind.ROW:
+            out[l.name] = v[:, None, None]
+        elif l.half:
+            out[l.name] = _split_half(v, b)[None] if l.kind is LoadKind.COL else _split_half(v, b)
+        elif l.kind is LoadKind.COL:
+            out[l.name] = _split_pairs(v, b, lead=1)
+        else:
+            out[l.name] = _split_pairs(v, b, lead=None)
+    return out
+
+
+def _reduce_rows(v: Any) -> jax.Array:
+    if isinstance(v, tuple):
+        return sum(_reduce_rows(x) for x in v)
+    return v.reshape(v.shape[0], -1).sum(axis=1)
+
+
+def _reduce_cols(v: Any, m: int) -> jax.Array:
+    if isinstance(v, tuple):  # pair mode: rejoin halves so columns keep their global order
+        lo, hi = (jnp.broadcast_to(x, (m,) + x.shape[1:]) for x in v)
+        return join_pairs(lo, hi).sum(axis=0)
+    v = jnp.broadcast_to(v, (m,) + v.shape[1:])
+    return v.reshape(m, -1).sum(axis=0)
+
+
+class ReferenceLowering:
+    """The ``"xla"`` backend's :class:`~coda_jax.lowering.GemmLowering`."""
+
+    name = "xla"
+
+    def gemm(
+        self,
+        epilogue: Epilogue,
+        a: jax.Array,
+        b: jax.Array,
+        loads: Mapping[str, jax.Array],
+        *,
+        transpose_a: bool = False,
+        transpose_b: bool = False,
+        out_dtypes: Mapping[str, Any] | None = None,
+    ) -> dict[str, jax.Array]:
+        m = a.shape[1] if transpose_a else a.shape[0]
+        n = b.shape[0] if transpose_b else b.shape[1]
+        epilogue.validate_loads(loads, m, n)
+        dtypes = {o.name: (out_dtypes or {}).get(o.name, o.dtype) or a.dtype for o in epilogue.outputs}
+        if any(o.kind is OutputKind.ROW_LOGSUMEXP for o in epilogue.outputs) and n > LSE_CHUNK:
+            return self._chunked_rows(epilogue, a, b, loads, transpose_a, transpose_b, m, n)
+        acc = _dot(a, b, transpose_a, transpose_b)
+        res = self._run_body(epilogue, acc, _prepare_loads(epilogue, loads), n, 0)
+        return self._finish(epilogue, res, m, dtypes)
+
+    def _run_body(self, epi: Epilogue, acc, prepared, n, col_offset):
+        ctx = _WholeArrayContext(n, col_offset)
+        if epi.pair_block is not None:
+            acc = _split_pairs(acc, epi.pair_block, lead=None)
+        res = dict(epi.body(acc, ctx, **prepared))
+        if set(res) != {o.name for o in epi.outputs}:
+            raise ValueError(f"epilogue {epi.name!r} body returned {sorted(res)}, declared {[o.name for o in epi.outputs]}")
+        return res
+
+    def _finish(self, epi: Epilogue, res, m, dtypes):
+        out = {}
+        for o in epi.outputs:
+            v = res[o.name]
+            if o.kind is OutputKind.TILE:
+                if epi.pair_block is not None:
+                    v = v.reshape(m, -1) if o.half else join_pairs(*v)
+                out[o.name] = jnp.broadcast_to(v, (m,) + v.shape[1:]).astype(dtypes[o.name])
+            elif o.kind is OutputKind.ROW_SUM:
+                out[o.name] = jnp.broadcast_to(_reduce_rows(v), (m,))[None].astype(jnp.float32)
+            elif o.kind is OutputKind.COL_SUM:
+                out[o.name] = _reduce_cols(v, m)[None].astype(jnp.float32)
+            else:  # ROW_LOGSUMEXP, unchunked
+                out[o.name] = jax.nn.logsumexp(v, axis=-1)[None].astype(jnp.float32)
+        return out
+
+    def _chunked_rows(self, epi, a, b, loads, transpose_a, transpose_b, m, n):
+        """Online (max, sum-exp) and row sums across column chunks; no [M, N] array."""
+        if epi.pair_block is not None or any(
+            o.kind not in (OutputKind.ROW_SUM, OutputKind.ROW_LOGSUMEXP) for o in epi.outputs
+        ):
+            raise NotImplementedError(
+                f"epilogue {epi.name!r}: the reference chunks only epilogues whose outputs are row reductions"
+            )
+        chunk = LSE_CHUNK
+        n_chunks = -(-n // chunk)
+        pad = n_chunks * chunk - n
+        col_loads = {l.name for l in epi.loads if l.kind in (LoadKind.COL, LoadKind.TILE)}
+        if col_loads:
+            raise NotImplementedError(f"epilogue {epi.name!r}: chunked reference takes only row/scalar loads")
+        bp = jnp.pad(b, ((0, pad), (0, 0)) if transpose_b else ((0, 0), (0, pad)))
+        prepared = _prepare_loads(epi, loads)
+        lse_names = [o.name for o in epi.outputs if o.kind is OutputKind.ROW_LOGSUMEXP]
+        sum_names = [o.name for o in epi.outputs if o.kind is OutputKind.ROW_SUM]
+
+        def step(carry, i):
+            mx, se, sums = carry
+            start = i * chunk
+            bc = (lax.dynamic_slice_in_dim(bp, start, chunk, axis=0) if transpose_b
+                  else lax.dynamic_slice_in_dim(bp, start, chunk, axis=1))
+            acc = _dot(a, bc, transpose_a, transpose_b)
+            res = self._run_body(epi, acc, prepared, chunk, start)
+            valid = (lax.broadcasted_iota(jnp.int32, (1, chunk), 1) + start) < n
+            new_mx, new_se = {}, {}
+            for name in lse_names:
+                v = jnp.where(valid, res[name], -jnp.inf)
+                cm = jnp.maximum(mx[name], jnp.max(v, axis=1))
+                new_se[name] = se[name] * jnp.exp(mx[name] - cm) + jnp.sum(jnp.exp(v - cm[:, None]), axis=1)
+                new_mx[name] = cm
+            new_sums = {name: sums[name] + jnp.sum(jnp.where(valid, res[name], 0.0), axis=1) for name in sum_names}
+            return (new_mx, new_se, new_sums), None
+
+        init = ({k: jnp.full((m,), -jnp.inf, jnp.float32) for k in lse_names},
+                {k: jnp.zeros((m,), jnp.float32) for k in lse_names},
+                {k: jnp.zeros((m,), jnp.float32) for k in sum_names})
+        (mx, se, sums), _ = lax.scan(step, init, jnp.arange(n_chunks))
+        out = {k: (mx[k] + jnp.log(se[k]))[None] for k in lse_names}
+        out.update({k: v[None] for k, v in sums.items()})
+        return out
+
+
+REFERENCE = ReferenceLowering()
