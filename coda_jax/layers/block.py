@@ -1,0 +1,98 @@
+"""``CodaLlamaBlock``: a Llama decoder layer whose non-attention ops live in GEMM epilogues."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coda_jax.layers.config import LlamaConfig
+from coda_jax.ops.matmul_residual_rms import matmul_residual_rms
+from coda_jax.ops.norm_carry import NormCarry
+from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
+from coda_jax.ops.rms_norm_matmul_swiglu import rms_norm_matmul_swiglu
+from coda_jax.ops.rope_frequencies import rope_inv_freq
+
+
+def _normal(rngs: nnx.Rngs, shape, std, dtype):
+    return jax.random.normal(rngs.params(), shape, dtype) * std
+
+
+def attention_implementation(cfg: LlamaConfig) -> str | None:
+    if cfg.attention_implementation != "auto":
+        return cfg.attention_implementation
+    on_gpu = jax.devices()[0].platform == "gpu"
+    return "cudnn" if on_gpu and jnp.dtype(cfg.dtype).itemsize == 2 else None
+
+
+class CodaLlamaBlock(nnx.Module):
+    """One Llama decoder layer: four GEMM-epilogue programs around attention.
+
+    1. ``qkv = RoPE(rstd * (h @ w_qkv))``        (input norm folded into the QKV GEMM)
+    2. ``o = dot_product_attention(q, k, v)``     (causal, GQA; cuDNN on GPU)
+    3. ``x1 = x + o @ w_o``  -> carry ``(x1 * mlp_norm, sumsq(x1))``
+    4. ``y = silu(.) * (.)`` of ``rstd1 * (h1 @ w_gu)``
+    5. ``x2 = x1 + y @ w_down`` -> carry for the *next* norm (``next_norm``)
+
+    Parameters follow Llama checkpoint names (``input_layernorm`` = ``attn_norm``,
+    ``post_attention_layernorm`` = ``mlp_norm``), with Q/K/V fused into ``w_qkv``
+    ``[d, (H + 2*KV) * hd]`` and gate/up into ``w_gu`` ``[d, 2f]`` (64-column blocks).
+    Weights are ``[in, out]``.
+
+    Call: ``block(x [B, S, d], positions [B, S] int, carry=None, next_norm=None)``
+    returns ``(x_out [B, S, d], carry_out)``. ``carry`` is the :class:`NormCarry` of ``x``
+    for this block's input norm (from the previous block; ``None`` computes it), and
+    ``next_norm`` the ``[d]`` weight of the norm that reads ``x_out`` (the next block's
+    ``attn_norm`` or the final norm): with it, the last GEMM's epilogue writes the next
+    carry, so no standalone norm pass runs between blocks.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, backend: str | None = None):
+        c = config
+        self.config = c
+        self.backend = backend
+        d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
+        pd = c.param_dtype
+        self.attn_norm = nnx.Param(jnp.ones((d,), pd))
+        self.w_qkv = nnx.Param(_normal(rngs, (d, c.qkv_size), d ** -0.5, pd))
+        self.w_o = nnx.Param(_normal(rngs, (c.num_heads * hd, d), (c.num_heads * hd) ** -0.5 / (2 * c.num_layers) ** 0.5, pd))
+        self.mlp_norm = nnx.Param(jnp.ones((d,), pd))
+        self.w_gu = nnx.Param(_normal(rngs, (d, 2 * f), d ** -0.5, pd))
+        self.w_down = nnx.Param(_normal(rngs, (f, d), f ** -0.5 / (2 * c.num_layers) ** 0.5, pd))
+        if c.qk_norm:
+            self.q_norm = nnx.Param(jnp.ones((hd,), pd))
+            self.k_norm = nnx.Param(jnp.ones((hd,), pd))
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(hd, c.rope_theta, c.rope_scaling)))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array | None = None,
+        carry: NormCarry | None = None,
+        next_norm: jax.Array | None = None,
+    ) -> tuple[jax.Array, NormCarry | None]:
+        c = self.config
+        b, s, d = x.shape
+        if d != c.hidden_size:
+            raise ValueError(f"x must be [batch, seq, {c.hidden_size}], got {x.shape}")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        dt = c.dtype
+        m = b * s
+        x2 = x.reshape(m, d).astype(dt)
+        qk = dict(q_norm=self.q_norm[...], k_norm=self.k_norm[...], qk_norm_eps=c.qk_norm_eps) if c.qk_norm else {}
+        qkv, x2 = rms_norm_matmul_rope(
+            x2, self.attn_norm[...], self.w_qkv[...].astype(dt), positions.reshape(m), self.inv_freq[...],
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, carry=carry, eps=c.rms_norm_eps,
+            return_residual=True, backend=self.backend, **qk)
+        hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        q = qkv[:, : nh * hd].reshape(b, s, nh, hd)
+        k = qkv[:, nh * hd: (nh + nkv) * hd].reshape(b, s, nkv, hd)
+        v = qkv[:, (nh + nkv) * hd:].reshape(b, s, nkv, hd)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(c))
+        x1, carry1 = matmul_residual_rms(o.reshape(m, nh * hd), self.w_o[...].astype(dt), x2, self.mlp_norm[...],
+                                         backend=self.backend)
+        y, x1 = rms_norm_matmul_swiglu(x1, self.mlp_norm[...], self.w_gu[...].astype(dt), carry=carry1,
+                                       eps=c.rms_norm_eps, return_residual=True, backend=self.backend)
+        out, carry2 = matmul_residual_rms(y, self.w_down[...].astype(dt), x1, next_norm, backend=self.backend)
+        return out.reshape(b, s, d), carry2

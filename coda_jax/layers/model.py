@@ -1,0 +1,70 @@
+"""``CodaLlama``: embedding, a stack of :class:`CodaLlamaBlock`, final norm, LM head, fused loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coda_jax.layers.block import CodaLlamaBlock
+from coda_jax.layers.config import LlamaConfig
+from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
+from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
+
+
+class CodaLlama(nnx.Module):
+    """A Llama-3-style causal LM on coda-jax's fused ops.
+
+    The norm statistics travel between blocks in the GEMM epilogues (each block's last
+    GEMM writes the carry of the next block's input norm, the last block's that of the
+    final norm), so the only standalone norm pass is the one after the embedding.
+
+    Parameters: ``embed [V, d]``, ``blocks``, ``final_norm [d]``, ``lm_head [V, d]``
+    (absent when ``tie_word_embeddings``: the embedding table is the LM head).
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, backend: str | None = None):
+        c = config
+        self.config = c
+        self.backend = backend
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), c.param_dtype) * 0.02)
+        self.blocks = nnx.List([CodaLlamaBlock(c, rngs=rngs, backend=backend) for _ in range(c.num_layers)])
+        self.final_norm = nnx.Param(jnp.ones((c.hidden_size,), c.param_dtype))
+        if not c.tie_word_embeddings:
+            self.lm_head = nnx.Param(
+                jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), c.param_dtype) * c.hidden_size ** -0.5)
+
+    def vocab_weight(self) -> jax.Array:
+        """``[V, d]`` LM-head weight in the compute dtype."""
+        w = self.embed[...] if self.config.tie_word_embeddings else self.lm_head[...]
+        return w.astype(self.config.dtype)
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None):
+        """``tokens [B, S]`` -> final residual stream ``[B*S, d]`` and its norm carry."""
+        c = self.config
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq] integers, got shape {tokens.shape}")
+        b, s = tokens.shape
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
+        carry = None
+        n = len(self.blocks)
+        for i, block in enumerate(self.blocks):
+            next_norm = self.blocks[i + 1].attn_norm[...] if i + 1 < n else self.final_norm[...]
+            x, carry = block(x, positions, carry=carry, next_norm=next_norm)
+        return x.reshape(b * s, c.hidden_size), carry
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Full logits ``[B, S, V]`` float32 (for evaluation / parity; training uses :meth:`loss`)."""
+        b, s = tokens.shape
+        x, carry = self.hidden_states(tokens, positions)
+        logits = rms_norm_matmul(x, self.final_norm[...], self.vocab_weight().T, carry=carry,
+                                 eps=self.config.rms_norm_eps, backend=self.backend)
+        return logits.astype(jnp.float32).reshape(b, s, -1)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None = None, *,
+             ignore_index: int = -100, z_loss: float = 0.0) -> jax.Array:
+        """Mean next-token cross-entropy, without materializing the ``[B*S, V]`` logits."""
+        x, carry = self.hidden_states(tokens, positions)
+        return linear_cross_entropy(x, self.final_norm[...], self.vocab_weight(), targets.reshape(-1),
+                                    carry=carry, eps=self.config.rms_norm_eps, ignore_index=ignore_index,
+                                    z_loss=z_loss, backend=self.backend)

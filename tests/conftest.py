@@ -1,0 +1,42 @@
+"""Shared test fixtures: float32 math on the CPU, GPU tests skipped without a Hopper GPU."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+
+def _hopper() -> bool:
+    try:
+        d = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _hopper():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU (run benchmarks/gpu_suite.sh on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _clean_backend_state(monkeypatch):
+    """Each test starts with no process-wide backend and no env overrides."""
+    import coda_jax
+
+    monkeypatch.delenv("CODA_JAX_BACKEND", raising=False)
+    monkeypatch.delenv("CODA_JAX_ALLOW_FALLBACK", raising=False)
+    coda_jax.set_backend(None)
+    yield
+    coda_jax.set_backend(None)
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))

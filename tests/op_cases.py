@@ -1,0 +1,139 @@
+"""Op test cases shared by the reference-backend and kernel-backend test modules.
+
+Each case builds fresh random inputs (never zeros), runs a fused op on a backend and
+the naive unfused definition (:mod:`coda_jax.naive`, float32), and compares the forward
+output and the gradients of ``sum(out * R)`` (``R`` a random cotangent) with
+``jax.grad`` of the naive version, by relative error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import coda_jax as cj
+from coda_jax import naive
+
+TOL = {  # dtype: (forward, gradient) relative-error bounds
+    jnp.float32: (2e-5, 2e-4),
+    jnp.bfloat16: (2e-2, 3e-2),
+}
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert np.all(np.isfinite(out)), "non-finite values in the output"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@dataclasses.dataclass
+class Inputs:
+    key: jax.Array
+
+    def normal(self, shape, dtype, scale=1.0, offset=0.0):
+        self.key, k = jax.random.split(self.key)
+        return (offset + scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    def ints(self, shape, hi):
+        self.key, k = jax.random.split(self.key)
+        return jax.random.randint(k, shape, 0, hi)
+
+
+def check_fwd_grad(fused, reference, args, dtype, argnums):
+    """Compares ``fused(*args)`` with ``reference(*args)`` and their gradients."""
+    fwd_tol, grad_tol = TOL[dtype]
+    out = jax.jit(fused)(*args)
+    ref = reference(*[a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args])
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    e = rel_err(out, ref)
+    assert e <= fwd_tol, f"forward rel err {e:.3g} > {fwd_tol}"
+    r = jax.random.normal(jax.random.key(7), ref.shape, jnp.float32)
+
+    def scalar(f, cast):
+        def g(*a):
+            if cast:
+                a = [x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in a]
+            return jnp.sum(f(*a).astype(jnp.float32) * r)
+        return g
+
+    got = jax.jit(jax.grad(scalar(fused, False), argnums))(*args)
+    want = jax.grad(scalar(reference, True), argnums)(*args)
+    for i, (a, b) in zip(argnums, zip(got, want)):
+        assert a.dtype == args[i].dtype, f"grad of arg {i} has dtype {a.dtype}, want {args[i].dtype}"
+        e = rel_err(a, b)
+        assert e <= grad_tol, f"grad of arg {i}: rel err {e:.3g} > {grad_tol}"
+
+
+def case_rms_norm_matmul(backend, m, d, n, dtype, seed=0):
+    r = Inputs(jax.random.key(seed))
+    x, g, w = r.normal((m, d), dtype), r.normal((d,), dtype, 0.1, 1.0), r.normal((d, n), dtype, d ** -0.5)
+    check_fwd_grad(lambda x, g, w: cj.rms_norm_matmul(x, g, w, backend=backend), naive.rms_norm_matmul,
+                   (x, g, w), dtype, (0, 1, 2))
+
+
+def case_swiglu(backend, m, d, f, dtype, seed=0):
+    r = Inputs(jax.random.key(seed))
+    x, g, w = r.normal((m, d), dtype), r.normal((d,), dtype, 0.1, 1.0), r.normal((d, 2 * f), dtype, d ** -0.5)
+    check_fwd_grad(lambda x, g, w: cj.rms_norm_matmul_swiglu(x, g, w, backend=backend),
+                   naive.rms_norm_matmul_swiglu, (x, g, w), dtype, (0, 1, 2))
+
+
+def case_rope(backend, m, d, heads, kv_heads, head_dim, dtype, qk_norm=False, seed=0):
+    r = Inputs(jax.random.key(seed))
+    n = (heads + 2 * kv_heads) * head_dim
+    x, g, w = r.normal((m, d), dtype), r.normal((d,), dtype, 0.1, 1.0), r.normal((d, n), dtype, d ** -0.5)
+    pos = r.ints((m,), 4096)
+    inv = jnp.asarray(cj.rope_inv_freq(head_dim, 500000.0, cj.Llama3RopeScaling()))
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads)
+    if qk_norm:
+        qn, kn = r.normal((head_dim,), dtype, 0.1, 1.0), r.normal((head_dim,), dtype, 0.1, 1.0)
+        check_fwd_grad(
+            lambda x, g, w, qn, kn: cj.rms_norm_matmul_rope(x, g, w, pos, inv, q_norm=qn, k_norm=kn, backend=backend, **kw),
+            lambda x, g, w, qn, kn: naive.rms_norm_matmul_rope(x, g, w, pos, inv, q_norm=qn, k_norm=kn, **kw),
+            (x, g, w, qn, kn), dtype, (0, 1, 2, 3, 4))
+    else:
+        check_fwd_grad(lambda x, g, w: cj.rms_norm_matmul_rope(x, g, w, pos, inv, backend=backend, **kw),
+                       lambda x, g, w: naive.rms_norm_matmul_rope(x, g, w, pos, inv, **kw), (x, g, w), dtype, (0, 1, 2))
+
+
+def case_residual_chain(backend, m, k, d, n, dtype, seed=0):
+    """GEMM + residual + partial RMS feeding the next norm-GEMM through the carry."""
+    r = Inputs(jax.random.key(seed))
+    y, w1, res = r.normal((m, k), dtype), r.normal((k, d), dtype, k ** -0.5), r.normal((m, d), dtype)
+    g, w2 = r.normal((d,), dtype, 0.1, 1.0), r.normal((d, n), dtype, d ** -0.5)
+
+    def fused(y, w1, res, g, w2):
+        x, carry = cj.matmul_residual_rms(y, w1, res, g, backend=backend)
+        z, x = cj.rms_norm_matmul(x, g, w2, carry=carry, return_residual=True, backend=backend)
+        return jnp.concatenate([z.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+
+    def ref(y, w1, res, g, w2):
+        x = naive.matmul_residual(y, w1, res)
+        return jnp.concatenate([naive.rms_norm_matmul(x, g, w2), x], axis=1)
+
+    check_fwd_grad(fused, ref, (y, w1, res, g, w2), dtype, (0, 1, 2, 3, 4))
+
+
+def case_cross_entropy(backend, m, d, v, dtype, reduction="mean", z_loss=0.0, seed=0):
+    r = Inputs(jax.random.key(seed))
+    x, g, w = r.normal((m, d), dtype), r.normal((d,), dtype, 0.1, 1.0), r.normal((v, d), dtype, d ** -0.5 * 2)
+    t = r.ints((m,), v).at[1].set(-100)
+    kw = dict(reduction=reduction, z_loss=z_loss)
+    fused = lambda x, g, w: cj.linear_cross_entropy(x, g, w, t, backend=backend, **kw)
+    ref = lambda x, g, w: naive.linear_cross_entropy(x, g, w, t, **kw)
+    if reduction == "none":
+        check_fwd_grad(fused, ref, (x, g, w), dtype, (0, 1, 2))
+        return
+    fwd_tol, grad_tol = TOL[dtype]
+    f32 = lambda a: a.astype(jnp.float32)
+    e = rel_err(jax.jit(fused)(x, g, w), ref(f32(x), f32(g), f32(w)))
+    assert e <= fwd_tol, f"loss rel err {e:.3g}"
+    got = jax.jit(jax.grad(fused, (0, 1, 2)))(x, g, w)
+    want = jax.grad(lambda x, g, w: ref(f32(x), f32(g), f32(w)), (0, 1, 2))(x, g, w)
+    for i, (a, b) in enumerate(zip(got, want)):
+        e = rel_err(a, b)
+        assert e <= grad_tol, f"grad of arg {i}: rel err {e:.3g} > {grad_tol}"
