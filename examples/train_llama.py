@@ -1,0 +1,224 @@
+"""Train a small Llama (``CodaLlama``) on public-domain English text shipped with the repo.
+
+    python examples/train_llama.py                      # tiny preset, CPU-friendly, 200 steps
+    python examples/train_llama.py --backend pallas --preset 1b --steps 300   # on an H100
+
+optax AdamW with linear warm-up + cosine decay, a jitted NNX train step, a progress bar
+with loss and tokens/s (MFU on a GPU), a loss-curve PNG and an orbax checkpoint in
+``--out``; running again with the same ``--out`` resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import text_data  # noqa: E402  (examples/text_data.py)
+
+from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig  # noqa: E402
+
+# bf16 dense peak of one H100 SXM, for MFU.
+H100_BF16_FLOPS = 989e12
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="xla", choices=["xla", "pallas", "cutedsl", "auto"])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary (the tiny preset uses it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/tiny", help="checkpoint, loss curve and log directory")
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--no-resume", action="store_true")
+    return p.parse_args(argv)
+
+
+def make_config(args, vocab_size: int) -> LlamaConfig:
+    if args.preset == "tiny":
+        cfg = LlamaConfig.tiny(vocab_size=vocab_size)
+    else:  # real widths keep their own vocab size; our tokenizer ids are a subset
+        cfg = PRESETS[args.preset]()
+    if args.layers is not None:
+        cfg = cfg.replace(num_layers=args.layers)
+    return cfg
+
+
+def flops_per_token(cfg: LlamaConfig, seq: int) -> float:
+    """Training FLOPs per token: 6 * matmul params + attention (causal) 6 * L * S * d."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    per_layer = d * cfg.qkv_size + cfg.num_heads * cfg.head_dim * d + 3 * d * f
+    dense = cfg.num_layers * per_layer + cfg.vocab_size * d
+    return 6 * dense + 6 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    on_gpu = jax.devices()[0].platform == "gpu"
+
+    corpus = text_data.load_corpus()
+    tok = text_data.build_tokenizer([corpus], vocab_size=args.vocab)
+    train_tokens, val_tokens = text_data.split_tokens(text_data.encode(tok, corpus))
+    cfg = make_config(args, tok.get_vocab_size())
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend}; preset={args.preset} "
+          f"(d={cfg.hidden_size}, layers={cfg.num_layers}, vocab={cfg.vocab_size}); "
+          f"{len(train_tokens):,} train tokens", flush=True)
+
+    model = CodaLlama(cfg, rngs=nnx.Rngs(args.seed), backend=args.backend)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
+                                                  end_value=args.lr * 0.1)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, inputs, targets):
+        loss, grads = nnx.value_and_grad(lambda m: m.loss(inputs, targets))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    @nnx.jit
+    def eval_step(model, inputs, targets):
+        return model.loss(inputs, targets)
+
+    ckpt = _Checkpointer(out / "checkpoints")
+    start, history = 0, {"step": [], "loss": [], "val_step": [], "val_loss": []}
+    if not args.no_resume and ckpt.latest() is not None:
+        start, history = ckpt.restore(model, optimizer)
+        print(f"resumed from step {start} ({out / 'checkpoints'})", flush=True)
+
+    batches = text_data.batches(train_tokens, args.batch, args.seq, seed=args.seed, start_step=start)
+    tokens_per_step = args.batch * args.seq
+    fpt = flops_per_token(cfg, args.seq)
+    bar = _Progress(args.steps, start)
+    t_last, n_since = time.perf_counter(), 0
+    for step in range(start, args.steps):
+        inputs, targets = next(batches)
+        loss = float(train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets)))
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step}")
+        history["step"].append(step)
+        history["loss"].append(loss)
+        n_since += 1
+        now = time.perf_counter()
+        tps = n_since * tokens_per_step / (now - t_last)
+        extra = f" MFU {tps * fpt / H100_BF16_FLOPS:5.1%}" if on_gpu else ""
+        bar.update(step + 1, f"loss {loss:.3f}  {tps:,.0f} tok/s{extra}")
+        if step == start:  # the first step compiles: restart the clock
+            t_last, n_since = time.perf_counter(), 0
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            vi, vt = text_data.validation_batch(val_tokens, args.batch, args.seq)
+            history["val_step"].append(step + 1)
+            history["val_loss"].append(float(eval_step(model, jnp.asarray(vi), jnp.asarray(vt))))
+        if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
+            ckpt.save(step + 1, model, optimizer, history)
+    bar.close()
+    ckpt.close()
+    _plot(history, out / "loss.png")
+    summary = {"first_loss": history["loss"][0] if history["loss"] else None,
+               "last_loss": history["loss"][-1] if history["loss"] else None,
+               "val_loss": history["val_loss"][-1] if history["val_loss"] else None, "steps": args.steps}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "history.json").write_text(json.dumps(history))
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+class _Progress:
+    """tqdm when available, else one line every few steps."""
+
+    def __init__(self, total: int, start: int):
+        try:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, dynamic_ncols=True, mininterval=0.5)
+        except ImportError:
+            self._bar = None
+        self._last = start
+
+    def update(self, step: int, text: str):
+        if self._bar is not None:
+            self._bar.update(step - self._last)
+            self._bar.set_postfix_str(text, refresh=False)
+        elif step % 10 == 0:
+            print(f"step {step}: {text}", flush=True)
+        self._last = step
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+
+
+class _Checkpointer:
+    """orbax checkpoints of (model params, optimizer state, loss history)."""
+
+    def __init__(self, directory: Path):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self._mgr = ocp.CheckpointManager(directory.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+    def latest(self):
+        return self._mgr.latest_step()
+
+    def save(self, step, model, optimizer, history):
+        ocp = self._ocp
+        self._mgr.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(nnx.state((model, optimizer))), history=ocp.args.JsonSave(history)))
+
+    def restore(self, model, optimizer):
+        ocp = self._ocp
+        step = self._mgr.latest_step()
+        target = nnx.state((model, optimizer))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        got = self._mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), history=ocp.args.JsonRestore()))
+        nnx.update((model, optimizer), got["state"])
+        return step, got["history"]
+
+    def close(self):
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+
+
+def _plot(history, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(history["step"], history["loss"], label="train", lw=1)
+    if history["val_step"]:
+        ax.plot(history["val_step"], history["val_loss"], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
