@@ -1,0 +1,121 @@
+"""``PallasLowering``: the ``"pallas"`` backend's GemmLowering (validation, padding, caching).
+
+Shape rules (documented fallback): M, N and K need not be tile multiples; the wrapper
+zero-pads the operands and loads to tile multiples (a copy of the padded operands) and
+slices the outputs, and the kernel masks padded rows/columns out of reductions and
+log-sum-exps. Pair-mode epilogues need N to be a multiple of ``2 * pair_block`` (the
+op layer guarantees it). Operands must be bfloat16 or float16 (wgmma's 16-bit path);
+float32 operands raise a ``TypeError`` that points at ``backend="xla"``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel
+from coda_jax.pallas.interpret import interpret_enabled
+from coda_jax.pallas.tuning import TuningConfig, choose_config
+
+# SM count used in interpret mode (the CPU interpreter simulates each CTA).
+INTERPRET_SMS = 4
+
+
+def _round_up(x: int, q: int) -> int:
+    return -(-x // q) * q
+
+
+def _num_sms(interpret: bool) -> int:
+    if interpret:
+        return INTERPRET_SMS
+    return jax.devices()[0].core_count
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool):
+    return build_kernel(epi, shape, cfg, interpret)
+
+
+class PallasLowering:
+    """Runs GEMM-epilogue programs as Pallas Mosaic-GPU Hopper kernels."""
+
+    name = "pallas"
+
+    def __init__(self, config: TuningConfig | None = None):
+        self.config = config
+
+    def gemm(
+        self,
+        epilogue: Epilogue,
+        a: jax.Array,
+        b: jax.Array,
+        loads: Mapping[str, jax.Array],
+        *,
+        transpose_a: bool = False,
+        transpose_b: bool = False,
+        out_dtypes: Mapping[str, Any] | None = None,
+    ) -> dict[str, jax.Array]:
+        if a.ndim != 2 or b.ndim != 2:
+            raise ValueError(f"a and b must be 2-D, got a{tuple(a.shape)} b{tuple(b.shape)}")
+        if a.dtype != b.dtype:
+            raise TypeError(f"a and b must share a dtype, got a={a.dtype} b={b.dtype}")
+        if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise TypeError(f"the Pallas backend needs bfloat16/float16 GEMM operands, got {a.dtype}; "
+                            "use backend='xla' (or compute dtype bfloat16) for float32")
+        m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
+        k2, n = (b.shape[1], b.shape[0]) if transpose_b else b.shape
+        if k != k2:
+            raise ValueError(f"contraction sizes differ: a gives K={k}, b gives K={k2}")
+        epilogue.validate_loads(loads, m, n)
+        pb = epilogue.pair_block
+        if pb is not None:
+            if n % (2 * pb):
+                raise ValueError(f"epilogue {epilogue.name!r}: N={n} must be a multiple of 2*pair_block={2 * pb}")
+            if any(o.kind in (OutputKind.COL_SUM, OutputKind.ROW_LOGSUMEXP) for o in epilogue.outputs):
+                raise NotImplementedError(f"epilogue {epilogue.name!r}: col_sum / row_logsumexp in pair mode")
+        interpret = interpret_enabled()
+        cfg = self.config or choose_config(m, n, k)
+        if pb is not None and cfg.tile_n % (2 * pb):
+            raise ValueError(f"tile_n={cfg.tile_n} must be a multiple of 2*pair_block={2 * pb}")
+        mp, np_, kp = _round_up(m, cfg.tile_m), _round_up(n, cfg.tile_n), _round_up(k, cfg.tile_k)
+
+        def pad2(x, rows, cols):
+            return x if x.shape == (rows, cols) else jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
+
+        a_p = pad2(a, kp, mp) if transpose_a else pad2(a, mp, kp)
+        b_p = pad2(b, np_, kp) if transpose_b else pad2(b, kp, np_)
+        args = []
+        for l in epilogue.loads:
+            v = loads[l.name]
+            if l.kind is LoadKind.ROW:
+                v = jnp.pad(v, (0, mp - m))
+            elif l.kind is LoadKind.COL:
+                v = jnp.pad(v, (0, (np_ - n) // (2 if l.half else 1)))
+            elif l.kind is LoadKind.TILE:
+                v = pad2(v, mp, np_ // 2 if l.half else np_)
+            if jnp.issubdtype(v.dtype, jnp.floating) and l.kind is not LoadKind.TILE:
+                v = v.astype(jnp.float32)
+            args.append(v)
+        dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
+                       for o in epilogue.outputs)
+        shape = KernelShape(m=mp, n=np_, k=kp, m_real=m, n_real=n, transpose_a=transpose_a,
+                            transpose_b=transpose_b, operand_dtype=jnp.dtype(a.dtype), out_dtypes=dtypes,
+                            num_sms=_num_sms(interpret))
+        res = _kernel(epilogue, shape, cfg, interpret)(a_p, b_p, *args)
+        out = {}
+        for o, v in zip(epilogue.outputs, res):
+            if o.kind is OutputKind.TILE:
+                out[o.name] = v[:m, : (n // 2 if o.half else n)]
+            elif o.kind is OutputKind.COL_SUM:
+                out[o.name] = v[:, :n]
+            else:
+                out[o.name] = v[:, :m]
+        return out
+
+
+PALLAS = PallasLowering()

@@ -1,0 +1,50 @@
+"""Tuning configurations of the Pallas GEMM-epilogue kernel, and the per-shape table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Static tiling of one GEMM-epilogue kernel.
+
+    Attributes:
+      tile_m, tile_n: output tile per CTA (one consumer warpgroup; ``tile_m`` a multiple
+        of 64, ``tile_n`` a multiple of 64 and of the epilogue's pair block ``2*b``).
+      tile_k: K step of the TMA/wgmma pipeline (64 for 16-bit operands: one 128-byte
+        swizzled row).
+      max_concurrent_steps: pipeline depth (SMEM stages in flight).
+      grid_tile_width: width of the planar-snake band of tiles, for L2 reuse.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_tile_width: int = 8
+
+    def __post_init__(self):
+        if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
+            raise ValueError(f"tile_m, tile_n and tile_k must be multiples of 64, got {self}")
+        if self.max_concurrent_steps < 1:
+            raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
+
+    def smem_bytes(self, itemsize: int) -> int:
+        """SMEM of the mainloop's operand stages."""
+        return self.max_concurrent_steps * (self.tile_m + self.tile_n) * self.tile_k * itemsize
+
+
+# Per shape class: chosen by measurement on the H100 (benchmarks/tune.py regenerates it).
+# Keys: "small" (M*N < 2^22 or K < 256), "default". Values: TuningConfig.
+CONFIG_TABLE: dict[str, TuningConfig] = {
+    "small": TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2),
+    "default": TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4),
+}
+
+
+def choose_config(m: int, n: int, k: int) -> TuningConfig:
+    """The table's configuration for an ``[m, k] @ [k, n]`` GEMM."""
+    if m * n < (1 << 22) or k < 256:
+        return CONFIG_TABLE["small"]
+    return CONFIG_TABLE["default"]
