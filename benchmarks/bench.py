@@ -275,19 +275,26 @@ def main():
     meta = {"device": dev.device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps(meta), flush=True)
     rows = []
+
+    def save():  # after every part, so a run cut short still leaves its results
+        (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (out / "table.md").write_text(table(rows) + "\n")
+
     if "gemm" in parts:
         rows += bench_gemm(backends, args.iters)
+        save()
     if "ops" in parts:
         for d in widths:
             for name, fused, ref, a, argnums in op_cases(d):
                 rows += bench_op(name, fused, ref, a, argnums, backends, args.iters, not args.no_check)
+                save()
     if "ce_memory" in parts:
         rows += ce_memory(backends)
+        save()
     if "block" in parts:
         rows += bench_block(widths, backends, args.iters)
-    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    save()
     t = table(rows)
-    (out / "table.md").write_text(t + "\n")
     print("\n" + json.dumps(meta) + "\n" + t, flush=True)
 
 

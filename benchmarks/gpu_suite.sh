@@ -18,7 +18,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 echo "== GPU tests ==" | tee "$OUT/tests.log"
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/test_gpu_pallas.py -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
 echo "== benchmarks ($BACKENDS) =="
 timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench.py --out "$OUT" --backends "$BACKENDS" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -n 60
 echo "== summary =="
