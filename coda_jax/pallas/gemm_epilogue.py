@@ -185,6 +185,11 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
             for i in range(len(copies)):
                 plgpu.barrier_wait(s["barrier"].at[i])
 
+            # Row vectors: one load per tile, broadcast once to the chunk shape.
+            shape_c0 = (tm, b) if b is not None else (tm, chunks[0][1])
+            row_vals = {l.name: lax.broadcast_in_dim(_f32(plgpu.load(load_refs[l.name].at[m_slice], layout=_ROW,
+                                                                      optimized=False)), shape_c0, [0])
+                        for l in loads if l.kind is LoadKind.ROW}
             row_state: dict[str, Any] = {}
             col_half: dict[str, bool] = {}
             for ci, (c0, w) in enumerate(chunks):
@@ -199,8 +204,7 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
                 for l in loads:
                     ref = load_refs[l.name]
                     if l.kind is LoadKind.ROW:
-                        v = plgpu.load(ref.at[m_slice], layout=_ROW, optimized=False)
-                        kw[l.name] = lax.broadcast_in_dim(_f32(v), shape_c, [0])
+                        kw[l.name] = row_vals[l.name]
                     elif l.kind is LoadKind.COL:
                         vs = [lax.broadcast_in_dim(_f32(plgpu.load(ref.at[pl.ds(gc, pw)], layout=_COL, optimized=False)),
                                                    shape_c, [1]) for gc, pw in _parts(c0, w, n0, l.half, b)]
