@@ -106,6 +106,20 @@ def test_program_matches_reference(epi, kw):
     _compare(epi, 128, n, 128, **kw)
 
 
+WS = TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2, warp_specialized=True)
+
+
+@pytest.mark.parametrize("epi,kw", CASES, ids=[c[0].name for c in CASES])
+def test_program_warp_specialized(epi, kw):
+    n = 256 if epi.pair_block == 64 else 192 if epi.pair_block is None else 128
+    _compare(epi, 256, n, 128, config=WS, seed=7, **kw)
+
+
+def test_warp_specialized_ragged_and_transposed_b():
+    _compare(programs.rms_dgrad(True), 200, 72, 130, transpose_b=True, config=WS, seed=8)
+    _compare(programs.IDENTITY, 64, 128, 192, transpose_a=True, config=WS, seed=9)  # falls back: transposed A
+
+
 @pytest.mark.parametrize("ta,tb", [(True, False), (False, True), (True, True)])
 def test_transposed_operands(ta, tb):
     _compare(programs.IDENTITY, 64, 128, 192, transpose_a=ta, transpose_b=tb, seed=1)

@@ -97,38 +97,228 @@ def out_types(epi: Epilogue, shape: KernelShape, cfg: TuningConfig) -> list[jax.
     return res
 
 
-def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool):
+class _EpilogueEmitter:
+    """Lowers one Epilogue onto accumulator tiles, streaming chunk by chunk.
+
+    Per chunk: tile loads arrive by TMA into one of two SMEM slots (the next chunk's load
+    is issued before this chunk is computed), the body runs in registers, tile outputs go
+    to one of two SMEM slots and out by TMA; ``wait_smem_to_gmem`` before a slot is reused
+    keeps only the previous chunk's stores in flight.
+    """
+
+    def __init__(self, epi: Epilogue, shape: KernelShape, cfg: TuningConfig):
+        self.epi, self.shape, self.cfg = epi, shape, cfg
+        self.tm, self.tn = cfg.tile_m, cfg.tile_n
+        self.b = epi.pair_block
+        self.chunks = _chunks(epi, self.tn)
+        self.dt = dict(shape.out_dtypes)
+        self.tile_loads = [l for l in epi.loads if l.kind is LoadKind.TILE]
+        self.tile_outs = [o for o in epi.outputs if o.kind is OutputKind.TILE]
+        self.row_outs = [o for o in epi.outputs if o.kind in (OutputKind.ROW_SUM, OutputKind.ROW_LOGSUMEXP)]
+        self.col_outs = [o for o in epi.outputs if o.kind is OutputKind.COL_SUM]
+        for l in epi.loads:
+            if l.kind is LoadKind.SCALAR:
+                raise NotImplementedError(
+                    f"epilogue {epi.name!r}: scalar loads are not supported by the Pallas backend; "
+                    "pass the scalar as a row vector")
+        # Stores issued per chunk (tile-output parts + column-sum parts).
+        self.stores_per_chunk = sum(self._nparts(o.half) for o in self.tile_outs) + sum(
+            self._nparts(False) for _ in self.col_outs)
+
+    def _nparts(self, half: bool) -> int:
+        return 2 if (self.b is not None and not half) else 1
+
+    def _width(self) -> int:
+        return self.b if self.b is not None else self.chunks[0][1]
+
+    def parts(self, c0: int, n0, half: bool):
+        """GMEM (first column, width) of a chunk's pieces in a full or half-width array."""
+        b = self.b
+        if b is None:
+            return [(n0 + c0, self.chunks[0][1])]
+        if half:  # one column per pair: block c0 of the tile maps to [n0/2 + c0/2, +b)
+            return [(n0 // 2 + c0 // 2, b)]
+        return [(n0 + c0, b), (n0 + c0 + b, b)]
+
+    def scratch_types(self, loads_dtypes: dict[str, Any], copies: int | None = None) -> dict[str, Any]:
+        """SMEM scratch of the epilogue (with a leading ``copies`` axis, one per consumer)."""
+        lead = () if copies is None else (copies,)
+        w, tm = self._width(), self.tm
+        s = {}
+        for l in self.tile_loads:
+            s["in_" + l.name] = plgpu.SMEM(lead + (2, self._nparts(l.half), tm, w), loads_dtypes[l.name])
+        for o in self.tile_outs:
+            s["out_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(o.half), tm, w), self.dt[o.name])
+        for o in self.row_outs:
+            s["row_" + o.name] = plgpu.SMEM(lead + (2, tm), jnp.float32)
+        for o in self.col_outs:
+            s["col_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(False), w), jnp.float32)
+        n_bar = 2 * sum(self._nparts(l.half) for l in self.tile_loads)
+        if n_bar:
+            s["barrier"] = plgpu.Barrier(num_barriers=n_bar * (copies or 1))
+        return s
+
+    def scratch_bytes(self, loads_dtypes: dict[str, Any]) -> int:
+        w, tm = self._width(), self.tm
+        total = sum(2 * self._nparts(l.half) * tm * w * jnp.dtype(loads_dtypes[l.name]).itemsize for l in self.tile_loads)
+        total += sum(2 * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize for o in self.tile_outs)
+        total += len(self.row_outs) * 2 * tm * 4 + len(self.col_outs) * 2 * 2 * w * 4
+        return total
+
+    def emit(self, acc, m0, n0, mi, ni, tile_slot, load_refs, out_refs, scr, barrier_base=0, step_base=0):
+        """Runs the epilogue of the ``[tm, tn]`` accumulator tile at (m0, n0).
+
+        ``step_base``: chunks processed before this tile with the same scratch (its parity
+        picks the double-buffer slot, so a slot is never rewritten while its store runs).
+        """
+
+        def slot_of(ci):
+            return (step_base + ci) % 2 if isinstance(step_base, int) else lax.rem(step_base + ci, 2)
+
+        epi, shape, b, tm = self.epi, self.shape, self.b, self.tm
+        m_slice = pl.ds(m0, tm)
+        shape_c = (tm, self._width())
+        load_parts = [(l, p) for l in self.tile_loads for p in range(self._nparts(l.half))]
+
+        def issue_loads(ci):
+            c0, _ = self.chunks[ci]
+            slot = slot_of(ci)
+            for j, (l, p) in enumerate(load_parts):
+                gc, pw = self.parts(c0, n0, l.half)[p]
+                plgpu.copy_gmem_to_smem(load_refs[l.name].at[m_slice, pl.ds(gc, pw)], scr["in_" + l.name].at[slot, p],
+                                        scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
+
+        if load_parts:
+            issue_loads(0)
+        row_vals = {l.name: lax.broadcast_in_dim(_f32(plgpu.load(load_refs[l.name].at[m_slice], layout=_ROW,
+                                                                  optimized=False)), shape_c, [0])
+                    for l in epi.loads if l.kind is LoadKind.ROW}
+        row_state: dict[str, Any] = {}
+        for ci, (c0, w) in enumerate(self.chunks):
+            slot = slot_of(ci)
+            col0 = n0 + c0
+            if load_parts:
+                if ci + 1 < len(self.chunks):
+                    issue_loads(ci + 1)
+                for j in range(len(load_parts)):
+                    plgpu.barrier_wait(scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
+            acc_c = acc[:, c0:c0 + w] if b is None else (acc[:, c0:c0 + b], acc[:, c0 + b:c0 + w])
+            kw = {}
+            for l in epi.loads:
+                if l.kind is LoadKind.ROW:
+                    kw[l.name] = row_vals[l.name]
+                elif l.kind is LoadKind.COL:
+                    vs = tuple(lax.broadcast_in_dim(
+                        _f32(plgpu.load(load_refs[l.name].at[pl.ds(gc, pw)], layout=_COL, optimized=False)), shape_c, [1])
+                        for gc, pw in self.parts(c0, n0, l.half))
+                    kw[l.name] = vs[0] if len(vs) == 1 else vs
+                else:
+                    vs = tuple(_f32(plgpu.load(scr["in_" + l.name].at[slot, p], layout=_WG, optimized=False))
+                               for p in range(self._nparts(l.half)))
+                    kw[l.name] = vs[0] if len(vs) == 1 else vs
+            res = epi.body(acc_c, _TileContext(col0, shape_c), **kw)
+            # The slot written now was last stored two chunks ago: keep only the last chunk's stores.
+            plgpu.wait_smem_to_gmem(self.stores_per_chunk, wait_read_only=True)
+            col_half = {}
+            for o in epi.outputs:
+                v = res[o.name]
+                vs = v if isinstance(v, tuple) else (v,)
+                if o.kind is OutputKind.TILE:
+                    for p, part in enumerate(vs):
+                        scr["out_" + o.name][slot, p] = part.astype(self.dt[o.name])
+                elif o.kind is OutputKind.ROW_SUM:
+                    tot = None
+                    for part in vs:
+                        if shape.n_real < shape.n:  # pair mode pads whole blocks: the block start decides
+                            part = jnp.where(_col_ids(shape_c, col0) < shape.n_real, part, 0.0)
+                        r = part.sum(axis=1)
+                        tot = r if tot is None else tot + r
+                    row_state[o.name] = tot if o.name not in row_state else row_state[o.name] + tot
+                elif o.kind is OutputKind.ROW_LOGSUMEXP:
+                    x = v
+                    if shape.n_real < shape.n:
+                        x = jnp.where(_col_ids(shape_c, col0) < shape.n_real, x, -jnp.inf)
+                    cm = x.max(axis=1)
+                    if o.name in row_state:  # online (max, sum-exp) across chunks
+                        mx, se = row_state[o.name]
+                        nm = jnp.maximum(mx, cm)
+                        se = se * jnp.exp(mx - nm) + jnp.exp(x - lax.broadcast_in_dim(nm, shape_c, [0])).sum(axis=1)
+                        row_state[o.name] = (nm, se)
+                    else:
+                        row_state[o.name] = (cm, jnp.exp(x - lax.broadcast_in_dim(cm, shape_c, [0])).sum(axis=1))
+                else:  # COL_SUM
+                    col_half[o.name] = b is not None and not isinstance(v, tuple)
+                    for p, part in enumerate(vs):
+                        if shape.m_real < shape.m:
+                            rows = plgpu.broadcasted_iota(jnp.int32, shape_c, 0, layout=_WG) + m0
+                            part = jnp.where(rows < shape.m_real, part, 0.0)
+                        scr["col_" + o.name][slot, p] = part.sum(axis=0)
+            plgpu.commit_smem()
+            for o in self.tile_outs:
+                for p, (gc, pw) in enumerate(self.parts(c0, n0, o.half)):
+                    plgpu.copy_smem_to_gmem(scr["out_" + o.name].at[slot, p], out_refs[o.name].at[m_slice, pl.ds(gc, pw)])
+            for o in self.col_outs:
+                for p, (gc, pw) in enumerate(self.parts(c0, n0, col_half[o.name])):
+                    plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
+        if self.row_outs:
+            for o in self.row_outs:
+                st = row_state[o.name]
+                scr["row_" + o.name][tile_slot] = st if o.kind is OutputKind.ROW_SUM else st[0] + jnp.log(st[1])
+            plgpu.commit_smem()
+            for o in self.row_outs:
+                plgpu.copy_smem_to_gmem(scr["row_" + o.name].at[tile_slot], out_refs[o.name].at[ni, m_slice])
+
+
+SMEM_LIMIT = 227 * 1024
+
+
+def _specs(shape: KernelShape, cfg: TuningConfig, block_m: int):
+    tk = cfg.tile_k
+    a_block = (tk, block_m) if shape.transpose_a else (block_m, tk)
+    b_block = (cfg.tile_n, tk) if shape.transpose_b else (tk, cfg.tile_n)
+    return a_block, b_block
+
+
+def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool,
+                 load_dtypes: tuple[tuple[str, Any], ...] = ()):
     """A callable ``(a, b, *loads) -> outputs`` (outputs in ``epi.outputs`` order)."""
+    emitter = _EpilogueEmitter(epi, shape, cfg)
+    ldt = dict(load_dtypes)
+    itemsize = jnp.dtype(shape.operand_dtype).itemsize
+    ws_pipe = cfg.max_concurrent_steps * (2 * cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
+    ws = (cfg.warp_specialized and not shape.transpose_a and shape.m % (2 * cfg.tile_m) == 0
+          and ws_pipe + 2 * emitter.scratch_bytes(ldt) + 4096 <= SMEM_LIMIT)
+    body = _ws_body(emitter, shape, cfg, ldt) if ws else _simple_body(emitter, shape, cfg, ldt)
+    return plgpu.kernel(
+        body,
+        out_type=out_types(epi, shape, cfg),
+        grid=(shape.num_sms,),
+        grid_names=("sm",),
+        num_threads=3 if ws else None,
+        thread_name="wg" if ws else None,
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+
+
+def _split_refs(epi, refs):
+    n = len(epi.loads)
+    return (dict(zip([l.name for l in epi.loads], refs[:n])), dict(zip([o.name for o in epi.outputs], refs[n:])))
+
+
+def _simple_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
+    """One warpgroup per CTA: TMA pipeline, wgmma, then the epilogue (SMEM reused)."""
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     grid_m, grid_n, k_iters = shape.m // tm, shape.n // tn, shape.k // tk
-    b = epi.pair_block
-    chunks = _chunks(epi, tn)
-    dt = dict(shape.out_dtypes)
-    loads = epi.loads
-    outs = epi.outputs
-    tile_loads = [l for l in loads if l.kind is LoadKind.TILE]
-    tile_outs = [o for o in outs if o.kind is OutputKind.TILE]
-    row_outs = [o for o in outs if o.kind in (OutputKind.ROW_SUM, OutputKind.ROW_LOGSUMEXP)]
-    col_outs = [o for o in outs if o.kind is OutputKind.COL_SUM]
-    mask_cols = shape.n_real < shape.n
-    mask_rows = shape.m_real < shape.m
-    op_dtype = shape.operand_dtype
-
-    a_block = (tk, tm) if shape.transpose_a else (tm, tk)
-    b_block = (tn, tk) if shape.transpose_b else (tk, tn)
-
-    def smem_for_chunks(dtype, width, half):
-        return plgpu.SMEM((len(chunks), 2 if (b is not None and not half) else 1, tm, width), dtype)
+    a_block, b_block = _specs(shape, cfg, tm)
 
     def body(a_gmem, b_gmem, *refs):
-        load_refs = dict(zip([l.name for l in loads], refs[: len(loads)]))
-        out_refs = dict(zip([o.name for o in outs], refs[len(loads):]))
+        load_refs, out_refs = _split_refs(em.epi, refs)
 
         @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
         def _tile_loop(info: plgpu.NDLoopInfo):
-            mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, min(cfg.grid_tile_width, grid_n))
-            m0 = mi * tm
-            n0 = ni * tn
+            lin = info.index[0]
+            mi, ni = plgpu.planar_snake(lin, (grid_m, grid_n), 1, min(cfg.grid_tile_width, grid_n))
 
             def acc_scope(acc_ref):
                 def step(_, a_smem, b_smem):
@@ -141,9 +331,9 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
                     grid=(k_iters,),
                     in_specs=[
                         plgpu.BlockSpec(a_block, (lambda kk: (kk, mi)) if shape.transpose_a else (lambda kk: (mi, kk)),
-                                        transforms=_transforms(a_block[1], op_dtype), delay_release=1),
+                                        transforms=_transforms(a_block[1], shape.operand_dtype), delay_release=1),
                         plgpu.BlockSpec(b_block, (lambda kk: (ni, kk)) if shape.transpose_b else (lambda kk: (kk, ni)),
-                                        transforms=_transforms(b_block[1], op_dtype), delay_release=1),
+                                        transforms=_transforms(b_block[1], shape.operand_dtype), delay_release=1),
                     ],
                     max_concurrent_steps=cfg.max_concurrent_steps,
                 )(a_gmem, b_gmem)
@@ -151,147 +341,80 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), jnp.float32))
-            _epilogue(acc, m0, n0, mi, ni, load_refs, out_refs)
+
+            @functools.partial(pl.run_scoped, **em.scratch_types(ldt))
+            def _scope(**scr):
+                em.emit(acc, mi * tm, ni * tn, mi, ni, 0, load_refs, out_refs, scr)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # scratch dies with this scope
 
         plgpu.wait_smem_to_gmem(0)
 
-    def _epilogue(acc, m0, n0, mi, ni, load_refs, out_refs):
-        half_w = b if b is not None else None
-        scratch = {}
-        for l in tile_loads:
-            w = half_w if l.half else (b if b is not None else chunks[0][1])
-            scratch["in_" + l.name] = smem_for_chunks(load_refs[l.name].dtype, w, l.half)
-        for o in tile_outs:
-            w = half_w if o.half else (b if b is not None else chunks[0][1])
-            scratch["out_" + o.name] = smem_for_chunks(dt[o.name], w, o.half)
-        for o in row_outs:
-            scratch["row_" + o.name] = plgpu.SMEM((tm,), jnp.float32)
-        for o in col_outs:
-            scratch["col_" + o.name] = plgpu.SMEM((len(chunks), 2 if b is not None else 1, half_w or chunks[0][1]),
-                                                  jnp.float32)
-        # One barrier per TMA copy of a tile load (each copy completes its own phase).
-        copies = [(l, ci, p, gc, pw) for l in tile_loads for ci, (c0, w) in enumerate(chunks)
-                  for p, (gc, pw) in enumerate(_parts(c0, w, n0, l.half))]
-        if copies:
-            scratch["barrier"] = plgpu.Barrier(num_barriers=len(copies))
+    return body
 
-        @functools.partial(pl.run_scoped, **scratch)
-        def _scope(**s):
-            m_slice = pl.ds(m0, tm)
-            # Tile loads: one TMA per (load, chunk part), all in flight, then one wait each.
-            for i, (l, ci, p, gc, pw) in enumerate(copies):
-                plgpu.copy_gmem_to_smem(load_refs[l.name].at[m_slice, pl.ds(gc, pw)], s["in_" + l.name].at[ci, p],
-                                        s["barrier"].at[i])
-            for i in range(len(copies)):
-                plgpu.barrier_wait(s["barrier"].at[i])
 
-            # Row vectors: one load per tile, broadcast once to the chunk shape.
-            shape_c0 = (tm, b) if b is not None else (tm, chunks[0][1])
-            row_vals = {l.name: lax.broadcast_in_dim(_f32(plgpu.load(load_refs[l.name].at[m_slice], layout=_ROW,
-                                                                      optimized=False)), shape_c0, [0])
-                        for l in loads if l.kind is LoadKind.ROW}
-            row_state: dict[str, Any] = {}
-            col_half: dict[str, bool] = {}
-            for ci, (c0, w) in enumerate(chunks):
-                col0 = n0 + c0
-                if b is None:
-                    acc_c = acc[:, c0:c0 + w]
-                    shape_c = (tm, w)
-                else:
-                    acc_c = (acc[:, c0:c0 + b], acc[:, c0 + b:c0 + w])
-                    shape_c = (tm, b)
-                kw = {}
-                for l in loads:
-                    ref = load_refs[l.name]
-                    if l.kind is LoadKind.ROW:
-                        kw[l.name] = row_vals[l.name]
-                    elif l.kind is LoadKind.COL:
-                        vs = [lax.broadcast_in_dim(_f32(plgpu.load(ref.at[pl.ds(gc, pw)], layout=_COL, optimized=False)),
-                                                   shape_c, [1]) for gc, pw in _parts(c0, w, n0, l.half, b)]
-                        kw[l.name] = vs[0] if len(vs) == 1 else tuple(vs)
-                    elif l.kind is LoadKind.TILE:
-                        sm = s["in_" + l.name]
-                        vs = [_f32(plgpu.load(sm.at[ci, p], layout=_WG, optimized=False))
-                              for p in range(len(_parts(c0, w, n0, l.half)))]
-                        kw[l.name] = vs[0] if len(vs) == 1 else tuple(vs)
-                    else:
-                        raise NotImplementedError(
-                            f"epilogue {epi.name!r}: scalar loads are not supported by the Pallas backend; "
-                            "pass the scalar as a row vector")
-                ctx = _TileContext(col0, shape_c)
-                res = epi.body(acc_c, ctx, **kw)
-                for o in outs:
-                    v = res[o.name]
-                    if o.kind is OutputKind.TILE:
-                        sm = s["out_" + o.name]
-                        for p, part in enumerate(v if isinstance(v, tuple) else (v,)):
-                            sm[ci, p] = part.astype(dt[o.name])
-                    elif o.kind is OutputKind.ROW_SUM:
-                        tot = None
-                        for p, part in enumerate(v if isinstance(v, tuple) else (v,)):
-                            if mask_cols:
-                                # pair mode: padding is whole blocks, so the block's first column decides
-                                part = jnp.where(_col_ids(shape_c, col0) < shape.n_real, part, 0.0)
-                            r = part.sum(axis=1)
-                            tot = r if tot is None else tot + r
-                        row_state[o.name] = tot if o.name not in row_state else row_state[o.name] + tot
-                    elif o.kind is OutputKind.ROW_LOGSUMEXP:
-                        if b is not None:
-                            raise NotImplementedError("row_logsumexp in pair mode is not supported")
-                        x = v
-                        if mask_cols:
-                            x = jnp.where(_col_ids(shape_c, col0) < shape.n_real, x, -jnp.inf)
-                        cm = x.max(axis=1)
-                        if o.name in row_state:
-                            mx, se = row_state[o.name]
-                            nm = jnp.maximum(mx, cm)
-                            se = se * jnp.exp(mx - nm) + jnp.exp(x - lax.broadcast_in_dim(nm, shape_c, [0])).sum(axis=1)
-                            row_state[o.name] = (nm, se)
-                        else:
-                            row_state[o.name] = (cm, jnp.exp(x - lax.broadcast_in_dim(cm, shape_c, [0])).sum(axis=1))
-                    else:  # COL_SUM
-                        sm = s["col_" + o.name]
-                        col_half[o.name] = b is not None and not isinstance(v, tuple)
-                        for p, part in enumerate(v if isinstance(v, tuple) else (v,)):
-                            if mask_rows:
-                                rows = plgpu.broadcasted_iota(jnp.int32, shape_c, 0, layout=_WG) + m0
-                                part = jnp.where(rows < shape.m_real, part, 0.0)
-                            sm[ci, p] = part.sum(axis=0)
-            for o in row_outs:
-                st = row_state[o.name]
-                s["row_" + o.name][...] = st if o.kind is OutputKind.ROW_SUM else st[0] + jnp.log(st[1])
-            plgpu.commit_smem()
-            for o in tile_outs:
-                sm = s["out_" + o.name]
-                for ci, (c0, w) in enumerate(chunks):
-                    for p, (gc, pw) in enumerate(_parts(c0, w, n0, o.half)):
-                        plgpu.copy_smem_to_gmem(sm.at[ci, p], out_refs[o.name].at[m_slice, pl.ds(gc, pw)])
-            for o in row_outs:
-                plgpu.copy_smem_to_gmem(s["row_" + o.name], out_refs[o.name].at[ni, m_slice])
-            for o in col_outs:
-                sm = s["col_" + o.name]
-                for ci, (c0, w) in enumerate(chunks):
-                    for p, (gc, pw) in enumerate(_parts(c0, w, n0, col_half[o.name])):
-                        plgpu.copy_smem_to_gmem(sm.at[ci, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
+    """Warp-specialized: a producer warpgroup feeds two consumers, each owning half the tile."""
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    cta_m = 2 * tm
+    grid_m, grid_n, k_iters = shape.m // cta_m, shape.n // tn, shape.k // tk
+    a_block, b_block = _specs(shape, cfg, cta_m)
+    n_bar = 2 * sum(em._nparts(l.half) for l in em.tile_loads)
 
-    def _parts(c0, w, n0, half, _b=None):
-        """GMEM (first column, width) of a chunk's pieces for a full or half-width array."""
-        if b is None:
-            return [(n0 + c0, w)]
-        if half:  # one column per pair: block j of the tile maps to columns [n0/2 + c0/2, +b)
-            return [(n0 // 2 + c0 // 2, b)]
-        return [(n0 + c0, b), (n0 + c0 + b, b)]
+    def pipeline(step, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(a_block, lambda kk: (0, kk), transforms=_transforms(a_block[1], shape.operand_dtype)),
+                plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if shape.transpose_b else (lambda kk: (kk, 0)),
+                                transforms=_transforms(b_block[1], shape.operand_dtype)),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context,
+        )
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=out_types(epi, shape, cfg),
-        grid=(shape.num_sms,),
-        grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
-    return kernel
+    def body(a_gmem, b_gmem, *refs):
+        load_refs, out_refs = _split_refs(em.epi, refs)
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(pl.run_scoped,
+                           pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+                           collective_axes="wg", **em.scratch_types(ldt, copies=2))
+        def _scope(pipeline_allocs, **scr):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+            def _tile_loop(info: plgpu.NDLoopInfo):
+                lin = info.index[0]
+                mi, ni = plgpu.planar_snake(lin, (grid_m, grid_n), 1, min(cfg.grid_tile_width, grid_n))
+                local = lax.div(lin, shape.num_sms)  # tiles this CTA has done before
+                tile_slot = lax.rem(local, 2)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                    def _acc(acc_ref):
+                        eval_pipeline(acc_ref)
+                        acc = acc_ref[...]
+                        mine = {k: (v if k == "barrier" else v.at[wg]) for k, v in scr.items()}
+                        em.emit(acc, mi * cta_m + wg * tm, ni * tn, 2 * mi + wg, ni, tile_slot, load_refs,
+                                out_refs, mine, barrier_base=wg * n_bar, step_base=local * len(em.chunks))
+
+                def step(_, a_smem, b_smem, acc_ref):
+                    a_view = a_smem.at[pl.ds(wg * tm, tm)]
+                    plgpu.wgmma(acc_ref, a_view, b_smem.transpose((1, 0)) if shape.transpose_b else b_smem)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                b_view = (b_gmem.at[pl.ds(ni * tn, tn), :] if shape.transpose_b else b_gmem.at[:, pl.ds(ni * tn, tn)])
+                pipeline(step, compute_context)(a_gmem.at[pl.ds(mi * cta_m, cta_m), :], b_view,
+                                                allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    return body
 
 
 def _f32(v):

@@ -37,8 +37,8 @@ def _num_sms(interpret: bool) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool):
-    return build_kernel(epi, shape, cfg, interpret)
+def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool, load_dtypes):
+    return build_kernel(epi, shape, cfg, interpret, load_dtypes)
 
 
 class PallasLowering:
@@ -82,7 +82,8 @@ class PallasLowering:
         cfg = self.config or choose_config(m, n, k)
         if pb is not None and cfg.tile_n % (2 * pb):
             raise ValueError(f"tile_n={cfg.tile_n} must be a multiple of 2*pair_block={2 * pb}")
-        mp, np_, kp = _round_up(m, cfg.tile_m), _round_up(n, cfg.tile_n), _round_up(k, cfg.tile_k)
+        m_quantum = cfg.tile_m * (2 if cfg.warp_specialized and not transpose_a else 1)
+        mp, np_, kp = _round_up(m, m_quantum), _round_up(n, cfg.tile_n), _round_up(k, cfg.tile_k)
 
         def pad2(x, rows, cols):
             return x if x.shape == (rows, cols) else jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
@@ -106,7 +107,8 @@ class PallasLowering:
         shape = KernelShape(m=mp, n=np_, k=kp, m_real=m, n_real=n, transpose_a=transpose_a,
                             transpose_b=transpose_b, operand_dtype=jnp.dtype(a.dtype), out_dtypes=dtypes,
                             num_sms=_num_sms(interpret))
-        res = _kernel(epilogue, shape, cfg, interpret)(a_p, b_p, *args)
+        load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
+        res = _kernel(epilogue, shape, cfg, interpret, load_dtypes)(a_p, b_p, *args)
         out = {}
         for o, v in zip(epilogue.outputs, res):
             if o.kind is OutputKind.TILE:

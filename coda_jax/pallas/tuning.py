@@ -16,13 +16,18 @@ class TuningConfig:
         swizzled row).
       max_concurrent_steps: pipeline depth (SMEM stages in flight).
       grid_tile_width: width of the planar-snake band of tiles, for L2 reuse.
+      warp_specialized: one producer warpgroup issues the TMA loads and two consumer
+        warpgroups each own a ``[tile_m, tile_n]`` half of a ``[2*tile_m, tile_n]`` CTA
+        tile (more reuse per byte of SMEM traffic). Falls back to the single-warpgroup
+        kernel where it does not apply (transposed A) or its epilogue does not fit in SMEM.
     """
 
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 64
     max_concurrent_steps: int = 4
-    grid_tile_width: int = 8
+    grid_tile_width: int = 4
+    warp_specialized: bool = False
 
     def __post_init__(self):
         if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
@@ -39,7 +44,7 @@ class TuningConfig:
 # Keys: "small" (M*N < 2^22 or K < 256), "default". Values: TuningConfig.
 CONFIG_TABLE: dict[str, TuningConfig] = {
     "small": TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2),
-    "default": TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4),
+    "default": TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, warp_specialized=True),
 }
 
 
