@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The ONE device script: GPU tests + benchmarks in a single run on the H100 (device tool).
 #   bash benchmarks/gpu_suite.sh [bench.py args...]
+# Sections (env): SKIP_TESTS=1, SKIP_BENCH=1; TRAIN_STEPS=N (default 0: skip) trains
+# examples/train_llama.py on every backend (TRAIN_ARGS, default the 1b preset) and compares
+# the loss curves (benchmarks/compare_losses.py).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
 set -uo pipefail
@@ -18,9 +21,26 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 echo "== GPU tests ==" | tee "$OUT/tests.log"
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/test_gpu_pallas.py -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
-echo "== benchmarks ($BACKENDS) =="
-timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench.py --out "$OUT" --backends "$BACKENDS" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -n 60
+if [ -z "${SKIP_TESTS:-}" ]; then
+  GPU_TESTS="tests/test_gpu_pallas.py"; [ -f tests/test_gpu_cutedsl.py ] && [[ $BACKENDS == *cutedsl* ]] && GPU_TESTS="$GPU_TESTS tests/test_gpu_cutedsl.py"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
+fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  echo "== benchmarks ($BACKENDS) =="
+  timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench.py --out "$OUT" --backends "$BACKENDS" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -n 60
+fi
+if [ "${TRAIN_STEPS:-0}" -gt 0 ]; then
+  echo "== training =="
+  RUNS=()
+  for b in ${TRAIN_BACKENDS:-${BACKENDS//,/ }}; do
+    timeout "${TRAIN_TIMEOUT:-300}" python3 examples/train_llama.py --backend "$b" --steps "$TRAIN_STEPS" \
+      ${TRAIN_ARGS:---preset 1b --batch 8 --seq 1024 --lr 3e-4 --warmup 30} --ckpt-every 0 --no-resume \
+      --out "$OUT/train_$b" 2>&1 | tr '\r' '\n' | grep -v '^ *[0-9]*%\|it/s\]$' | tail -n 5 | tee "$OUT/train_$b.log"
+    [ -f "$OUT/train_$b/history.json" ] && RUNS+=("$OUT/train_$b")
+  done
+  [ "${#RUNS[@]}" -gt 1 ] && python3 benchmarks/compare_losses.py "${RUNS[@]}" | tee "$OUT/train_compare.md"
+fi
 echo "== summary =="
 tail -n 3 "$OUT/tests.log"
 cat "$OUT/table.md" 2>/dev/null
+cat "$OUT/train_compare.md" 2>/dev/null

@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary (the tiny preset uses it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/tiny", help="checkpoint, loss curve and log directory")
-    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint period in steps (0: never)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--no-resume", action="store_true")
     return p.parse_args(argv)
@@ -130,14 +130,19 @@ def main(argv=None) -> dict:
             vi, vt = text_data.validation_batch(val_tokens, args.batch, args.seq)
             history["val_step"].append(step + 1)
             history["val_loss"].append(float(eval_step(model, jnp.asarray(vi), jnp.asarray(vt))))
-        if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
+        if args.ckpt_every > 0 and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.steps):
             ckpt.save(step + 1, model, optimizer, history)
     bar.close()
     ckpt.close()
     _plot(history, out / "loss.png")
     summary = {"first_loss": history["loss"][0] if history["loss"] else None,
                "last_loss": history["loss"][-1] if history["loss"] else None,
-               "val_loss": history["val_loss"][-1] if history["val_loss"] else None, "steps": args.steps}
+               "val_loss": history["val_loss"][-1] if history["val_loss"] else None, "steps": args.steps,
+               "backend": args.backend, "preset": args.preset, "tokens_per_step": tokens_per_step}
+    if n_since:  # steady state: every step after the compiling one (includes eval/ckpt time)
+        summary["tokens_per_s"] = n_since * tokens_per_step / (time.perf_counter() - t_last)
+        if on_gpu:
+            summary["mfu"] = summary["tokens_per_s"] * fpt / H100_BF16_FLOPS
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "history.json").write_text(json.dumps(history))
     print(json.dumps(summary), flush=True)
