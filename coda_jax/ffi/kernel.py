@@ -1,0 +1,510 @@
+"""The CuTeDSL Hopper GEMM with a lowered epilogue program (sm_90a).
+
+Mainloop (one CTA per ``[tile_m, tile_n]`` output tile, ``tile_m = 128``, two MMA
+warpgroups of 64 rows each, 256 threads):
+
+* operands stream through a ``stages``-deep ring of swizzled SMEM buffers filled by TMA
+  (``cp.async.bulk.tensor``); one mbarrier pair per stage (``PipelineTmaAsync``: "full"
+  with the TMA transaction count, "empty" released by the consumers);
+* warp 0 issues the loads ``stages`` K-tiles ahead, all threads run ``wgmma`` with float32
+  accumulators in registers, keeping one wgmma batch in flight before releasing a stage;
+* transposed operands (``a`` as ``[K, M]``, ``b`` as ``[N, K]``) are M/N-major SMEM
+  layouts chosen from the operand's major mode: no copies.
+
+Epilogue (see :mod:`coda_jax.ffi.interpret`): each thread knows the tile coordinates of
+its accumulator registers (an identity tensor partitioned like the accumulator); the
+traced body runs on its registers element by element. Row/column/tile loads are read
+from global memory at those coordinates, tile outputs are written the same way; row
+sums, column sums, log-sum-exps, ``ctx.row_sum`` and the pair-mode lo/hi exchange go
+through one float32 SMEM scratch tile (``[tile_m, tile_n + 1]``, padded against bank
+conflicts) with CTA barriers; the code is branch-free (duplicate threads redo identical
+work instead of being predicated off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass.tensor_utils.layout import LayoutEnum
+
+from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.ffi.interpret import TracedBody, interpret
+
+SMEM_CAPACITY = 227 * 1024
+THREADS = 256  # two MMA warpgroups
+TILE_M = 128
+TILE_K = 64
+
+_DSL = {
+    np.dtype(np.float32): cutlass.Float32,
+    np.dtype(np.int32): cutlass.Int32,
+    np.dtype(bool): cutlass.Boolean,
+}
+
+
+def dsl_dtype(dt) -> Any:
+    import jax.numpy as jnp
+
+    dt = np.dtype(dt)
+    table = {np.dtype(jnp.bfloat16): cutlass.BFloat16, np.dtype(jnp.float16): cutlass.Float16,
+             np.dtype(np.float32): cutlass.Float32, np.dtype(np.int32): cutlass.Int32}
+    if dt not in table:
+        raise TypeError(f"the CuTeDSL backend cannot load/store arrays of dtype {dt}")
+    return table[dt]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """Static description of one kernel instance (padded sizes, real sizes, dtypes)."""
+
+    m: int
+    n: int
+    k: int
+    m_real: int
+    n_real: int
+    tile_n: int
+    stages: int
+    transpose_a: bool
+    transpose_b: bool
+    operand_dtype: Any
+    load_dtypes: tuple[tuple[str, Any], ...]
+    out_dtypes: tuple[tuple[str, Any], ...]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.m // TILE_M, self.n // self.tile_n
+
+
+def needs_scratch(epi: Epilogue, traced: TracedBody) -> bool:
+    reducing = any(o.kind is not OutputKind.TILE for o in epi.outputs)
+    body_reduces = any(e.primitive.name.startswith("reduce_") for e in traced.jaxpr.jaxpr.eqns)
+    return reducing or body_reduces or epi.pair_block is not None
+
+
+def choose_stages(tile_n: int, itemsize: int, scratch_bytes: int) -> int:
+    per_stage = (TILE_M + tile_n) * TILE_K * itemsize
+    return max(2, min(6, (SMEM_CAPACITY - scratch_bytes - 4096) // per_stage))
+
+
+def scratch_floats(tile_n: int, pair_block: int | None) -> int:
+    row_pitch = tile_n + 1
+    segments = TILE_M * (tile_n // (2 * pair_block) if pair_block else 1)
+    return TILE_M * row_pitch + segments
+
+
+# --------------------------------------------------------------- element ops --------
+class DslOps:
+    """:class:`~coda_jax.ffi.interpret.ElementOps` on CuTeDSL scalars."""
+
+    def const(self, value, dtype):
+        dt = np.dtype(dtype)
+        if dt == np.dtype(np.float64):
+            dt = np.dtype(np.float32)
+        if dt == np.dtype(np.int64):
+            dt = np.dtype(np.int32)
+        return _DSL[dt](value)
+
+    def unary(self, name, x):
+        F = cutlass.Float32
+        if name == "neg":
+            return -x
+        if name == "logistic":
+            return F(1.0) / (F(1.0) + cute.math.exp(-x))
+        if name == "square":
+            return x * x
+        if name == "not":
+            return cutlass.Boolean(cutlass.select_(x, cutlass.Boolean(False), cutlass.Boolean(True)))
+        if name == "sign":
+            return F(cutlass.select_(x > F(0.0), F(1.0), F(cutlass.select_(x < F(0.0), F(-1.0), F(0.0)))))
+        fn = {"exp": cute.math.exp, "log": cute.math.log, "rsqrt": cute.math.rsqrt, "sqrt": cute.math.sqrt,
+              "cos": cute.math.cos, "sin": cute.math.sin, "tanh": cute.math.tanh, "abs": cute.math.abs,
+              "exp2": cute.math.exp2, "log1p": cute.math.log1p, "expm1": cute.math.expm1,
+              "floor": cute.math.floor, "ceil": cute.math.ceil, "erf": cute.math.erf}[name]
+        return fn(x)
+
+    def binary(self, name, x, y):
+        if name == "add":
+            return x + y
+        if name == "sub":
+            return x - y
+        if name == "mul":
+            return x * y
+        if name == "div":
+            return x / y
+        if name == "max":
+            return _typed_like(x, cutlass.select_(x > y, x, y))
+        if name == "min":
+            return _typed_like(x, cutlass.select_(x < y, x, y))
+        if name == "and":
+            return x & y
+        if name == "or":
+            return x | y
+        if name == "rem":
+            return x % y
+        if name == "pow":
+            return cute.math.pow(x, y)
+        raise NotImplementedError(name)
+
+    def compare(self, name, x, y):
+        return {"eq": lambda: x == y, "ne": lambda: x != y, "lt": lambda: x < y, "le": lambda: x <= y,
+                "gt": lambda: x > y, "ge": lambda: x >= y}[name]()
+
+    def select(self, pred, if_true, if_false):
+        return _typed_like(if_true, cutlass.select_(pred, if_true, if_false))
+
+    def convert(self, x, src, dst):
+        src, dst = np.dtype(src), np.dtype(dst)
+        if src == dst:
+            return x
+        if src == np.dtype(bool):
+            one, zero = self.const(1, dst), self.const(0, dst)
+            return _DSL[dst](cutlass.select_(x, one, zero))
+        if dst == np.dtype(bool):
+            return x != self.const(0, src)
+        return x.to(_DSL[dst])
+
+
+def _typed_like(ref, value):
+    return type(ref)(value) if isinstance(ref, cutlass.Numeric) else cutlass.Float32(value)
+
+
+# ------------------------------------------------------------- tile context ---------
+class TileEpilogue:
+    """Runs one traced epilogue on the accumulator registers of one CTA tile."""
+
+    def __init__(self, epi: Epilogue, traced: TracedBody, plan: KernelPlan, scratch, tidx, coords, m0, n0,
+                 pid_m, pid_n):
+        self.epi, self.traced, self.plan = epi, traced, plan
+        self.scr = scratch
+        self.tidx = tidx
+        self.m0, self.n0, self.pid_m, self.pid_n = m0, n0, pid_m, pid_n
+        self.tn = plan.tile_n
+        self.pitch = self.tn + 1
+        self.b = epi.pair_block
+        self.rows = [rc[0] for rc in coords]
+        self.cols = [rc[1] for rc in coords]
+        self.count = len(coords)
+        self.ops = DslOps()
+        if self.b is not None:
+            two_b = cutlass.Int32(2 * self.b)
+            bb = cutlass.Int32(self.b)
+            self.is_lo = [(c % two_b) < bb for c in self.cols]
+            # Column of the partner element (the other half of the same pair).
+            self.partner = [c + cutlass.Int32(cutlass.select_(lo, bb, -bb)) for c, lo in zip(self.cols, self.is_lo)]
+            self.lo_col = [cutlass.Int32(cutlass.select_(lo, c, p)) for c, p, lo in
+                           zip(self.cols, self.partner, self.is_lo)]
+            self.hi_col = [cutlass.Int32(cutlass.select_(lo, p, c)) for c, p, lo in
+                           zip(self.cols, self.partner, self.is_lo)]
+
+    # -- ElementContext --
+    def coord(self, dim):
+        if self.b is not None and dim == 1:
+            raise NotImplementedError("column iota is not defined in pair mode")
+        return list(self.rows if dim == 0 else self.cols)
+
+    def row_reduce(self, op, values):
+        """Segmented row reduction over the traced shape's columns (one pair half in pair mode)."""
+        if self.b is None:
+            raise NotImplementedError(
+                f"epilogue {self.epi.name!r}: a row reduction inside the body (ctx.row_sum) needs pair mode "
+                "on the CuTeDSL backend (a tile holds only part of a row)")
+        F = cutlass.Float32
+        ident = F(0.0) if op == "sum" else F(-math.inf)
+        b, tn = self.b, self.tn
+        nblk = tn // (2 * b)
+        # Each lo-holder writes the pair value at its own position; hi-holders write the identity.
+        self._store_tile([F(cutlass.select_(lo, v, ident)) for v, lo in zip(values, self.is_lo)])
+        seg_base = TILE_M * self.pitch
+        nseg = TILE_M * nblk
+        for rep in range(-(-nseg // THREADS)):
+            s = (self.tidx + cutlass.Int32(rep * THREADS)) % cutlass.Int32(nseg)
+            r = s // cutlass.Int32(nblk)
+            blk = s % cutlass.Int32(nblk)
+            base = r * cutlass.Int32(self.pitch) + blk * cutlass.Int32(2 * b)
+            acc = ident
+            for j in range(2 * b):
+                x = self.scr[base + cutlass.Int32(j)]
+                acc = acc + x if op == "sum" else F(cutlass.select_(x > acc, x, acc))
+            self.scr[cutlass.Int32(seg_base) + s] = acc
+        cute.arch.sync_threads()
+        return [self.scr[cutlass.Int32(seg_base) + r * cutlass.Int32(nblk) + c // cutlass.Int32(2 * b)]
+                for r, c in zip(self.rows, self.cols)]
+
+    # -- scratch helpers --
+    def _store_tile(self, values):
+        cute.arch.sync_threads()  # earlier readers of the scratch are done
+        for r, c, v in zip(self.rows, self.cols, values):
+            self.scr[r * cutlass.Int32(self.pitch) + c] = v
+        cute.arch.sync_threads()
+
+    def _reduce_rows_to(self, out, kind):
+        """Thread ``t`` reduces scratch row ``t % tile_m`` and stores it as partial ``[pid_n, row]``."""
+        F = cutlass.Float32
+        r = self.tidx % cutlass.Int32(TILE_M)
+        base = r * cutlass.Int32(self.pitch)
+        if kind is OutputKind.ROW_SUM:
+            acc = F(0.0)
+            for j in range(self.tn):
+                acc = acc + self.scr[base + cutlass.Int32(j)]
+        else:  # online max / sum-exp over the tile's columns
+            mx = F(-math.inf)
+            for j in range(self.tn):
+                x = self.scr[base + cutlass.Int32(j)]
+                mx = F(cutlass.select_(x > mx, x, mx))
+            # A fully masked row (cannot happen with real columns) would give -inf - -inf.
+            safe = F(cutlass.select_(mx == F(-math.inf), F(0.0), mx))
+            se = F(0.0)
+            for j in range(self.tn):
+                se = se + cute.math.exp(self.scr[base + cutlass.Int32(j)] - safe)
+            acc = safe + cute.math.log(se)
+        out[self.pid_n, self.m0 + r] = acc
+
+    def _reduce_cols_to(self, out):
+        F = cutlass.Float32
+        for rep in range(-(-self.tn // THREADS)):
+            c = (self.tidx + cutlass.Int32(rep * THREADS)) % cutlass.Int32(self.tn)
+            acc = F(0.0)
+            for i in range(TILE_M):
+                acc = acc + self.scr[cutlass.Int32(i * self.pitch) + c]
+            out[self.pid_m, self.n0 + c] = acc
+
+    # -- loads --
+    def _half_index(self, lo_col):
+        g = self.n0 + lo_col
+        two_b = cutlass.Int32(2 * self.b)
+        return (g // two_b) * cutlass.Int32(self.b) + g % two_b
+
+    def gather_loads(self, loads: dict[str, Any], acc_vals):
+        F = cutlass.Float32
+        vals: dict[tuple, list] = {}
+        pair = self.b is not None
+        if pair:
+            # lo/hi exchange through SMEM: every element gets its partner's accumulator.
+            self._store_tile(acc_vals)
+            partner = [self.scr[r * cutlass.Int32(self.pitch) + p] for r, p in zip(self.rows, self.partner)]
+            vals[("acc", None, 0)] = [F(cutlass.select_(lo, a, q)) for a, q, lo in zip(acc_vals, partner, self.is_lo)]
+            vals[("acc", None, 1)] = [F(cutlass.select_(lo, q, a)) for a, q, lo in zip(acc_vals, partner, self.is_lo)]
+        else:
+            vals[("acc", None, None)] = list(acc_vals)
+        vals[("col0", None, None)] = [self.n0] * self.count
+        grow = [self.m0 + r for r in self.rows]
+
+        def cvt(x):
+            return x.to(F) if x.dtype in (cutlass.BFloat16, cutlass.Float16) else x
+
+        for l in self.epi.loads:
+            t = loads[l.name]
+            if l.kind is LoadKind.SCALAR:
+                v = cvt(t[0])
+                vals[("load", l.name, None)] = [v] * self.count
+            elif l.kind is LoadKind.ROW:
+                vals[("load", l.name, None)] = [cvt(t[g]) for g in grow]
+            elif l.kind is LoadKind.ROW_BLOCK:
+                vals[("load", l.name, None)] = [cvt(t[g, c % cutlass.Int32(self.b)]) for g, c in zip(grow, self.cols)]
+            elif not pair:
+                if l.kind is LoadKind.COL:
+                    vals[("load", l.name, None)] = [cvt(t[self.n0 + c]) for c in self.cols]
+                else:
+                    vals[("load", l.name, None)] = [cvt(t[g, self.n0 + c]) for g, c in zip(grow, self.cols)]
+            elif l.half:
+                idx = [self._half_index(c) for c in self.lo_col]
+                if l.kind is LoadKind.COL:
+                    vals[("load", l.name, None)] = [cvt(t[i]) for i in idx]
+                else:
+                    vals[("load", l.name, None)] = [cvt(t[g, i]) for g, i in zip(grow, idx)]
+            else:
+                for part, cols in ((0, self.lo_col), (1, self.hi_col)):
+                    if l.kind is LoadKind.COL:
+                        vals[("load", l.name, part)] = [cvt(t[self.n0 + c]) for c in cols]
+                    else:
+                        vals[("load", l.name, part)] = [cvt(t[g, self.n0 + c]) for g, c in zip(grow, cols)]
+        return vals
+
+    # -- the whole epilogue --
+    def run(self, acc_vals, loads: dict[str, Any], outs: dict[str, Any]):
+        F = cutlass.Float32
+        plan, pair = self.plan, self.b is not None
+        vals = self.gather_loads(loads, acc_vals)
+        res = interpret(self.traced, vals, self.count, self.ops, self, where=f"epilogue {self.epi.name!r}")
+        grow = [self.m0 + r for r in self.rows]
+        gcol = [self.n0 + c for c in self.cols]
+        for o in self.epi.outputs:
+            parts = [p for (name, p) in self.traced.outputs if name == o.name]
+            if parts == [None]:
+                mine = res[(o.name, None)]
+            else:
+                lo, hi = res[(o.name, 0)], res[(o.name, 1)]
+                mine = [F(cutlass.select_(s, a, b_)) for a, b_, s in zip(lo, hi, self.is_lo)]
+            single_in_pair = pair and parts == [None]
+            if o.kind is OutputKind.TILE:
+                dt = dsl_dtype(dict(plan.out_dtypes)[o.name])
+                t = outs[o.name]
+                if single_in_pair:
+                    # Half-width output: lo- and hi-holder of a pair store the same value.
+                    for g, c, v in zip(grow, self.lo_col, mine):
+                        t[g, self._half_index(c)] = v.to(dt)
+                else:
+                    for g, c, v in zip(grow, gcol, mine):
+                        t[g, c] = v.to(dt)
+                continue
+            # Reductions: each tile position written exactly once into the scratch.
+            if o.kind is OutputKind.COL_SUM:
+                row_ok = [g < cutlass.Int32(plan.m_real) for g in grow]
+                self._store_tile([F(cutlass.select_(ok, v, F(0.0))) for v, ok in zip(mine, row_ok)])
+                self._reduce_cols_to(outs[o.name])
+                continue
+            fill = F(0.0) if o.kind is OutputKind.ROW_SUM else F(-math.inf)
+            ok = [c < cutlass.Int32(plan.n_real) for c in gcol]
+            if single_in_pair:  # one value per pair: only the lo-holder contributes
+                ok = [cutlass.Boolean(a) & cutlass.Boolean(lo) for a, lo in zip(ok, self.is_lo)]
+            self._store_tile([F(cutlass.select_(k_, v, fill)) for v, k_ in zip(mine, ok)])
+            self._reduce_rows_to(outs[o.name], o.kind)
+
+
+# ------------------------------------------------------------------ builder ---------
+def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
+    """A ``@cute.jit`` ``(stream, a, b, *loads, *outputs)`` launching the kernel."""
+    load_names = [l.name for l in epi.loads]
+    out_names = [o.name for o in epi.outputs]
+    n_loads = len(load_names)
+    tm, tn, tk = TILE_M, plan.tile_n, TILE_K
+    grid_m, grid_n = plan.grid
+    stages = plan.stages
+    use_scratch = needs_scratch(epi, traced)
+    n_scratch = scratch_floats(tn, epi.pair_block) if use_scratch else 1
+    ab_dtype = dsl_dtype(plan.operand_dtype)
+    a_layout = LayoutEnum.COL_MAJOR if plan.transpose_a else LayoutEnum.ROW_MAJOR  # M-major / K-major
+    b_layout = LayoutEnum.ROW_MAJOR if plan.transpose_b else LayoutEnum.COL_MAJOR  # K-major / N-major
+    tile_mnk = (tm, tn, tk)
+
+    @cute.kernel
+    def gemm_kernel(tma_a: cute.CopyAtom, g_a: cute.Tensor, tma_b: cute.CopyAtom, g_b: cute.Tensor,
+                    mma: cute.TiledMma, sa_layout: cute.ComposedLayout, sb_layout: cute.ComposedLayout,
+                    io: list):
+        tidx, _, _ = cute.arch.thread_idx()
+        pid_m, pid_n, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+
+        @cute.struct
+        class Smem:
+            bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            sa: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sa_layout)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sb_layout)], 1024]
+            scratch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_scratch], 16]
+
+        storage = cutlass.utils.SmemAllocator().allocate(Smem)
+        s_a = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+        s_b = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        scratch = storage.scratch.get_tensor(cute.make_layout(n_scratch))
+
+        stage_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(sa_layout, (None, None, 0))) + cute.size_in_bytes(
+            ab_dtype, cute.slice_(sb_layout, (None, None, 0)))
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(),
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        cute.arch.sync_threads()
+
+        # Global tiles of this CTA: (tm, tk, k_tiles) and (tn, tk, k_tiles).
+        blk_a = cute.local_tile(g_a, (tm, tk), (pid_m, None))
+        blk_b = cute.local_tile(g_b, (tn, tk), (pid_n, None))
+        ta_s, ta_g = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2),
+                                                      cute.group_modes(blk_a, 0, 2))
+        tb_s, tb_g = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2),
+                                                      cute.group_modes(blk_b, 0, 2))
+
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_mma = mma.get_slice(wg * 128)
+        frag_a = mma.make_fragment_A(wg_mma.partition_A(s_a))
+        frag_b = mma.make_fragment_B(wg_mma.partition_B(s_b))
+        acc_shape = wg_mma.partition_shape_C((tm, tn))
+        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        k_tiles = cute.size(blk_a, mode=[2])
+        k_blocks = cute.size(frag_a, mode=[2])
+
+        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+
+        # Fill the ring.
+        if warp == 0:
+            for _ in cutlass.range(cutlass.min(stages, k_tiles), unroll=1):
+                ring.producer_acquire(produce)
+                cute.copy(tma_a, ta_g[(None, produce.count)], ta_s[(None, produce.index)],
+                          tma_bar_ptr=ring.producer_get_barrier(produce))
+                cute.copy(tma_b, tb_g[(None, produce.count)], tb_s[(None, produce.index)],
+                          tma_bar_ptr=ring.producer_get_barrier(produce))
+                ring.producer_commit(produce)
+                produce.advance()
+
+        mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ring.consumer_wait(consume)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range(k_blocks, unroll_full=True):
+                cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)], frag_b[(None, None, kb, consume.index)],
+                          acc)
+                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            consume.advance()
+            # Keep this K-tile's wgmma in flight; the previous one is done, free its stage.
+            cute.nvgpu.warpgroup.wait_group(1)
+            if kt > 0:
+                ring.consumer_release(release)
+                release.advance()
+                # Refill the stage just freed (warp 0 only: it is also a consumer, so it must
+                # never wait for a stage that it has not released itself).
+                if warp == 0 and produce.count < k_tiles:
+                    ring.producer_acquire(produce)
+                    cute.copy(tma_a, ta_g[(None, produce.count)], ta_s[(None, produce.index)],
+                              tma_bar_ptr=ring.producer_get_barrier(produce))
+                    cute.copy(tma_b, tb_g[(None, produce.count)], tb_s[(None, produce.index)],
+                              tma_bar_ptr=ring.producer_get_barrier(produce))
+                    ring.producer_commit(produce)
+                    produce.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        cute.arch.sync_threads()
+
+        # Epilogue: coordinates of this thread's accumulator registers inside the tile.
+        thr = mma.get_slice(tidx)
+        coords_t = thr.partition_C(cute.make_identity_tensor((tm, tn)))
+        count = cute.size(acc)
+        coords = [coords_t[i] for i in range(count)]
+        acc_vals = [acc[i] for i in range(count)]
+        loads = dict(zip(load_names, io[:n_loads]))
+        outs = dict(zip(out_names, io[n_loads:]))
+        ep = TileEpilogue(epi, traced, plan, scratch, cutlass.Int32(tidx), coords,
+                          cutlass.Int32(pid_m * tm), cutlass.Int32(pid_n * tn), pid_m, pid_n)
+        ep.run(acc_vals, loads, outs)
+
+    @cute.jit
+    def launch(stream, g_a: cute.Tensor, g_b: cute.Tensor, *io):
+        mma = sm90.make_trivial_tiled_mma(ab_dtype, ab_dtype, a_layout.sm90_mma_major_mode(),
+                                          b_layout.sm90_mma_major_mode(), cutlass.Float32, (2, 1, 1),
+                                          tiler_mn=(64, tn))
+        sa_layout = sm90.make_smem_layout_a(a_layout, tile_mnk, ab_dtype, stages)
+        sb_layout = sm90.make_smem_layout_b(b_layout, tile_mnk, ab_dtype, stages)
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, tma_ga = cute.nvgpu.cpasync.make_tiled_tma_atom(op, g_a, cute.slice_(sa_layout, (None, None, 0)),
+                                                               (tm, tk))
+        tma_b, tma_gb = cute.nvgpu.cpasync.make_tiled_tma_atom(op, g_b, cute.slice_(sb_layout, (None, None, 0)),
+                                                               (tn, tk))
+        gemm_kernel(tma_a, tma_ga, tma_b, tma_gb, mma, sa_layout, sb_layout, list(io)).launch(
+            grid=[grid_m, grid_n, 1], block=[THREADS, 1, 1], stream=stream)
+
+    return launch
