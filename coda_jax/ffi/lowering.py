@@ -1,0 +1,176 @@
+"""``CuteDslLowering``: the ``"cutedsl"`` backend's GemmLowering (validation, padding, caching).
+
+Shape rules (the same as the Pallas backend): M, N and K need not be tile multiples; the
+wrapper zero-pads the operands and loads to multiples of the CTA tile (``128 x tile_n``,
+``K`` to 64) and slices the outputs, and the kernel masks padded rows/columns out of row
+sums, column sums and log-sum-exps. Pair-mode epilogues need N to be a multiple of
+``2 * pair_block``. Operands must be bfloat16 or float16; float32 operands raise a
+``TypeError`` that points at ``backend="xla"``.
+
+Kernels are built once per (epilogue, padded shapes, layouts, dtypes, tile config) and
+cached here; ``cutlass_call`` then compiles each one once (``compile_key`` skips IR
+regeneration on cache hits), so a training step does not recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+
+# Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
+TILE_M = 128
+TILE_K = 64
+MAX_TILE_N = 256
+
+
+def _round_up(x: int, q: int) -> int:
+    return -(-x // q) * q
+
+
+def _tile_n(epi: Epilogue) -> int:
+    if epi.pair_block is None:
+        return 128
+    w = 2 * epi.pair_block
+    if w > MAX_TILE_N or w % 8:
+        raise NotImplementedError(
+            f"epilogue {epi.name!r}: pair_block={epi.pair_block} needs a 2*pair_block={w} column tile; the "
+            f"CuTeDSL backend supports pair blocks that are multiples of 4 up to {MAX_TILE_N // 2}")
+    return _round_up(128, w) if w <= 128 else w
+
+
+@functools.lru_cache(maxsize=256)
+def _build(epi: Epilogue, plan):
+    from coda_jax.ffi.interpret import check_lowerable, trace_body
+    from coda_jax.ffi.kernel import build_launcher
+
+    shape = (TILE_M, epi.pair_block if epi.pair_block is not None else plan.tile_n)
+    traced = trace_body(epi, shape, dict(plan.load_dtypes))
+    check_lowerable(traced, f"epilogue {epi.name!r}")
+    return build_launcher(epi, traced, plan)
+
+
+def _cutlass_call(launch, out_types, in_specs, out_specs, key):
+    from cutlass.jax import cutlass_call
+
+    return cutlass_call(launch, output_shape_dtype=tuple(out_types), input_spec=tuple(in_specs),
+                        output_spec=tuple(out_specs), compile_key=key)
+
+
+class CuteDslLowering:
+    """Runs GEMM-epilogue programs as CuTeDSL Hopper kernels through XLA's FFI."""
+
+    name = "cutedsl"
+
+    def gemm(
+        self,
+        epilogue: Epilogue,
+        a: jax.Array,
+        b: jax.Array,
+        loads: Mapping[str, jax.Array],
+        *,
+        transpose_a: bool = False,
+        transpose_b: bool = False,
+        out_dtypes: Mapping[str, Any] | None = None,
+    ) -> dict[str, jax.Array]:
+        from cutlass.jax import TensorSpec
+
+        from coda_jax.ffi.kernel import KernelPlan, choose_stages, needs_scratch, scratch_floats  # noqa: F401
+
+        if a.ndim != 2 or b.ndim != 2:
+            raise ValueError(f"a and b must be 2-D, got a{tuple(a.shape)} b{tuple(b.shape)}")
+        if a.dtype != b.dtype:
+            raise TypeError(f"a and b must share a dtype, got a={a.dtype} b={b.dtype}")
+        if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise TypeError(f"the CuTeDSL backend needs bfloat16/float16 GEMM operands, got {a.dtype}; "
+                            "use backend='xla' (or compute dtype bfloat16) for float32")
+        m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
+        k2, n = (b.shape[1], b.shape[0]) if transpose_b else b.shape
+        if k != k2:
+            raise ValueError(f"contraction sizes differ: a gives K={k}, b gives K={k2}")
+        epilogue.validate_loads(loads, m, n)
+        pb = epilogue.pair_block
+        if pb is not None:
+            if n % (2 * pb):
+                raise ValueError(f"epilogue {epilogue.name!r}: N={n} must be a multiple of 2*pair_block={2 * pb}")
+            if any(o.kind in (OutputKind.COL_SUM, OutputKind.ROW_LOGSUMEXP) for o in epilogue.outputs):
+                raise NotImplementedError(f"epilogue {epilogue.name!r}: col_sum / row_logsumexp in pair mode "
+                                          "are not supported by the CuTeDSL backend")
+        tn = _tile_n(epilogue)
+        mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, TILE_K)
+
+        def pad2(x, rows, cols):
+            return x if x.shape == (rows, cols) else jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
+
+        a_p = pad2(a, kp, mp) if transpose_a else pad2(a, mp, kp)
+        b_p = pad2(b, np_, kp) if transpose_b else pad2(b, kp, np_)
+        args = []
+        for l in epilogue.loads:
+            v = jnp.asarray(loads[l.name])
+            if l.kind is LoadKind.SCALAR:
+                v = v.reshape(1)
+            elif l.kind is LoadKind.ROW:
+                v = jnp.pad(v, (0, mp - m))
+            elif l.kind is LoadKind.ROW_BLOCK:
+                v = jnp.pad(v, ((0, mp - m), (0, 0)))
+            elif l.kind is LoadKind.COL:
+                v = jnp.pad(v, (0, (np_ - n) // (2 if l.half else 1)))
+            else:
+                v = pad2(v, mp, np_ // 2 if l.half else np_)
+            if jnp.issubdtype(v.dtype, jnp.floating):
+                if l.kind not in (LoadKind.TILE, LoadKind.ROW_BLOCK) or v.dtype not in (
+                        jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+                    v = v.astype(jnp.float32)
+            elif v.dtype == jnp.dtype(jnp.bool_) or jnp.issubdtype(v.dtype, jnp.integer):
+                v = v.astype(jnp.int32)
+            else:
+                raise TypeError(f"epilogue {epilogue.name!r}: load {l.name!r} has unsupported dtype {v.dtype}")
+            args.append(v)
+        dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
+                       for o in epilogue.outputs)
+        for name, dt in dtypes:
+            if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+                raise TypeError(f"epilogue {epilogue.name!r}: output {name!r} dtype {dt} is not bf16/f16/f32")
+        op_dt = jnp.dtype(a.dtype)
+        itemsize = op_dt.itemsize
+        from coda_jax.ffi.interpret import trace_body
+
+        load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
+        scratch = 4 * scratch_floats(tn, pb)
+        stages = choose_stages(tn, itemsize, scratch)
+        plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
+                          transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
+                          load_dtypes=load_dtypes, out_dtypes=dtypes)
+        launch = _build(epilogue, plan)
+        out_types = []
+        for o in epilogue.outputs:
+            if o.kind is OutputKind.TILE:
+                out_types.append(jax.ShapeDtypeStruct((mp, np_ // 2 if o.half else np_), dict(dtypes)[o.name]))
+            elif o.kind is OutputKind.COL_SUM:
+                out_types.append(jax.ShapeDtypeStruct((mp // TILE_M, np_), jnp.float32))
+            else:
+                out_types.append(jax.ShapeDtypeStruct((np_ // tn, mp), jnp.float32))
+        # Logical operand modes: a as (M, K), b as (N, K), whatever the physical layout.
+        in_specs = [TensorSpec(static=True, mode=(1, 0) if transpose_a else None),
+                    TensorSpec(static=True, mode=None if transpose_b else (1, 0))]
+        in_specs += [TensorSpec(static=True) for _ in args]
+        out_specs = [TensorSpec(static=True) for _ in out_types]
+        res = _cutlass_call(launch, out_types, in_specs, out_specs, ("coda_jax.ffi", epilogue, plan))(a_p, b_p, *args)
+        out = {}
+        for o, v in zip(epilogue.outputs, res):
+            if o.kind is OutputKind.TILE:
+                out[o.name] = v[:m, : (n // 2 if o.half else n)]
+            elif o.kind is OutputKind.COL_SUM:
+                out[o.name] = v[:, :n]
+            else:
+                out[o.name] = v[:, :m]
+        return out
+
+
+CUTEDSL = CuteDslLowering()
