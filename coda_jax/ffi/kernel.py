@@ -31,6 +31,7 @@ import numpy as np
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90
 from cutlass.tensor_utils.layout import LayoutEnum
@@ -403,7 +404,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             sb: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sb_layout)], 1024]
             scratch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_scratch], 16]
 
-        storage = cutlass.utils.SmemAllocator().allocate(Smem)
+        storage = cutlass.memory.SmemAllocator().allocate(Smem)
         s_a = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
         s_b = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
         scratch = storage.scratch.get_tensor(cute.make_layout(n_scratch))

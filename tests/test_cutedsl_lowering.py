@@ -1,0 +1,181 @@
+"""CuTeDSL backend on the CPU: every op (forward and jax.grad) traces and lowers for CUDA.
+
+No GPU is needed: with ``CUTE_DSL_ARCH=sm_90a`` CuTeDSL compiles each kernel while JAX
+lowers the ``cutlass_call`` custom call, so a successful lowering means every kernel
+(mainloop and lowered epilogue) is well-formed. Execution is covered by
+``test_gpu_cutedsl.py`` on a Hopper GPU. The epilogue interpreter is also checked on
+NumPy values against the reference backend's body evaluation.
+"""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("cutlass")
+pytest.importorskip("cutlass.jax")
+
+import coda_jax as cj  # noqa: E402
+from coda_jax import backend as B  # noqa: E402
+from coda_jax import epilogue as E  # noqa: E402
+from coda_jax import programs as P  # noqa: E402
+from coda_jax.ffi import interpret as I  # noqa: E402
+from coda_jax.ops.names import ALL_OPS  # noqa: E402
+
+BF = jnp.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _cutedsl_without_gpu(monkeypatch):
+    """Lets backend='cutedsl' resolve on a machine without a GPU (we only lower)."""
+    real = B.backend_unavailable_reason
+    monkeypatch.setattr(B, "backend_unavailable_reason", lambda n: None if n == "cutedsl" else real(n))
+
+
+def _lower(f, *args):
+    txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call" in txt and "CuteDSL" in txt, "no CuTeDSL custom call in the lowered module"
+    return txt
+
+
+def _both(f, args, argnums):
+    """Lowers the forward and the gradient of sum(f(*args))."""
+    _lower(f, *args)
+    g = jax.grad(lambda *a: jnp.sum(jnp.asarray(f(*a), jnp.float32)), argnums)
+    _lower(g, *args)
+
+
+def _normal(key, shape, dtype=BF, scale=1.0):
+    return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
+
+
+def test_backend_registers_every_op():
+    assert B.registered_ops("cutedsl") == frozenset(ALL_OPS)
+
+
+def test_rms_norm_matmul_lowers():
+    m, d, n = 200, 128, 192  # ragged M and N: padding path
+    x, g, w = _normal(0, (m, d)), _normal(1, (d,)), _normal(2, (d, n))
+    _both(lambda x, g, w: cj.rms_norm_matmul(x, g, w, backend="cutedsl"), (x, g, w), (0, 1, 2))
+
+
+def test_swiglu_lowers():
+    m, d, f = 128, 128, 128
+    x, g, w = _normal(0, (m, d)), _normal(1, (d,)), _normal(2, (d, 2 * f))
+    _both(lambda x, g, w: cj.rms_norm_matmul_swiglu(x, g, w, backend="cutedsl"), (x, g, w), (0, 1, 2))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_lowers(qk_norm):
+    m, d, hd, heads, kv = 128, 128, 64, 2, 1
+    n = (heads + 2 * kv) * hd
+    x, g, w = _normal(0, (m, d)), _normal(1, (d,)), _normal(2, (d, n))
+    pos = jnp.arange(m) % 17
+    inv = jnp.asarray(cj.rope_inv_freq(hd, 500000.0, cj.Llama3RopeScaling()))
+    kw = dict(num_heads=heads, num_kv_heads=kv, backend="cutedsl")
+    if qk_norm:
+        qn, kn = _normal(3, (hd,)), _normal(4, (hd,))
+        _both(lambda x, g, w, qn, kn: cj.rms_norm_matmul_rope(x, g, w, pos, inv, q_norm=qn, k_norm=kn, **kw),
+              (x, g, w, qn, kn), (0, 1, 2, 3, 4))
+    else:
+        _both(lambda x, g, w: cj.rms_norm_matmul_rope(x, g, w, pos, inv, **kw), (x, g, w), (0, 1, 2))
+
+
+def test_matmul_residual_rms_lowers():
+    m, k, d = 128, 128, 128
+    y, w, res, g = _normal(0, (m, k)), _normal(1, (k, d)), _normal(2, (m, d)), _normal(3, (d,))
+
+    def f(y, w, res, g):
+        x, carry = cj.matmul_residual_rms(y, w, res, g, backend="cutedsl")
+        z = cj.rms_norm_matmul(x, g, w, carry=carry, backend="cutedsl")
+        return z
+
+    _both(f, (y, w, res, g), (0, 1, 2, 3))
+
+
+def test_linear_cross_entropy_lowers():
+    m, d, v = 128, 128, 300
+    x, g, w = _normal(0, (m, d)), _normal(1, (d,)), _normal(2, (v, d))
+    t = (jnp.arange(m) * 7) % v
+    _both(lambda x, g, w: cj.linear_cross_entropy(x, g, w, t, z_loss=1e-3, backend="cutedsl"), (x, g, w), (0, 1, 2))
+
+
+# ------------------------------------------------------------- lowering errors ------
+def test_float32_operands_are_refused():
+    from coda_jax.ffi.lowering import CUTEDSL
+
+    a = jnp.zeros((128, 64), jnp.float32)
+    with pytest.raises(TypeError, match="backend='xla'"):
+        CUTEDSL.gemm(P.IDENTITY, a, a.T, {})
+
+
+def test_contraction_mismatch_is_refused():
+    from coda_jax.ffi.lowering import CUTEDSL
+
+    with pytest.raises(ValueError, match="contraction"):
+        CUTEDSL.gemm(P.IDENTITY, jnp.zeros((128, 64), BF), jnp.zeros((32, 128), BF), {})
+
+
+def test_unsupported_primitive_names_the_primitive():
+    epi = E.Epilogue("uses_cumsum", (), (E.tile_out("out"),), lambda acc, ctx: {"out": jnp.cumsum(acc, axis=1)})
+    traced = I.trace_body(epi, (8, 16))
+    with pytest.raises(I.UnsupportedPrimitiveError, match="cumsum"):
+        I.check_lowerable(traced, "epilogue 'uses_cumsum'")
+    from coda_jax.ffi.lowering import CUTEDSL
+
+    with pytest.raises(NotImplementedError, match="cumsum"):
+        CUTEDSL.gemm(epi, jnp.zeros((128, 64), BF), jnp.zeros((64, 128), BF), {})
+
+
+# ------------------------------------------- interpreter vs reference (NumPy) -------
+class _WholeTile:
+    """ElementContext where one 'thread' holds a whole non-pair tile, element by element."""
+
+    def __init__(self, rows, cols):
+        self.rows, self.cols = rows, cols
+
+    def coord(self, dim):
+        return [np.int32(v) for v in (self.rows if dim == 0 else self.cols)]
+
+    def row_reduce(self, op, values):
+        raise NotImplementedError
+
+
+def _interpret_whole(epi, acc, loads, col0=0):
+    mt, nt = acc.shape
+    rows, cols = np.divmod(np.arange(mt * nt), nt)
+    traced = I.trace_body(epi, (mt, nt), {k: np.asarray(v).dtype for k, v in loads.items()})
+    vals = {("acc", None, None): list(acc.reshape(-1)), ("col0", None, None): [np.int32(col0)] * (mt * nt)}
+    for l in epi.loads:
+        v = np.asarray(loads[l.name])
+        per = {E.LoadKind.ROW: lambda: v[rows], E.LoadKind.COL: lambda: v[cols], E.LoadKind.TILE: lambda: v[rows, cols],
+               E.LoadKind.SCALAR: lambda: np.full(mt * nt, v)}[l.kind]()
+        if np.issubdtype(per.dtype, np.floating):
+            per = per.astype(np.float32)
+        vals[("load", l.name, None)] = list(per)
+    res = I.interpret(traced, vals, mt * nt, I.NumpyOps(), _WholeTile(rows, cols))
+    return {k[0]: np.asarray(v, np.float32).reshape(mt, nt) for k, v in res.items()}
+
+
+@pytest.mark.parametrize("epi", [P.RESIDUAL_RMS, P.ROW_SCALE, P.CE_GRAD, P.rms_dgrad(True), P.RMS_LSE],
+                         ids=lambda e: e.name)
+def test_interpreter_matches_reference_body(epi):
+    from coda_jax.reference import _WholeArrayContext, _prepare_loads
+
+    mt, nt = 8, 16
+    rng = np.random.default_rng(0)
+    acc = rng.standard_normal((mt, nt)).astype(np.float32)
+    loads = {}
+    for l in epi.loads:
+        shape = {E.LoadKind.ROW: (mt,), E.LoadKind.COL: (nt,), E.LoadKind.TILE: (mt, nt), E.LoadKind.SCALAR: ()}[l.kind]
+        loads[l.name] = (rng.integers(0, nt, shape).astype(np.int32) if l.name == "target"
+                         else rng.standard_normal(shape).astype(np.float32))
+    got = _interpret_whole(epi, acc, loads)
+    ref = epi.body(jnp.asarray(acc), _WholeArrayContext(nt), **_prepare_loads(epi, {k: jnp.asarray(v) for k, v in loads.items()}))
+    for name, v in ref.items():
+        want = np.broadcast_to(np.asarray(v, np.float32), (mt, nt))
+        np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-5, err_msg=name)
