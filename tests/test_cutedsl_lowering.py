@@ -179,3 +179,35 @@ def test_interpreter_matches_reference_body(epi):
     for name, v in ref.items():
         want = np.broadcast_to(np.asarray(v, np.float32), (mt, nt))
         np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# ---------------------------------------------- every program, every layout ---------
+_PROGRAMS = [
+    (P.IDENTITY, {}), (P.RESIDUAL, {}), (P.RESIDUAL_RMS, {}), (P.ROW_SCALE, {}), (P.rms_swiglu(False), {}),
+    (P.rms_swiglu(True), {}), (P.rms_rope(64, None, False), {}), (P.rms_rope(64, 1e-6, True), {}),
+    (P.rms_rope(32, None, False), {}), (P.RMS_LSE, {"transpose_b": True}), (P.rms_dgrad(False), {"transpose_b": True}),
+    (P.rms_dgrad(True), {"transpose_b": True}), (P.CE_GRAD, {"transpose_b": True}), (P.ACCUMULATE, {}),
+    (P.IDENTITY, {"transpose_a": True}), (P.IDENTITY, {"transpose_a": True, "transpose_b": True}),
+]
+
+
+def _abstract_loads(epi, m, n):
+    out = {}
+    for l in epi.loads:
+        w = n // 2 if l.half else n
+        shape = {E.LoadKind.ROW: (m,), E.LoadKind.COL: (w,), E.LoadKind.TILE: (m, w), E.LoadKind.SCALAR: (),
+                 E.LoadKind.ROW_BLOCK: (m, epi.pair_block)}[l.kind]
+        dt = jnp.int32 if l.name == "target" else jnp.float32 if l.name == "prev" or l.kind is not E.LoadKind.TILE else BF
+        out[l.name] = jax.ShapeDtypeStruct(shape, dt)
+    return out
+
+
+@pytest.mark.parametrize("epi,kw", _PROGRAMS, ids=[f"{e.name}-{'-'.join(k) or 'nn'}" for e, k in _PROGRAMS])
+def test_program_lowers(epi, kw):
+    from coda_jax.ffi.lowering import CUTEDSL
+
+    m, n, k = 200, (256 if epi.pair_block else 300), 136
+    ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
+    a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), BF)
+    b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), BF)
+    _lower(lambda a, b, l: CUTEDSL.gemm(epi, a, b, l, **kw), a, b, _abstract_loads(epi, m, n))

@@ -453,31 +453,39 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                 ring.producer_commit(produce)
                 produce.advance()
 
+        # K-tile 0 is peeled: it starts the accumulation (ACCUMULATE=False on its first
+        # wgmma), so the flag is a compile-time fact and never a loop-carried value.
         mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        for kt in cutlass.range(k_tiles, unroll=1):
+        ring.consumer_wait(consume)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)], frag_b[(None, None, kb, consume.index)], acc)
+            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.commit_group()
+        consume.advance()
+
+        for kt in cutlass.range(1, k_tiles, 1, unroll=1):
             ring.consumer_wait(consume)
             cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range(k_blocks, unroll_full=True):
+            for kb in cutlass.range_constexpr(k_blocks):
                 cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)], frag_b[(None, None, kb, consume.index)],
                           acc)
-                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.commit_group()
             consume.advance()
-            # Keep this K-tile's wgmma in flight; the previous one is done, free its stage.
+            # Keep this K-tile's wgmma batch in flight; the previous one has finished: free its stage.
             cute.nvgpu.warpgroup.wait_group(1)
-            if kt > 0:
-                ring.consumer_release(release)
-                release.advance()
-                # Refill the stage just freed (warp 0 only: it is also a consumer, so it must
-                # never wait for a stage that it has not released itself).
-                if warp == 0 and produce.count < k_tiles:
-                    ring.producer_acquire(produce)
-                    cute.copy(tma_a, ta_g[(None, produce.count)], ta_s[(None, produce.index)],
-                              tma_bar_ptr=ring.producer_get_barrier(produce))
-                    cute.copy(tma_b, tb_g[(None, produce.count)], tb_s[(None, produce.index)],
-                              tma_bar_ptr=ring.producer_get_barrier(produce))
-                    ring.producer_commit(produce)
-                    produce.advance()
+            ring.consumer_release(release)
+            release.advance()
+            # Refill the stage just freed (warp 0 is also a consumer, so it only ever waits
+            # for a stage that it has released itself).
+            if warp == 0 and produce.count < k_tiles:
+                ring.producer_acquire(produce)
+                cute.copy(tma_a, ta_g[(None, produce.count)], ta_s[(None, produce.index)],
+                          tma_bar_ptr=ring.producer_get_barrier(produce))
+                cute.copy(tma_b, tb_g[(None, produce.count)], tb_s[(None, produce.index)],
+                          tma_bar_ptr=ring.producer_get_barrier(produce))
+                ring.producer_commit(produce)
+                produce.advance()
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.sync_threads()
 
