@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -139,6 +140,18 @@ def bench_op(name, fused, ref, args, argnums, backends, iters, check):
     return rows
 
 
+def _kernel_lowering(name):
+    """The backend's lowering with plain GEMMs forced onto its own kernel (what we measure)."""
+    from coda_jax.backend import _ensure_registered, _lowerings
+
+    _ensure_registered(name)
+    if name == "pallas":
+        from coda_jax.pallas.lowering import PallasLowering
+
+        return PallasLowering(plain_gemm="pallas")
+    return _lowerings[name]()
+
+
 def bench_gemm(backends, iters):
     from coda_jax.backend import _ensure_registered, _lowerings
 
@@ -154,7 +167,7 @@ def bench_gemm(backends, iters):
                 continue
             try:
                 _ensure_registered(name)
-                low = _lowerings[name]()
+                low = _kernel_lowering(name)
                 f = jax.jit(lambda a, b: low.gemm(programs.IDENTITY, a, b, {})["out"])
                 row[f"{name}_rel_err"] = rel(f(a, b), ref)
                 row[f"{name}_ms"] = median_ms(f, a, b, iters=iters)
@@ -165,6 +178,85 @@ def bench_gemm(backends, iters):
         row["xla_tflops"] = flops / row["xla_ms"] / 1e9
         rows.append(row)
         print(json.dumps(row), flush=True)
+    return rows
+
+
+def _epilogue_cases(d):
+    """(label, epilogue, K, N) of every forward program at width ``d``, plus RoPE probes."""
+    import dataclasses
+
+    from coda_jax import epilogue as E
+
+    f, h, kv, hd = WIDTHS[d]
+    qkv = (h + 2 * kv) * hd
+    rope = programs.rms_rope(hd // 2, None, True)
+
+    def no_trig(acc, ctx, rstd, cos, sin, rot):  # RoPE without the V-head select
+        lo, hi = acc
+        zr, zi = lo * rstd, hi * rstd
+        c, s = cos, sin
+        return {"qkv": (zr * c - zi * s, zi * c + zr * s), "z": (zr, zi)}
+
+    pair_id = E.Epilogue(name="pair_identity", loads=(), outputs=(E.tile_out("out"),),
+                         body=lambda acc, ctx: {"out": acc}, pair_block=hd // 2)
+    t = TOKENS
+    return [  # (label, program, M, K, N, transpose_a, transpose_b)
+        ("identity", programs.IDENTITY, t, d, qkv, False, False),
+        ("pair_identity", pair_id, t, d, qkv, False, False),
+        ("rms_rope_train", rope, t, d, qkv, False, False),
+        ("rms_rope_train_no_trig", dataclasses.replace(rope, name="rope_no_trig", body=no_trig), t, d, qkv, False, False),
+        ("identity", programs.IDENTITY, t, h * hd, d, False, False),
+        ("residual_rms", programs.RESIDUAL_RMS, t, h * hd, d, False, False),
+        ("identity", programs.IDENTITY, t, d, 2 * f, False, False),
+        ("rms_swiglu_train", programs.rms_swiglu(True), t, d, 2 * f, False, False),
+        ("rms_swiglu", programs.rms_swiglu(False), t, d, 2 * f, False, False),
+        ("identity", programs.IDENTITY, t, d, VOCAB, False, False),
+        ("rms_lse", programs.RMS_LSE, t, d, VOCAB, False, False),
+        # backward layouts: dgrad (B transposed) and wgrad (A transposed, K = tokens)
+        ("identity dgrad", programs.IDENTITY, t, 2 * f, d, False, True),
+        ("identity wgrad", programs.IDENTITY, d, t, 2 * f, True, False),
+    ]
+
+
+def bench_epilogues(widths, backends, iters):
+    """Time of each forward program's GEMM vs the identity-epilogue GEMM of the same shape."""
+    from coda_jax.backend import _ensure_registered, _lowerings
+    from coda_jax.epilogue import LoadKind
+
+    rows = []
+    for name in [b for b in backends if b != "xla"]:
+        _ensure_registered(name)
+        low = _kernel_lowering(name)
+        for d in widths:
+            for label, epi, m, k, n, ta, tb in _epilogue_cases(d):
+                r = Inputs(k + n)
+                a = r.normal((k, m) if ta else (m, k))
+                b = r.normal((n, k) if tb else (k, n), 0.05)
+                loads = {}
+                for l in epi.loads:
+                    width = n // 2 if l.half else n
+                    if l.kind is LoadKind.ROW:
+                        loads[l.name] = (r.ints((m,), n) if l.name == "target"
+                                         else r.normal((m,), 0.1, 1.0, jnp.float32))
+                    elif l.kind is LoadKind.COL:
+                        loads[l.name] = r.normal((width,), 0.1, 1.0, jnp.float32)
+                    elif l.kind is LoadKind.ROW_BLOCK:
+                        loads[l.name] = r.normal((m, epi.pair_block), 0.5, 0.0, jnp.float32)
+                    else:
+                        loads[l.name] = r.normal((m, width))
+                fn = jax.jit(lambda a, b, loads, epi=epi, ta=ta, tb=tb: low.gemm(epi, a, b, loads, transpose_a=ta,
+                                                                                   transpose_b=tb))
+                row = {"op": "epilogue", "backend": name, "d": d, "program": label, "m": m, "k": k, "n": n}
+                try:
+                    row["ms"] = median_ms(fn, a, b, loads, iters=iters)
+                    dot = jax.jit(lambda a, b, ta=ta, tb=tb: jnp.dot(a.T if ta else a, b.T if tb else b))
+                    row["xla_dot_ms"] = median_ms(dot, a, b, iters=iters) if epi is programs.IDENTITY else None
+                    row["tflops"] = 2 * m * k * n / row["ms"] / 1e9
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    traceback.print_exc()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -206,17 +298,30 @@ def bench_block(widths, backends, iters):
         row["baseline_fwdbwd_ms"] = median_ms(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), p, x, iters=iters)
         cfg = LlamaConfig(hidden_size=d, intermediate_size=f, num_heads=h, num_kv_heads=kv, head_dim=hd,
                           num_layers=1, param_dtype=jnp.bfloat16, attention_implementation="cudnn")
-        for b in backends:
+        # "pallas+xlaplain": the Pallas backend with plain (identity-epilogue) GEMMs on XLA.
+        variants = [(b, None) for b in backends] + ([("pallas+xlaplain", "xla")] if "pallas" in backends else [])
+        for label, plain in variants:
+            b = label.split("+")[0]
+            old_env = os.environ.get("CODA_JAX_PALLAS_PLAIN_GEMM")
+            if plain is not None:
+                os.environ["CODA_JAX_PALLAS_PLAIN_GEMM"] = plain
             try:
                 model = CodaLlamaBlock(cfg, rngs=nnx.Rngs(0), backend=b)
                 gdef, state = nnx.split(model)
                 fwd = jax.jit(lambda s, x: nnx.merge(gdef, s)(x)[0])
                 lf = lambda s, x: jnp.sum(nnx.merge(gdef, s)(x)[0].astype(jnp.float32))
-                row[f"{b}_fwd_ms"] = median_ms(fwd, state, x, iters=iters)
-                row[f"{b}_fwdbwd_ms"] = median_ms(jax.jit(jax.value_and_grad(lf, argnums=(0, 1))), state, x, iters=iters)
+                row[f"{label}_fwd_ms"] = median_ms(fwd, state, x, iters=iters)
+                row[f"{label}_fwdbwd_ms"] = median_ms(jax.jit(jax.value_and_grad(lf, argnums=(0, 1))), state, x,
+                                                      iters=iters)
             except Exception as e:
-                row[f"{b}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 traceback.print_exc()
+            finally:
+                if plain is not None:
+                    if old_env is None:
+                        os.environ.pop("CODA_JAX_PALLAS_PLAIN_GEMM", None)
+                    else:
+                        os.environ["CODA_JAX_PALLAS_PLAIN_GEMM"] = old_env
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -229,7 +334,7 @@ def table(rows):
     for r in rows:
         if "fwd_ms" not in r and "error" not in r:
             continue
-        if r.get("op") in ("gemm", "block", "ce_memory"):
+        if r.get("op") in ("gemm", "block", "ce_memory", "epilogue"):
             continue
         x = ref.get((r["op"], r["d"]), {})
         if "error" in r:
@@ -242,8 +347,12 @@ def table(rows):
             f"{r.get('grad_rel_err', float('nan')):.1e} |")
     for r in rows:
         if r.get("op") == "gemm":
-            cols = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "op")
+            cols = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "op")
             lines.append(f"gemm: {cols}")
+        if r.get("op") == "epilogue":
+            dot = f" (jnp.dot {r['xla_dot_ms']:.3f} ms)" if r.get("xla_dot_ms") else ""
+            lines.append(f"epilogue: {r['backend']} d={r['d']} {r['program']} M={r['m']} K={r['k']} N={r['n']} "
+                         + (f"{r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s{dot}" if "ms" in r else r.get("error", "")[:120]))
         if r.get("op") in ("block", "ce_memory"):
             cols = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "op")
             lines.append(f"{r['op']}: {cols}")
@@ -288,6 +397,9 @@ def main():
             for name, fused, ref, a, argnums in op_cases(d):
                 rows += bench_op(name, fused, ref, a, argnums, backends, args.iters, not args.no_check)
                 save()
+    if "epilogues" in parts:
+        rows += bench_epilogues(widths, backends, args.iters)
+        save()
     if "ce_memory" in parts:
         rows += ce_memory(backends)
         save()

@@ -59,6 +59,7 @@ __all__ = [
     "row_sum",
     "col_sum",
     "row_logsumexp",
+    "row_block",
     "split_pairs",
     "join_pairs",
 ]
@@ -69,6 +70,10 @@ class LoadKind(enum.Enum):
     COL = "col"  # [N] vector, one value per accumulator column (gamma, RoPE frequencies)
     SCALAR = "scalar"  # [] scalar (alpha, loss scale)
     TILE = "tile"  # [M, N] matrix block (residual, saved pre-activation)
+    # Pair mode only: [M, pair_block], one value per row and position inside a pair block,
+    # the same for every block (RoPE's cos/sin per token and frequency: computed once per
+    # token instead of once per head, and read from L2 instead of recomputed).
+    ROW_BLOCK = "row_block"
 
 
 class OutputKind(enum.Enum):
@@ -149,6 +154,8 @@ class Epilogue:
             if o.half and self.pair_block is None:
                 raise ValueError(f"epilogue {self.name!r}: output {o.name!r} is half-width but pair_block is None")
         for l in self.loads:
+            if l.kind is LoadKind.ROW_BLOCK and (self.pair_block is None or l.half):
+                raise ValueError(f"epilogue {self.name!r}: load {l.name!r}: row_block loads need pair mode")
             if l.half and (self.pair_block is None or l.kind not in (LoadKind.COL, LoadKind.TILE)):
                 raise ValueError(f"epilogue {self.name!r}: load {l.name!r}: half-width needs pair mode and a col/tile load")
         if self.pair_block is not None and self.uses_col_index:
@@ -174,7 +181,8 @@ class Epilogue:
         for l in self.loads:
             v = loads[l.name]
             nl = n // 2 if l.half else n
-            want = {LoadKind.ROW: (m,), LoadKind.COL: (nl,), LoadKind.SCALAR: (), LoadKind.TILE: (m, nl)}[l.kind]
+            want = {LoadKind.ROW: (m,), LoadKind.COL: (nl,), LoadKind.SCALAR: (), LoadKind.TILE: (m, nl),
+                    LoadKind.ROW_BLOCK: (m, self.pair_block)}[l.kind]
             if tuple(v.shape) != want:
                 raise ValueError(
                     f"epilogue {self.name!r}: load {l.name!r} ({l.kind.value}) must have shape {want}, got {tuple(v.shape)}"
@@ -203,6 +211,11 @@ def row(name: str) -> Load:
 
 def col(name: str, *, half: bool = False) -> Load:
     return Load(name, LoadKind.COL, half)
+
+
+def row_block(name: str) -> Load:
+    """``[M, pair_block]``: per row and position in a pair block, repeated over blocks."""
+    return Load(name, LoadKind.ROW_BLOCK)
 
 
 def scalar(name: str) -> Load:

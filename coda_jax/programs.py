@@ -106,34 +106,33 @@ def rms_rope(half_head: int, qk_norm_eps: float | None, save_preactivation: bool
     """qkv = RoPE(rstd * (h @ W_qkv)) with rotate-half pairs inside each head.
 
     Pair mode with ``pair_block = head_dim / 2``: ``lo``/``hi`` are the two halves of a
-    head. Loads: ``rstd``, ``pos`` (token positions, row), ``freq`` (per pair column: the
-    rotary frequency for Q/K columns, 0 for V columns so that V passes unrotated).
+    head. Loads: ``rstd`` (row), ``cos``/``sin`` (row_block ``[M, hd/2]``: the rotation of
+    each token at each frequency, the same for every head, computed once per token by the
+    op), ``rot`` (per pair column: 1 for Q/K heads, 0 for V heads, which pass unrotated).
     With QK-norm (``qk_norm_eps`` set), each Q/K head is RMS-normalized over head_dim
-    with weight ``qk_w`` (col, full width) before the rotation; ``qk_on`` (per pair
-    column, 1 for Q/K heads, 0 for V) says where the norm applies.
+    with weight ``qk_w`` (col, full width) before the rotation.
     """
 
-    def body(acc, ctx, rstd, pos, freq, **kw):
+    def body(acc, ctx, rstd, cos, sin, rot, **kw):
         lo, hi = acc
         zr, zi = lo * rstd, hi * rstd
         out = {}
         if save_preactivation:
             out["z"] = (zr, zi)
+        on = rot > 0
         if qk_norm_eps is not None:
             w_lo, w_hi = kw["qk_w"]
-            on = kw["qk_on"]
             ms = (ctx.row_sum(zr * zr) + ctx.row_sum(zi * zi)) / (2 * half_head)
             r = jax.lax.rsqrt(ms + qk_norm_eps)
-            zr = jnp.where(on > 0, zr * r * w_lo, zr)
-            zi = jnp.where(on > 0, zi * r * w_hi, zi)
-        ang = pos * freq  # [rows, pairs]
-        c, s = jnp.cos(ang), jnp.sin(ang)
+            zr = jnp.where(on, zr * r * w_lo, zr)
+            zi = jnp.where(on, zi * r * w_hi, zi)
+        c, s = jnp.where(on, cos, 1.0), jnp.where(on, sin, 0.0)
         out["qkv"] = (zr * c - zi * s, zi * c + zr * s)
         return out
 
-    loads = (E.row("rstd"), E.row("pos"), E.col("freq", half=True))
+    loads = (E.row("rstd"), E.row_block("cos"), E.row_block("sin"), E.col("rot", half=True))
     if qk_norm_eps is not None:
-        loads += (E.col("qk_w"), E.col("qk_on", half=True))
+        loads += (E.col("qk_w"),)
     outputs = (E.tile_out("qkv"),) + ((E.tile_out("z"),) if save_preactivation else ())
     return E.Epilogue(
         name=f"rms_rope{'_qknorm' if qk_norm_eps is not None else ''}{'_train' if save_preactivation else ''}",

@@ -76,6 +76,8 @@ def _prepare_loads(epi: Epilogue, loads: Mapping[str, jax.Array]) -> dict[str, A
                            LoadKind.TILE: lambda v: v}[l.kind](v)
         elif l.kind is LoadKind.ROW:
             out[l.name] = v[:, None, None]
+        elif l.kind is LoadKind.ROW_BLOCK:
+            out[l.name] = v[:, None, :]
         elif l.half:
             out[l.name] = _split_half(v, b)[None] if l.kind is LoadKind.COL else _split_half(v, b)
         elif l.kind is LoadKind.COL:

@@ -40,12 +40,11 @@ def _loads(epi, m, n, key):
         w = n // 2 if l.half else n
         if l.name == "target":
             out[l.name] = jax.random.randint(k, (m,), -1, n)
-        elif l.name == "pos":
-            out[l.name] = jax.random.randint(k, (m,), 0, 4096).astype(jnp.float32)
-        elif l.name == "qk_on":
+        elif l.kind is LoadKind.ROW_BLOCK:  # cos / sin of random angles
+            ang = jax.random.uniform(jax.random.fold_in(key, 99), (m, epi.pair_block), maxval=7.0)
+            out[l.name] = jnp.cos(ang) if l.name == "cos" else jnp.sin(ang)
+        elif l.name == "rot":
             out[l.name] = (jnp.arange(w) < w - 64).astype(jnp.float32)
-        elif l.name == "freq":
-            out[l.name] = jax.random.uniform(k, (w,), minval=1e-4, maxval=1.0)
         elif l.name == "lse":
             out[l.name] = 3.0 + jax.random.normal(k, (m,))
         elif l.name == "rstd":

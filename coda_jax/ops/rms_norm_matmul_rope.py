@@ -5,7 +5,9 @@
     qkv = RoPE(u) for Q/K heads (rotate-half pairs (i, i+hd/2)), u for V heads
 
 The epilogue runs in pair mode with ``pair_block = hd/2``, so one head is one pair block;
-V heads get frequency 0 (cos=1, sin=0) and QK-norm off. Backward (no QK-norm): RoPE is a
+``cos``/``sin`` tables ``[M, hd/2]`` are computed once per token (XLA, tiny) and read by
+the epilogue as row_block loads (computing sin/cos per head in the epilogue cost 3x the
+GEMM on the H100); V heads (``rot`` = 0) pass unrotated with QK-norm off. Backward (no QK-norm): RoPE is a
 rotation, ``dz = R^T dqkv`` and ``sum(z*dz) = sum(qkv*dqkv)`` (CODA's zdz trick: nothing but
 the output is saved). With QK-norm the pre-norm ``z`` is saved and the per-head norm is
 differentiated inside each head (block-local).
@@ -38,9 +40,9 @@ class RopeVariant:
         return programs.rms_rope(self.half_head, self.qk_norm_eps, train and self.qk_norm_eps is not None)
 
     def loads(self, aux):
-        out = {"pos": aux["pos"], "freq": aux["freq"]}
+        out = {"cos": aux["cos"], "sin": aux["sin"], "rot": aux["rot"]}
         if self.qk_norm_eps is not None:
-            out.update(qk_w=aux["qk_w"], qk_on=aux["qk_on"])
+            out["qk_w"] = aux["qk_w"]
         return out
 
     def primal(self, outs):
@@ -53,9 +55,9 @@ class RopeVariant:
         qkv, z = saved
         b = self.half_head
         d_lo, d_hi = (v.astype(jnp.float32) for v in split_pairs(dqkv, b))
-        freq = aux["freq"].reshape(-1, b)[None]  # [1, heads, b]
-        ang = aux["pos"][:, None, None] * freq
-        c, s = jnp.cos(ang), jnp.sin(ang)
+        on = aux["rot"].reshape(-1, b)[None] > 0  # [1, heads, b]
+        c = jnp.where(on, aux["cos"][:, None, :], 1.0)
+        s = jnp.where(on, aux["sin"][:, None, :], 0.0)
         du_lo, du_hi = d_lo * c + d_hi * s, d_hi * c - d_lo * s  # R^T dqkv
         zero_aux = jax.tree.map(jnp.zeros_like, aux)
         if self.qk_norm_eps is None:
@@ -63,7 +65,6 @@ class RopeVariant:
             return join_pairs(du_lo, du_hi), zdz, zero_aux
         z_lo, z_hi = (v.astype(jnp.float32) for v in split_pairs(z, b))
         w_lo, w_hi = (v[None] for v in split_pairs(aux["qk_w"], b))
-        on = aux["qk_on"].reshape(-1, b)[None] > 0
         r = jax.lax.rsqrt((jnp.sum(z_lo * z_lo, -1, keepdims=True) + jnp.sum(z_hi * z_hi, -1, keepdims=True))
                           / (2 * b) + self.qk_norm_eps)
         zh_lo, zh_hi = z_lo * r, z_hi * r
@@ -77,14 +78,19 @@ class RopeVariant:
         return join_pairs(dz_lo, dz_hi), zdz, daux
 
 
-def rope_column_vectors(num_heads: int, num_kv_heads: int, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-pair-column ``freq`` and ``on`` vectors ``[(H + 2*KV) * hd/2]`` (V heads: 0)."""
-    qk = num_heads + num_kv_heads
-    freq = jnp.concatenate([jnp.tile(inv_freq.astype(jnp.float32), qk),
-                            jnp.zeros((num_kv_heads * inv_freq.shape[0],), jnp.float32)])
-    on = jnp.concatenate([jnp.ones((qk * inv_freq.shape[0],), jnp.float32),
-                          jnp.zeros((num_kv_heads * inv_freq.shape[0],), jnp.float32)])
-    return freq, on
+def rope_rotated_columns(num_heads: int, num_kv_heads: int, half_head: int) -> jax.Array:
+    """Per-pair-column ``[(H + 2*KV) * hd/2]`` float32: 1 for Q/K heads, 0 for V heads."""
+    qk = (num_heads + num_kv_heads) * half_head
+    return jnp.concatenate([jnp.ones((qk,), jnp.float32), jnp.zeros((num_kv_heads * half_head,), jnp.float32)])
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``cos``/``sin`` of ``positions[:, None] * inv_freq[None]``: ``[M, hd/2]`` float32 each.
+
+    Computed once per token (not once per head): the epilogue reads them as row_block loads.
+    """
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]
+    return jnp.cos(ang), jnp.sin(ang)
 
 
 def rms_norm_matmul_rope(
@@ -136,8 +142,8 @@ def rms_norm_matmul_rope(
         raise ValueError(f"positions must be an integer array of shape ({x.shape[0]},), got {positions.dtype}{tuple(positions.shape)}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("pass both q_norm and k_norm, or neither")
-    freq, on = rope_column_vectors(num_heads, num_kv_heads, inv_freq)
-    aux = {"pos": positions.astype(jnp.float32), "freq": freq}
+    cos, sin = rope_tables(positions, inv_freq)
+    aux = {"cos": cos, "sin": sin, "rot": rope_rotated_columns(num_heads, num_kv_heads, half)}
     qk_eps = None
     if q_norm is not None:
         check_vector("q_norm", q_norm, hd)
@@ -145,7 +151,6 @@ def rms_norm_matmul_rope(
         aux["qk_w"] = jnp.concatenate([jnp.tile(q_norm.astype(jnp.float32), num_heads),
                                        jnp.tile(k_norm.astype(jnp.float32), num_kv_heads),
                                        jnp.ones((num_kv_heads * hd,), jnp.float32)])
-        aux["qk_on"] = on
         qk_eps = float(qk_norm_eps)
     carry = resolve_carry(x, gamma, carry)
     lowering = lowering_for(RMS_NORM_MATMUL_ROPE, backend)

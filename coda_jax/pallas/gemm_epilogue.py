@@ -112,7 +112,8 @@ class _EpilogueEmitter:
         self.b = epi.pair_block
         self.chunks = _chunks(epi, self.tn)
         self.dt = dict(shape.out_dtypes)
-        self.tile_loads = [l for l in epi.loads if l.kind is LoadKind.TILE]
+        # Loads that arrive by TMA into SMEM, chunk by chunk (row_block: always columns [0, b)).
+        self.tile_loads = [l for l in epi.loads if l.kind in (LoadKind.TILE, LoadKind.ROW_BLOCK)]
         self.tile_outs = [o for o in epi.outputs if o.kind is OutputKind.TILE]
         self.row_outs = [o for o in epi.outputs if o.kind in (OutputKind.ROW_SUM, OutputKind.ROW_LOGSUMEXP)]
         self.col_outs = [o for o in epi.outputs if o.kind is OutputKind.COL_SUM]
@@ -127,6 +128,12 @@ class _EpilogueEmitter:
 
     def _nparts(self, half: bool) -> int:
         return 2 if (self.b is not None and not half) else 1
+
+    def _load_nparts(self, l) -> int:
+        return 1 if l.kind is LoadKind.ROW_BLOCK else self._nparts(l.half)
+
+    def _load_parts(self, l, c0: int, n0):
+        return [(0, self.b)] if l.kind is LoadKind.ROW_BLOCK else self.parts(c0, n0, l.half)
 
     def _width(self) -> int:
         return self.b if self.b is not None else self.chunks[0][1]
@@ -146,21 +153,21 @@ class _EpilogueEmitter:
         w, tm = self._width(), self.tm
         s = {}
         for l in self.tile_loads:
-            s["in_" + l.name] = plgpu.SMEM(lead + (2, self._nparts(l.half), tm, w), loads_dtypes[l.name])
+            s["in_" + l.name] = plgpu.SMEM(lead + (2, self._load_nparts(l), tm, w), loads_dtypes[l.name])
         for o in self.tile_outs:
             s["out_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(o.half), tm, w), self.dt[o.name])
         for o in self.row_outs:
             s["row_" + o.name] = plgpu.SMEM(lead + (2, tm), jnp.float32)
         for o in self.col_outs:
             s["col_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(False), w), jnp.float32)
-        n_bar = 2 * sum(self._nparts(l.half) for l in self.tile_loads)
+        n_bar = 2 * sum(self._load_nparts(l) for l in self.tile_loads)
         if n_bar:
             s["barrier"] = plgpu.Barrier(num_barriers=n_bar * (copies or 1))
         return s
 
     def scratch_bytes(self, loads_dtypes: dict[str, Any]) -> int:
         w, tm = self._width(), self.tm
-        total = sum(2 * self._nparts(l.half) * tm * w * jnp.dtype(loads_dtypes[l.name]).itemsize for l in self.tile_loads)
+        total = sum(2 * self._load_nparts(l) * tm * w * jnp.dtype(loads_dtypes[l.name]).itemsize for l in self.tile_loads)
         total += sum(2 * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize for o in self.tile_outs)
         total += len(self.row_outs) * 2 * tm * 4 + len(self.col_outs) * 2 * 2 * w * 4
         return total
@@ -178,13 +185,13 @@ class _EpilogueEmitter:
         epi, shape, b, tm = self.epi, self.shape, self.b, self.tm
         m_slice = pl.ds(m0, tm)
         shape_c = (tm, self._width())
-        load_parts = [(l, p) for l in self.tile_loads for p in range(self._nparts(l.half))]
+        load_parts = [(l, p) for l in self.tile_loads for p in range(self._load_nparts(l))]
 
         def issue_loads(ci):
             c0, _ = self.chunks[ci]
             slot = slot_of(ci)
             for j, (l, p) in enumerate(load_parts):
-                gc, pw = self.parts(c0, n0, l.half)[p]
+                gc, pw = self._load_parts(l, c0, n0)[p]
                 plgpu.copy_gmem_to_smem(load_refs[l.name].at[m_slice, pl.ds(gc, pw)], scr["in_" + l.name].at[slot, p],
                                         scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
 
@@ -214,7 +221,7 @@ class _EpilogueEmitter:
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
                 else:
                     vs = tuple(_f32(plgpu.load(scr["in_" + l.name].at[slot, p], layout=_WG, optimized=False))
-                               for p in range(self._nparts(l.half)))
+                               for p in range(self._load_nparts(l)))
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
             res = epi.body(acc_c, _TileContext(col0, shape_c), **kw)
             # The slot written now was last stored two chunks ago: keep only the last chunk's stores.
@@ -358,7 +365,7 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
     cta_m = 2 * tm
     grid_m, grid_n, k_iters = shape.m // cta_m, shape.n // tn, shape.k // tk
     a_block, b_block = _specs(shape, cfg, cta_m)
-    n_bar = 2 * sum(em._nparts(l.half) for l in em.tile_loads)
+    n_bar = 2 * sum(em._load_nparts(l) for l in em.tile_loads)
 
     def pipeline(step, compute_context):
         return plgpu.emit_pipeline_warp_specialized(

@@ -6,17 +6,24 @@ slices the outputs, and the kernel masks padded rows/columns out of reductions a
 log-sum-exps. Pair-mode epilogues need N to be a multiple of ``2 * pair_block`` (the
 op layer guarantees it). Operands must be bfloat16 or float16 (wgmma's 16-bit path);
 float32 operands raise a ``TypeError`` that points at ``backend="xla"``.
+
+Plain GEMMs (the identity epilogue: backward wgrad/dgrad GEMMs with nothing to fuse) run
+on this backend's kernel by default; ``plain_gemm="xla"`` (or the environment variable
+``CODA_JAX_PALLAS_PLAIN_GEMM=xla``) hands them to XLA's GEMM instead, since an epilogue
+program without loads or reductions gains nothing from the fused kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from coda_jax import programs
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel
 from coda_jax.pallas.interpret import interpret_enabled
@@ -46,8 +53,17 @@ class PallasLowering:
 
     name = "pallas"
 
-    def __init__(self, config: TuningConfig | None = None):
+    def __init__(self, config: TuningConfig | None = None, plain_gemm: str | None = None):
+        if plain_gemm not in (None, "pallas", "xla"):
+            raise ValueError(f"plain_gemm must be 'pallas' or 'xla', got {plain_gemm!r}")
         self.config = config
+        self.plain_gemm = plain_gemm
+
+    def _plain_gemm(self) -> str:
+        choice = self.plain_gemm or os.environ.get("CODA_JAX_PALLAS_PLAIN_GEMM", "pallas")
+        if choice not in ("pallas", "xla"):
+            raise ValueError(f"CODA_JAX_PALLAS_PLAIN_GEMM must be 'pallas' or 'xla', got {choice!r}")
+        return choice
 
     def gemm(
         self,
@@ -72,6 +88,10 @@ class PallasLowering:
         if k != k2:
             raise ValueError(f"contraction sizes differ: a gives K={k}, b gives K={k2}")
         epilogue.validate_loads(loads, m, n)
+        if epilogue is programs.IDENTITY and self._plain_gemm() == "xla":
+            dt = jnp.dtype((out_dtypes or {}).get("out") or a.dtype)
+            dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
+            return {"out": jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(dt)}
         pb = epilogue.pair_block
         if pb is not None:
             if n % (2 * pb):
@@ -95,11 +115,13 @@ class PallasLowering:
             v = loads[l.name]
             if l.kind is LoadKind.ROW:
                 v = jnp.pad(v, (0, mp - m))
+            elif l.kind is LoadKind.ROW_BLOCK:
+                v = jnp.pad(v, ((0, mp - m), (0, 0)))
             elif l.kind is LoadKind.COL:
                 v = jnp.pad(v, (0, (np_ - n) // (2 if l.half else 1)))
             elif l.kind is LoadKind.TILE:
                 v = pad2(v, mp, np_ // 2 if l.half else np_)
-            if jnp.issubdtype(v.dtype, jnp.floating) and l.kind is not LoadKind.TILE:
+            if jnp.issubdtype(v.dtype, jnp.floating) and l.kind not in (LoadKind.TILE, LoadKind.ROW_BLOCK):
                 v = v.astype(jnp.float32)
             args.append(v)
         dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
