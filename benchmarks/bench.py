@@ -8,7 +8,8 @@ of the forward output and of the gradients against a float32 computation of the 
 definition on the same bf16 inputs (fresh random inputs, never zeros). Also the plain GEMM
 against ``jnp.dot``, the cross-entropy's compiled temp memory against the logits' size, and
 ``CodaLlamaBlock`` against the plain XLA Llama block (``xla_llama_block.py``).
-Timing: median of ``--iters`` runs after warm-up, with ``jax.block_until_ready``.
+Timing (:func:`median_ms`): median of ``--iters`` samples after warm-up, each sample a
+batch of back-to-back calls closed by ``jax.block_until_ready``.
 Results go to ``<out>/bench.json``; a short table is printed last.
 """
 
@@ -43,14 +44,27 @@ TOKENS = 8192
 VOCAB = 128256
 
 
-def median_ms(f, *args, iters=20, warmup=3):
+def median_ms(f, *args, iters=20, warmup=3, min_sample_ms=3.0):
+    """Median milliseconds per call of ``f(*args)``.
+
+    Each of the ``iters`` samples dispatches ``reps`` calls back to back and blocks once
+    (``jax.block_until_ready``), with ``reps`` chosen so that a sample lasts at least
+    ``min_sample_ms``: the host-side sync then costs a small fraction of a sub-millisecond
+    kernel instead of being counted once per call.
+    """
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    one = time.perf_counter() - t
+    reps = max(1, min(50, int(min_sample_ms / 1e3 / max(one, 1e-6))))
     ts = []
     for _ in range(iters):
         t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
+        for _ in range(reps):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / reps)
     return statistics.median(ts) * 1e3
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The ONE device script: GPU tests + benchmarks in a single run on the H100 (device tool).
 #   bash benchmarks/gpu_suite.sh [bench.py args...]
-# Sections (env): SKIP_TESTS=1, SKIP_BENCH=1; TRAIN_STEPS=N (default 0: skip) trains
+# Sections (env): SKIP_TESTS=1 (GPU_TESTS="files" to choose), SKIP_BENCH=1; TUNE=1 runs the
+# Pallas config sweep (benchmarks/tune.py, TUNE_ARGS); TRAIN_STEPS=N (default 0: skip) trains
 # examples/train_llama.py on every backend (TRAIN_ARGS, default the 1b preset) and compares
 # the loss curves (benchmarks/compare_losses.py).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
@@ -22,8 +23,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 echo "== GPU tests ==" | tee "$OUT/tests.log"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  GPU_TESTS="tests/test_gpu_pallas.py"; [ -f tests/test_gpu_cutedsl.py ] && [[ $BACKENDS == *cutedsl* ]] && GPU_TESTS="$GPU_TESTS tests/test_gpu_cutedsl.py"
+  if [ -z "${GPU_TESTS:-}" ]; then
+    GPU_TESTS="tests/test_gpu_pallas.py"; [[ $BACKENDS == *cutedsl* ]] && GPU_TESTS="$GPU_TESTS tests/test_gpu_cutedsl.py"
+  fi
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
+fi
+if [ -n "${TUNE:-}" ]; then
+  echo "== tuning sweep =="
+  timeout "${TUNE_TIMEOUT:-300}" python3 benchmarks/tune.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^{' | tail -n 40
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks ($BACKENDS) =="
@@ -41,6 +48,7 @@ if [ "${TRAIN_STEPS:-0}" -gt 0 ]; then
   [ "${#RUNS[@]}" -gt 1 ] && python3 benchmarks/compare_losses.py "${RUNS[@]}" | tee "$OUT/train_compare.md"
 fi
 echo "== summary =="
+grep '^BEST' "$OUT/tune.log" 2>/dev/null
 tail -n 3 "$OUT/tests.log"
 cat "$OUT/table.md" 2>/dev/null
 cat "$OUT/train_compare.md" 2>/dev/null

@@ -5,6 +5,8 @@ array; a missed tile would keep whatever the allocation held and fail the compar
 relative error per output after reducing partials.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +15,9 @@ import pytest
 from coda_jax import programs
 from coda_jax.epilogue import LoadKind, OutputKind
 from coda_jax.pallas import interpret_mode
+from coda_jax.pallas.gemm_epilogue import SMEM_LIMIT, KernelShape, plan_kernel
 from coda_jax.pallas.lowering import PallasLowering
-from coda_jax.pallas.tuning import TuningConfig
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 from coda_jax.reference import REFERENCE
 from op_cases import rel_err
 
@@ -106,6 +109,7 @@ def test_program_matches_reference(epi, kw):
 
 
 WS = TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2, warp_specialized=True)
+WS_N = dataclasses.replace(WS, wg_dimension="n")
 
 
 @pytest.mark.parametrize("epi,kw", CASES, ids=[c[0].name for c in CASES])
@@ -114,9 +118,49 @@ def test_program_warp_specialized(epi, kw):
     _compare(epi, 256, n, 128, config=WS, seed=7, **kw)
 
 
+@pytest.mark.parametrize("epi,kw", [c for c in CASES if c[0].name in
+                                    ("residual_rms", "rms_swiglu_train", "rms_lse", "rms_dgrad_res", "rms_rope")],
+                         ids=lambda c: getattr(c, "name", ""))
+def test_program_warp_specialized_split_n(epi, kw):
+    _compare(epi, 128, 256, 128, config=WS_N, seed=17, **kw)
+
+
 def test_warp_specialized_ragged_and_transposed_b():
     _compare(programs.rms_dgrad(True), 200, 72, 130, transpose_b=True, config=WS, seed=8)
     _compare(programs.IDENTITY, 64, 128, 192, transpose_a=True, config=WS, seed=9)  # falls back: transposed A
+
+
+def test_warp_specialized_split_n_transposed_a():
+    # The wgrad layout (A = [K, M]) runs warp-specialized when the consumers split N.
+    shape = KernelShape(m=128, n=256, k=192, m_real=128, n_real=256, transpose_a=True, transpose_b=False,
+                        operand_dtype=jnp.dtype(jnp.bfloat16), out_dtypes=(("out", jnp.dtype(jnp.bfloat16)),),
+                        num_sms=4)
+    assert plan_kernel(programs.IDENTITY, shape, WS_N).warp_specialized
+    assert not plan_kernel(programs.IDENTITY, shape, WS).warp_specialized
+    _compare(programs.IDENTITY, 128, 256, 192, transpose_a=True, config=WS_N, seed=10)
+    _compare(programs.rms_dgrad(False), 100, 200, 130, transpose_b=True, config=WS_N, seed=11)
+
+
+def test_plan_fits_heavy_epilogues_in_smem():
+    # QK-norm RoPE training epilogue: f32 cos/sin staging + two tile outputs do not fit beside
+    # 4 stages of the 256x128 warp-specialized CTA tile; the plan falls back until it fits.
+    epi = programs.rms_rope(64, 1e-6, True)
+    shape = KernelShape(m=2048, n=1024, k=1024, m_real=2048, n_real=1024, transpose_a=False, transpose_b=False,
+                        operand_dtype=jnp.dtype(jnp.bfloat16),
+                        out_dtypes=(("qkv", jnp.dtype(jnp.bfloat16)), ("z", jnp.dtype(jnp.bfloat16))), num_sms=132)
+    ldt = (("rstd", jnp.dtype(jnp.float32)), ("cos", jnp.dtype(jnp.float32)), ("sin", jnp.dtype(jnp.float32)),
+           ("rot", jnp.dtype(jnp.float32)), ("qk_w", jnp.dtype(jnp.float32)))
+    cfg = CONFIG_TABLE["default"]
+    planned = plan_kernel(epi, shape, cfg, ldt)
+    assert planned != cfg
+    assert planned.smem_bytes(2) <= SMEM_LIMIT
+    plain = dataclasses.replace(shape, out_dtypes=(("out", jnp.dtype(jnp.bfloat16)),))
+    light = plan_kernel(programs.IDENTITY, plain, cfg, ())  # a light epilogue stays warp-specialized
+    assert light.warp_specialized and light.tile_m == cfg.tile_m
+
+
+def test_unswizzled_epilogue_staging():
+    _compare(programs.RESIDUAL_RMS, 128, 192, 128, config=dataclasses.replace(SMALL, swizzle_epilogue=False), seed=12)
 
 
 @pytest.mark.parametrize("ta,tb", [(True, False), (False, True), (True, True)])

@@ -152,10 +152,13 @@ class _EpilogueEmitter:
         lead = () if copies is None else (copies,)
         w, tm = self._width(), self.tm
         s = {}
+        tf = (lambda dt: _transforms(w, dt)) if self.cfg.swizzle_epilogue else (lambda dt: ())
         for l in self.tile_loads:
-            s["in_" + l.name] = plgpu.SMEM(lead + (2, self._load_nparts(l), tm, w), loads_dtypes[l.name])
+            s["in_" + l.name] = plgpu.SMEM(lead + (2, self._load_nparts(l), tm, w), loads_dtypes[l.name],
+                                           transforms=tf(loads_dtypes[l.name]))
         for o in self.tile_outs:
-            s["out_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(o.half), tm, w), self.dt[o.name])
+            s["out_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(o.half), tm, w), self.dt[o.name],
+                                            transforms=tf(self.dt[o.name]))
         for o in self.row_outs:
             s["row_" + o.name] = plgpu.SMEM(lead + (2, tm), jnp.float32)
         for o in self.col_outs:
@@ -286,15 +289,51 @@ def _specs(shape: KernelShape, cfg: TuningConfig, block_m: int):
     return a_block, b_block
 
 
-def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool,
-                 load_dtypes: tuple[tuple[str, Any], ...] = ()):
-    """A callable ``(a, b, *loads) -> outputs`` (outputs in ``epi.outputs`` order)."""
-    emitter = _EpilogueEmitter(epi, shape, cfg)
+def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
+                load_dtypes: tuple[tuple[str, Any], ...] = ()) -> TuningConfig:
+    """The configuration that runs: ``cfg``, adjusted until operands + epilogue fit in SMEM.
+
+    Order of preference: the warp-specialized kernel with ``cfg``'s pipeline depth, then
+    with fewer stages (down to 2); then the single-warpgroup kernel likewise; then with
+    ``tile_m=64``. Raises ``ValueError`` naming the epilogue if nothing fits.
+    """
     ldt = dict(load_dtypes)
     itemsize = jnp.dtype(shape.operand_dtype).itemsize
-    ws_pipe = cfg.max_concurrent_steps * (2 * cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
-    ws = (cfg.warp_specialized and not shape.transpose_a and shape.m % (2 * cfg.tile_m) == 0
-          and ws_pipe + 2 * emitter.scratch_bytes(ldt) + 4096 <= SMEM_LIMIT)
+
+    def fits(c: TuningConfig) -> bool:
+        scratch = _EpilogueEmitter(epi, shape, c).scratch_bytes(ldt)
+        consumers = 2 if c.warp_specialized else 1
+        return c.smem_bytes(itemsize) + consumers * scratch + 4096 <= SMEM_LIMIT
+
+    def ws_applies(c: TuningConfig) -> bool:
+        cm, cn = c.cta_tile()
+        if shape.m % cm or shape.n % cn:
+            return False
+        return c.wg_dimension == "n" or not shape.transpose_a  # an M split would slice a transposed A
+
+    candidates = []
+    if cfg.warp_specialized and ws_applies(cfg):
+        candidates += [dataclasses.replace(cfg, max_concurrent_steps=s) for s in range(cfg.max_concurrent_steps, 1, -1)]
+    simple = dataclasses.replace(cfg, warp_specialized=False)
+    for tm in dict.fromkeys((cfg.tile_m, 64)):
+        candidates += [dataclasses.replace(simple, tile_m=tm, max_concurrent_steps=s)
+                       for s in range(cfg.max_concurrent_steps, 1, -1)]
+    for c in candidates:
+        if fits(c):
+            return c
+    raise ValueError(f"epilogue {epi.name!r}: operand stages + epilogue staging exceed the {SMEM_LIMIT} B of SMEM "
+                     f"even at tile_m=64 with 2 stages (tile_n={cfg.tile_n}); use a smaller tile_n")
+
+
+def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool,
+                 load_dtypes: tuple[tuple[str, Any], ...] = ()):
+    """A callable ``(a, b, *loads) -> outputs`` (outputs in ``epi.outputs`` order).
+
+    ``cfg`` must already be the planned configuration (:func:`plan_kernel`).
+    """
+    emitter = _EpilogueEmitter(epi, shape, cfg)
+    ldt = dict(load_dtypes)
+    ws = cfg.warp_specialized
     body = _ws_body(emitter, shape, cfg, ldt) if ws else _simple_body(emitter, shape, cfg, ldt)
     return plgpu.kernel(
         body,
@@ -304,7 +343,7 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
         num_threads=3 if ws else None,
         thread_name="wg" if ws else None,
         compiler_params=plgpu.CompilerParams(approx_math=False),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs
     )
 
 
@@ -360,11 +399,20 @@ def _simple_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ld
 
 
 def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
-    """Warp-specialized: a producer warpgroup feeds two consumers, each owning half the tile."""
+    """Warp-specialized: a producer warpgroup feeds two consumers, each owning half the tile.
+
+    ``wg_dimension="m"``: CTA tile ``[2*tm, tn]``, consumer ``wg`` owns rows
+    ``[wg*tm, (wg+1)*tm)``; ``"n"``: CTA tile ``[tm, 2*tn]``, consumer ``wg`` owns columns
+    ``[wg*tn, (wg+1)*tn)``. Either way each consumer's epilogue sees a ``[tm, tn]`` tile and
+    writes the partials of tile ``(mi_c, ni_c)`` of the ``[tm, tn]`` grid.
+    """
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    cta_m = 2 * tm
-    grid_m, grid_n, k_iters = shape.m // cta_m, shape.n // tn, shape.k // tk
-    a_block, b_block = _specs(shape, cfg, cta_m)
+    ta, tb = shape.transpose_a, shape.transpose_b
+    split_n = cfg.wg_dimension == "n"
+    cta_m, cta_n = cfg.cta_tile()
+    grid_m, grid_n, k_iters = shape.m // cta_m, shape.n // cta_n, shape.k // tk
+    a_block = (tk, cta_m) if ta else (cta_m, tk)
+    b_block = (cta_n, tk) if tb else (tk, cta_n)
     n_bar = 2 * sum(em._load_nparts(l) for l in em.tile_loads)
 
     def pipeline(step, compute_context):
@@ -373,8 +421,9 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
             grid=(k_iters,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec(a_block, lambda kk: (0, kk), transforms=_transforms(a_block[1], shape.operand_dtype)),
-                plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if shape.transpose_b else (lambda kk: (kk, 0)),
+                plgpu.BlockSpec(a_block, (lambda kk: (kk, 0)) if ta else (lambda kk: (0, kk)),
+                                transforms=_transforms(a_block[1], shape.operand_dtype)),
+                plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if tb else (lambda kk: (kk, 0)),
                                 transforms=_transforms(b_block[1], shape.operand_dtype)),
             ],
             wg_axis="wg",
@@ -399,6 +448,10 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
                 mi, ni = plgpu.planar_snake(lin, (grid_m, grid_n), 1, min(cfg.grid_tile_width, grid_n))
                 local = lax.div(lin, shape.num_sms)  # tiles this CTA has done before
                 tile_slot = lax.rem(local, 2)
+                if split_n:
+                    m0, n0, mi_c, ni_c = mi * cta_m, ni * cta_n + wg * tn, mi, 2 * ni + wg
+                else:
+                    m0, n0, mi_c, ni_c = mi * cta_m + wg * tm, ni * cta_n, 2 * mi + wg, ni
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
@@ -406,18 +459,24 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
                         eval_pipeline(acc_ref)
                         acc = acc_ref[...]
                         mine = {k: (v if k == "barrier" else v.at[wg]) for k, v in scr.items()}
-                        em.emit(acc, mi * cta_m + wg * tm, ni * tn, 2 * mi + wg, ni, tile_slot, load_refs,
-                                out_refs, mine, barrier_base=wg * n_bar, step_base=local * len(em.chunks))
+                        em.emit(acc, m0, n0, mi_c, ni_c, tile_slot, load_refs, out_refs, mine,
+                                barrier_base=wg * n_bar, step_base=local * len(em.chunks))
 
                 def step(_, a_smem, b_smem, acc_ref):
-                    a_view = a_smem.at[pl.ds(wg * tm, tm)]
-                    plgpu.wgmma(acc_ref, a_view, b_smem.transpose((1, 0)) if shape.transpose_b else b_smem)
+                    if split_n:
+                        a_view = a_smem.transpose((1, 0)) if ta else a_smem
+                        b_view = (b_smem.at[pl.ds(wg * tn, tn)].transpose((1, 0)) if tb
+                                  else b_smem.at[:, pl.ds(wg * tn, tn)])
+                    else:
+                        a_view = a_smem.at[pl.ds(wg * tm, tm)]
+                        b_view = b_smem.transpose((1, 0)) if tb else b_smem
+                    plgpu.wgmma(acc_ref, a_view, b_view)
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
-                b_view = (b_gmem.at[pl.ds(ni * tn, tn), :] if shape.transpose_b else b_gmem.at[:, pl.ds(ni * tn, tn)])
-                pipeline(step, compute_context)(a_gmem.at[pl.ds(mi * cta_m, cta_m), :], b_view,
-                                                allocations=pipeline_allocs)
+                a_view = a_gmem.at[:, pl.ds(mi * cta_m, cta_m)] if ta else a_gmem.at[pl.ds(mi * cta_m, cta_m), :]
+                b_view = b_gmem.at[pl.ds(ni * cta_n, cta_n), :] if tb else b_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
+                pipeline(step, compute_context)(a_view, b_view, allocations=pipeline_allocs)
 
         plgpu.wait_smem_to_gmem(0)
 

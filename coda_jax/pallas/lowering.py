@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from coda_jax import programs
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel
+from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.pallas.tuning import TuningConfig, choose_config
 
@@ -102,8 +102,8 @@ class PallasLowering:
         cfg = self.config or choose_config(m, n, k)
         if pb is not None and cfg.tile_n % (2 * pb):
             raise ValueError(f"tile_n={cfg.tile_n} must be a multiple of 2*pair_block={2 * pb}")
-        m_quantum = cfg.tile_m * (2 if cfg.warp_specialized and not transpose_a else 1)
-        mp, np_, kp = _round_up(m, m_quantum), _round_up(n, cfg.tile_n), _round_up(k, cfg.tile_k)
+        m_quantum, n_quantum = cfg.cta_tile()  # padding to the CTA tile; a fallback kernel divides it too
+        mp, np_, kp = _round_up(m, m_quantum), _round_up(n, n_quantum), _round_up(k, cfg.tile_k)
 
         def pad2(x, rows, cols):
             return x if x.shape == (rows, cols) else jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
@@ -130,6 +130,7 @@ class PallasLowering:
                             transpose_b=transpose_b, operand_dtype=jnp.dtype(a.dtype), out_dtypes=dtypes,
                             num_sms=_num_sms(interpret))
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
+        cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
         res = _kernel(epilogue, shape, cfg, interpret, load_dtypes)(a_p, b_p, *args)
         out = {}
         for o, v in zip(epilogue.outputs, res):

@@ -19,7 +19,14 @@ class TuningConfig:
       warp_specialized: one producer warpgroup issues the TMA loads and two consumer
         warpgroups each own a ``[tile_m, tile_n]`` half of a ``[2*tile_m, tile_n]`` CTA
         tile (more reuse per byte of SMEM traffic). Falls back to the single-warpgroup
-        kernel where it does not apply (transposed A) or its epilogue does not fit in SMEM.
+        kernel where its operand stages and epilogue do not fit in SMEM (fewer stages are
+        tried first).
+      wg_dimension: ``"m"``: the two consumers split the CTA tile along M (CTA tile
+        ``[2*tile_m, tile_n]``); ``"n"``: along N (CTA tile ``[tile_m, 2*tile_n]``, which
+        also serves a transposed A, the wgrad layout).
+      swizzle_epilogue: the epilogue's SMEM staging tiles (tile loads and tile outputs)
+        use the 128-byte swizzled layout that TMA and the WGMMA register layout agree on
+        (no bank conflicts); ``False`` keeps them row-major.
     """
 
     tile_m: int = 128
@@ -28,16 +35,27 @@ class TuningConfig:
     max_concurrent_steps: int = 4
     grid_tile_width: int = 4
     warp_specialized: bool = False
+    wg_dimension: str = "m"
+    swizzle_epilogue: bool = True
 
     def __post_init__(self):
+        if self.wg_dimension not in ("m", "n"):
+            raise ValueError(f"wg_dimension must be 'm' or 'n', got {self.wg_dimension!r}")
         if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
             raise ValueError(f"tile_m, tile_n and tile_k must be multiples of 64, got {self}")
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
 
+    def cta_tile(self) -> tuple[int, int]:
+        """Output tile of one CTA: two consumer tiles in the warp-specialized kernel."""
+        if not self.warp_specialized:
+            return self.tile_m, self.tile_n
+        return (self.tile_m, 2 * self.tile_n) if self.wg_dimension == "n" else (2 * self.tile_m, self.tile_n)
+
     def smem_bytes(self, itemsize: int) -> int:
         """SMEM of the mainloop's operand stages."""
-        return self.max_concurrent_steps * (self.tile_m + self.tile_n) * self.tile_k * itemsize
+        cm, cn = self.cta_tile()
+        return self.max_concurrent_steps * (cm + cn) * self.tile_k * itemsize
 
 
 # Per shape class: chosen by measurement on the H100 (benchmarks/tune.py regenerates it).
