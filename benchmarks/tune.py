@@ -42,7 +42,7 @@ CANDIDATES = {
     "ws_m_s4": _WS,
     "ws_n_s4": dataclasses.replace(_WS, wg_dimension="n"),
     "ws_n_s4_gw8": dataclasses.replace(_WS, wg_dimension="n", grid_tile_width=8),
-    "ws_n_s4_noswz": dataclasses.replace(_WS, wg_dimension="n", swizzle_epilogue=False),
+    "ws_n_s4_swizzled": dataclasses.replace(_WS, wg_dimension="n", swizzle_epilogue=True),
     "ws_n_64x128_s6": TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=6, warp_specialized=True,
                                    wg_dimension="n"),
 }

@@ -7,6 +7,8 @@ allocated and freed, so an output element the kernel fails to write keeps a NaN 
 allocator and fails ``rel_err``'s finiteness check.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,7 +19,11 @@ from test_pallas_kernels import CASES, _compare
 
 pytestmark = pytest.mark.gpu
 
-CONFIGS = {"single_wg": TuningConfig(), "warp_specialized": CONFIG_TABLE["default"]}
+CONFIGS = {
+    "single_wg": TuningConfig(),
+    "warp_specialized": CONFIG_TABLE["default"],
+    "ws_split_m_swizzled": dataclasses.replace(CONFIG_TABLE["default"], wg_dimension="m", swizzle_epilogue=True),
+}
 
 
 def _poison(m, n, count=8):

@@ -159,8 +159,10 @@ def test_plan_fits_heavy_epilogues_in_smem():
     assert light.warp_specialized and light.tile_m == cfg.tile_m
 
 
-def test_unswizzled_epilogue_staging():
-    _compare(programs.RESIDUAL_RMS, 128, 192, 128, config=dataclasses.replace(SMALL, swizzle_epilogue=False), seed=12)
+@pytest.mark.parametrize("epi", [programs.RESIDUAL_RMS, programs.rms_swiglu(True), programs.rms_rope(32, None, False)],
+                         ids=lambda e: e.name)
+def test_swizzled_epilogue_staging(epi):
+    _compare(epi, 256, 256, 128, config=dataclasses.replace(WS_N, swizzle_epilogue=True), seed=12)
 
 
 @pytest.mark.parametrize("ta,tb", [(True, False), (False, True), (True, True)])

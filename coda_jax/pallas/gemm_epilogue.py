@@ -144,7 +144,8 @@ class _EpilogueEmitter:
         if b is None:
             return [(n0 + c0, self.chunks[0][1])]
         if half:  # one column per pair: block c0 of the tile maps to [n0/2 + c0/2, +b)
-            return [(n0 // 2 + c0 // 2, b)]
+            start = n0 // 2 + c0 // 2
+            return [(start if isinstance(start, int) else pl.multiple_of(start, b), b)]
         return [(n0 + c0, b), (n0 + c0 + b, b)]
 
     def scratch_types(self, loads_dtypes: dict[str, Any], copies: int | None = None) -> dict[str, Any]:
@@ -175,31 +176,56 @@ class _EpilogueEmitter:
         total += len(self.row_outs) * 2 * tm * 4 + len(self.col_outs) * 2 * 2 * w * 4
         return total
 
-    def emit(self, acc, m0, n0, mi, ni, tile_slot, load_refs, out_refs, scr, barrier_base=0, step_base=0):
+    # Chunks whose tile loads are issued before the mainloop by ``prefetch`` (both slots).
+    PREFETCH = 2
+
+    def _load_parts_list(self):
+        return [(l, p) for l in self.tile_loads for p in range(self._load_nparts(l))]
+
+    def _slot_of(self, step_base, ci):
+        return (step_base + ci) % 2 if isinstance(step_base, int) else lax.rem(step_base + ci, 2)
+
+    def _issue_loads(self, ci, m0, n0, load_refs, scr, barrier_base, step_base):
+        """TMA of chunk ``ci``'s tile / row_block loads into its SMEM slot."""
+        c0, _ = self.chunks[ci]
+        slot = self._slot_of(step_base, ci)
+        load_parts = self._load_parts_list()
+        for j, (l, p) in enumerate(load_parts):
+            gc, pw = self._load_parts(l, c0, n0)[p]
+            plgpu.copy_gmem_to_smem(load_refs[l.name].at[pl.ds(m0, self.tm), pl.ds(gc, pw)],
+                                    scr["in_" + l.name].at[slot, p],
+                                    scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
+
+    def prefetch(self, m0, n0, load_refs, scr, barrier_base=0, step_base=0):
+        """Issues the first chunks' tile loads; call before the mainloop so they land during it."""
+        if self._load_parts_list():
+            for ci in range(min(self.PREFETCH, len(self.chunks))):
+                self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
+
+    def emit(self, acc, m0, n0, mi, ni, tile_slot, load_refs, out_refs, scr, barrier_base=0, step_base=0,
+             prefetched=False):
         """Runs the epilogue of the ``[tm, tn]`` accumulator tile at (m0, n0).
 
         ``step_base``: chunks processed before this tile with the same scratch (its parity
         picks the double-buffer slot, so a slot is never rewritten while its store runs).
+        ``prefetched``: :meth:`prefetch` already issued the first chunks' loads.
         """
 
         def slot_of(ci):
-            return (step_base + ci) % 2 if isinstance(step_base, int) else lax.rem(step_base + ci, 2)
+            return self._slot_of(step_base, ci)
 
         epi, shape, b, tm = self.epi, self.shape, self.b, self.tm
         m_slice = pl.ds(m0, tm)
         shape_c = (tm, self._width())
-        load_parts = [(l, p) for l in self.tile_loads for p in range(self._load_nparts(l))]
+        load_parts = self._load_parts_list()
+        first_unissued = min(self.PREFETCH, len(self.chunks)) if prefetched else 0
 
         def issue_loads(ci):
-            c0, _ = self.chunks[ci]
-            slot = slot_of(ci)
-            for j, (l, p) in enumerate(load_parts):
-                gc, pw = self._load_parts(l, c0, n0)[p]
-                plgpu.copy_gmem_to_smem(load_refs[l.name].at[m_slice, pl.ds(gc, pw)], scr["in_" + l.name].at[slot, p],
-                                        scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
+            self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
 
-        if load_parts:
+        if load_parts and first_unissued == 0:
             issue_loads(0)
+            first_unissued = 1
         row_vals = {l.name: lax.broadcast_in_dim(_f32(plgpu.load(load_refs[l.name].at[m_slice], layout=_ROW,
                                                                   optimized=False)), shape_c, [0])
                     for l in epi.loads if l.kind is LoadKind.ROW}
@@ -208,7 +234,7 @@ class _EpilogueEmitter:
             slot = slot_of(ci)
             col0 = n0 + c0
             if load_parts:
-                if ci + 1 < len(self.chunks):
+                if first_unissued <= ci + 1 < len(self.chunks):  # its slot was read by chunk ci - 1
                     issue_loads(ci + 1)
                 for j in range(len(load_parts)):
                     plgpu.barrier_wait(scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
@@ -456,11 +482,14 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                     def _acc(acc_ref):
+                        mine = {k: (v if k == "barrier" else v.at[wg]) for k, v in scr.items()}
+                        step_base = local * len(em.chunks)
+                        # The epilogue's residual / saved tiles stream in while the MMAs run.
+                        em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
                         eval_pipeline(acc_ref)
                         acc = acc_ref[...]
-                        mine = {k: (v if k == "barrier" else v.at[wg]) for k, v in scr.items()}
                         em.emit(acc, m0, n0, mi_c, ni_c, tile_slot, load_refs, out_refs, mine,
-                                barrier_base=wg * n_bar, step_base=local * len(em.chunks))
+                                barrier_base=wg * n_bar, step_base=step_base, prefetched=True)
 
                 def step(_, a_smem, b_smem, acc_ref):
                     if split_n:

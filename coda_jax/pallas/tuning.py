@@ -36,7 +36,7 @@ class TuningConfig:
     grid_tile_width: int = 4
     warp_specialized: bool = False
     wg_dimension: str = "m"
-    swizzle_epilogue: bool = True
+    swizzle_epilogue: bool = False
 
     def __post_init__(self):
         if self.wg_dimension not in ("m", "n"):
@@ -58,11 +58,14 @@ class TuningConfig:
         return self.max_concurrent_steps * (cm + cn) * self.tile_k * itemsize
 
 
-# Per shape class: chosen by measurement on the H100 (benchmarks/tune.py regenerates it).
-# Keys: "small" (M*N < 2^22 or K < 256), "default". Values: TuningConfig.
+# Per shape class: chosen by measurement on the H100 (benchmarks/tune.py regenerates it; see
+# benchmarks/RESULTS.md, run 7). Keys: "small" (M*N < 2^22 or K < 256), "default".
 CONFIG_TABLE: dict[str, TuningConfig] = {
     "small": TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2),
-    "default": TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, warp_specialized=True),
+    # 128 x 256 CTA tile, consumers split along N; plan_kernel trims the pipeline to 3
+    # stages beside the epilogue staging (4 do not fit).
+    "default": TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, warp_specialized=True,
+                            wg_dimension="n"),
 }
 
 
