@@ -229,6 +229,13 @@ def _epilogue_cases(d):
         # backward layouts: dgrad (B transposed) and wgrad (A transposed, K = tokens)
         ("identity dgrad", programs.IDENTITY, t, 2 * f, d, False, True),
         ("identity wgrad", programs.IDENTITY, d, t, 2 * f, True, False),
+        # the norm backward on the dgrad GEMM (K = 2f, N = d), and what its pieces cost
+        ("rms_dgrad_res dgrad", programs.rms_dgrad(True), t, 2 * f, d, False, True),
+        ("rms_dgrad dgrad", programs.rms_dgrad(False), t, 2 * f, d, False, True),
+        ("rms_dgrad_res without dgamma col_sum", dataclasses.replace(
+            programs.rms_dgrad(True), name="rms_dgrad_res_nocol",
+            outputs=tuple(o for o in programs.rms_dgrad(True).outputs if o.name != "dgamma")), t, 2 * f, d, False, True),
+        ("ce_grad dgrad-chunk", programs.CE_GRAD, t, d, 16384, False, True),
     ]
 
 
