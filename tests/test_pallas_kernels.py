@@ -194,3 +194,23 @@ def test_errors_name_the_rule():
         p.gemm(programs.rms_swiglu(False), a, jnp.ones((64, 192), jnp.bfloat16), {"rstd": jnp.ones(64)})
     with pytest.raises(ValueError, match="load 'rstd'"):
         p.gemm(programs.ROW_SCALE, a, a, {"rstd": jnp.ones(3)})
+
+
+def test_plan_narrows_epilogue_chunks_before_dropping_stages():
+    # The norm backward (two tile loads, two tile outputs, a column sum) on the dgrad GEMM.
+    epi = programs.rms_dgrad(True)
+    shape = KernelShape(m=8192, n=2048, k=16384, m_real=8192, n_real=2048, transpose_a=False, transpose_b=True,
+                        operand_dtype=jnp.dtype(jnp.bfloat16),
+                        out_dtypes=(("dx", jnp.dtype(jnp.bfloat16)), ("dgamma", jnp.dtype(jnp.float32)),
+                                    ("xg", jnp.dtype(jnp.bfloat16))), num_sms=132)
+    ldt = (("x", jnp.dtype(jnp.bfloat16)), ("rstd", jnp.dtype(jnp.float32)), ("zdz", jnp.dtype(jnp.float32)),
+           ("gamma", jnp.dtype(jnp.float32)), ("dres", jnp.dtype(jnp.bfloat16)))
+    planned = plan_kernel(epi, shape, CONFIG_TABLE["default"], ldt)
+    assert planned.warp_specialized and planned.max_concurrent_steps >= 3 and planned.epilogue_cols < 64
+
+
+@pytest.mark.parametrize("cols", [16, 32])
+def test_narrow_epilogue_chunks(cols):
+    cfg = dataclasses.replace(WS_N, epilogue_cols=cols)
+    _compare(programs.rms_dgrad(True), 100, 200, 130, transpose_b=True, config=cfg, seed=13)
+    _compare(programs.RESIDUAL_RMS, 128, 256, 64, config=cfg, seed=14)

@@ -64,9 +64,9 @@ def _transforms(minor_elems: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _chunks(epi: Epilogue, tile_n: int) -> list[tuple[int, int]]:
-    """(first column, width) of each epilogue chunk of a tile."""
-    w = 2 * epi.pair_block if epi.pair_block is not None else min(64, tile_n)
+def _chunks(epi: Epilogue, tile_n: int, cols: int = 64) -> list[tuple[int, int]]:
+    """(first column, width) of each epilogue chunk of a tile (``cols`` wide outside pair mode)."""
+    w = 2 * epi.pair_block if epi.pair_block is not None else min(cols, tile_n)
     return [(c, w) for c in range(0, tile_n, w)]
 
 
@@ -110,7 +110,7 @@ class _EpilogueEmitter:
         self.epi, self.shape, self.cfg = epi, shape, cfg
         self.tm, self.tn = cfg.tile_m, cfg.tile_n
         self.b = epi.pair_block
-        self.chunks = _chunks(epi, self.tn)
+        self.chunks = _chunks(epi, self.tn, cfg.epilogue_cols)
         self.dt = dict(shape.out_dtypes)
         # Loads that arrive by TMA into SMEM, chunk by chunk (row_block: always columns [0, b)).
         self.tile_loads = [l for l in epi.loads if l.kind in (LoadKind.TILE, LoadKind.ROW_BLOCK)]
@@ -319,17 +319,20 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
                 load_dtypes: tuple[tuple[str, Any], ...] = ()) -> TuningConfig:
     """The configuration that runs: ``cfg``, adjusted until operands + epilogue fit in SMEM.
 
-    Order of preference: the warp-specialized kernel with ``cfg``'s pipeline depth, then
-    with fewer stages (down to 2); then the single-warpgroup kernel likewise; then with
-    ``tile_m=64``. Raises ``ValueError`` naming the epilogue if nothing fits.
+    Order of preference: the warp-specialized kernel with ``cfg``'s pipeline depth and
+    epilogue chunk width, then narrower chunks (32, 16 columns: less staging SMEM per
+    consumer), then fewer stages (down to 2); then the single-warpgroup kernel (whose
+    epilogue staging reuses the pipeline's SMEM), then with ``tile_m=64``. Raises
+    ``ValueError`` naming the epilogue if nothing fits.
     """
     ldt = dict(load_dtypes)
     itemsize = jnp.dtype(shape.operand_dtype).itemsize
 
     def fits(c: TuningConfig) -> bool:
         scratch = _EpilogueEmitter(epi, shape, c).scratch_bytes(ldt)
-        consumers = 2 if c.warp_specialized else 1
-        return c.smem_bytes(itemsize) + consumers * scratch + 4096 <= SMEM_LIMIT
+        if c.warp_specialized:  # staging lives beside the pipeline (consumers run ahead)
+            return c.smem_bytes(itemsize) + 2 * scratch + 2048 <= SMEM_LIMIT
+        return max(c.smem_bytes(itemsize), scratch) + 2048 <= SMEM_LIMIT  # disjoint scopes
 
     def ws_applies(c: TuningConfig) -> bool:
         cm, cn = c.cta_tile()
@@ -337,9 +340,15 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
             return False
         return c.wg_dimension == "n" or not shape.transpose_a  # an M split would slice a transposed A
 
+    # Narrower epilogue chunks (less staging SMEM) before shallower pipelines; 2 stages last.
+    col_options = [cfg.epilogue_cols] if epi.pair_block is not None else [
+        c for c in (cfg.epilogue_cols, 32, 16) if c <= cfg.epilogue_cols]
+    stage_options = list(range(cfg.max_concurrent_steps, 2, -1))
     candidates = []
     if cfg.warp_specialized and ws_applies(cfg):
-        candidates += [dataclasses.replace(cfg, max_concurrent_steps=s) for s in range(cfg.max_concurrent_steps, 1, -1)]
+        candidates += [dataclasses.replace(cfg, epilogue_cols=c, max_concurrent_steps=s)
+                       for s in stage_options for c in col_options]
+        candidates += [dataclasses.replace(cfg, epilogue_cols=c, max_concurrent_steps=2) for c in col_options]
     simple = dataclasses.replace(cfg, warp_specialized=False)
     for tm in dict.fromkeys((cfg.tile_m, 64)):
         candidates += [dataclasses.replace(simple, tile_m=tm, max_concurrent_steps=s)

@@ -27,6 +27,10 @@ class TuningConfig:
       swizzle_epilogue: the epilogue's SMEM staging tiles (tile loads and tile outputs)
         use the 128-byte swizzled layout that TMA and the WGMMA register layout agree on
         (no bank conflicts); ``False`` keeps them row-major.
+      epilogue_cols: width of one epilogue chunk outside pair mode (64, 32 or 16): the
+        accumulator is processed ``[tile_m, epilogue_cols]`` at a time, each chunk's tile
+        loads and outputs double-buffered in SMEM. ``plan_kernel`` narrows it for heavy
+        epilogues so that the warp-specialized kernel keeps its pipeline depth.
     """
 
     tile_m: int = 128
@@ -37,12 +41,15 @@ class TuningConfig:
     warp_specialized: bool = False
     wg_dimension: str = "m"
     swizzle_epilogue: bool = False
+    epilogue_cols: int = 64
 
     def __post_init__(self):
         if self.wg_dimension not in ("m", "n"):
             raise ValueError(f"wg_dimension must be 'm' or 'n', got {self.wg_dimension!r}")
         if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
             raise ValueError(f"tile_m, tile_n and tile_k must be multiples of 64, got {self}")
+        if self.epilogue_cols not in (16, 32, 64):
+            raise ValueError(f"epilogue_cols must be 16, 32 or 64, got {self.epilogue_cols}")
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
 
