@@ -167,8 +167,8 @@ def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
     With x_hat = rstd * x and zdz = sum_N(z * dz) / d (equal to mean_d(x_hat*gamma*g):
     the inner product is preserved through the GEMM, so no row reduction of g is
     needed here):   dx = dres + rstd * (gamma * g - x_hat * zdz).
-    Also emits the column partials of d_gamma = sum_rows(g * x_hat) and
-    ``xg = x_hat * gamma``, the A^T operand of the wgrad GEMM ``dW = xg^T @ dz``.
+    Also writes ``xh = x_hat``, the A^T operand of the wgrad GEMM (:data:`NORM_WGRAD`),
+    which also produces d_gamma: no column reduction is needed in this epilogue.
     """
 
     def body(acc, ctx, x, rstd, zdz, gamma, **kw):
@@ -176,7 +176,7 @@ def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
         dx = rstd * (gamma * acc - xh * zdz)
         if with_residual_grad:
             dx = dx + kw["dres"]
-        return {"dx": dx, "dgamma": acc * xh, "xg": xh * gamma}
+        return {"dx": dx, "xh": xh}
 
     loads = (E.tile("x"), E.row("rstd"), E.row("zdz"), E.col("gamma"))
     if with_residual_grad:
@@ -184,9 +184,26 @@ def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
     return E.Epilogue(
         name=f"rms_dgrad{'_res' if with_residual_grad else ''}",
         loads=loads,
-        outputs=(E.tile_out("dx"), E.col_sum("dgamma"), E.tile_out("xg")),
+        outputs=(E.tile_out("dx"), E.tile_out("xh")),
         body=body,
     )
+
+
+def _norm_wgrad_body(acc, ctx, gamma, w):
+    # acc = P = x_hat^T @ dz  [d, N].  dW = gamma_row * P, and
+    # d_gamma_j = sum_i g_ij x_hat_ij = sum_i x_hat_ij sum_n dz_in W_jn = sum_n W_jn P_jn:
+    # a row sum over this tile (d_gamma moves from a column reduction of the dgrad
+    # epilogue to a row reduction of the wgrad epilogue).
+    return {"dw": acc * gamma, "dgamma": acc * w}
+
+
+NORM_WGRAD = E.Epilogue(
+    name="norm_wgrad",
+    loads=(E.row("gamma"), E.tile("w")),
+    outputs=(E.tile_out("dw"), E.row_sum("dgamma")),
+    body=_norm_wgrad_body,
+)
+"""wgrad of an RMSNorm-scaled GEMM: ``dW = gamma * (x_hat^T @ dz)`` and d_gamma partials."""
 
 
 def swiglu_grad(gate, up, dy):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.epilogue import LoadKind, OutputKind
 from coda_jax.pallas import interpret_mode
@@ -84,6 +85,12 @@ def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0, config=
         assert e < 1e-2, f"{epi.name}.{o.name}: rel err {e:.3g}"
 
 
+# No program of the op set reduces over columns any more (d_gamma moved to a row sum of the
+# wgrad epilogue); the primitive stays in the spec and is tested with this program.
+COL_SUM_PROBE = E.Epilogue(name="col_sum_probe", loads=(E.col("gamma"),),
+                           outputs=(E.tile_out("out"), E.col_sum("colsum")),
+                           body=lambda acc, ctx, gamma: {"out": acc * gamma, "colsum": acc * acc})
+
 CASES = [
     (programs.IDENTITY, {}),
     (programs.RESIDUAL, {}),
@@ -99,6 +106,8 @@ CASES = [
     (programs.rms_dgrad(True), {"transpose_b": True}),
     (programs.CE_GRAD, {"transpose_b": True}),
     (programs.ACCUMULATE, {}),
+    (programs.NORM_WGRAD, {"transpose_a": True}),
+    (COL_SUM_PROBE, {}),
 ]
 
 
@@ -197,12 +206,11 @@ def test_errors_name_the_rule():
 
 
 def test_plan_narrows_epilogue_chunks_before_dropping_stages():
-    # The norm backward (two tile loads, two tile outputs, a column sum) on the dgrad GEMM.
+    # The norm backward (two tile loads, two tile outputs) on the dgrad GEMM.
     epi = programs.rms_dgrad(True)
     shape = KernelShape(m=8192, n=2048, k=16384, m_real=8192, n_real=2048, transpose_a=False, transpose_b=True,
                         operand_dtype=jnp.dtype(jnp.bfloat16),
-                        out_dtypes=(("dx", jnp.dtype(jnp.bfloat16)), ("dgamma", jnp.dtype(jnp.float32)),
-                                    ("xg", jnp.dtype(jnp.bfloat16))), num_sms=132)
+                        out_dtypes=(("dx", jnp.dtype(jnp.bfloat16)), ("xh", jnp.dtype(jnp.bfloat16))), num_sms=132)
     ldt = (("x", jnp.dtype(jnp.bfloat16)), ("rstd", jnp.dtype(jnp.float32)), ("zdz", jnp.dtype(jnp.float32)),
            ("gamma", jnp.dtype(jnp.float32)), ("dres", jnp.dtype(jnp.bfloat16)))
     planned = plan_kernel(epi, shape, CONFIG_TABLE["default"], ldt)
@@ -214,3 +222,13 @@ def test_narrow_epilogue_chunks(cols):
     cfg = dataclasses.replace(WS_N, epilogue_cols=cols)
     _compare(programs.rms_dgrad(True), 100, 200, 130, transpose_b=True, config=cfg, seed=13)
     _compare(programs.RESIDUAL_RMS, 128, 256, 64, config=cfg, seed=14)
+
+
+def test_column_sums_never_run_warp_specialized():
+    # Measured on the H100: a column sum (a cross-warp reduction) in both consumer
+    # warpgroups at once gave intermittently wrong partials; the plan keeps such programs on
+    # the single-warpgroup kernel.
+    shape = KernelShape(m=2048, n=1024, k=1024, m_real=2048, n_real=1024, transpose_a=False, transpose_b=False,
+                        operand_dtype=jnp.dtype(jnp.bfloat16),
+                        out_dtypes=(("out", jnp.dtype(jnp.bfloat16)), ("colsum", jnp.dtype(jnp.float32))), num_sms=132)
+    assert not plan_kernel(COL_SUM_PROBE, shape, CONFIG_TABLE["default"], (("gamma", jnp.dtype(jnp.float32)),)).warp_specialized

@@ -7,8 +7,9 @@ Math (CODA section 1 and 3). With ``h = x * gamma``, ``rstd = 1/sqrt(mean(x^2)+e
                zdz = sum_N(z * dz) / d      (row term; = mean_d(x_hat*gamma*g) because the
                                             inner product is preserved through the GEMM)
                g = dz @ W^T                 dgrad GEMM, whose epilogue does the norm backward:
-               dx = dres + rstd*(gamma*g - x_hat*zdz),  d_gamma partials,  xg = x_hat*gamma
-               dW = xg^T @ dz               wgrad GEMM
+               dx = dres + rstd*(gamma*g - x_hat*zdz),  xh = x_hat
+               P = xh^T @ dz                wgrad GEMM, whose epilogue writes
+               dW = gamma * P,  d_gamma = sum_N(W * P)   (row partials; = sum_M(g * x_hat))
 
 ``dres`` is the residual-stream gradient: the ops return ``x`` itself as a second output
 (``return_residual=True``) so that the gradient of everything downstream that reads the
@@ -85,10 +86,11 @@ def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
     if dres is not None:
         loads["dres"] = dres
     outs = lowering.gemm(programs.rms_dgrad(dres is not None), dz, w, loads, transpose_b=True,
-                         out_dtypes={"dx": x.dtype, "xg": w.dtype})
-    dgamma = jnp.sum(outs["dgamma"], axis=0).astype(gamma.dtype)
-    dw = lowering.gemm(programs.IDENTITY, outs["xg"], dz, {}, transpose_a=True, out_dtypes={"out": w.dtype})["out"]
-    return outs["dx"], dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
+                         out_dtypes={"dx": x.dtype, "xh": w.dtype})
+    wg = lowering.gemm(programs.NORM_WGRAD, outs["xh"], dz, {"gamma": gamma, "w": w}, transpose_a=True,
+                       out_dtypes={"dw": w.dtype})
+    dgamma = jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype)
+    return outs["dx"], dgamma, wg["dw"], jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
 
 
 normed_gemm.defvjp(_normed_gemm_fwd, _normed_gemm_bwd)
