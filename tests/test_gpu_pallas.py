@@ -46,3 +46,9 @@ def test_ragged_shapes_on_gpu(cfg):
     _compare(programs.RMS_LSE, 777, 5000, 256, transpose_b=True, config=CONFIGS[cfg])
     _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg])
     _compare(programs.IDENTITY, 1000, 1500, 520, transpose_a=True, config=CONFIGS[cfg])
+
+
+def test_ops_under_remat_and_vmap_on_gpu():
+    from test_ops_pallas import _remat_vmap_case
+
+    _remat_vmap_case("pallas")

@@ -1,10 +1,15 @@
 """The Pallas Mosaic-GPU Hopper GEMM with a lowered epilogue program.
 
-Mainloop: persistent CTAs (one per SM) walk the output tiles in planar-snake order; per
-tile, ``plgpu.emit_pipeline`` streams ``[tile_m, tile_k]`` / ``[tile_k, tile_n]`` operand
-blocks into swizzled SMEM with TMA, ``max_concurrent_steps`` deep, feeding ``wgmma`` into a
-float32 register accumulator. Transposed operands (``[K, M]`` A for wgrad, ``[N, K]`` B
-for dgrad and the LM head) are read as transposed SMEM views; no copy.
+Mainloop: persistent CTAs (one per SM) walk the output tiles in planar-snake order. The
+default (warp-specialized) kernel has a producer warpgroup streaming operand blocks into
+swizzled SMEM with TMA, ``max_concurrent_steps`` deep, and two consumer warpgroups, each
+``wgmma``-ing one ``[tile_m, tile_n]`` half of the CTA tile (split along N by default:
+``[128, 256]``) into a float32 register accumulator and running its epilogue; the
+epilogue's tile loads are issued before the MMAs so they land during the mainloop. The
+single-warpgroup kernel (``plgpu.emit_pipeline``) serves what does not fit beside it.
+:func:`plan_kernel` picks the kernel, pipeline depth and epilogue chunk width that fit in
+SMEM. Transposed operands (``[K, M]`` A for wgrad, ``[N, K]`` B for dgrad and the LM head)
+are read as transposed SMEM views; no copy.
 
 Epilogue: the accumulator tile is cut into *chunks* (64 columns, or one ``2*b`` pair block
 in pair mode) and the epilogue body (the same function the reference backend runs) is
