@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
-from coda_jax.epilogue import Epilogue
+from coda_jax.epilogue import Epilogue, OutputKind
 
 
 class GemmLowering(Protocol):
@@ -54,3 +55,33 @@ class GemmLowering(Protocol):
         transpose_b: bool = False,
         out_dtypes: Mapping[str, Any] | None = None,
     ) -> dict[str, jax.Array]: ...
+
+
+def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
+                      transpose_a: bool, transpose_b: bool) -> tuple[int, int, int]:
+    """The shared input rules of the kernel backends; returns ``(m, n, k)``.
+
+    2-D operands of one 16-bit dtype (wgmma's path; float32 points at ``backend="xla"``),
+    equal contraction sizes, loads matching the declaration, and in pair mode N a multiple
+    of ``2 * pair_block`` with no column sum or log-sum-exp output.
+    """
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"a and b must be 2-D, got a{tuple(a.shape)} b{tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must share a dtype, got a={a.dtype} b={b.dtype}")
+    if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"the {backend} backend needs bfloat16/float16 GEMM operands, got {a.dtype}; "
+                        "use backend='xla' (or compute dtype bfloat16) for float32")
+    m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
+    k2, n = (b.shape[1], b.shape[0]) if transpose_b else b.shape
+    if k != k2:
+        raise ValueError(f"contraction sizes differ: a gives K={k}, b gives K={k2}")
+    epilogue.validate_loads(loads, m, n)
+    pb = epilogue.pair_block
+    if pb is not None:
+        if n % (2 * pb):
+            raise ValueError(f"epilogue {epilogue.name!r}: N={n} must be a multiple of 2*pair_block={2 * pb}")
+        if any(o.kind in (OutputKind.COL_SUM, OutputKind.ROW_LOGSUMEXP) for o in epilogue.outputs):
+            raise NotImplementedError(f"epilogue {epilogue.name!r}: col_sum / row_logsumexp in pair mode "
+                                      f"are not supported by the {backend} backend")
+    return m, n, k

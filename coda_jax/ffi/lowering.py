@@ -15,7 +15,6 @@ regeneration on cache hits), so a training step does not recompile.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.lowering import check_kernel_gemm
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
 TILE_M = 128
@@ -83,25 +83,8 @@ class CuteDslLowering:
 
         from coda_jax.ffi.kernel import KernelPlan, choose_stages, needs_scratch, scratch_floats  # noqa: F401
 
-        if a.ndim != 2 or b.ndim != 2:
-            raise ValueError(f"a and b must be 2-D, got a{tuple(a.shape)} b{tuple(b.shape)}")
-        if a.dtype != b.dtype:
-            raise TypeError(f"a and b must share a dtype, got a={a.dtype} b={b.dtype}")
-        if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-            raise TypeError(f"the CuTeDSL backend needs bfloat16/float16 GEMM operands, got {a.dtype}; "
-                            "use backend='xla' (or compute dtype bfloat16) for float32")
-        m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
-        k2, n = (b.shape[1], b.shape[0]) if transpose_b else b.shape
-        if k != k2:
-            raise ValueError(f"contraction sizes differ: a gives K={k}, b gives K={k2}")
-        epilogue.validate_loads(loads, m, n)
+        m, n, k = check_kernel_gemm("CuTeDSL", epilogue, a, b, loads, transpose_a, transpose_b)
         pb = epilogue.pair_block
-        if pb is not None:
-            if n % (2 * pb):
-                raise ValueError(f"epilogue {epilogue.name!r}: N={n} must be a multiple of 2*pair_block={2 * pb}")
-            if any(o.kind in (OutputKind.COL_SUM, OutputKind.ROW_LOGSUMEXP) for o in epilogue.outputs):
-                raise NotImplementedError(f"epilogue {epilogue.name!r}: col_sum / row_logsumexp in pair mode "
-                                          "are not supported by the CuTeDSL backend")
         tn = _tile_n(epilogue)
         mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, TILE_K)
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from coda_jax import programs
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.lowering import check_kernel_gemm
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.pallas.tuning import TuningConfig, choose_config
@@ -76,28 +77,12 @@ class PallasLowering:
         transpose_b: bool = False,
         out_dtypes: Mapping[str, Any] | None = None,
     ) -> dict[str, jax.Array]:
-        if a.ndim != 2 or b.ndim != 2:
-            raise ValueError(f"a and b must be 2-D, got a{tuple(a.shape)} b{tuple(b.shape)}")
-        if a.dtype != b.dtype:
-            raise TypeError(f"a and b must share a dtype, got a={a.dtype} b={b.dtype}")
-        if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-            raise TypeError(f"the Pallas backend needs bfloat16/float16 GEMM operands, got {a.dtype}; "
-                            "use backend='xla' (or compute dtype bfloat16) for float32")
-        m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
-        k2, n = (b.shape[1], b.shape[0]) if transpose_b else b.shape
-        if k != k2:
-            raise ValueError(f"contraction sizes differ: a gives K={k}, b gives K={k2}")
-        epilogue.validate_loads(loads, m, n)
+        m, n, k = check_kernel_gemm("Pallas", epilogue, a, b, loads, transpose_a, transpose_b)
         if epilogue is programs.IDENTITY and self._plain_gemm() == "xla":
             dt = jnp.dtype((out_dtypes or {}).get("out") or a.dtype)
             dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
             return {"out": jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(dt)}
         pb = epilogue.pair_block
-        if pb is not None:
-            if n % (2 * pb):
-                raise ValueError(f"epilogue {epilogue.name!r}: N={n} must be a multiple of 2*pair_block={2 * pb}")
-            if any(o.kind in (OutputKind.COL_SUM, OutputKind.ROW_LOGSUMEXP) for o in epilogue.outputs):
-                raise NotImplementedError(f"epilogue {epilogue.name!r}: col_sum / row_logsumexp in pair mode")
         interpret = interpret_enabled()
         cfg = self.config or choose_config(m, n, k)
         if pb is not None and cfg.tile_n % (2 * pb):
