@@ -25,20 +25,13 @@ import coda_jax as cj  # noqa: E402
 from coda_jax import programs  # noqa: E402
 from coda_jax.epilogue import OutputKind  # noqa: E402
 from coda_jax.reference import REFERENCE  # noqa: E402
-from op_cases import Inputs, rel_err  # noqa: E402
+from op_cases import Inputs, poison_allocator, rel_err  # noqa: E402
 from test_pallas_kernels import CASES, _loads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
 BF = jnp.bfloat16
-
-
-def _poison(shapes):
-    """Fills the allocator's free list with NaNs of the given sizes."""
-    bufs = [jnp.full(s, jnp.nan, jnp.float32) for s in shapes]
-    jax.block_until_ready(bufs)
-    del bufs
 
 
 def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0):
@@ -51,7 +44,7 @@ def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0):
     loads = _loads(epi, m, n, kl)
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
     want = REFERENCE.gemm(epi, a, b, loads, **kw)
-    _poison([(m, n)] * (2 * len(epi.outputs)))
+    poison_allocator([(m, n)] * (2 * len(epi.outputs)))
     got = jax.jit(lambda a, b, l: CUTEDSL.gemm(epi, a, b, l, **kw))(a, b, loads)
     assert set(got) == set(want)
     for o in epi.outputs:

@@ -118,6 +118,19 @@ def test_program_matches_reference(epi, kw):
 
 
 WS = TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2, warp_specialized=True)
+
+
+def _shape(m, n, k, outs, transpose_a=False, transpose_b=False, num_sms=132):
+    """A KernelShape of tile-multiple sizes; ``outs``: {output name: dtype}."""
+    return KernelShape(m=m, n=n, k=k, m_real=m, n_real=n, transpose_a=transpose_a, transpose_b=transpose_b,
+                       operand_dtype=jnp.dtype(jnp.bfloat16),
+                       out_dtypes=tuple((name, jnp.dtype(dt)) for name, dt in outs.items()), num_sms=num_sms)
+
+
+def _dtypes(**kw):
+    return tuple((k, jnp.dtype(v)) for k, v in kw.items())
+
+
 WS_N = dataclasses.replace(WS, wg_dimension="n")
 
 
@@ -141,9 +154,7 @@ def test_warp_specialized_ragged_and_transposed_b():
 
 def test_warp_specialized_split_n_transposed_a():
     # The wgrad layout (A = [K, M]) runs warp-specialized when the consumers split N.
-    shape = KernelShape(m=128, n=256, k=192, m_real=128, n_real=256, transpose_a=True, transpose_b=False,
-                        operand_dtype=jnp.dtype(jnp.bfloat16), out_dtypes=(("out", jnp.dtype(jnp.bfloat16)),),
-                        num_sms=4)
+    shape = _shape(128, 256, 192, {"out": jnp.bfloat16}, transpose_a=True, num_sms=4)
     assert plan_kernel(programs.IDENTITY, shape, WS_N).warp_specialized
     assert not plan_kernel(programs.IDENTITY, shape, WS).warp_specialized
     _compare(programs.IDENTITY, 128, 256, 192, transpose_a=True, config=WS_N, seed=10)
@@ -154,17 +165,13 @@ def test_plan_fits_heavy_epilogues_in_smem():
     # QK-norm RoPE training epilogue: f32 cos/sin staging + two tile outputs do not fit beside
     # 4 stages of the 256x128 warp-specialized CTA tile; the plan falls back until it fits.
     epi = programs.rms_rope(64, 1e-6, True)
-    shape = KernelShape(m=2048, n=1024, k=1024, m_real=2048, n_real=1024, transpose_a=False, transpose_b=False,
-                        operand_dtype=jnp.dtype(jnp.bfloat16),
-                        out_dtypes=(("qkv", jnp.dtype(jnp.bfloat16)), ("z", jnp.dtype(jnp.bfloat16))), num_sms=132)
-    ldt = (("rstd", jnp.dtype(jnp.float32)), ("cos", jnp.dtype(jnp.float32)), ("sin", jnp.dtype(jnp.float32)),
-           ("rot", jnp.dtype(jnp.float32)), ("qk_w", jnp.dtype(jnp.float32)))
+    shape = _shape(2048, 1024, 1024, {"qkv": jnp.bfloat16, "z": jnp.bfloat16})
+    ldt = _dtypes(rstd=jnp.float32, cos=jnp.float32, sin=jnp.float32, rot=jnp.float32, qk_w=jnp.float32)
     cfg = CONFIG_TABLE["default"]
     planned = plan_kernel(epi, shape, cfg, ldt)
     assert planned != cfg
     assert planned.smem_bytes(2) <= SMEM_LIMIT
-    plain = dataclasses.replace(shape, out_dtypes=(("out", jnp.dtype(jnp.bfloat16)),))
-    light = plan_kernel(programs.IDENTITY, plain, cfg, ())  # a light epilogue stays warp-specialized
+    light = plan_kernel(programs.IDENTITY, _shape(2048, 1024, 1024, {"out": jnp.bfloat16}), cfg, ())  # a light epilogue stays warp-specialized
     assert light.warp_specialized and light.tile_m == cfg.tile_m
 
 
@@ -208,11 +215,8 @@ def test_errors_name_the_rule():
 def test_plan_narrows_epilogue_chunks_before_dropping_stages():
     # The norm backward (two tile loads, two tile outputs) on the dgrad GEMM.
     epi = programs.rms_dgrad(True)
-    shape = KernelShape(m=8192, n=2048, k=16384, m_real=8192, n_real=2048, transpose_a=False, transpose_b=True,
-                        operand_dtype=jnp.dtype(jnp.bfloat16),
-                        out_dtypes=(("dx", jnp.dtype(jnp.bfloat16)), ("xh", jnp.dtype(jnp.bfloat16))), num_sms=132)
-    ldt = (("x", jnp.dtype(jnp.bfloat16)), ("rstd", jnp.dtype(jnp.float32)), ("zdz", jnp.dtype(jnp.float32)),
-           ("gamma", jnp.dtype(jnp.float32)), ("dres", jnp.dtype(jnp.bfloat16)))
+    shape = _shape(8192, 2048, 16384, {"dx": jnp.bfloat16, "xh": jnp.bfloat16}, transpose_b=True)
+    ldt = _dtypes(x=jnp.bfloat16, rstd=jnp.float32, zdz=jnp.float32, gamma=jnp.float32, dres=jnp.bfloat16)
     planned = plan_kernel(epi, shape, CONFIG_TABLE["default"], ldt)
     assert planned.warp_specialized and planned.max_concurrent_steps >= 3 and planned.epilogue_cols < 64
 
@@ -228,7 +232,18 @@ def test_column_sums_never_run_warp_specialized():
     # Measured on the H100: a column sum (a cross-warp reduction) in both consumer
     # warpgroups at once gave intermittently wrong partials; the plan keeps such programs on
     # the single-warpgroup kernel.
-    shape = KernelShape(m=2048, n=1024, k=1024, m_real=2048, n_real=1024, transpose_a=False, transpose_b=False,
-                        operand_dtype=jnp.dtype(jnp.bfloat16),
-                        out_dtypes=(("out", jnp.dtype(jnp.bfloat16)), ("colsum", jnp.dtype(jnp.float32))), num_sms=132)
-    assert not plan_kernel(COL_SUM_PROBE, shape, CONFIG_TABLE["default"], (("gamma", jnp.dtype(jnp.float32)),)).warp_specialized
+    shape = _shape(2048, 1024, 1024, {"out": jnp.bfloat16, "colsum": jnp.float32})
+    assert not plan_kernel(COL_SUM_PROBE, shape, CONFIG_TABLE["default"], _dtypes(gamma=jnp.float32)).warp_specialized
+
+
+def test_plain_gemm_routing():
+    # plain_gemm="xla" hands identity-epilogue GEMMs to the reference backend (no kernel).
+    key = jax.random.split(jax.random.key(21), 2)
+    a = jax.random.normal(key[0], (96, 64)).astype(jnp.bfloat16)
+    b = jax.random.normal(key[1], (80, 64)).astype(jnp.bfloat16)
+    got = PallasLowering(plain_gemm="xla").gemm(programs.IDENTITY, a, b, {}, transpose_b=True,
+                                                  out_dtypes={"out": jnp.float32})["out"]
+    want = REFERENCE.gemm(programs.IDENTITY, a, b, {}, transpose_b=True, out_dtypes={"out": jnp.float32})["out"]
+    assert got.dtype == jnp.float32 and rel_err(got, want) == 0.0
+    with pytest.raises(ValueError, match="plain_gemm must be 'pallas' or 'xla'"):
+        PallasLowering(plain_gemm="cublas")

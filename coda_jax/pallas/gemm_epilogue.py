@@ -11,7 +11,7 @@ single-warpgroup kernel (``plgpu.emit_pipeline``) serves what does not fit besid
 SMEM. Transposed operands (``[K, M]`` A for wgrad, ``[N, K]`` B for dgrad and the LM head)
 are read as transposed SMEM views; no copy.
 
-Epilogue: the accumulator tile is cut into *chunks* (64 columns, or one ``2*b`` pair block
+Epilogue: the accumulator tile is cut into *chunks* (``epilogue_cols`` columns, or one ``2*b`` pair block
 in pair mode) and the epilogue body (the same function the reference backend runs) is
 called on each chunk with its loads already broadcast to the chunk's shape:
 
@@ -181,8 +181,9 @@ class _EpilogueEmitter:
         total += len(self.row_outs) * 2 * tm * 4 + len(self.col_outs) * 2 * 2 * w * 4
         return total
 
-    # Chunks whose tile loads are issued before the mainloop by ``prefetch`` (both slots).
-    PREFETCH = 2
+    def _n_prefetched(self) -> int:
+        """Chunks whose tile loads :meth:`prefetch` issues before the mainloop (both slots)."""
+        return min(2, len(self.chunks))
 
     def _load_parts_list(self):
         return [(l, p) for l in self.tile_loads for p in range(self._load_nparts(l))]
@@ -204,7 +205,7 @@ class _EpilogueEmitter:
     def prefetch(self, m0, n0, load_refs, scr, barrier_base=0, step_base=0):
         """Issues the first chunks' tile loads; call before the mainloop so they land during it."""
         if self._load_parts_list():
-            for ci in range(min(self.PREFETCH, len(self.chunks))):
+            for ci in range(self._n_prefetched()):
                 self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
 
     def emit(self, acc, m0, n0, mi, ni, tile_slot, load_refs, out_refs, scr, barrier_base=0, step_base=0,
@@ -223,7 +224,7 @@ class _EpilogueEmitter:
         m_slice = pl.ds(m0, tm)
         shape_c = (tm, self._width())
         load_parts = self._load_parts_list()
-        first_unissued = min(self.PREFETCH, len(self.chunks)) if prefetched else 0
+        first_unissued = self._n_prefetched() if prefetched else 0
 
         def issue_loads(ci):
             self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
@@ -313,10 +314,11 @@ class _EpilogueEmitter:
 SMEM_LIMIT = 227 * 1024
 
 
-def _specs(shape: KernelShape, cfg: TuningConfig, block_m: int):
+def _specs(shape: KernelShape, cfg: TuningConfig, block_m: int, block_n: int):
+    """SMEM block shapes of the A and B operands (transposed layouts keep K minor-most)."""
     tk = cfg.tile_k
     a_block = (tk, block_m) if shape.transpose_a else (block_m, tk)
-    b_block = (cfg.tile_n, tk) if shape.transpose_b else (tk, cfg.tile_n)
+    b_block = (block_n, tk) if shape.transpose_b else (tk, block_n)
     return a_block, b_block
 
 
@@ -342,7 +344,7 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     def ws_applies(c: TuningConfig) -> bool:
         if any(o.kind is OutputKind.COL_SUM for o in epi.outputs):
             # A column sum is a cross-warp reduction; run in both consumer warpgroups at once
-            # it gave intermittently wrong partials on the H100 (benchmarks/RESULTS.md, run 8).
+            # it gave intermittently wrong partials on the H100 (benchmarks/RESULTS.md, runs 10-11).
             return False
         cm, cn = c.cta_tile()
         if shape.m % cm or shape.n % cn:
@@ -400,7 +402,7 @@ def _simple_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ld
     """One warpgroup per CTA: TMA pipeline, wgmma, then the epilogue (SMEM reused)."""
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     grid_m, grid_n, k_iters = shape.m // tm, shape.n // tn, shape.k // tk
-    a_block, b_block = _specs(shape, cfg, tm)
+    a_block, b_block = _specs(shape, cfg, tm, tn)
 
     def body(a_gmem, b_gmem, *refs):
         load_refs, out_refs = _split_refs(em.epi, refs)
@@ -455,8 +457,7 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
     split_n = cfg.wg_dimension == "n"
     cta_m, cta_n = cfg.cta_tile()
     grid_m, grid_n, k_iters = shape.m // cta_m, shape.n // cta_n, shape.k // tk
-    a_block = (tk, cta_m) if ta else (cta_m, tk)
-    b_block = (cta_n, tk) if tb else (tk, cta_n)
+    a_block, b_block = _specs(shape, cfg, cta_m, cta_n)
     n_bar = 2 * sum(em._load_nparts(l) for l in em.tile_loads)
 
     def pipeline(step, compute_context):

@@ -29,6 +29,7 @@ from coda_jax.lowering import check_kernel_gemm
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.pallas.tuning import TuningConfig, choose_config
+from coda_jax.reference import REFERENCE
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
 INTERPRET_SMS = 4
@@ -79,9 +80,8 @@ class PallasLowering:
     ) -> dict[str, jax.Array]:
         m, n, k = check_kernel_gemm("Pallas", epilogue, a, b, loads, transpose_a, transpose_b)
         if epilogue is programs.IDENTITY and self._plain_gemm() == "xla":
-            dt = jnp.dtype((out_dtypes or {}).get("out") or a.dtype)
-            dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
-            return {"out": jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(dt)}
+            return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
+                                  out_dtypes=out_dtypes)
         pb = epilogue.pair_block
         interpret = interpret_enabled()
         cfg = self.config or choose_config(m, n, k)
