@@ -16,6 +16,7 @@ Results go to ``<out>/bench.json``; a short table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -42,6 +43,7 @@ WIDTHS = {  # d: (f, heads, kv_heads, head_dim)
 }
 TOKENS = 8192
 VOCAB = 128256
+ATTENTION = "cudnn"  # the blocks' attention; --smoke (CPU) uses XLA's
 
 
 def median_ms(f, *args, iters=20, warmup=3, min_sample_ms=3.0):
@@ -299,50 +301,73 @@ def ce_memory(backends):
     return rows
 
 
-def bench_block(widths, backends, iters):
+def baseline_block(d):
+    """The plain XLA Llama block at width ``d``: (fwd, fwd+bwd, args) jitted callables."""
+    import xla_llama_block as base
+
+    f, h, kv, hd = WIDTHS[d]
+    bsz, seq = 4, TOKENS // 4
+    p = base.init_params(jax.random.key(0), d, f, h, kv)
+    x = jax.random.normal(jax.random.key(3), (bsz, seq, d), jnp.bfloat16)
+    cos, sin = base.rope_tables(seq, hd)
+    blk = functools.partial(base.llama_block, cos=cos, sin=sin, heads=h, kv_heads=kv, attention=ATTENTION == "cudnn")
+    loss = lambda p, x: jnp.sum(blk(p, x).astype(jnp.float32))
+    return jax.jit(blk), jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (p, x)
+
+
+def coda_block(d, backend):
+    """``CodaLlamaBlock`` at width ``d`` on ``backend``: (fwd, fwd+bwd, args) jitted callables."""
     from flax import nnx
 
-    import xla_llama_block as base
     from coda_jax.layers import CodaLlamaBlock, LlamaConfig
 
+    f, h, kv, hd = WIDTHS[d]
+    x = jax.random.normal(jax.random.key(3), (4, TOKENS // 4, d), jnp.bfloat16)
+    cfg = LlamaConfig(hidden_size=d, intermediate_size=f, num_heads=h, num_kv_heads=kv, head_dim=hd,
+                      num_layers=1, param_dtype=jnp.bfloat16, attention_implementation=ATTENTION or "xla")
+    gdef, state = nnx.split(CodaLlamaBlock(cfg, rngs=nnx.Rngs(0), backend=backend))
+    fwd = jax.jit(lambda s, x: nnx.merge(gdef, s)(x)[0])
+    lf = lambda s, x: jnp.sum(nnx.merge(gdef, s)(x)[0].astype(jnp.float32))
+    return fwd, jax.jit(jax.value_and_grad(lf, argnums=(0, 1))), (state, x)
+
+
+@contextlib.contextmanager
+def plain_gemm_route(plain):
+    """Within: the Pallas backend's plain GEMMs go to ``plain`` (None: unchanged)."""
+    old = os.environ.get("CODA_JAX_PALLAS_PLAIN_GEMM")
+    if plain is not None:
+        os.environ["CODA_JAX_PALLAS_PLAIN_GEMM"] = plain
+    try:
+        yield
+    finally:
+        if plain is not None:
+            if old is None:
+                os.environ.pop("CODA_JAX_PALLAS_PLAIN_GEMM", None)
+            else:
+                os.environ["CODA_JAX_PALLAS_PLAIN_GEMM"] = old
+
+
+def block_variants(backends):
+    """(label, backend, plain-GEMM route): "pallas+xlaplain" runs Pallas with plain GEMMs on XLA."""
+    return [(b, b, None) for b in backends] + ([("pallas+xlaplain", "pallas", "xla")] if "pallas" in backends else [])
+
+
+def bench_block(widths, backends, iters):
     rows = []
-    bsz, seq = 4, TOKENS // 4
     for d in widths:
-        f, h, kv, hd = WIDTHS[d]
         row = {"op": "block", "d": d}
-        p = base.init_params(jax.random.key(0), d, f, h, kv)
-        x = jax.random.normal(jax.random.key(3), (bsz, seq, d), jnp.bfloat16)
-        cos, sin = base.rope_tables(seq, hd)
-        blk = functools.partial(base.llama_block, cos=cos, sin=sin, heads=h, kv_heads=kv, attention=True)
-        row["baseline_fwd_ms"] = median_ms(jax.jit(blk), p, x, iters=iters)
-        loss = lambda p, x: jnp.sum(blk(p, x).astype(jnp.float32))
-        row["baseline_fwdbwd_ms"] = median_ms(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), p, x, iters=iters)
-        cfg = LlamaConfig(hidden_size=d, intermediate_size=f, num_heads=h, num_kv_heads=kv, head_dim=hd,
-                          num_layers=1, param_dtype=jnp.bfloat16, attention_implementation="cudnn")
-        # "pallas+xlaplain": the Pallas backend with plain (identity-epilogue) GEMMs on XLA.
-        variants = [(b, None) for b in backends] + ([("pallas+xlaplain", "xla")] if "pallas" in backends else [])
-        for label, plain in variants:
-            b = label.split("+")[0]
-            old_env = os.environ.get("CODA_JAX_PALLAS_PLAIN_GEMM")
-            if plain is not None:
-                os.environ["CODA_JAX_PALLAS_PLAIN_GEMM"] = plain
+        fwd, fb, args = baseline_block(d)
+        row["baseline_fwd_ms"] = median_ms(fwd, *args, iters=iters)
+        row["baseline_fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
+        for label, b, plain in block_variants(backends):
             try:
-                model = CodaLlamaBlock(cfg, rngs=nnx.Rngs(0), backend=b)
-                gdef, state = nnx.split(model)
-                fwd = jax.jit(lambda s, x: nnx.merge(gdef, s)(x)[0])
-                lf = lambda s, x: jnp.sum(nnx.merge(gdef, s)(x)[0].astype(jnp.float32))
-                row[f"{label}_fwd_ms"] = median_ms(fwd, state, x, iters=iters)
-                row[f"{label}_fwdbwd_ms"] = median_ms(jax.jit(jax.value_and_grad(lf, argnums=(0, 1))), state, x,
-                                                      iters=iters)
+                with plain_gemm_route(plain):
+                    fwd, fb, args = coda_block(d, b)
+                    row[f"{label}_fwd_ms"] = median_ms(fwd, *args, iters=iters)
+                    row[f"{label}_fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
             except Exception as e:
                 row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 traceback.print_exc()
-            finally:
-                if plain is not None:
-                    if old_env is None:
-                        os.environ.pop("CODA_JAX_PALLAS_PLAIN_GEMM", None)
-                    else:
-                        os.environ["CODA_JAX_PALLAS_PLAIN_GEMM"] = old_env
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -391,8 +416,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     args = ap.parse_args()
     if args.smoke:
-        global TOKENS, VOCAB
-        TOKENS, VOCAB = 256, 1000
+        global TOKENS, VOCAB, ATTENTION
+        TOKENS, VOCAB, ATTENTION = 256, 1000, None
         WIDTHS.clear()
         WIDTHS[256] = (512, 4, 2, 64)
         args.widths, args.iters = "256", 2

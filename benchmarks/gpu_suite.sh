@@ -4,7 +4,8 @@
 # Sections (env): SKIP_TESTS=1 (GPU_TESTS="files" to choose), SKIP_BENCH=1; TUNE=1 runs the
 # Pallas config sweep (benchmarks/tune.py, TUNE_ARGS); TRAIN_STEPS=N (default 0: skip) trains
 # examples/train_llama.py on every backend (TRAIN_ARGS, default the 1b preset) and compares
-# the loss curves (benchmarks/compare_losses.py).
+# the loss curves (benchmarks/compare_losses.py). PROFILE=1 profiles the block's fwd+bwd per
+# kernel (benchmarks/profile_block.py, PROFILE_ARGS).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
 set -uo pipefail
@@ -31,6 +32,10 @@ fi
 if [ -n "${TUNE:-}" ]; then
   echo "== tuning sweep =="
   timeout "${TUNE_TIMEOUT:-300}" python3 benchmarks/tune.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^{' | tail -n 40
+fi
+if [ -n "${PROFILE:-}" ]; then
+  echo "== block profile =="
+  timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_block.py --out "$OUT" --backends "$BACKENDS" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -n 120
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks ($BACKENDS) =="

@@ -381,6 +381,7 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
     ldt = dict(load_dtypes)
     ws = cfg.warp_specialized
     body = _ws_body(emitter, shape, cfg, ldt) if ws else _simple_body(emitter, shape, cfg, ldt)
+    body.__name__ = body.__qualname__ = f"coda_{epi.name}"  # the kernel's name in profiles
     return plgpu.kernel(
         body,
         out_type=out_types(epi, shape, cfg),

@@ -1,0 +1,119 @@
+"""Where the block's time goes: a per-kernel GPU profile of one fwd+bwd step (run on the H100).
+
+    python benchmarks/profile_block.py --out $OUT [--width 2048] [--backends xla,pallas]
+
+Traces ``--steps`` fwd+bwd steps of the plain XLA block (``baseline``) and of
+``CodaLlamaBlock`` on each backend with ``jax.profiler`` (CUPTI kernel events), then sums
+the device time of every kernel per step. Kernels are put in classes by name: ``coda``
+(this library's Pallas kernels, named ``coda_<epilogue>``), ``gemm`` (cuBLAS / XLA GEMMs),
+``attention`` (cuDNN), ``cutedsl`` and ``other`` (XLA fusions: elementwise passes,
+reductions, transposes, copies). Prints, per variant, the class totals and the top kernels;
+writes ``<out>/profile_<width>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench  # noqa: E402
+
+CLASSES = (  # first match wins; matched against the lower-cased kernel name
+    ("coda", ("coda_",)),
+    ("attention", ("cudnn", "flash", "fmha", "sdpa", "attn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "wgmma")),
+    ("cutedsl", ("kernel_cutlass", "cute")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def device_kernels(trace_dir: str) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) of every event on a GPU stream of the latest trace."""
+    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    events = json.load(gzip.open(path))["traceEvents"]
+    gpu_pids = {e["pid"] for e in events
+                if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"].get("name", "")}
+    streams = {(e["pid"], e["tid"]) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu_pids
+               and e["args"].get("name", "").lower().startswith("stream")}
+    return [(e["name"], float(e["dur"])) for e in events
+            if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams]
+
+
+def profile(fn, args, steps: int) -> dict:
+    """Per-step device time by kernel and by class (milliseconds), and the wall time."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    wall_ms = bench.median_ms(fn, *args, iters=10)
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        for _ in range(steps):
+            jax.block_until_ready(fn(*args))
+        jax.profiler.stop_trace()
+        kernels = device_kernels(tmp)
+    by_kernel = collections.defaultdict(float)
+    count = collections.Counter()
+    for name, us in kernels:
+        by_kernel[name] += us / 1e3 / steps
+        count[name] += 1
+    by_class = collections.defaultdict(float)
+    for name, ms in by_kernel.items():
+        by_class[kernel_class(name)] += ms
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])
+    return {"wall_ms": wall_ms, "device_ms": sum(by_kernel.values()), "by_class": dict(by_class),
+            "kernels": [{"name": n[:160], "ms": ms, "calls_per_step": count[n] / steps, "class": kernel_class(n)}
+                        for n, ms in top]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--backends", default="xla,pallas")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
+    args = ap.parse_args()
+    if args.smoke:
+        bench.TOKENS, bench.ATTENTION = 256, None
+        bench.WIDTHS.clear()
+        bench.WIDTHS[256] = (512, 4, 2, 64)
+        args.width, args.steps = 256, 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"device": str(jax.devices()[0].device_kind), "width": args.width}
+    _, fb, a = bench.baseline_block(args.width)
+    results["baseline"] = profile(fb, a, args.steps)
+    for label, b, plain in bench.block_variants(args.backends.split(",")):
+        with bench.plain_gemm_route(plain):
+            _, fb, a = bench.coda_block(args.width, b)
+            results[label] = profile(fb, a, args.steps)
+    (out / f"profile_{args.width}.json").write_text(json.dumps(results, indent=1))
+    for label, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        classes = "  ".join(f"{c} {ms:.3f}" for c, ms in sorted(r["by_class"].items(), key=lambda kv: -kv[1]))
+        print(f"\n## {label} (d={args.width}, fwd+bwd): wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms: {classes}")
+        for k in r["kernels"][: args.top]:
+            print(f"  {k['ms']:8.3f} ms  x{k['calls_per_step']:<4g} {k['class']:9s} {k['name'][:110]}")
+
+
+if __name__ == "__main__":
+    main()
