@@ -44,8 +44,8 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def device_kernels(trace_dir: str) -> list[tuple[str, float]]:
-    """(kernel name, microseconds) of every event on a GPU stream of the latest trace."""
+def device_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start, duration) in microseconds of every event on a GPU stream."""
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     events = json.load(gzip.open(path))["traceEvents"]
     gpu_pids = {e["pid"] for e in events
@@ -53,31 +53,37 @@ def device_kernels(trace_dir: str) -> list[tuple[str, float]]:
     streams = {(e["pid"], e["tid"]) for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu_pids
                and e["args"].get("name", "").lower().startswith("stream")}
-    return [(e["name"], float(e["dur"])) for e in events
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
             if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams]
 
 
-def profile(fn, args, steps: int) -> dict:
-    """Per-step device time by kernel and by class (milliseconds), and the wall time."""
+def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
+    """Per-step device time by kernel and by class (milliseconds), the wall time, and the
+    idle time: the steps are dispatched back to back, so GPU time not covered by a kernel
+    within their span is launch gaps and host waits."""
     for _ in range(3):
         jax.block_until_ready(fn(*args))
-    wall_ms = bench.median_ms(fn, *args, iters=10)
+    wall_ms = bench.median_ms(fn, *args, iters=10, min_sample_ms=30.0)
+    if hlo_path is not None:  # to look up which ops an XLA fusion holds
+        hlo_path.write_text(fn.lower(*args).compile().as_text())
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-        for _ in range(steps):
-            jax.block_until_ready(fn(*args))
+        outs = [fn(*args) for _ in range(steps)]
+        jax.block_until_ready(outs)
         jax.profiler.stop_trace()
         kernels = device_kernels(tmp)
+    span_ms = (max(t + d for _, t, d in kernels) - min(t for _, t, _ in kernels)) / 1e3 / steps if kernels else 0.0
     by_kernel = collections.defaultdict(float)
     count = collections.Counter()
-    for name, us in kernels:
+    for name, _, us in kernels:
         by_kernel[name] += us / 1e3 / steps
         count[name] += 1
     by_class = collections.defaultdict(float)
     for name, ms in by_kernel.items():
         by_class[kernel_class(name)] += ms
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])
-    return {"wall_ms": wall_ms, "device_ms": sum(by_kernel.values()), "by_class": dict(by_class),
+    device_ms = sum(by_kernel.values())
+    return {"wall_ms": wall_ms, "device_ms": device_ms, "idle_ms": max(span_ms - device_ms, 0.0), "by_class": dict(by_class),
             "kernels": [{"name": n[:160], "ms": ms, "calls_per_step": count[n] / steps, "class": kernel_class(n)}
                         for n, ms in top]}
 
@@ -100,17 +106,18 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     results = {"device": str(jax.devices()[0].device_kind), "width": args.width}
     _, fb, a = bench.baseline_block(args.width)
-    results["baseline"] = profile(fb, a, args.steps)
+    results["baseline"] = profile(fb, a, args.steps, out / f"hlo_{args.width}_baseline.txt")
     for label, b, plain in bench.block_variants(args.backends.split(",")):
         with bench.plain_gemm_route(plain):
             _, fb, a = bench.coda_block(args.width, b)
-            results[label] = profile(fb, a, args.steps)
+            results[label] = profile(fb, a, args.steps, out / f"hlo_{args.width}_{label}.txt")
     (out / f"profile_{args.width}.json").write_text(json.dumps(results, indent=1))
     for label, r in results.items():
         if not isinstance(r, dict):
             continue
         classes = "  ".join(f"{c} {ms:.3f}" for c, ms in sorted(r["by_class"].items(), key=lambda kv: -kv[1]))
-        print(f"\n## {label} (d={args.width}, fwd+bwd): wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms: {classes}")
+        print(f"\n## {label} (d={args.width}, fwd+bwd): wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms, "
+              f"idle {r['idle_ms']:.3f} ms: {classes}")
         for k in r["kernels"][: args.top]:
             print(f"  {k['ms']:8.3f} ms  x{k['calls_per_step']:<4g} {k['class']:9s} {k['name'][:110]}")
 

@@ -10,6 +10,10 @@ programs (``residual_rms``, ``rms_swiglu_train``) under the best candidates, nex
 only) as yardsticks, all in the same process. Prints one line per measurement and the
 winners; copy them into ``coda_jax/pallas/tuning.py``'s ``CONFIG_TABLE``. Results go to
 ``<out>/tune.json``.
+
+``--epilogue-sweep``: instead, the block's fused GEMMs at d=2048 (forward, dgrad and wgrad
+programs at their real shapes) under the table's configuration and its epilogue variants
+(approximate math, swizzled staging), each next to the identity GEMM of the same shape.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from bench import Inputs, median_ms  # noqa: E402
 from coda_jax import programs  # noqa: E402
 from coda_jax.pallas.gemm_epilogue import KernelShape, plan_kernel  # noqa: E402
 from coda_jax.pallas.lowering import PallasLowering  # noqa: E402
-from coda_jax.pallas.tuning import TuningConfig  # noqa: E402
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig  # noqa: E402
 
 M = 8192
 SHAPES = [(2048, 8192), (4096, 14336), (8192, 28672), (2048, 16384)]  # (K, N)
@@ -62,11 +66,64 @@ def _jax_example(a, b):
     return hm.matmul(a, b, None, cfg)
 
 
+def block_programs(d=2048, f=8192, heads=32, kv=8, hd=64, m=M):
+    """(name, epilogue, (K, N), transpose_a, transpose_b, loads) of the block's fused GEMMs."""
+    r = Inputs(d)
+    qkv = (heads + 2 * kv) * hd
+    f32 = jnp.float32
+    rstd = r.normal((m,), 0.1, 1.0, f32)
+    return [
+        ("rms_swiglu_train", programs.rms_swiglu(True), (d, 2 * f), False, False, {"rstd": rstd}),
+        ("rms_rope", programs.rms_rope(hd // 2, None, False), (d, qkv), False, False,
+         {"rstd": rstd, "cos": r.normal((m, hd // 2)), "sin": r.normal((m, hd // 2)),
+          "rot": (jnp.arange(qkv // 2) < (heads + kv) * hd // 2).astype(f32)}),
+        ("residual_rms", programs.RESIDUAL_RMS, (d, d), False, False,
+         {"residual": r.normal((m, d)), "gamma": r.normal((d,), 0.1, 1.0, f32)}),
+        ("rms_dgrad_res", programs.rms_dgrad(True), (2 * f, d), False, True,
+         {"x": r.normal((m, d)), "rstd": rstd, "zdz": r.normal((m,), 0.1, 0.0, f32),
+          "gamma": r.normal((d,), 0.1, 1.0, f32), "dres": r.normal((m, d))}),
+        ("norm_wgrad", programs.NORM_WGRAD, (m, 2 * f), True, False,  # A^T = x_hat [tokens, d]
+         {"gamma": r.normal((d,), 0.1, 1.0, f32), "w": r.normal((d, 2 * f))}),
+    ], r, d
+
+
+def epilogue_sweep(args, record):
+    base = CONFIG_TABLE["default"]
+    variants = {
+        "default": base,
+        "approx": dataclasses.replace(base, approx_math=True),
+        "swizzled": dataclasses.replace(base, swizzle_epilogue=True),
+        "approx_swizzled": dataclasses.replace(base, approx_math=True, swizzle_epilogue=True),
+    }
+    progs, r, d = block_programs()
+    for name, epi, (k, n), ta, tb, loads in progs:
+        m = d if ta else M  # the wgrad GEMM's rows are the norm's width
+        a = r.normal((k, m) if ta else (m, k))
+        b = r.normal((n, k) if tb else (k, n))
+        flops = 2 * m * k * n
+        for label, e in (("identity", programs.IDENTITY), (name, epi)):
+            for vname, cfg in (variants.items() if e is epi else [("default", base)]):
+                row = {"program": label, "k": k, "n": n, "m": m, "variant": vname}
+                try:
+                    low = PallasLowering(cfg, plain_gemm="pallas")
+                    ld = loads if e is epi else {}
+                    fn = jax.jit(lambda a, b, l, low=low, e=e: low.gemm(e, a, b, l, transpose_a=ta, transpose_b=tb))
+                    row["ms"] = median_ms(fn, a, b, ld, iters=args.iters)
+                    row["tflops"] = flops / row["ms"] / 1e9
+                except Exception as ex:
+                    row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+                    traceback.print_exc()
+                record(row)
+                if "ms" in row:
+                    print(f"SWEEP {label:18s} {vname:16s} {row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_out")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="first two shapes only")
+    ap.add_argument("--epilogue-sweep", action="store_true", help="the block's fused GEMMs under epilogue variants")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,6 +133,9 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out / "tune.json").write_text(json.dumps(rows, indent=1))
+
+    if args.epilogue_sweep:
+        return epilogue_sweep(args, record)
 
     for k, n in SHAPES[:2] if args.quick else SHAPES:
         flops = 2 * M * k * n

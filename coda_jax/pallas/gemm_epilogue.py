@@ -202,19 +202,36 @@ class _EpilogueEmitter:
                                     scr["in_" + l.name].at[slot, p],
                                     scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
 
+    def _row_vectors(self, m0, load_refs) -> dict[str, Any]:
+        """The tile's row loads (``[tm]`` each), GMEM -> registers."""
+        return {l.name: _f32(plgpu.load(load_refs[l.name].at[pl.ds(m0, self.tm)], layout=_ROW, optimized=False))
+                for l in self.epi.loads if l.kind is LoadKind.ROW}
+
+    def _col_vectors(self, ci: int, n0, load_refs) -> dict[str, tuple]:
+        """Chunk ``ci``'s column loads (one ``[w]`` vector per pair part), GMEM -> registers."""
+        c0, _ = self.chunks[ci]
+        return {l.name: tuple(_f32(plgpu.load(load_refs[l.name].at[pl.ds(gc, pw)], layout=_COL, optimized=False))
+                              for gc, pw in self.parts(c0, n0, l.half))
+                for l in self.epi.loads if l.kind is LoadKind.COL}
+
     def prefetch(self, m0, n0, load_refs, scr, barrier_base=0, step_base=0):
-        """Issues the first chunks' tile loads; call before the mainloop so they land during it."""
+        """Issues the first chunks' tile loads and loads the row vectors and the first chunk's
+        column vectors; call before the mainloop so that they land during it. Returns the
+        vectors, for :meth:`emit`'s ``vectors``."""
         if self._load_parts_list():
             for ci in range(self._n_prefetched()):
                 self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
+        return self._row_vectors(m0, load_refs), self._col_vectors(0, n0, load_refs)
 
     def emit(self, acc, m0, n0, mi, ni, tile_slot, load_refs, out_refs, scr, barrier_base=0, step_base=0,
-             prefetched=False):
+             prefetched=None):
         """Runs the epilogue of the ``[tm, tn]`` accumulator tile at (m0, n0).
 
         ``step_base``: chunks processed before this tile with the same scratch (its parity
         picks the double-buffer slot, so a slot is never rewritten while its store runs).
-        ``prefetched``: :meth:`prefetch` already issued the first chunks' loads.
+        ``prefetched``: what :meth:`prefetch` returned (it issued the first chunks' tile loads
+        and loaded the vectors), or None. Chunk ``ci + 1``'s column vectors are loaded
+        before chunk ``ci`` is computed, so their latency hides behind its math.
         """
 
         def slot_of(ci):
@@ -224,7 +241,7 @@ class _EpilogueEmitter:
         m_slice = pl.ds(m0, tm)
         shape_c = (tm, self._width())
         load_parts = self._load_parts_list()
-        first_unissued = self._n_prefetched() if prefetched else 0
+        first_unissued = self._n_prefetched() if prefetched is not None else 0
 
         def issue_loads(ci):
             self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
@@ -232,13 +249,14 @@ class _EpilogueEmitter:
         if load_parts and first_unissued == 0:
             issue_loads(0)
             first_unissued = 1
-        row_vals = {l.name: lax.broadcast_in_dim(_f32(plgpu.load(load_refs[l.name].at[m_slice], layout=_ROW,
-                                                                  optimized=False)), shape_c, [0])
-                    for l in epi.loads if l.kind is LoadKind.ROW}
+        rows, cols = prefetched if prefetched is not None else (self._row_vectors(m0, load_refs),
+                                                                 self._col_vectors(0, n0, load_refs))
+        row_vals = {k: lax.broadcast_in_dim(v, shape_c, [0]) for k, v in rows.items()}
         row_state: dict[str, Any] = {}
         for ci, (c0, w) in enumerate(self.chunks):
             slot = slot_of(ci)
             col0 = n0 + c0
+            next_cols = self._col_vectors(ci + 1, n0, load_refs) if ci + 1 < len(self.chunks) else {}
             if load_parts:
                 if first_unissued <= ci + 1 < len(self.chunks):  # its slot was read by chunk ci - 1
                     issue_loads(ci + 1)
@@ -250,9 +268,7 @@ class _EpilogueEmitter:
                 if l.kind is LoadKind.ROW:
                     kw[l.name] = row_vals[l.name]
                 elif l.kind is LoadKind.COL:
-                    vs = tuple(lax.broadcast_in_dim(
-                        _f32(plgpu.load(load_refs[l.name].at[pl.ds(gc, pw)], layout=_COL, optimized=False)), shape_c, [1])
-                        for gc, pw in self.parts(c0, n0, l.half))
+                    vs = tuple(lax.broadcast_in_dim(v, shape_c, [1]) for v in cols[l.name])
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
                 else:
                     vs = tuple(_f32(plgpu.load(scr["in_" + l.name].at[slot, p], layout=_WG, optimized=False))
@@ -302,6 +318,7 @@ class _EpilogueEmitter:
             for o in self.col_outs:
                 for p, (gc, pw) in enumerate(self.parts(c0, n0, col_half[o.name])):
                     plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
+            cols = next_cols
         if self.row_outs:
             for o in self.row_outs:
                 st = row_state[o.name]
@@ -389,7 +406,7 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
         grid_names=("sm",),
         num_threads=3 if ws else None,
         thread_name="wg" if ws else None,
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=plgpu.CompilerParams(approx_math=cfg.approx_math),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs
     )
 
@@ -505,11 +522,11 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
                         mine = {k: (v if k == "barrier" else v.at[wg]) for k, v in scr.items()}
                         step_base = local * len(em.chunks)
                         # The epilogue's residual / saved tiles stream in while the MMAs run.
-                        em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
+                        pre = em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
                         eval_pipeline(acc_ref)
                         acc = acc_ref[...]
                         em.emit(acc, m0, n0, mi_c, ni_c, tile_slot, load_refs, out_refs, mine,
-                                barrier_base=wg * n_bar, step_base=step_base, prefetched=True)
+                                barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
 
                 def step(_, a_smem, b_smem, acc_ref):
                     if split_n:

@@ -31,6 +31,9 @@ class TuningConfig:
         accumulator is processed ``[tile_m, epilogue_cols]`` at a time, each chunk's tile
         loads and outputs double-buffered in SMEM. ``plan_kernel`` narrows it for heavy
         epilogues so that the warp-specialized kernel keeps its pipeline depth.
+      approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
+        GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
+        bfloat16 rounding of the outputs).
     """
 
     tile_m: int = 128
@@ -42,6 +45,7 @@ class TuningConfig:
     wg_dimension: str = "m"
     swizzle_epilogue: bool = False
     epilogue_cols: int = 64
+    approx_math: bool = False
 
     def __post_init__(self):
         if self.wg_dimension not in ("m", "n"):
