@@ -102,6 +102,9 @@ def op_cases(d):
     wgu = r.normal((d, 2 * f), d ** -0.5)
     cases.append(("norm_swiglu", lambda b: lambda x, g, w: cj.rms_norm_matmul_swiglu(x, g, w, backend=b),
                   naive.rms_norm_matmul_swiglu, (x, g, wgu), (0, 1, 2)))
+    wdown = r.normal((f, d), f ** -0.5)
+    cases.append(("swiglu_mlp", lambda b: lambda x, g, w, wd: cj.swiglu_mlp(x, g, w, wd, backend=b)[0],
+                  naive.swiglu_mlp, (x, g, wgu, wdown), (0, 1, 2, 3)))
     wqkv = r.normal((d, (h + 2 * kv) * hd), d ** -0.5)
     pos = r.ints((m,), 8192)
     inv = jnp.asarray(cj.rope_inv_freq(hd, 500000.0, cj.Llama3RopeScaling()))

@@ -4,7 +4,7 @@ Public API:
 
 * ops (2-D ``[tokens, features]``, ``jax.custom_vjp``): :func:`matmul_residual_rms`,
   :func:`rms_norm_matmul`, :func:`rms_norm_matmul_swiglu`, :func:`rms_norm_matmul_rope`,
-  :func:`linear_cross_entropy`, with the cross-layer :class:`NormCarry`;
+  :func:`linear_cross_entropy`, :func:`swiglu_mlp` (the whole MLP), with the cross-layer :class:`NormCarry`;
 * backends: :func:`set_backend`, :func:`use_backend`, :func:`resolve_backend`
   (``"xla"``, ``"pallas"``, ``"cutedsl"``, ``"auto"``; env ``CODA_JAX_BACKEND``);
 * layers (Flax NNX): ``coda_jax.layers.CodaLlamaBlock``, ``CodaLlama``, ``LlamaConfig``;
@@ -35,6 +35,7 @@ from coda_jax.ops import (
     rope_inv_freq,
     rstd_from_partials,
     split_gate_up,
+    swiglu_mlp,
 )
 
 __version__ = "0.1.0"
@@ -44,5 +45,5 @@ __all__ = [
     "backend_unavailable_reason", "resolve_backend", "set_backend", "use_backend",
     "Llama3RopeScaling", "NormCarry", "interleave_gate_up", "linear_cross_entropy", "matmul_residual_rms",
     "norm_carry", "rms_norm_matmul", "rms_norm_matmul_rope", "rms_norm_matmul_swiglu", "rope_inv_freq",
-    "rstd_from_partials", "split_gate_up",
+    "rstd_from_partials", "split_gate_up", "swiglu_mlp",
 ]

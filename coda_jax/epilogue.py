@@ -23,6 +23,10 @@ The body contract
   shape. All floating loads arrive as float32. In pair mode, column and tile loads
   arrive as ``(lo, hi)`` like the accumulator, unless declared ``half=True`` (one value
   per pair: ``[N/2]`` / ``[M, N/2]`` in memory, one array in the body).
+* With ``half_acc=True`` (pair mode whose *accumulator* has one column per pair: a
+  backward GEMM whose output is the gradient of a half-width activation), ``acc`` is one
+  array, ``half=True`` loads/outputs have the accumulator's width ``N``, and full-width
+  ones are ``[M, 2N]`` in the pair layout and arrive / are returned as ``(lo, hi)``.
 * ``ctx`` (:class:`EpilogueContext`) gives the few operations whose implementation
   differs between "whole array" and "register tile": ``ctx.row_sum`` (a keep-dims sum
   over the columns of the current pair block) and ``ctx.col_index`` (global column ids).
@@ -135,6 +139,8 @@ class Epilogue:
       pair_block: ``None``, or ``b``: the accumulator columns form blocks of ``2*b``
         and the body receives ``(lo, hi)`` halves of every block.
       uses_col_index: the body calls ``ctx.col_index()``.
+      half_acc: pair mode with a half-width accumulator (see the module docstring): the
+        GEMM's ``N`` columns are one per pair, full-width loads/outputs ``[M, 2N]``.
     """
 
     name: str
@@ -143,6 +149,7 @@ class Epilogue:
     body: Callable[..., Mapping[str, Any]]
     pair_block: int | None = None
     uses_col_index: bool = False
+    half_acc: bool = False
 
     def __post_init__(self):
         names = [l.name for l in self.loads] + [o.name for o in self.outputs]
@@ -158,8 +165,20 @@ class Epilogue:
                 raise ValueError(f"epilogue {self.name!r}: load {l.name!r}: row_block loads need pair mode")
             if l.half and (self.pair_block is None or l.kind not in (LoadKind.COL, LoadKind.TILE)):
                 raise ValueError(f"epilogue {self.name!r}: load {l.name!r}: half-width needs pair mode and a col/tile load")
+        if self.half_acc and self.pair_block is None:
+            raise ValueError(f"epilogue {self.name!r}: half_acc needs pair_block")
+        if self.half_acc and any(l.kind is LoadKind.ROW_BLOCK for l in self.loads):
+            raise ValueError(f"epilogue {self.name!r}: row_block loads are not defined with half_acc")
+        if self.half_acc and any(o.kind is OutputKind.COL_SUM for o in self.outputs):
+            raise ValueError(f"epilogue {self.name!r}: col_sum outputs are not defined with half_acc")
         if self.pair_block is not None and self.uses_col_index:
             raise ValueError(f"epilogue {self.name!r}: col_index is not defined in pair mode")
+
+    def width(self, n: int, half: bool) -> int:
+        """Columns of a tile / col load or tile output for an ``[M, n]`` accumulator."""
+        if self.half_acc:
+            return n if half else 2 * n
+        return n // 2 if half else n
 
     def load_names(self, kind: LoadKind | None = None) -> tuple[str, ...]:
         return tuple(l.name for l in self.loads if kind is None or l.kind is kind)
@@ -180,7 +199,7 @@ class Epilogue:
             )
         for l in self.loads:
             v = loads[l.name]
-            nl = n // 2 if l.half else n
+            nl = self.width(n, l.half)
             want = {LoadKind.ROW: (m,), LoadKind.COL: (nl,), LoadKind.SCALAR: (), LoadKind.TILE: (m, nl),
                     LoadKind.ROW_BLOCK: (m, self.pair_block)}[l.kind]
             if tuple(v.shape) != want:

@@ -63,7 +63,8 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
 
     2-D operands of one 16-bit dtype (wgmma's path; float32 points at ``backend="xla"``),
     equal contraction sizes, loads matching the declaration, and in pair mode N a multiple
-    of ``2 * pair_block`` with no column sum or log-sum-exp output.
+    of ``2 * pair_block`` (of ``pair_block`` with ``half_acc``) with no column sum or
+    log-sum-exp output.
     """
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"a and b must be 2-D, got a{tuple(a.shape)} b{tuple(b.shape)}")
@@ -79,8 +80,10 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
     epilogue.validate_loads(loads, m, n)
     pb = epilogue.pair_block
     if pb is not None:
-        if n % (2 * pb):
-            raise ValueError(f"epilogue {epilogue.name!r}: N={n} must be a multiple of 2*pair_block={2 * pb}")
+        q = pb if epilogue.half_acc else 2 * pb
+        if n % q:
+            raise ValueError(f"epilogue {epilogue.name!r}: N={n} must be a multiple of "
+                             f"{'' if epilogue.half_acc else '2*'}pair_block={q}")
         if any(o.kind in (OutputKind.COL_SUM, OutputKind.ROW_LOGSUMEXP) for o in epilogue.outputs):
             raise NotImplementedError(f"epilogue {epilogue.name!r}: col_sum / row_logsumexp in pair mode "
                                       f"are not supported by the {backend} backend")

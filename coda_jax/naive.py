@@ -40,6 +40,11 @@ def rms_norm_matmul_swiglu(x, gamma, w_gu, eps=1e-5):
     return jax.nn.silu(_mm(n, w_gate)) * _mm(n, w_up)
 
 
+def swiglu_mlp(x, gamma, w_gu, w_down, eps=1e-5):
+    """``x + SwiGLU(RMSNorm(x)) @ w_down`` (the Llama MLP with its residual)."""
+    return matmul_residual(rms_norm_matmul_swiglu(x, gamma, w_gu, eps), w_down, x)
+
+
 def apply_rope(x, positions, inv_freq):
     """Rotate-half RoPE of ``x [..., M, heads, hd]`` at ``positions [M]``."""
     ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]

@@ -215,6 +215,27 @@ def swiglu_grad(gate, up, dy):
     return d_gate, d_up, silu * up
 
 
+def _swiglu_dgrad_body(acc, ctx, z):
+    # acc = dy = dout @ W_down^T [M, f] (one column per gate/up pair); z = (gate, up).
+    gate, up = z
+    d_gate, d_up, _ = swiglu_grad(gate, up, acc)
+    # zdz: the MLP norm's row term sum_2f(z * dz), reduced per tile (see rms_dgrad).
+    return {"dz": (d_gate, d_up), "zdz": gate * d_gate + up * d_up}
+
+
+SWIGLU_DGRAD = E.Epilogue(
+    name="swiglu_dgrad",
+    loads=(E.tile("z"),),
+    outputs=(E.tile_out("dz"), E.row_sum("zdz")),
+    body=_swiglu_dgrad_body,
+    pair_block=SWIGLU_BLOCK,
+    half_acc=True,
+)
+"""SwiGLU backward on the down projection's dgrad GEMM ``dy = dout @ W_down^T``: loads the
+saved pre-activation ``z [M, 2f]`` (gate/up pairs), writes ``dz [M, 2f]`` and the row
+partials of ``sum(z * dz)``; ``dy`` itself never reaches HBM."""
+
+
 def _ce_grad_body(acc, ctx, rstd, lse, target, gscale, zcoef):
     logits = acc * rstd
     p = jnp.exp(logits - lse)

@@ -78,7 +78,7 @@ def _prepare_loads(epi: Epilogue, loads: Mapping[str, jax.Array]) -> dict[str, A
             out[l.name] = v[:, None, None]
         elif l.kind is LoadKind.ROW_BLOCK:
             out[l.name] = v[:, None, :]
-        elif l.half:
+        elif l.half:  # one value per pair (the accumulator's width when half_acc)
             out[l.name] = _split_half(v, b)[None] if l.kind is LoadKind.COL else _split_half(v, b)
         elif l.kind is LoadKind.COL:
             out[l.name] = _split_pairs(v, b, lead=1)
@@ -129,7 +129,9 @@ class ReferenceLowering:
 
     def _run_body(self, epi: Epilogue, acc, prepared, n, col_offset):
         ctx = _WholeArrayContext(n, col_offset)
-        if epi.pair_block is not None:
+        if epi.half_acc:  # one column per pair: shaped like one pair half
+            acc = _split_half(acc, epi.pair_block)
+        elif epi.pair_block is not None:
             acc = _split_pairs(acc, epi.pair_block, lead=None)
         res = dict(epi.body(acc, ctx, **prepared))
         if set(res) != {o.name for o in epi.outputs}:

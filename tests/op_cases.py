@@ -90,6 +90,29 @@ def case_swiglu(backend, m, d, f, dtype, seed=0):
                    naive.rms_norm_matmul_swiglu, (x, g, w), dtype, (0, 1, 2))
 
 
+def case_swiglu_mlp(backend, m, d, f, dtype, next_norm=True, seed=0):
+    """The whole MLP op (SwiGLU backward in the down projection's dgrad epilogue); with
+    ``next_norm`` the output's carry feeds a following norm-GEMM, so the carry is checked."""
+    r = Inputs(jax.random.key(seed))
+    x, g, wgu = r.normal((m, d), dtype), r.normal((d,), dtype, 0.1, 1.0), r.normal((d, 2 * f), dtype, d ** -0.5)
+    wd, g2, w2 = r.normal((f, d), dtype, f ** -0.5), r.normal((d,), dtype, 0.1, 1.0), r.normal((d, 64), dtype, d ** -0.5)
+    if not next_norm:
+        check_fwd_grad(lambda x, g, wgu, wd: cj.swiglu_mlp(x, g, wgu, wd, backend=backend)[0],
+                       naive.swiglu_mlp, (x, g, wgu, wd), dtype, (0, 1, 2, 3))
+        return
+
+    def fused(x, g, wgu, wd, g2, w2):
+        out, carry = cj.swiglu_mlp(x, g, wgu, wd, g2, backend=backend)
+        z, out = cj.rms_norm_matmul(out, g2, w2, carry=carry, return_residual=True, backend=backend)
+        return jnp.concatenate([z.astype(jnp.float32), out.astype(jnp.float32)], axis=1)
+
+    def ref(x, g, wgu, wd, g2, w2):
+        out = naive.swiglu_mlp(x, g, wgu, wd)
+        return jnp.concatenate([naive.rms_norm_matmul(out, g2, w2), out], axis=1)
+
+    check_fwd_grad(fused, ref, (x, g, wgu, wd, g2, w2), dtype, (0, 1, 2, 3, 4, 5))
+
+
 def case_rope(backend, m, d, heads, kv_heads, head_dim, dtype, qk_norm=False, seed=0):
     r = Inputs(jax.random.key(seed))
     n = (heads + 2 * kv_heads) * head_dim

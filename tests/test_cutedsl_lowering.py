@@ -187,14 +187,14 @@ _PROGRAMS = [
     (P.rms_swiglu(True), {}), (P.rms_rope(64, None, False), {}), (P.rms_rope(64, 1e-6, True), {}),
     (P.rms_rope(32, None, False), {}), (P.RMS_LSE, {"transpose_b": True}), (P.rms_dgrad(False), {"transpose_b": True}),
     (P.rms_dgrad(True), {"transpose_b": True}), (P.CE_GRAD, {"transpose_b": True}), (P.ACCUMULATE, {}),
-    (P.NORM_WGRAD, {"transpose_a": True}), (P.IDENTITY, {"transpose_a": True}), (P.IDENTITY, {"transpose_a": True, "transpose_b": True}),
+    (P.NORM_WGRAD, {"transpose_a": True}), (P.SWIGLU_DGRAD, {"transpose_b": True}), (P.IDENTITY, {"transpose_a": True}), (P.IDENTITY, {"transpose_a": True, "transpose_b": True}),
 ]
 
 
 def _abstract_loads(epi, m, n):
     out = {}
     for l in epi.loads:
-        w = n // 2 if l.half else n
+        w = epi.width(n, l.half)
         shape = {E.LoadKind.ROW: (m,), E.LoadKind.COL: (w,), E.LoadKind.TILE: (m, w), E.LoadKind.SCALAR: (),
                  E.LoadKind.ROW_BLOCK: (m, epi.pair_block)}[l.kind]
         dt = jnp.int32 if l.name == "target" else jnp.float32 if l.name == "prev" or l.kind is not E.LoadKind.TILE else BF

@@ -105,6 +105,19 @@ def test_swiglu_op_on_gpu():
     _op_parity(lambda b, x, g, w: cj.rms_norm_matmul_swiglu(x, g, w, backend=b), (x, g, w), (0, 1, 2))
 
 
+def test_swiglu_mlp_op_on_gpu():
+    r = Inputs(jax.random.key(5))
+    f = 2048
+    x, g, wgu = r.normal((M, D), BF), r.normal((D,), BF, 0.1, 1.0), r.normal((D, 2 * f), BF, D ** -0.5)
+    wd, g2 = r.normal((f, D), BF, f ** -0.5), r.normal((D,), BF, 0.1, 1.0)
+
+    def fn(b, x, g, wgu, wd, g2):
+        out, carry = cj.swiglu_mlp(x, g, wgu, wd, g2, backend=b)
+        return jnp.concatenate([out.astype(jnp.float32), carry.h.astype(jnp.float32)], axis=1)
+
+    _op_parity(fn, (x, g, wgu, wd, g2), (0, 1, 2, 3))
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_op_on_gpu(qk_norm):
     r = Inputs(jax.random.key(2))

@@ -33,6 +33,10 @@ def test_rope(qk_norm):
     C.case_rope("pallas", 64, 128, 2, 1, 128, BF, qk_norm=qk_norm)
 
 
+def test_swiglu_mlp():
+    C.case_swiglu_mlp("pallas", 64, 128, 128, BF)
+
+
 def test_residual_chain():
     C.case_residual_chain("pallas", 64, 128, 128, 128, BF)
 

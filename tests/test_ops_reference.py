@@ -14,6 +14,12 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,d,f,next_norm", [(128, 96, 128, True), (77, 72, 64, False)])
+def test_swiglu_mlp(m, d, f, next_norm, dtype):
+    C.case_swiglu_mlp("xla", m, d, f, dtype, next_norm=next_norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,d,n", [(128, 256, 384), (77, 200, 130), (1, 64, 8)])
 def test_rms_norm_matmul(m, d, n, dtype):
     C.case_rms_norm_matmul("xla", m, d, n, dtype)

@@ -41,7 +41,7 @@ def _loads(epi, m, n, key):
     out = {}
     for i, l in enumerate(epi.loads):
         k = jax.random.fold_in(key, i)
-        w = n // 2 if l.half else n
+        w = epi.width(n, l.half)
         if l.name == "target":
             out[l.name] = jax.random.randint(k, (m,), -1, n)
         elif l.kind is LoadKind.ROW_BLOCK:  # cos / sin of random angles
@@ -107,6 +107,7 @@ CASES = [
     (programs.CE_GRAD, {"transpose_b": True}),
     (programs.ACCUMULATE, {}),
     (programs.NORM_WGRAD, {"transpose_a": True}),
+    (programs.SWIGLU_DGRAD, {"transpose_b": True}),
     (COL_SUM_PROBE, {}),
 ]
 
@@ -141,7 +142,8 @@ def test_program_warp_specialized(epi, kw):
 
 
 @pytest.mark.parametrize("epi,kw", [c for c in CASES if c[0].name in
-                                    ("residual_rms", "rms_swiglu_train", "rms_lse", "rms_dgrad_res", "rms_rope")],
+                                    ("residual_rms", "rms_swiglu_train", "rms_lse", "rms_dgrad_res", "rms_rope",
+                                     "swiglu_dgrad")],
                          ids=lambda c: getattr(c, "name", ""))
 def test_program_warp_specialized_split_n(epi, kw):
     _compare(epi, 128, 256, 128, config=WS_N, seed=17, **kw)
@@ -188,6 +190,7 @@ def test_transposed_operands(ta, tb):
 
 def test_shapes_that_are_not_tile_multiples():
     _compare(programs.RESIDUAL_RMS, 100, 150, 80, seed=2)
+    _compare(programs.SWIGLU_DGRAD, 100, 192, 80, transpose_b=True, seed=4)  # half_acc: z padded to 2 x 256
     _compare(programs.RMS_LSE, 70, 200, 64, transpose_b=True, seed=3)
     _compare(programs.rms_dgrad(True), 90, 72, 130, transpose_b=True, seed=4)
     _compare(programs.rms_swiglu(True), 50, 256, 64, seed=5)

@@ -107,7 +107,7 @@ def trace_body(epi: Epilogue, shape: tuple[int, int], load_dtypes: Mapping[str, 
     """Traces ``epi.body`` on one ``shape`` tile (one pair half in pair mode)."""
     load_dtypes = dict(load_dtypes or {})
     pair = epi.pair_block is not None
-    acc_parts = (0, 1) if pair else (None,)
+    acc_parts = (0, 1) if pair and not epi.half_acc else (None,)  # half_acc: one column per pair
     loads = _load_avals(epi, shape, load_dtypes)
     inputs = [("acc", None, p) for p in acc_parts] + [("load", n, p) for n, p, _ in loads] + [("col0", None, None)]
     avals = ([jax.ShapeDtypeStruct(shape, jnp.float32)] * len(acc_parts) + [a for _, _, a in loads]
@@ -116,7 +116,7 @@ def trace_body(epi: Epilogue, shape: tuple[int, int], load_dtypes: Mapping[str, 
 
     def flat_body(*args):
         accs = args[: len(acc_parts)]
-        acc = tuple(accs) if pair else accs[0]
+        acc = tuple(accs) if len(accs) == 2 else accs[0]
         kw: dict[str, Any] = {}
         for (name, part, _), v in zip(loads, args[len(acc_parts):-1]):
             if part is None:

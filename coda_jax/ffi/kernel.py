@@ -194,7 +194,15 @@ class TileEpilogue:
         self.cols = [rc[1] for rc in coords]
         self.count = len(coords)
         self.ops = DslOps()
-        if self.b is not None:
+        self.half_acc = epi.half_acc
+        if self.half_acc:
+            # One accumulator column per pair: column g's pair sits at global columns
+            # (g // b) * 2b + g % b (lo) and that + b (hi) of the full-width arrays.
+            bb, two_b = cutlass.Int32(self.b), cutlass.Int32(2 * self.b)
+            g = [self.n0 + c for c in self.cols]
+            self.wide_lo = [(x // bb) * two_b + x % bb for x in g]
+            self.wide_hi = [x + bb for x in self.wide_lo]
+        elif self.b is not None:
             two_b = cutlass.Int32(2 * self.b)
             bb = cutlass.Int32(self.b)
             self.is_lo = [(c % two_b) < bb for c in self.cols]
@@ -213,10 +221,10 @@ class TileEpilogue:
 
     def row_reduce(self, op, values):
         """Segmented row reduction over the traced shape's columns (one pair half in pair mode)."""
-        if self.b is None:
+        if self.b is None or self.half_acc:
             raise NotImplementedError(
                 f"epilogue {self.epi.name!r}: a row reduction inside the body (ctx.row_sum) needs pair mode "
-                "on the CuTeDSL backend (a tile holds only part of a row)")
+                "with a full-width accumulator on the CuTeDSL backend (a tile holds only part of a row)")
         F = cutlass.Float32
         ident = F(0.0) if op == "sum" else F(-math.inf)
         b, tn = self.b, self.tn
@@ -286,7 +294,7 @@ class TileEpilogue:
     def gather_loads(self, loads: dict[str, Any], acc_vals):
         F = cutlass.Float32
         vals: dict[tuple, list] = {}
-        pair = self.b is not None
+        pair = self.b is not None and not self.half_acc
         if pair:
             # lo/hi exchange through SMEM: every element gets its partner's accumulator.
             self._store_tile(acc_vals)
@@ -310,6 +318,12 @@ class TileEpilogue:
                 vals[("load", l.name, None)] = [cvt(t[g]) for g in grow]
             elif l.kind is LoadKind.ROW_BLOCK:
                 vals[("load", l.name, None)] = [cvt(t[g, c % cutlass.Int32(self.b)]) for g, c in zip(grow, self.cols)]
+            elif self.half_acc and not l.half:  # full-width: the (lo, hi) pair of each column
+                for part, cols in ((0, self.wide_lo), (1, self.wide_hi)):
+                    if l.kind is LoadKind.COL:
+                        vals[("load", l.name, part)] = [cvt(t[c]) for c in cols]
+                    else:
+                        vals[("load", l.name, part)] = [cvt(t[g, c]) for g, c in zip(grow, cols)]
             elif not pair:
                 if l.kind is LoadKind.COL:
                     vals[("load", l.name, None)] = [cvt(t[self.n0 + c]) for c in self.cols]
@@ -332,7 +346,7 @@ class TileEpilogue:
     # -- the whole epilogue --
     def run(self, acc_vals, loads: dict[str, Any], outs: dict[str, Any]):
         F = cutlass.Float32
-        plan, pair = self.plan, self.b is not None
+        plan, pair = self.plan, self.b is not None and not self.half_acc
         vals = self.gather_loads(loads, acc_vals)
         res = interpret(self.traced, vals, self.count, self.ops, self, where=f"epilogue {self.epi.name!r}")
         grow = [self.m0 + r for r in self.rows]
@@ -341,6 +355,16 @@ class TileEpilogue:
             parts = [p for (name, p) in self.traced.outputs if name == o.name]
             if parts == [None]:
                 mine = res[(o.name, None)]
+            elif self.half_acc:  # (lo, hi) of each accumulator column
+                lo, hi = res[(o.name, 0)], res[(o.name, 1)]
+                if o.kind is OutputKind.TILE:
+                    dt = dsl_dtype(dict(plan.out_dtypes)[o.name])
+                    t = outs[o.name]
+                    for g, cl, ch, vl, vh in zip(grow, self.wide_lo, self.wide_hi, lo, hi):
+                        t[g, cl] = vl.to(dt)
+                        t[g, ch] = vh.to(dt)
+                    continue
+                mine = [F(a + b_) for a, b_ in zip(lo, hi)]  # a row sum adds both halves
             else:
                 lo, hi = res[(o.name, 0)], res[(o.name, 1)]
                 mine = [F(cutlass.select_(s, a, b_)) for a, b_, s in zip(lo, hi, self.is_lo)]

@@ -103,9 +103,9 @@ class CuteDslLowering:
             elif l.kind is LoadKind.ROW_BLOCK:
                 v = jnp.pad(v, ((0, mp - m), (0, 0)))
             elif l.kind is LoadKind.COL:
-                v = jnp.pad(v, (0, (np_ - n) // (2 if l.half else 1)))
+                v = jnp.pad(v, (0, epilogue.width(np_, l.half) - epilogue.width(n, l.half)))
             else:
-                v = pad2(v, mp, np_ // 2 if l.half else np_)
+                v = pad2(v, mp, epilogue.width(np_, l.half))
             if jnp.issubdtype(v.dtype, jnp.floating):
                 if l.kind not in (LoadKind.TILE, LoadKind.ROW_BLOCK) or v.dtype not in (
                         jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
@@ -134,7 +134,7 @@ class CuteDslLowering:
         out_types = []
         for o in epilogue.outputs:
             if o.kind is OutputKind.TILE:
-                out_types.append(jax.ShapeDtypeStruct((mp, np_ // 2 if o.half else np_), dict(dtypes)[o.name]))
+                out_types.append(jax.ShapeDtypeStruct((mp, epilogue.width(np_, o.half)), dict(dtypes)[o.name]))
             elif o.kind is OutputKind.COL_SUM:
                 out_types.append(jax.ShapeDtypeStruct((mp // TILE_M, np_), jnp.float32))
             else:
@@ -148,7 +148,7 @@ class CuteDslLowering:
         out = {}
         for o, v in zip(epilogue.outputs, res):
             if o.kind is OutputKind.TILE:
-                out[o.name] = v[:m, : (n // 2 if o.half else n)]
+                out[o.name] = v[:m, : epilogue.width(n, o.half)]
             elif o.kind is OutputKind.COL_SUM:
                 out[o.name] = v[:, :n]
             else:

@@ -10,7 +10,7 @@ from coda_jax.layers.config import LlamaConfig
 from coda_jax.ops.matmul_residual_rms import matmul_residual_rms
 from coda_jax.ops.norm_carry import NormCarry
 from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
-from coda_jax.ops.rms_norm_matmul_swiglu import rms_norm_matmul_swiglu
+from coda_jax.ops.swiglu_mlp import swiglu_mlp
 from coda_jax.ops.rope_frequencies import rope_inv_freq
 
 
@@ -33,6 +33,9 @@ class CodaLlamaBlock(nnx.Module):
     3. ``x1 = x + o @ w_o``  -> carry ``(x1 * mlp_norm, sumsq(x1))``
     4. ``y = silu(.) * (.)`` of ``rstd1 * (h1 @ w_gu)``
     5. ``x2 = x1 + y @ w_down`` -> carry for the *next* norm (``next_norm``)
+
+    Steps 4-5 are one op (:func:`coda_jax.swiglu_mlp`), so that the SwiGLU backward runs in
+    the epilogue of the down projection's dgrad GEMM.
 
     Parameters follow Llama checkpoint names (``input_layernorm`` = ``attn_norm``,
     ``post_attention_layernorm`` = ``mlp_norm``), with Q/K/V fused into ``w_qkv``
@@ -92,7 +95,6 @@ class CodaLlamaBlock(nnx.Module):
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(c))
         x1, carry1 = matmul_residual_rms(o.reshape(m, nh * hd), self.w_o[...].astype(dt), x2, self.mlp_norm[...],
                                          backend=self.backend)
-        y, x1 = rms_norm_matmul_swiglu(x1, self.mlp_norm[...], self.w_gu[...].astype(dt), carry=carry1,
-                                       eps=c.rms_norm_eps, return_residual=True, backend=self.backend)
-        out, carry2 = matmul_residual_rms(y, self.w_down[...].astype(dt), x1, next_norm, backend=self.backend)
+        out, carry2 = swiglu_mlp(x1, self.mlp_norm[...], self.w_gu[...].astype(dt), self.w_down[...].astype(dt),
+                                 next_norm, carry=carry1, eps=c.rms_norm_eps, backend=self.backend)
         return out.reshape(b, s, d), carry2

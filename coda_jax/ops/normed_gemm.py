@@ -76,21 +76,34 @@ def _normed_gemm_fwd(lowering, variant, eps, return_residual, x, gamma, w, h, su
     return ((out, x) if return_residual else out), res
 
 
-def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
-    x, gamma, w, rstd, saved, aux, h, sumsq = res
-    dout, dres = cot if return_residual else (cot, None)
-    d = x.shape[1]
-    dz, zdz_sum, daux = variant.backward(saved, dout, aux)
+def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz, zdz_sum, dres=None):
+    """The two backward GEMMs of ``z = rstd * ((x * gamma) @ w)`` given ``dz``.
+
+    Args:
+      x: ``[M, d]`` norm input; gamma ``[d]``; w ``[d, N]``; rstd ``[M]`` float32.
+      dz: ``[M, N]`` gradient of z (cast to ``w.dtype`` for the GEMMs).
+      zdz_sum: ``[M]`` float32 ``sum_N(z * dz)``.
+      dres: ``[M, d]`` residual-stream gradient to add to ``dx``, or None.
+
+    Returns ``(dx [M, d] x.dtype, dgamma [d] gamma.dtype, dw [d, N] w.dtype)``.
+    """
     dz = dz.astype(w.dtype)
-    loads = {"x": x, "rstd": rstd, "zdz": zdz_sum / d, "gamma": gamma}
+    loads = {"x": x, "rstd": rstd, "zdz": zdz_sum / x.shape[1], "gamma": gamma}
     if dres is not None:
         loads["dres"] = dres
     outs = lowering.gemm(programs.rms_dgrad(dres is not None), dz, w, loads, transpose_b=True,
                          out_dtypes={"dx": x.dtype, "xh": w.dtype})
     wg = lowering.gemm(programs.NORM_WGRAD, outs["xh"], dz, {"gamma": gamma, "w": w}, transpose_a=True,
                        out_dtypes={"dw": w.dtype})
-    dgamma = jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype)
-    return outs["dx"], dgamma, wg["dw"], jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
+    return outs["dx"], jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype), wg["dw"]
+
+
+def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
+    x, gamma, w, rstd, saved, aux, h, sumsq = res
+    dout, dres = cot if return_residual else (cot, None)
+    dz, zdz_sum, daux = variant.backward(saved, dout, aux)
+    dx, dgamma, dw = norm_gemm_backward(lowering, x, gamma, w, rstd, dz, zdz_sum, dres)
+    return dx, dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
 
 
 normed_gemm.defvjp(_normed_gemm_fwd, _normed_gemm_bwd)

@@ -71,7 +71,10 @@ def _transforms(minor_elems: int, dtype) -> tuple:
 
 def _chunks(epi: Epilogue, tile_n: int, cols: int = 64) -> list[tuple[int, int]]:
     """(first column, width) of each epilogue chunk of a tile (``cols`` wide outside pair mode)."""
-    w = 2 * epi.pair_block if epi.pair_block is not None else min(cols, tile_n)
+    if epi.pair_block is None:
+        w = min(cols, tile_n)
+    else:  # one pair block: 2b accumulator columns, or b with a half-width accumulator
+        w = epi.pair_block if epi.half_acc else 2 * epi.pair_block
     return [(c, w) for c in range(0, tile_n, w)]
 
 
@@ -94,7 +97,7 @@ def out_types(epi: Epilogue, shape: KernelShape, cfg: TuningConfig) -> list[jax.
     res = []
     for o in epi.outputs:
         if o.kind is OutputKind.TILE:
-            res.append(jax.ShapeDtypeStruct((shape.m, shape.n // 2 if o.half else shape.n), dt[o.name]))
+            res.append(jax.ShapeDtypeStruct((shape.m, epi.width(shape.n, o.half)), dt[o.name]))
         elif o.kind is OutputKind.COL_SUM:
             res.append(jax.ShapeDtypeStruct((shape.m // cfg.tile_m, shape.n), jnp.float32))
         else:  # ROW_SUM, ROW_LOGSUMEXP
@@ -148,6 +151,12 @@ class _EpilogueEmitter:
         b = self.b
         if b is None:
             return [(n0 + c0, self.chunks[0][1])]
+        if self.epi.half_acc:  # accumulator block c0 of the tile is pair (2*(n0+c0), +b), (+b, +b)
+            if half:
+                return [(n0 + c0, b)]
+            start = 2 * (n0 + c0)
+            start = start if isinstance(start, int) else pl.multiple_of(start, b)
+            return [(start, b), (start + b, b)]
         if half:  # one column per pair: block c0 of the tile maps to [n0/2 + c0/2, +b)
             start = n0 // 2 + c0 // 2
             return [(start if isinstance(start, int) else pl.multiple_of(start, b), b)]
@@ -262,7 +271,7 @@ class _EpilogueEmitter:
                     issue_loads(ci + 1)
                 for j in range(len(load_parts)):
                     plgpu.barrier_wait(scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
-            acc_c = acc[:, c0:c0 + w] if b is None else (acc[:, c0:c0 + b], acc[:, c0 + b:c0 + w])
+            acc_c = acc[:, c0:c0 + w] if b is None or epi.half_acc else (acc[:, c0:c0 + b], acc[:, c0 + b:c0 + w])
             kw = {}
             for l in epi.loads:
                 if l.kind is LoadKind.ROW:

@@ -85,8 +85,9 @@ class PallasLowering:
         pb = epilogue.pair_block
         interpret = interpret_enabled()
         cfg = self.config or choose_config(m, n, k)
-        if pb is not None and cfg.tile_n % (2 * pb):
-            raise ValueError(f"tile_n={cfg.tile_n} must be a multiple of 2*pair_block={2 * pb}")
+        if pb is not None and cfg.tile_n % (pb if epilogue.half_acc else 2 * pb):
+            raise ValueError(f"tile_n={cfg.tile_n} must be a multiple of the pair block's width "
+                             f"({pb if epilogue.half_acc else 2 * pb})")
         m_quantum, n_quantum = cfg.cta_tile()  # padding to the CTA tile; a fallback kernel divides it too
         mp, np_, kp = _round_up(m, m_quantum), _round_up(n, n_quantum), _round_up(k, cfg.tile_k)
 
@@ -103,9 +104,9 @@ class PallasLowering:
             elif l.kind is LoadKind.ROW_BLOCK:
                 v = jnp.pad(v, ((0, mp - m), (0, 0)))
             elif l.kind is LoadKind.COL:
-                v = jnp.pad(v, (0, (np_ - n) // (2 if l.half else 1)))
+                v = jnp.pad(v, (0, epilogue.width(np_, l.half) - epilogue.width(n, l.half)))
             elif l.kind is LoadKind.TILE:
-                v = pad2(v, mp, np_ // 2 if l.half else np_)
+                v = pad2(v, mp, epilogue.width(np_, l.half))
             if jnp.issubdtype(v.dtype, jnp.floating) and l.kind not in (LoadKind.TILE, LoadKind.ROW_BLOCK):
                 v = v.astype(jnp.float32)
             args.append(v)
@@ -120,7 +121,7 @@ class PallasLowering:
         out = {}
         for o, v in zip(epilogue.outputs, res):
             if o.kind is OutputKind.TILE:
-                out[o.name] = v[:m, : (n // 2 if o.half else n)]
+                out[o.name] = v[:m, : epilogue.width(n, o.half)]
             elif o.kind is OutputKind.COL_SUM:
                 out[o.name] = v[:, :n]
             else:
