@@ -70,7 +70,7 @@ def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0, config=
     b = (jax.random.normal(kb, (n, k) if transpose_b else (k, n)) / k ** 0.25).astype(jnp.bfloat16)
     loads = _loads(epi, m, n, kl)
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
-    got = jax.jit(lambda a, b, l: PallasLowering(config).gemm(epi, a, b, l, **kw))(a, b, loads)
+    got = jax.jit(lambda a, b, l: PallasLowering(config, plain_gemm="pallas").gemm(epi, a, b, l, **kw))(a, b, loads)
     want = REFERENCE.gemm(epi, a, b, loads, **kw)
     assert set(got) == set(want)
     for o in epi.outputs:
@@ -239,8 +239,15 @@ def test_column_sums_never_run_warp_specialized():
     assert not plan_kernel(COL_SUM_PROBE, shape, CONFIG_TABLE["default"], _dtypes(gamma=jnp.float32)).warp_specialized
 
 
-def test_plain_gemm_routing():
-    # plain_gemm="xla" hands identity-epilogue GEMMs to the reference backend (no kernel).
+def test_plain_gemm_routing(monkeypatch):
+    # Identity-epilogue GEMMs go to the reference backend (no kernel) by default and with
+    # plain_gemm="xla"; the environment variable or plain_gemm="pallas" selects the kernel.
+    monkeypatch.delenv("CODA_JAX_PALLAS_PLAIN_GEMM", raising=False)
+    assert PallasLowering()._plain_gemm() == "xla"
+    monkeypatch.setenv("CODA_JAX_PALLAS_PLAIN_GEMM", "pallas")
+    assert PallasLowering()._plain_gemm() == "pallas"
+    assert PallasLowering(plain_gemm="xla")._plain_gemm() == "xla"
+    monkeypatch.delenv("CODA_JAX_PALLAS_PLAIN_GEMM")
     key = jax.random.split(jax.random.key(21), 2)
     a = jax.random.normal(key[0], (96, 64)).astype(jnp.bfloat16)
     b = jax.random.normal(key[1], (80, 64)).astype(jnp.bfloat16)
