@@ -13,7 +13,7 @@ winners; copy them into ``coda_jax/pallas/tuning.py``'s ``CONFIG_TABLE``. Result
 
 ``--epilogue-sweep``: instead, the block's fused GEMMs at d=2048 (forward, dgrad and wgrad
 programs at their real shapes) under the table's configuration and its epilogue variants
-(approximate math, swizzled staging), each next to the identity GEMM of the same shape.
+(chunk register budget, swizzled staging), each next to the identity GEMM of the same shape.
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ def epilogue_sweep(args, record):
     base = CONFIG_TABLE["default"]
     variants = {
         "default": base,
-        "approx": dataclasses.replace(base, approx_math=True),
+        "wide_chunks": dataclasses.replace(base, epilogue_regs=1 << 20),  # no register-budget narrowing
+        "regs_64": dataclasses.replace(base, epilogue_regs=64),
         "swizzled": dataclasses.replace(base, swizzle_epilogue=True),
-        "approx_swizzled": dataclasses.replace(base, approx_math=True, swizzle_epilogue=True),
     }
     progs, r, d = block_programs()
     for name, epi, (k, n), ta, tb, loads in progs:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -64,6 +65,7 @@ __all__ = [
     "col_sum",
     "row_logsumexp",
     "row_block",
+    "body_uses_row_sum",
     "split_pairs",
     "join_pairs",
 ]
@@ -206,6 +208,31 @@ class Epilogue:
                 raise ValueError(
                     f"epilogue {self.name!r}: load {l.name!r} ({l.kind.value}) must have shape {want}, got {tuple(v.shape)}"
                 )
+
+
+@functools.cache
+def body_uses_row_sum(epi: Epilogue) -> bool:
+    """Whether ``epi.body`` calls ``ctx.row_sum`` (found by tracing it on abstract values).
+
+    A kernel backend may process a pair block in narrower column slices only if it does
+    not: ``row_sum`` sums over the whole pair half."""
+    used = []
+
+    class _Probe:
+        def row_sum(self, x):
+            used.append(True)
+            return jnp.sum(x, axis=-1, keepdims=True)
+
+        def col_index(self):
+            return jnp.zeros((1, 8), jnp.int32)
+
+    f32 = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    pair = epi.pair_block is not None
+    acc = (f32, f32) if pair and not epi.half_acc else f32
+    loads = {l.name: (f32, f32) if pair and not l.half and l.kind in (LoadKind.COL, LoadKind.TILE) else f32
+             for l in epi.loads}
+    jax.eval_shape(lambda acc, loads: epi.body(acc, _Probe(), **loads), acc, loads)
+    return bool(used)
 
 
 def split_pairs(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:

@@ -239,6 +239,21 @@ def test_column_sums_never_run_warp_specialized():
     assert not plan_kernel(COL_SUM_PROBE, shape, CONFIG_TABLE["default"], _dtypes(gamma=jnp.float32)).warp_specialized
 
 
+def test_plan_narrows_chunks_to_the_register_budget():
+    from coda_jax.pallas.gemm_epilogue import _chunks
+
+    cfg = dataclasses.replace(CONFIG_TABLE["default"], max_concurrent_steps=2)  # SMEM is not the limit here
+    plan = lambda epi, outs, loads=(): plan_kernel(epi, _shape(2048, 1024, 1024, outs), cfg, loads)  # noqa: E731
+    assert plan(programs.IDENTITY, {"out": jnp.bfloat16}).epilogue_cols == 64
+    # accumulator pair + y + z pair: 5 x 64 values per thread at 64 columns -> 16 columns
+    assert plan(programs.rms_swiglu(True), {"y": jnp.bfloat16, "z": jnp.bfloat16},
+                _dtypes(rstd=jnp.float32)).epilogue_cols == 16
+    assert _chunks(programs.rms_swiglu(True), 128, 16) == [(0, 16), (16, 16), (32, 16), (48, 16)]
+    assert _chunks(programs.SWIGLU_DGRAD, 128, 32) == [(0, 32), (32, 32), (64, 32), (96, 32)]
+    # QK-norm sums over a whole pair half (ctx.row_sum): never sliced
+    assert _chunks(programs.rms_rope(64, 1e-6, True), 256, 16) == [(0, 64), (128, 64)]
+
+
 def test_plain_gemm_routing(monkeypatch):
     # Identity-epilogue GEMMs go to the reference backend (no kernel) by default and with
     # plain_gemm="xla"; the environment variable or plain_gemm="pallas" selects the kernel.

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.epilogue import Epilogue, LoadKind, OutputKind, body_uses_row_sum
 from coda_jax.pallas.tuning import TuningConfig
 
 _WG = plgpu.Layout.WGMMA
@@ -70,12 +70,34 @@ def _transforms(minor_elems: int, dtype) -> tuple:
 
 
 def _chunks(epi: Epilogue, tile_n: int, cols: int = 64) -> list[tuple[int, int]]:
-    """(first column, width) of each epilogue chunk of a tile (``cols`` wide outside pair mode)."""
-    if epi.pair_block is None:
+    """(first column, width) of each epilogue chunk of a tile, ``cols`` wide.
+
+    Pair mode: a chunk is a ``w``-column slice of the lo half of a pair block (the hi slice
+    sits ``b`` columns to its right; with ``half_acc`` the block is ``b`` accumulator
+    columns), ``w = min(cols, b)``, or the whole half when the body calls ``ctx.row_sum``
+    (a sum over the whole half)."""
+    b = epi.pair_block
+    if b is None:
         w = min(cols, tile_n)
-    else:  # one pair block: 2b accumulator columns, or b with a half-width accumulator
-        w = epi.pair_block if epi.half_acc else 2 * epi.pair_block
-    return [(c, w) for c in range(0, tile_n, w)]
+        return [(c, w) for c in range(0, tile_n, w)]
+    w = b if body_uses_row_sum(epi) else min(cols, b)
+    block = b if epi.half_acc else 2 * b
+    return [(c + s, w) for c in range(0, tile_n, block) for s in range(0, b, w)]
+
+
+def live_values(epi: Epilogue, cols: int) -> int:
+    """float32 values per consumer thread that one epilogue chunk holds at once (its
+    accumulator slice, tile loads and tile outputs), for a 128-thread warpgroup and a
+    64-row tile slice per 64 threads: the quantity that must stay within the register file
+    beside the accumulator, or the epilogue spills."""
+    b = epi.pair_block
+    w = min(cols, b) if b is not None and not body_uses_row_sum(epi) else (b or cols)
+    two = lambda half: 2 if b is not None and not half else 1  # noqa: E731
+    parts = (2 if b is not None and not epi.half_acc else 1)
+    parts += sum(1 if l.kind is LoadKind.ROW_BLOCK else two(l.half) for l in epi.loads
+                 if l.kind in (LoadKind.TILE, LoadKind.ROW_BLOCK))
+    parts += sum(two(o.half) for o in epi.outputs if o.kind is OutputKind.TILE)
+    return parts * w  # = parts * (128 rows * w) / 128 threads
 
 
 class _TileContext:
@@ -141,26 +163,29 @@ class _EpilogueEmitter:
         return 1 if l.kind is LoadKind.ROW_BLOCK else self._nparts(l.half)
 
     def _load_parts(self, l, c0: int, n0):
-        return [(0, self.b)] if l.kind is LoadKind.ROW_BLOCK else self.parts(c0, n0, l.half)
+        if l.kind is LoadKind.ROW_BLOCK:  # [M, b]: the chunk's offset inside its pair half
+            return [(c0 % (2 * self.b), self._width())]
+        return self.parts(c0, n0, l.half)
 
     def _width(self) -> int:
-        return self.b if self.b is not None else self.chunks[0][1]
+        return self.chunks[0][1]
 
     def parts(self, c0: int, n0, half: bool):
         """GMEM (first column, width) of a chunk's pieces in a full or half-width array."""
-        b = self.b
+        b, w = self.b, self._width()
         if b is None:
-            return [(n0 + c0, self.chunks[0][1])]
-        if self.epi.half_acc:  # accumulator block c0 of the tile is pair (2*(n0+c0), +b), (+b, +b)
+            return [(n0 + c0, w)]
+        aligned = lambda x: x if isinstance(x, int) else pl.multiple_of(x, w)  # noqa: E731
+        if self.epi.half_acc:  # accumulator column g's pair: (g // b) * 2b + g % b and + b
             if half:
-                return [(n0 + c0, b)]
-            start = 2 * (n0 + c0)
-            start = start if isinstance(start, int) else pl.multiple_of(start, b)
-            return [(start, b), (start + b, b)]
-        if half:  # one column per pair: block c0 of the tile maps to [n0/2 + c0/2, +b)
-            start = n0 // 2 + c0 // 2
-            return [(start if isinstance(start, int) else pl.multiple_of(start, b), b)]
-        return [(n0 + c0, b), (n0 + c0 + b, b)]
+                return [(n0 + c0, w)]
+            s = c0 % b
+            start = aligned(2 * (n0 + c0 - s) + s)
+            return [(start, w), (start + b, w)]
+        s = c0 % (2 * b)
+        if half:  # one column per pair: pair block (n0 + c0 - s) / 2b maps to [(n0 + c0 - s)/2, +b)
+            return [(aligned((n0 + c0 - s) // 2 + s), w)]
+        return [(n0 + c0, w), (n0 + c0 + b, w)]
 
     def scratch_types(self, loads_dtypes: dict[str, Any], copies: int | None = None) -> dict[str, Any]:
         """SMEM scratch of the epilogue (with a leading ``copies`` axis, one per consumer)."""
@@ -271,7 +296,7 @@ class _EpilogueEmitter:
                     issue_loads(ci + 1)
                 for j in range(len(load_parts)):
                     plgpu.barrier_wait(scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
-            acc_c = acc[:, c0:c0 + w] if b is None or epi.half_acc else (acc[:, c0:c0 + b], acc[:, c0 + b:c0 + w])
+            acc_c = acc[:, c0:c0 + w] if b is None or epi.half_acc else (acc[:, c0:c0 + w], acc[:, c0 + b:c0 + b + w])
             kw = {}
             for l in epi.loads:
                 if l.kind is LoadKind.ROW:
@@ -353,7 +378,8 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     """The configuration that runs: ``cfg``, adjusted until operands + epilogue fit in SMEM.
 
     Order of preference: the warp-specialized kernel with ``cfg``'s pipeline depth and
-    epilogue chunk width, then narrower chunks (32, 16 columns: less staging SMEM per
+    the widest epilogue chunk (at most ``cfg.epilogue_cols``) whose :func:`live_values` fit
+    ``cfg.epilogue_regs``, then narrower chunks (32, 16 columns: less staging SMEM per
     consumer), then fewer stages (down to 2); then the single-warpgroup kernel (whose
     epilogue staging reuses the pipeline's SMEM), then with ``tile_m=64``. Raises
     ``ValueError`` naming the epilogue if nothing fits.
@@ -377,16 +403,19 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
             return False
         return c.wg_dimension == "n" or not shape.transpose_a  # an M split would slice a transposed A
 
-    # Narrower epilogue chunks (less staging SMEM) before shallower pipelines; 2 stages last.
-    col_options = [cfg.epilogue_cols] if epi.pair_block is not None else [
-        c for c in (cfg.epilogue_cols, 32, 16) if c <= cfg.epilogue_cols]
+    # The widest chunk whose values fit the register budget beside the accumulator; then
+    # narrower chunks (less staging SMEM) before shallower pipelines; 2 stages last.
+    widest = cfg.epilogue_cols
+    while widest > 16 and live_values(epi, widest) > cfg.epilogue_regs:
+        widest //= 2
+    col_options = [c for c in (widest, 32, 16) if c <= widest]
     stage_options = list(range(cfg.max_concurrent_steps, 2, -1))
     candidates = []
     if cfg.warp_specialized and ws_applies(cfg):
         candidates += [dataclasses.replace(cfg, epilogue_cols=c, max_concurrent_steps=s)
                        for s in stage_options for c in col_options]
         candidates += [dataclasses.replace(cfg, epilogue_cols=c, max_concurrent_steps=2) for c in col_options]
-    simple = dataclasses.replace(cfg, warp_specialized=False)
+    simple = dataclasses.replace(cfg, warp_specialized=False, epilogue_cols=widest)
     for tm in dict.fromkeys((cfg.tile_m, 64)):
         candidates += [dataclasses.replace(simple, tile_m=tm, max_concurrent_steps=s)
                        for s in range(cfg.max_concurrent_steps, 1, -1)]

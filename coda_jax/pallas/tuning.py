@@ -31,6 +31,11 @@ class TuningConfig:
         accumulator is processed ``[tile_m, epilogue_cols]`` at a time, each chunk's tile
         loads and outputs double-buffered in SMEM. ``plan_kernel`` narrows it for heavy
         epilogues so that the warp-specialized kernel keeps its pipeline depth.
+      epilogue_regs: register budget of one epilogue chunk, in float32 values per thread
+        (:func:`coda_jax.pallas.gemm_epilogue.live_values`: accumulator slice, tile loads and
+        tile outputs of a chunk); ``plan_kernel`` narrows the chunk (pair-mode chunks too,
+        unless the body sums over a pair half) until it fits, so that heavy epilogues do not
+        spill beside the 128-register accumulator.
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -45,6 +50,7 @@ class TuningConfig:
     wg_dimension: str = "m"
     swizzle_epilogue: bool = False
     epilogue_cols: int = 64
+    epilogue_regs: int = 128
     approx_math: bool = False
 
     def __post_init__(self):
