@@ -9,10 +9,10 @@ float32 operands raise a ``TypeError`` that points at ``backend="xla"``.
 
 Plain GEMMs (the identity epilogue: backward wgrad/dgrad GEMMs with nothing to fuse) go
 to XLA's GEMM (cuBLAS) by default: an epilogue without loads or reductions gains nothing
-from the fused kernel, and the block measured as fast or faster that way (RESULTS.md,
-runs 17 and 20: 1.02x / 1.03x of the plain XLA block at d=2048 / 4096 against 1.01x /
-0.96x with plain GEMMs on this kernel). ``plain_gemm="pallas"`` (or the environment
-variable ``CODA_JAX_PALLAS_PLAIN_GEMM=pallas``) runs them on this backend's kernel.
+from the fused kernel, and in the block the two routes are within run-to-run noise of each
+other (benchmarks/RESULTS.md, runs 17, 20 and 26: each route won at some width in some
+run). ``plain_gemm="pallas"`` (or the environment variable
+``CODA_JAX_PALLAS_PLAIN_GEMM=pallas``) runs them on this backend's kernel.
 """
 
 from __future__ import annotations
