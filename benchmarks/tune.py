@@ -66,6 +66,19 @@ def _jax_example(a, b):
     return hm.matmul(a, b, None, cfg)
 
 
+def _time_program(row, cfg, epi, a, b, loads, ta, tb, flops, iters):
+    """``row`` with the program's time on the Pallas kernel under ``cfg`` (or the error)."""
+    try:
+        low = PallasLowering(cfg, plain_gemm="pallas")
+        fn = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_a=ta, transpose_b=tb))
+        row["ms"] = median_ms(fn, a, b, loads, iters=iters)
+        row["tflops"] = flops / row["ms"] / 1e9
+    except Exception as e:  # SMEM overflow, lowering failures: record and go on
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+    return row
+
+
 def block_programs(d=2048, f=8192, heads=32, kv=8, hd=64, m=M):
     """(name, epilogue, (K, N), transpose_a, transpose_b, loads) of the block's fused GEMMs."""
     r = Inputs(d)
@@ -105,16 +118,7 @@ def epilogue_sweep(args, record):
         for label, e in (("identity", programs.IDENTITY), (name, epi)):
             for vname, cfg in (variants.items() if e is epi else [("default", base)]):
                 row = {"program": label, "k": k, "n": n, "m": m, "variant": vname}
-                try:
-                    low = PallasLowering(cfg, plain_gemm="pallas")
-                    ld = loads if e is epi else {}
-                    fn = jax.jit(lambda a, b, l, low=low, e=e: low.gemm(e, a, b, l, transpose_a=ta, transpose_b=tb))
-                    row["ms"] = median_ms(fn, a, b, ld, iters=args.iters)
-                    row["tflops"] = flops / row["ms"] / 1e9
-                except Exception as ex:
-                    row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-                    traceback.print_exc()
-                record(row)
+                record(_time_program(row, cfg, e, a, b, loads if e is epi else {}, ta, tb, flops, args.iters))
                 if "ms" in row:
                     print(f"SWEEP {label:18s} {vname:16s} {row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s", flush=True)
 
@@ -189,15 +193,7 @@ def main():
         for pname, (epi, loads) in fused.items():
             for name, cfg in CANDIDATES.items():
                 row = {"k": k, "n": n, "layout": "fwd", "program": pname, "impl": name}
-                try:
-                    low = PallasLowering(cfg)
-                    f = jax.jit(lambda a, b, l, low=low, epi=epi: low.gemm(epi, a, b, l))
-                    row["ms"] = median_ms(f, a, b, loads, iters=args.iters)
-                    row["tflops"] = flops / row["ms"] / 1e9
-                except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    traceback.print_exc()
-                record(row)
+                record(_time_program(row, cfg, epi, a, b, loads, False, False, flops, args.iters))
     best = {}
     for row in rows:
         if "ms" in row and row["impl"] in CANDIDATES:
