@@ -69,6 +69,14 @@ def _transforms(minor_elems: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _chunk_width(epi: Epilogue, tile_n: int, cols: int) -> int:
+    """Columns of one epilogue chunk (in pair mode: of its slice of each pair half)."""
+    b = epi.pair_block
+    if b is None:
+        return min(cols, tile_n)
+    return b if body_uses_row_sum(epi) else min(cols, b)
+
+
 def _chunks(epi: Epilogue, tile_n: int, cols: int = 64) -> list[tuple[int, int]]:
     """(first column, width) of each epilogue chunk of a tile, ``cols`` wide.
 
@@ -76,28 +84,26 @@ def _chunks(epi: Epilogue, tile_n: int, cols: int = 64) -> list[tuple[int, int]]
     sits ``b`` columns to its right; with ``half_acc`` the block is ``b`` accumulator
     columns), ``w = min(cols, b)``, or the whole half when the body calls ``ctx.row_sum``
     (a sum over the whole half)."""
-    b = epi.pair_block
+    b, w = epi.pair_block, _chunk_width(epi, tile_n, cols)
     if b is None:
-        w = min(cols, tile_n)
         return [(c, w) for c in range(0, tile_n, w)]
-    w = b if body_uses_row_sum(epi) else min(cols, b)
     block = b if epi.half_acc else 2 * b
     return [(c + s, w) for c in range(0, tile_n, block) for s in range(0, b, w)]
 
 
-def live_values(epi: Epilogue, cols: int) -> int:
-    """float32 values per consumer thread that one epilogue chunk holds at once (its
-    accumulator slice, tile loads and tile outputs), for a 128-thread warpgroup and a
-    64-row tile slice per 64 threads: the quantity that must stay within the register file
-    beside the accumulator, or the epilogue spills."""
+def live_values(epi: Epilogue, tile_n: int, cols: int) -> int:
+    """float32 values per thread of a 128-thread consumer warpgroup that one epilogue chunk
+    of a 128-row tile holds at once: its accumulator slice, tile loads and tile outputs,
+    ``128 x w`` each (two parts each in pair mode unless half-width). They must fit in the
+    register file beside the accumulator, or the epilogue spills. (A 64-row tile holds half
+    as many; the budget then errs on the narrow side, which is what ran on the GPU.)"""
     b = epi.pair_block
-    w = min(cols, b) if b is not None and not body_uses_row_sum(epi) else (b or cols)
     two = lambda half: 2 if b is not None and not half else 1  # noqa: E731
-    parts = (2 if b is not None and not epi.half_acc else 1)
+    parts = 1 if epi.half_acc else two(False)
     parts += sum(1 if l.kind is LoadKind.ROW_BLOCK else two(l.half) for l in epi.loads
                  if l.kind in (LoadKind.TILE, LoadKind.ROW_BLOCK))
     parts += sum(two(o.half) for o in epi.outputs if o.kind is OutputKind.TILE)
-    return parts * w  # = parts * (128 rows * w) / 128 threads
+    return parts * _chunk_width(epi, tile_n, cols)
 
 
 class _TileContext:
@@ -251,7 +257,7 @@ class _EpilogueEmitter:
     def prefetch(self, m0, n0, load_refs, scr, barrier_base=0, step_base=0):
         """Issues the first chunks' tile loads and loads the row vectors and the first chunk's
         column vectors; call before the mainloop so that they land during it. Returns the
-        vectors, for :meth:`emit`'s ``vectors``."""
+        vectors, to pass as :meth:`emit`'s ``prefetched``."""
         if self._load_parts_list():
             for ci in range(self._n_prefetched()):
                 self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
@@ -406,7 +412,7 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     # The widest chunk whose values fit the register budget beside the accumulator; then
     # narrower chunks (less staging SMEM) before shallower pipelines; 2 stages last.
     widest = cfg.epilogue_cols
-    while widest > 16 and live_values(epi, widest) > cfg.epilogue_regs:
+    while widest > 16 and live_values(epi, cfg.tile_n, widest) > cfg.epilogue_regs:
         widest //= 2
     col_options = [c for c in (widest, 32, 16) if c <= widest]
     stage_options = list(range(cfg.max_concurrent_steps, 2, -1))
