@@ -334,6 +334,22 @@ def coda_block(d, backend):
     return fwd, jax.jit(jax.value_and_grad(lf, argnums=(0, 1))), (state, x)
 
 
+def coda_model(preset, backend, batch, seq, layers=None):
+    """``CodaLlama`` (a preset of ``coda_jax.layers.PRESETS``, optionally fewer layers):
+    (jitted fwd+bwd of the mean next-token loss, args) on random tokens."""
+    from flax import nnx
+
+    from coda_jax.layers import PRESETS, CodaLlama
+
+    cfg = PRESETS[preset]()
+    if layers is not None:
+        cfg = cfg.replace(num_layers=layers)
+    gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend))
+    tokens = jax.random.randint(jax.random.key(5), (batch, seq + 1), 0, cfg.vocab_size)
+    loss = lambda s, t: nnx.merge(gdef, s).loss(t[:, :-1], t[:, 1:])  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss)), (state, tokens)
+
+
 @contextlib.contextmanager
 def plain_gemm_route(plain):
     """Within: the Pallas backend's plain GEMMs go to ``plain`` (None: unchanged)."""

@@ -5,7 +5,7 @@
 # Pallas config sweep (benchmarks/tune.py, TUNE_ARGS); TRAIN_STEPS=N (default 0: skip) trains
 # examples/train_llama.py on every backend (TRAIN_ARGS, default the 1b preset) and compares
 # the loss curves (benchmarks/compare_losses.py). PROFILE=1 profiles the block's fwd+bwd per
-# kernel (benchmarks/profile_block.py, PROFILE_ARGS).
+# kernel (benchmarks/profile_block.py, PROFILE_ARGS; "--model 1b --layers 4" profiles a training step).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
 set -uo pipefail

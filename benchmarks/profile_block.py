@@ -1,6 +1,7 @@
 """Where the block's time goes: a per-kernel GPU profile of one fwd+bwd step (run on the H100).
 
     python benchmarks/profile_block.py --out $OUT [--width 2048] [--backends xla,pallas]
+    python benchmarks/profile_block.py --out $OUT --model 1b [--layers 4] [--batch 8 --seq 1024]
 
 Traces ``--steps`` fwd+bwd steps of the plain XLA block (``baseline``) and of
 ``CodaLlamaBlock`` on each backend with ``jax.profiler`` (CUPTI kernel events), then sums
@@ -8,7 +9,10 @@ the device time of every kernel per step. Kernels are put in classes by name: ``
 (this library's Pallas kernels, named ``coda_<epilogue>``), ``gemm`` (cuBLAS / XLA GEMMs),
 ``attention`` (cuDNN), ``cutedsl`` and ``other`` (XLA fusions: elementwise passes,
 reductions, transposes, copies). Prints, per variant, the class totals and the top kernels;
-writes ``<out>/profile_<width>.json``.
+writes ``<out>/profile_<width>.json``. With ``--model``, the same for one training step's
+fwd+bwd (no optimizer update) of ``CodaLlama`` on each backend (no plain-XLA baseline model
+exists), to find where an end-to-end difference between backends comes from; writes
+``<out>/profile_<model>.json``.
 """
 
 from __future__ import annotations
@@ -95,6 +99,10 @@ def main():
     ap.add_argument("--backends", default="xla,pallas")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--model", default=None, help="profile a CodaLlama preset's training fwd+bwd instead")
+    ap.add_argument("--layers", type=int, default=None, help="with --model: fewer layers than the preset")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     args = ap.parse_args()
     if args.smoke:
@@ -105,18 +113,27 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"device": str(jax.devices()[0].device_kind), "width": args.width}
-    _, fb, a = bench.baseline_block(args.width)
-    results["baseline"] = profile(fb, a, args.steps, out / f"hlo_{args.width}_baseline.txt")
-    for label, b, plain in bench.block_variants(args.backends.split(",")):
-        with bench.plain_gemm_route(plain):
-            _, fb, a = bench.coda_block(args.width, b)
-            results[label] = profile(fb, a, args.steps, out / f"hlo_{args.width}_{label}.txt")
-    (out / f"profile_{args.width}.json").write_text(json.dumps(results, indent=1))
+    if args.model:
+        tag = args.model
+        results.update(model=args.model, layers=args.layers, batch=args.batch, seq=args.seq)
+        for b in args.backends.split(","):
+            fb, a = bench.coda_model(args.model, b, args.batch, args.seq, args.layers)
+            results[b] = profile(fb, a, args.steps, out / f"hlo_{tag}_{b}.txt")
+    else:
+        tag = str(args.width)
+        _, fb, a = bench.baseline_block(args.width)
+        results["baseline"] = profile(fb, a, args.steps, out / f"hlo_{tag}_baseline.txt")
+        for label, b, plain in bench.block_variants(args.backends.split(",")):
+            with bench.plain_gemm_route(plain):
+                _, fb, a = bench.coda_block(args.width, b)
+                results[label] = profile(fb, a, args.steps, out / f"hlo_{tag}_{label}.txt")
+    (out / f"profile_{tag}.json").write_text(json.dumps(results, indent=1))
     for label, r in results.items():
         if not isinstance(r, dict):
             continue
         classes = "  ".join(f"{c} {ms:.3f}" for c, ms in sorted(r["by_class"].items(), key=lambda kv: -kv[1]))
-        print(f"\n## {label} (d={args.width}, fwd+bwd): wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms, "
+        what = f"{args.model} x{args.layers or 'all'} layers, {args.batch}x{args.seq}" if args.model else f"d={args.width}"
+        print(f"\n## {label} ({what}, fwd+bwd): wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms, "
               f"idle {r['idle_ms']:.3f} ms: {classes}")
         for k in r["kernels"][: args.top]:
             print(f"  {k['ms']:8.3f} ms  x{k['calls_per_step']:<4g} {k['class']:9s} {k['name'][:110]}")
