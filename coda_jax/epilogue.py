@@ -176,6 +176,24 @@ class Epilogue:
         if self.pair_block is not None and self.uses_col_index:
             raise ValueError(f"epilogue {self.name!r}: col_index is not defined in pair mode")
 
+    @property
+    def paired_acc(self) -> bool:
+        """The body receives the accumulator as ``(lo, hi)`` (pair mode without ``half_acc``)."""
+        return self.pair_block is not None and not self.half_acc
+
+    @property
+    def pair_width(self) -> int | None:
+        """Accumulator columns of one pair block: ``2*b``, ``b`` with ``half_acc``, or None."""
+        if self.pair_block is None:
+            return None
+        return self.pair_block if self.half_acc else 2 * self.pair_block
+
+    def paired(self, item: Load | Output) -> bool:
+        """Whether a col/tile load or tile output is passed to / returned by the body as
+        ``(lo, hi)`` (pair mode, full width)."""
+        kinds = (LoadKind.COL, LoadKind.TILE) if isinstance(item, Load) else (OutputKind.TILE,)
+        return self.pair_block is not None and not item.half and item.kind in kinds
+
     def width(self, n: int, half: bool) -> int:
         """Columns of a tile / col load or tile output for an ``[M, n]`` accumulator."""
         if self.half_acc:
@@ -227,10 +245,8 @@ def body_uses_row_sum(epi: Epilogue) -> bool:
             return jnp.zeros((1, 8), jnp.int32)
 
     f32 = jax.ShapeDtypeStruct((8, 8), jnp.float32)
-    pair = epi.pair_block is not None
-    acc = (f32, f32) if pair and not epi.half_acc else f32
-    loads = {l.name: (f32, f32) if pair and not l.half and l.kind in (LoadKind.COL, LoadKind.TILE) else f32
-             for l in epi.loads}
+    acc = (f32, f32) if epi.paired_acc else f32
+    loads = {l.name: (f32, f32) if epi.paired(l) else f32 for l in epi.loads}
     jax.eval_shape(lambda acc, loads: epi.body(acc, _Probe(), **loads), acc, loads)
     return bool(used)
 

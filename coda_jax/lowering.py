@@ -80,7 +80,7 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
     epilogue.validate_loads(loads, m, n)
     pb = epilogue.pair_block
     if pb is not None:
-        q = pb if epilogue.half_acc else 2 * pb
+        q = epilogue.pair_width
         if n % q:
             raise ValueError(f"epilogue {epilogue.name!r}: N={n} must be a multiple of "
                              f"{'' if epilogue.half_acc else '2*'}pair_block={q}")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.epilogue import Epilogue, LoadKind
 
 __all__ = [
     "TracedBody",
@@ -84,7 +84,6 @@ class _TraceContext:
 def _load_avals(epi: Epilogue, shape, load_dtypes: Mapping[str, Any]):
     """Abstract loads as the body sees them; returns (name, part, aval) triples."""
     tm, w = shape
-    pair = epi.pair_block is not None
     res = []
     for l in epi.loads:
         dt = jnp.dtype(load_dtypes.get(l.name, jnp.float32))
@@ -97,7 +96,7 @@ def _load_avals(epi: Epilogue, shape, load_dtypes: Mapping[str, Any]):
             shp = (1, w)
         else:  # TILE / ROW_BLOCK
             shp = (tm, w)
-        parts = (0, 1) if pair and not l.half and l.kind in (LoadKind.COL, LoadKind.TILE) else (None,)
+        parts = (0, 1) if epi.paired(l) else (None,)
         for p in parts:
             res.append((l.name, p, jax.ShapeDtypeStruct(shp, dt)))
     return res
@@ -107,7 +106,7 @@ def trace_body(epi: Epilogue, shape: tuple[int, int], load_dtypes: Mapping[str, 
     """Traces ``epi.body`` on one ``shape`` tile (one pair half in pair mode)."""
     load_dtypes = dict(load_dtypes or {})
     pair = epi.pair_block is not None
-    acc_parts = (0, 1) if pair and not epi.half_acc else (None,)  # half_acc: one column per pair
+    acc_parts = (0, 1) if epi.paired_acc else (None,)
     loads = _load_avals(epi, shape, load_dtypes)
     inputs = [("acc", None, p) for p in acc_parts] + [("load", n, p) for n, p, _ in loads] + [("col0", None, None)]
     avals = ([jax.ShapeDtypeStruct(shape, jnp.float32)] * len(acc_parts) + [a for _, _, a in loads]
@@ -138,7 +137,7 @@ def trace_body(epi: Epilogue, shape: tuple[int, int], load_dtypes: Mapping[str, 
                     out_spec.append((o.name, p))
                     flat.append(jnp.asarray(x))
             else:
-                if pair and o.kind is OutputKind.TILE and not o.half:
+                if epi.paired(o):
                     raise ValueError(f"epilogue {epi.name!r}: full-width pair output {o.name!r} must be (lo, hi)")
                 out_spec.append((o.name, None))
                 flat.append(jnp.asarray(v))

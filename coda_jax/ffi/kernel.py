@@ -294,7 +294,7 @@ class TileEpilogue:
     def gather_loads(self, loads: dict[str, Any], acc_vals):
         F = cutlass.Float32
         vals: dict[tuple, list] = {}
-        pair = self.b is not None and not self.half_acc
+        pair = self.epi.paired_acc
         if pair:
             # lo/hi exchange through SMEM: every element gets its partner's accumulator.
             self._store_tile(acc_vals)
@@ -346,7 +346,7 @@ class TileEpilogue:
     # -- the whole epilogue --
     def run(self, acc_vals, loads: dict[str, Any], outs: dict[str, Any]):
         F = cutlass.Float32
-        plan, pair = self.plan, self.b is not None and not self.half_acc
+        plan, pair = self.plan, self.epi.paired_acc
         vals = self.gather_loads(loads, acc_vals)
         res = interpret(self.traced, vals, self.count, self.ops, self, where=f"epilogue {self.epi.name!r}")
         grow = [self.m0 + r for r in self.rows]

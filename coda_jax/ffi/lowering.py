@@ -122,8 +122,6 @@ class CuteDslLowering:
                 raise TypeError(f"epilogue {epilogue.name!r}: output {name!r} dtype {dt} is not bf16/f16/f32")
         op_dt = jnp.dtype(a.dtype)
         itemsize = op_dt.itemsize
-        from coda_jax.ffi.interpret import trace_body
-
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         scratch = 4 * scratch_floats(tn, pb)
         stages = choose_stages(tn, itemsize, scratch)

@@ -19,7 +19,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from coda_jax import programs
 from coda_jax.backend import lowering_for

@@ -87,8 +87,7 @@ def _chunks(epi: Epilogue, tile_n: int, cols: int = 64) -> list[tuple[int, int]]
     b, w = epi.pair_block, _chunk_width(epi, tile_n, cols)
     if b is None:
         return [(c, w) for c in range(0, tile_n, w)]
-    block = b if epi.half_acc else 2 * b
-    return [(c + s, w) for c in range(0, tile_n, block) for s in range(0, b, w)]
+    return [(c + s, w) for c in range(0, tile_n, epi.pair_width) for s in range(0, b, w)]
 
 
 def live_values(epi: Epilogue, tile_n: int, cols: int) -> int:
@@ -97,12 +96,9 @@ def live_values(epi: Epilogue, tile_n: int, cols: int) -> int:
     ``128 x w`` each (two parts each in pair mode unless half-width). They must fit in the
     register file beside the accumulator, or the epilogue spills. (A 64-row tile holds half
     as many; the budget then errs on the narrow side, which is what ran on the GPU.)"""
-    b = epi.pair_block
-    two = lambda half: 2 if b is not None and not half else 1  # noqa: E731
-    parts = 1 if epi.half_acc else two(False)
-    parts += sum(1 if l.kind is LoadKind.ROW_BLOCK else two(l.half) for l in epi.loads
-                 if l.kind in (LoadKind.TILE, LoadKind.ROW_BLOCK))
-    parts += sum(two(o.half) for o in epi.outputs if o.kind is OutputKind.TILE)
+    staged = [x for x in epi.loads + epi.outputs
+              if x.kind in (LoadKind.TILE, LoadKind.ROW_BLOCK, OutputKind.TILE)]
+    parts = (2 if epi.paired_acc else 1) + sum(2 if epi.paired(x) else 1 for x in staged)
     return parts * _chunk_width(epi, tile_n, cols)
 
 

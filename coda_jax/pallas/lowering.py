@@ -3,8 +3,8 @@
 Shape rules (documented fallback): M, N and K need not be tile multiples; the wrapper
 zero-pads the operands and loads to tile multiples (a copy of the padded operands) and
 slices the outputs, and the kernel masks padded rows/columns out of reductions and
-log-sum-exps. Pair-mode epilogues need N to be a multiple of ``2 * pair_block`` (the
-op layer guarantees it). Operands must be bfloat16 or float16 (wgmma's 16-bit path);
+log-sum-exps. Pair-mode epilogues need N to be a multiple of the pair block's width
+(``2 * pair_block``, or ``pair_block`` with ``half_acc``; the op layer guarantees it). Operands must be bfloat16 or float16 (wgmma's 16-bit path);
 float32 operands raise a ``TypeError`` that points at ``backend="xla"``.
 
 Plain GEMMs (the identity epilogue: backward wgrad/dgrad GEMMs with nothing to fuse) go
@@ -87,9 +87,9 @@ class PallasLowering:
         pb = epilogue.pair_block
         interpret = interpret_enabled()
         cfg = self.config or choose_config(m, n, k)
-        if pb is not None and cfg.tile_n % (pb if epilogue.half_acc else 2 * pb):
+        if pb is not None and cfg.tile_n % epilogue.pair_width:
             raise ValueError(f"tile_n={cfg.tile_n} must be a multiple of the pair block's width "
-                             f"({pb if epilogue.half_acc else 2 * pb})")
+                             f"({epilogue.pair_width})")
         m_quantum, n_quantum = cfg.cta_tile()  # padding to the CTA tile; a fallback kernel divides it too
         mp, np_, kp = _round_up(m, m_quantum), _round_up(n, n_quantum), _round_up(k, cfg.tile_k)
 
