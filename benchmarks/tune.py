@@ -11,6 +11,9 @@ only) as yardsticks, all in the same process. Prints one line per measurement an
 winners; copy them into ``coda_jax/pallas/tuning.py``'s ``CONFIG_TABLE``. Results go to
 ``<out>/tune.json``.
 
+``--mainloop``: instead, the identity GEMM under tile-order and cluster variants (VARIANTS) next
+to cuBLAS and the JAX-shipped kernel, timed by CUPTI (kernel time only).
+
 ``--epilogue-sweep``: instead, the block's fused GEMMs at d=2048 (forward, dgrad and wgrad
 programs at their real shapes) under the table's configuration and its epilogue variants
 (chunk register budget, swizzled staging), each next to the identity GEMM of the same shape.
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -50,6 +55,34 @@ CANDIDATES = {
     "ws_n_64x128_s6": TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=6, warp_specialized=True,
                                    wg_dimension="n"),
 }
+_D = CONFIG_TABLE["default"]
+# Variants of the table's default: tile order, 2-CTA clusters, epilogue chunking.
+VARIANTS = {
+    "default": _D,
+    "gw8": dataclasses.replace(_D, grid_tile_width=8),
+    "gw16": dataclasses.replace(_D, grid_tile_width=16),
+    "minor_m": dataclasses.replace(_D, grid_minor_dim="m"),
+    "minor_m_gw8": dataclasses.replace(_D, grid_minor_dim="m", grid_tile_width=8),
+    "cluster_m": dataclasses.replace(_D, cluster_dimension="m"),
+    "cluster_m_minor_m": dataclasses.replace(_D, cluster_dimension="m", grid_minor_dim="m"),
+    "cluster_n": dataclasses.replace(_D, cluster_dimension="n"),
+    "split_m": dataclasses.replace(_D, wg_dimension="m"),
+    "split_m_cluster_n": dataclasses.replace(_D, wg_dimension="m", cluster_dimension="n"),
+    "wide_chunks": dataclasses.replace(_D, epilogue_regs=1 << 20),  # no register-budget narrowing
+    "regs_64": dataclasses.replace(_D, epilogue_regs=64),
+    "swizzled": dataclasses.replace(_D, swizzle_epilogue=True),
+}
+MAINLOOP_VARIANTS = ["default", "gw8", "gw16", "minor_m", "minor_m_gw8", "cluster_m", "cluster_m_minor_m",
+                     "cluster_n", "split_m", "split_m_cluster_n"]
+
+
+def kernel_ms(fn, *args, iters: int = 20) -> float:
+    """Median GPU time of one call (CUPTI: the sum of its kernels' durations, no launch gaps)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(*args))
+    _, times = profiler.measure(fn, iterations=iters)(*args)
+    return statistics.median(times)
 
 
 def _planned(epi, m, k, n, ta, tb, cfg, out_dtypes):
@@ -58,12 +91,23 @@ def _planned(epi, m, k, n, ta, tb, cfg, out_dtypes):
     return plan_kernel(epi, shape, cfg, ())
 
 
-def _jax_example(a, b):
+def _jax_example(a, b, tile_m=128, tile_n=128, wg="n", minor="n", width=4, cluster=None, stages=4):
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
-    cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
-                          wg_dimension=hm.MatmulDimension.N, grid_tile_width=4)
+    dim = {"m": hm.MatmulDimension.M, "n": hm.MatmulDimension.N, None: None}
+    cfg = hm.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=stages,
+                          wg_dimension=dim[wg], grid_minor_dim=dim[minor], grid_tile_width=width,
+                          cluster_dimension=dim[cluster])
     return hm.matmul(a, b, None, cfg)
+
+
+JAX_EXAMPLE = {  # the JAX-shipped kernel's configurations, as yardsticks (forward layout)
+    "ex_wgN_gw4": {},
+    "ex_wgN_gw8_minorM": {"minor": "m", "width": 8},
+    "ex_wgM_gw4": {"wg": "m"},
+    "ex_wgN_clusterM": {"cluster": "m"},
+    "ex_wgM_clusterN": {"wg": "m", "cluster": "n"},
+}
 
 
 def _time_program(row, cfg, epi, a, b, loads, ta, tb, flops, iters):
@@ -73,6 +117,8 @@ def _time_program(row, cfg, epi, a, b, loads, ta, tb, flops, iters):
         fn = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_a=ta, transpose_b=tb))
         row["ms"] = median_ms(fn, a, b, loads, iters=iters)
         row["tflops"] = flops / row["ms"] / 1e9
+        row["kernel_ms"] = kernel_ms(fn, a, b, loads, iters=2 * iters)
+        row["kernel_tflops"] = flops / row["kernel_ms"] / 1e9
     except Exception as e:  # SMEM overflow, lowering failures: record and go on
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -102,13 +148,9 @@ def block_programs(d=2048, f=8192, heads=32, kv=8, hd=64, m=M):
 
 
 def epilogue_sweep(args, record):
-    base = CONFIG_TABLE["default"]
-    variants = {
-        "default": base,
-        "wide_chunks": dataclasses.replace(base, epilogue_regs=1 << 20),  # no register-budget narrowing
-        "regs_64": dataclasses.replace(base, epilogue_regs=64),
-        "swizzled": dataclasses.replace(base, swizzle_epilogue=True),
-    }
+    """The block's fused GEMMs under ``args.variants``, each next to the identity GEMM of its
+    shape under the same variants."""
+    names = args.variants.split(",") if args.variants else ["default", "wide_chunks", "regs_64", "swizzled"]
     progs, r, d = block_programs()
     for name, epi, (k, n), ta, tb, loads in progs:
         m = d if ta else M  # the wgrad GEMM's rows are the norm's width
@@ -116,11 +158,57 @@ def epilogue_sweep(args, record):
         b = r.normal((n, k) if tb else (k, n))
         flops = 2 * m * k * n
         for label, e in (("identity", programs.IDENTITY), (name, epi)):
-            for vname, cfg in (variants.items() if e is epi else [("default", base)]):
+            for vname in names:
+                if e is not epi and VARIANTS[vname].epilogue_regs != _D.epilogue_regs:
+                    continue  # the identity GEMM has no epilogue to narrow
                 row = {"program": label, "k": k, "n": n, "m": m, "variant": vname}
-                record(_time_program(row, cfg, e, a, b, loads if e is epi else {}, ta, tb, flops, args.iters))
+                record(_time_program(row, VARIANTS[vname], e, a, b, loads if e is epi else {}, ta, tb, flops,
+                                     args.iters))
                 if "ms" in row:
-                    print(f"SWEEP {label:18s} {vname:16s} {row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s", flush=True)
+                    print(f"SWEEP {label:18s} {vname:18s} {row['kernel_ms']:.3f} ms {row['kernel_tflops']:.0f} "
+                          f"TFLOP/s (wall {row['ms']:.3f})", flush=True)
+
+
+def mainloop_sweep(args, record):
+    """The identity GEMM under tile-order / cluster variants, next to cuBLAS (``jnp.dot``)
+    and the JAX-shipped kernel, CUPTI-timed: where the mainloop loses to cuBLAS."""
+    names = args.variants.split(",") if args.variants else MAINLOOP_VARIANTS
+    k0, n0 = SHAPES[0]
+    cases = [(k, n, "fwd") for k, n in SHAPES[:2]] + [(k0, n0, "dgrad"), (k0, n0, "wgrad")]
+    for k, n, layout in cases:
+        ta, tb = LAYOUTS[layout]
+        m = k if ta else M  # wgrad: [d, tokens] @ [tokens, n]
+        kk = M if ta else k
+        flops = 2 * m * kk * n
+        r = Inputs(kk + n)
+        a = r.normal((kk, m) if ta else (m, kk))
+        b = r.normal((n, kk) if tb else (kk, n))
+        dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+        dot = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+                      .astype(jnp.bfloat16))
+        base = {"m": m, "k": kk, "n": n, "layout": layout}
+
+        def report(impl, fn, fargs):
+            row = {**base, "impl": impl}
+            try:
+                row["kernel_ms"] = kernel_ms(fn, *fargs, iters=2 * args.iters)
+                row["kernel_tflops"] = flops / row["kernel_ms"] / 1e9
+                print(f"MAINLOOP {layout:5s} k={kk:5d} n={n:5d} {impl:22s} {row['kernel_ms']:.3f} ms "
+                      f"{row['kernel_tflops']:.0f} TFLOP/s", flush=True)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"MAINLOOP {layout:5s} k={kk:5d} n={n:5d} {impl:22s} {row['error'][:120]}", flush=True)
+            record(row)
+
+        report("jnp.dot", dot, (a, b))
+        if layout == "fwd":
+            for ename, kw in JAX_EXAMPLE.items():
+                report(ename, jax.jit(functools.partial(_jax_example, **kw)), (a, b))
+        for vname in names:
+            low = PallasLowering(VARIANTS[vname], plain_gemm="pallas")
+            fn = jax.jit(lambda a, b, low=low: low.gemm(programs.IDENTITY, a, b, {}, transpose_a=ta,
+                                                        transpose_b=tb)["out"])
+            report(vname, fn, (a, b))
 
 
 def main():
@@ -129,6 +217,8 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="first two shapes only")
     ap.add_argument("--epilogue-sweep", action="store_true", help="the block's fused GEMMs under epilogue variants")
+    ap.add_argument("--mainloop", action="store_true", help="identity GEMM: tile order / cluster variants vs cuBLAS")
+    ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for the two sweeps above")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,8 +229,12 @@ def main():
         print(json.dumps(row), flush=True)
         (out / "tune.json").write_text(json.dumps(rows, indent=1))
 
-    if args.epilogue_sweep:
-        return epilogue_sweep(args, record)
+    if args.epilogue_sweep or args.mainloop:
+        if args.mainloop:
+            mainloop_sweep(args, record)
+        if args.epilogue_sweep:
+            epilogue_sweep(args, record)
+        return
 
     for k, n in SHAPES[:2] if args.quick else SHAPES:
         flops = 2 * M * k * n

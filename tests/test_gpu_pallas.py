@@ -1,6 +1,7 @@
 """GPU suite (H100): every epilogue program through the compiled Pallas kernel, against the
-reference backend, under three configurations (the single-warpgroup kernel, the table's
-warp-specialized default, and a swizzled split-M variant), at sizes that exercise the
+reference backend, under four configurations (the single-warpgroup kernel, the table's
+warp-specialized default, a swizzled split-M variant and a 2-CTA cluster with multicast
+TMA), at sizes that exercise the
 persistent grid.
 
 Outputs are poisoned: before each kernel runs, NaN-filled buffers of the output sizes are
@@ -23,6 +24,8 @@ CONFIGS = {
     "single_wg": TuningConfig(),
     "warp_specialized": CONFIG_TABLE["default"],
     "ws_split_m_swizzled": dataclasses.replace(CONFIG_TABLE["default"], wg_dimension="m", swizzle_epilogue=True),
+    # CTA pairs sharing the B block by multicast TMA, bands across M.
+    "ws_cluster_m": dataclasses.replace(CONFIG_TABLE["default"], cluster_dimension="m", grid_minor_dim="m"),
 }
 
 

@@ -183,6 +183,26 @@ def test_swizzled_epilogue_staging(epi):
     _compare(epi, 256, 256, 128, config=dataclasses.replace(WS_N, swizzle_epilogue=True), seed=12)
 
 
+@pytest.mark.parametrize("base", ["split_m", "split_n"])
+@pytest.mark.parametrize("cluster", ["m", "n"])
+def test_cluster_multicast(cluster, base):
+    # CTA pairs share one operand block by multicast TMA; bands of tiles across M.
+    cfg = dataclasses.replace(WS if base == "split_m" else WS_N, cluster_dimension=cluster, grid_minor_dim="m")
+    m, n = (256, 256) if (base, cluster) != ("split_n", "n") else (128, 512)
+    shape = _shape(m, n, 128, {"x": jnp.bfloat16, "h": jnp.bfloat16, "sumsq": jnp.float32}, num_sms=4)
+    ldt = _dtypes(residual=jnp.bfloat16, gamma=jnp.float32)
+    assert plan_kernel(programs.RESIDUAL_RMS, shape, cfg, ldt).cluster_dimension == cluster
+    _compare(programs.RESIDUAL_RMS, m, n, 128, config=cfg, seed=13)
+
+
+def test_cluster_dropped_where_it_does_not_divide():
+    cfg = dataclasses.replace(WS_N, cluster_dimension="n")  # cluster tile 64 x 512
+    shape = _shape(128, 256, 128, {"out": jnp.bfloat16}, transpose_a=True, num_sms=4)
+    planned = plan_kernel(programs.IDENTITY, shape, cfg)
+    assert planned.warp_specialized and planned.cluster_dimension is None
+    _compare(programs.IDENTITY, 128, 256, 128, transpose_a=True, config=cfg, seed=14)
+
+
 @pytest.mark.parametrize("ta,tb", [(True, False), (False, True), (True, True)])
 def test_transposed_operands(ta, tb):
     _compare(programs.IDENTITY, 64, 128, 192, transpose_a=ta, transpose_b=tb, seed=1)

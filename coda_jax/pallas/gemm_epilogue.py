@@ -400,7 +400,7 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
             # A column sum is a cross-warp reduction; run in both consumer warpgroups at once
             # it gave intermittently wrong partials on the H100 (benchmarks/RESULTS.md, runs 10-11).
             return False
-        cm, cn = c.cta_tile()
+        cm, cn = c.cluster_tile()
         if shape.m % cm or shape.n % cn:
             return False
         return c.wg_dimension == "n" or not shape.transpose_a  # an M split would slice a transposed A
@@ -413,11 +413,14 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     col_options = [c for c in (widest, 32, 16) if c <= widest]
     stage_options = list(range(cfg.max_concurrent_steps, 2, -1))
     candidates = []
-    if cfg.warp_specialized and ws_applies(cfg):
-        candidates += [dataclasses.replace(cfg, epilogue_cols=c, max_concurrent_steps=s)
-                       for s in stage_options for c in col_options]
-        candidates += [dataclasses.replace(cfg, epilogue_cols=c, max_concurrent_steps=2) for c in col_options]
-    simple = dataclasses.replace(cfg, warp_specialized=False, epilogue_cols=widest)
+    # A cluster that does not divide the grid is dropped before the warp-specialized kernel is.
+    for ws_cfg in dict.fromkeys((cfg, dataclasses.replace(cfg, cluster_dimension=None))):
+        if ws_cfg.warp_specialized and ws_applies(ws_cfg):
+            candidates += [dataclasses.replace(ws_cfg, epilogue_cols=c, max_concurrent_steps=s)
+                           for s in stage_options for c in col_options]
+            candidates += [dataclasses.replace(ws_cfg, epilogue_cols=c, max_concurrent_steps=2) for c in col_options]
+            break
+    simple = dataclasses.replace(cfg, warp_specialized=False, cluster_dimension=None, epilogue_cols=widest)
     for tm in dict.fromkeys((cfg.tile_m, 64)):
         candidates += [dataclasses.replace(simple, tile_m=tm, max_concurrent_steps=s)
                        for s in range(cfg.max_concurrent_steps, 1, -1)]
@@ -439,16 +442,28 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
     ws = cfg.warp_specialized
     body = _ws_body(emitter, shape, cfg, ldt) if ws else _simple_body(emitter, shape, cfg, ldt)
     body.__name__ = body.__qualname__ = f"coda_{epi.name}"  # the kernel's name in profiles
+    cluster = _cluster_size(cfg)
     return plgpu.kernel(
         body,
         out_type=out_types(epi, shape, cfg),
-        grid=(shape.num_sms,),
+        grid=(shape.num_sms // cluster,),
         grid_names=("sm",),
+        **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
         num_threads=3 if ws else None,
         thread_name="wg" if ws else None,
         compiler_params=plgpu.CompilerParams(approx_math=cfg.approx_math),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs
     )
+
+
+def _cluster_size(cfg: TuningConfig) -> int:
+    return 2 if cfg.warp_specialized and cfg.cluster_dimension is not None else 1
+
+
+def _tile_order(lin, grid_m: int, grid_n: int, cfg: TuningConfig):
+    """(mi, ni) of the ``lin``-th tile in planar-snake order (bands across ``grid_minor_dim``)."""
+    minor = 1 if cfg.grid_minor_dim == "n" else 0
+    return plgpu.planar_snake(lin, (grid_m, grid_n), minor, min(cfg.grid_tile_width, (grid_m, grid_n)[minor]))
 
 
 def _split_refs(epi, refs):
@@ -468,7 +483,7 @@ def _simple_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ld
         @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
         def _tile_loop(info: plgpu.NDLoopInfo):
             lin = info.index[0]
-            mi, ni = plgpu.planar_snake(lin, (grid_m, grid_n), 1, min(cfg.grid_tile_width, grid_n))
+            mi, ni = _tile_order(lin, grid_m, grid_n, cfg)
 
             def acc_scope(acc_ref):
                 def step(_, a_smem, b_smem):
@@ -514,8 +529,13 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
     ta, tb = shape.transpose_a, shape.transpose_b
     split_n = cfg.wg_dimension == "n"
     cta_m, cta_n = cfg.cta_tile()
-    grid_m, grid_n, k_iters = shape.m // cta_m, shape.n // cta_n, shape.k // tk
+    cl_m, cl_n = cfg.cluster_tile()
+    grid_m, grid_n, k_iters = shape.m // cl_m, shape.n // cl_n, shape.k // tk
+    n_programs = shape.num_sms // _cluster_size(cfg)
     a_block, b_block = _specs(shape, cfg, cta_m, cta_n)
+    # A cluster along M shares the B block (multicast to both CTAs); along N, the A block.
+    a_shared = ("cluster",) if cfg.cluster_dimension == "n" else ()
+    b_shared = ("cluster",) if cfg.cluster_dimension == "m" else ()
     n_bar = 2 * sum(em._load_nparts(l) for l in em.tile_loads)
 
     def pipeline(step, compute_context):
@@ -525,9 +545,9 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec(a_block, (lambda kk: (kk, 0)) if ta else (lambda kk: (0, kk)),
-                                transforms=_transforms(a_block[1], shape.operand_dtype)),
+                                transforms=_transforms(a_block[1], shape.operand_dtype), collective_axes=a_shared),
                 plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if tb else (lambda kk: (kk, 0)),
-                                transforms=_transforms(b_block[1], shape.operand_dtype)),
+                                transforms=_transforms(b_block[1], shape.operand_dtype), collective_axes=b_shared),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -548,8 +568,12 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
             @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
             def _tile_loop(info: plgpu.NDLoopInfo):
                 lin = info.index[0]
-                mi, ni = plgpu.planar_snake(lin, (grid_m, grid_n), 1, min(cfg.grid_tile_width, grid_n))
-                local = lax.div(lin, shape.num_sms)  # tiles this CTA has done before
+                mi, ni = _tile_order(lin, grid_m, grid_n, cfg)
+                if cfg.cluster_dimension == "m":  # (mi, ni) is the cluster's tile; this CTA's half
+                    mi = 2 * mi + lax.axis_index("cluster")
+                elif cfg.cluster_dimension == "n":
+                    ni = 2 * ni + lax.axis_index("cluster")
+                local = lax.div(lin, n_programs)  # tiles this CTA has done before
                 tile_slot = lax.rem(local, 2)
                 if split_n:
                     m0, n0, mi_c, ni_c = mi * cta_m, ni * cta_n + wg * tn, mi, 2 * ni + wg

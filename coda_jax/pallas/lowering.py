@@ -35,6 +35,8 @@ from coda_jax.reference import REFERENCE
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
 INTERPRET_SMS = 4
+# SM count assumed when lowering for CUDA on a host without a GPU (the H100 SXM's).
+H100_SMS = 132
 
 
 def _round_up(x: int, q: int) -> int:
@@ -44,7 +46,7 @@ def _round_up(x: int, q: int) -> int:
 def _num_sms(interpret: bool) -> int:
     if interpret:
         return INTERPRET_SMS
-    return jax.devices()[0].core_count
+    return getattr(jax.devices()[0], "core_count", None) or H100_SMS
 
 
 @functools.lru_cache(maxsize=256)

@@ -16,6 +16,9 @@ class TuningConfig:
         swizzled row).
       max_concurrent_steps: pipeline depth (SMEM stages in flight).
       grid_tile_width: width of the planar-snake band of tiles, for L2 reuse.
+      grid_minor_dim: ``"n"`` or ``"m"``: the dimension the planar-snake band runs across
+        (consecutive CTAs take neighbouring tiles along it, sharing the other operand's
+        block in L2).
       warp_specialized: one producer warpgroup issues the TMA loads and two consumer
         warpgroups each own a ``[tile_m, tile_n]`` half of a ``[2*tile_m, tile_n]`` CTA
         tile (more reuse per byte of SMEM traffic). Falls back to the single-warpgroup
@@ -24,6 +27,11 @@ class TuningConfig:
       wg_dimension: ``"m"``: the two consumers split the CTA tile along M (CTA tile
         ``[2*tile_m, tile_n]``); ``"n"``: along N (CTA tile ``[tile_m, 2*tile_n]``, which
         also serves a transposed A, the wgrad layout).
+      cluster_dimension: ``None``, ``"m"`` or ``"n"`` (warp-specialized kernel only): CTAs
+        run in clusters of two that take neighbouring CTA tiles along this dimension and
+        share the operand block they have in common through a multicast TMA load (cluster
+        ``"m"``: both CTAs need the same B block; ``"n"``: the same A block), halving its
+        L2 -> SMEM traffic. The other grid dimension's tiles are then walked in pairs.
       swizzle_epilogue: the epilogue's SMEM staging tiles (tile loads and tile outputs)
         use the 128-byte swizzled layout that TMA and the WGMMA register layout agree on
         (no bank conflicts); ``False`` keeps them row-major.
@@ -46,6 +54,8 @@ class TuningConfig:
     tile_k: int = 64
     max_concurrent_steps: int = 4
     grid_tile_width: int = 4
+    grid_minor_dim: str = "n"
+    cluster_dimension: str | None = None
     warp_specialized: bool = False
     wg_dimension: str = "m"
     swizzle_epilogue: bool = False
@@ -56,6 +66,10 @@ class TuningConfig:
     def __post_init__(self):
         if self.wg_dimension not in ("m", "n"):
             raise ValueError(f"wg_dimension must be 'm' or 'n', got {self.wg_dimension!r}")
+        if self.grid_minor_dim not in ("m", "n"):
+            raise ValueError(f"grid_minor_dim must be 'm' or 'n', got {self.grid_minor_dim!r}")
+        if self.cluster_dimension not in (None, "m", "n"):
+            raise ValueError(f"cluster_dimension must be None, 'm' or 'n', got {self.cluster_dimension!r}")
         if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
             raise ValueError(f"tile_m, tile_n and tile_k must be multiples of 64, got {self}")
         if self.epilogue_cols not in (16, 32, 64):
@@ -68,6 +82,13 @@ class TuningConfig:
         if not self.warp_specialized:
             return self.tile_m, self.tile_n
         return (self.tile_m, 2 * self.tile_n) if self.wg_dimension == "n" else (2 * self.tile_m, self.tile_n)
+
+    def cluster_tile(self) -> tuple[int, int]:
+        """Output tile of one cluster (the CTA tile when not clustered)."""
+        cm, cn = self.cta_tile()
+        if self.cluster_dimension is None or not self.warp_specialized:
+            return cm, cn
+        return (2 * cm, cn) if self.cluster_dimension == "m" else (cm, 2 * cn)
 
     def smem_bytes(self, itemsize: int) -> int:
         """SMEM of the mainloop's operand stages."""
