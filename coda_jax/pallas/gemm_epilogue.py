@@ -5,7 +5,9 @@ default (warp-specialized) kernel has a producer warpgroup streaming operand blo
 swizzled SMEM with TMA, ``max_concurrent_steps`` deep, and two consumer warpgroups, each
 ``wgmma``-ing one ``[tile_m, tile_n]`` half of the CTA tile (split along N by default:
 ``[128, 256]``) into a float32 register accumulator and running its epilogue; the
-epilogue's tile loads are issued before the MMAs so they land during the mainloop. The
+epilogue's tile loads are issued before the MMAs so they land during the mainloop. By
+default CTAs run in clusters of two along M that share each B block through one multicast
+TMA load (``TuningConfig.cluster_dimension``). The
 single-warpgroup kernel (``plgpu.emit_pipeline``) serves what does not fit beside it.
 :func:`plan_kernel` picks the kernel, pipeline depth and epilogue chunk width that fit in
 SMEM. Transposed operands (``[K, M]`` A for wgrad, ``[N, K]`` B for dgrad and the LM head)
