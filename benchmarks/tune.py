@@ -69,6 +69,7 @@ VARIANTS = {
     "cluster_n": dataclasses.replace(_D, cluster_dimension="n"),
     "split_m": dataclasses.replace(_D, wg_dimension="m"),
     "split_m_cluster_n": dataclasses.replace(_D, wg_dimension="m", cluster_dimension="n"),
+    "slots_2": dataclasses.replace(_D, epilogue_load_slots=2),  # double-buffered loads (before load rings)
     "wide_chunks": dataclasses.replace(_D, epilogue_regs=1 << 20),  # no register-budget narrowing
     "regs_64": dataclasses.replace(_D, epilogue_regs=64),
     "swizzled": dataclasses.replace(_D, swizzle_epilogue=True),
@@ -160,7 +161,8 @@ def epilogue_sweep(args, record):
         flops = 2 * m * k * n
         for label, e in (("identity", programs.IDENTITY), (name, epi)):
             for vname in names:
-                if e is not epi and VARIANTS[vname].epilogue_regs != _D.epilogue_regs:
+                if e is not epi and (VARIANTS[vname].epilogue_regs != _D.epilogue_regs
+                                     or VARIANTS[vname].epilogue_load_slots != _D.epilogue_load_slots):
                     continue  # the identity GEMM has no epilogue to narrow
                 row = {"program": label, "k": k, "n": n, "m": m, "variant": vname}
                 record(_time_program(row, VARIANTS[vname], e, a, b, loads if e is epi else {}, ta, tb, flops,

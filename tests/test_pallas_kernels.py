@@ -183,6 +183,22 @@ def test_swizzled_epilogue_staging(epi):
     _compare(epi, 256, 256, 128, config=dataclasses.replace(WS_N, swizzle_epilogue=True), seed=12)
 
 
+@pytest.mark.parametrize("slots", [2, 3, 4])
+@pytest.mark.parametrize("epi,kw", [c for c in CASES if c[0].name in ("residual_rms", "rms_dgrad_res", "swiglu_dgrad")],
+                         ids=lambda c: getattr(c, "name", ""))
+def test_load_ring_with_in_place_outputs(epi, kw, slots):
+    # Tile outputs staged in their load's slot, loads issued slots - 2 chunks ahead; 3 slots
+    # do not divide the chunks of a tile, so the ring wraps across tiles (4 CTAs, 2 tiles each).
+    cfg = dataclasses.replace(WS_N, epilogue_load_slots=slots, epilogue_cols=16)
+    n = 512
+    outs = {o.name: (jnp.bfloat16 if o.kind is OutputKind.TILE else jnp.float32) for o in epi.outputs}
+    ldt = _dtypes(**{l.name: (jnp.bfloat16 if l.kind is LoadKind.TILE else jnp.float32) for l in epi.loads})
+    planned = plan_kernel(epi, _shape(256, n, 128, outs, num_sms=4, **kw), cfg, ldt)
+    assert planned.epilogue_load_slots == slots and planned.warp_specialized
+    _compare(epi, 256, n, 128, config=cfg, seed=21, **kw)
+    _compare(epi, 128, n, 128, config=dataclasses.replace(SMALL, epilogue_load_slots=slots), seed=22, **kw)
+
+
 @pytest.mark.parametrize("base", ["split_m", "split_n"])
 @pytest.mark.parametrize("cluster", ["m", "n"])
 def test_cluster_multicast(cluster, base):

@@ -134,13 +134,24 @@ def out_types(epi: Epilogue, shape: KernelShape, cfg: TuningConfig) -> list[jax.
 class _EpilogueEmitter:
     """Lowers one Epilogue onto accumulator tiles, streaming chunk by chunk.
 
-    Per chunk: tile loads arrive by TMA into one of two SMEM slots (the next chunk's load
-    is issued before this chunk is computed), the body runs in registers, tile outputs go
-    to one of two SMEM slots and out by TMA; ``wait_smem_to_gmem`` before a slot is reused
-    keeps only the previous chunk's stores in flight.
+    Per chunk: tile loads arrive by TMA into a ring of ``S = cfg.epilogue_load_slots``
+    SMEM slots, issued ``L`` chunks ahead (the first ``L + 1`` chunks' loads before the
+    mainloop), the body runs in registers, tile outputs go to SMEM and out by TMA.
+
+    A tile output with the shape and dtype of a tile load is staged *in place*, in the slot
+    its chunk's load arrived in: each thread overwrites exactly the elements it read (the
+    same WGMMA register layout), so no barrier is needed between the read and the write,
+    and the ring holds loads and outputs in the SMEM of the loads alone. A slot is then
+    refilled only after the store that read it; ``L = S - 2`` keeps the last chunk's store
+    in flight while the next load is issued (``L = S - 1`` without in-place outputs). Other
+    tile outputs (all of them, with 2 load slots) use two slots of their own;
+    ``wait_smem_to_gmem`` before a slot is reused keeps only the previous chunk's stores in
+    flight. With 2 load slots and no in-place outputs this is the double-buffered epilogue
+    that ran before load rings existed.
     """
 
-    def __init__(self, epi: Epilogue, shape: KernelShape, cfg: TuningConfig):
+    def __init__(self, epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
+                 load_dtypes: dict[str, Any] | None = None):
         self.epi, self.shape, self.cfg = epi, shape, cfg
         self.tm, self.tn = cfg.tile_m, cfg.tile_n
         self.b = epi.pair_block
@@ -159,6 +170,27 @@ class _EpilogueEmitter:
         # Stores issued per chunk (tile-output parts + column-sum parts).
         self.stores_per_chunk = sum(self._nparts(o.half) for o in self.tile_outs) + sum(
             self._nparts(False) for _ in self.col_outs)
+        self.slots = cfg.epilogue_load_slots if self.tile_loads else 2
+        # In place needs 3+ slots: with 2 it would leave no load in flight ahead of a chunk.
+        self.in_place = self._in_place(dict(shape.out_dtypes), load_dtypes or {}) if self.slots >= 3 else {}
+        self.lookahead = self.slots - (2 if self.in_place else 1)
+
+    def _in_place(self, out_dt, load_dt) -> dict[str, str]:
+        """{tile output: the tile load whose SMEM slot stages it} (same parts and dtype)."""
+        res, free = {}, [l for l in self.tile_loads if l.kind is LoadKind.TILE]
+        for o in self.tile_outs:
+            for l in free:
+                if self._nparts(l.half) == self._nparts(o.half) and load_dt.get(l.name) == out_dt[o.name]:
+                    res[o.name] = l.name
+                    free.remove(l)
+                    break
+        return res
+
+    def _out_buf(self, name: str, slot, out_slot):
+        """SMEM staging (buffer, slot) of tile output ``name`` for the current chunk."""
+        if name in self.in_place:
+            return "in_" + self.in_place[name], slot
+        return "out_" + name, out_slot
 
     def _nparts(self, half: bool) -> int:
         return 2 if (self.b is not None and not half) else 1
@@ -198,36 +230,50 @@ class _EpilogueEmitter:
         s = {}
         tf = (lambda dt: _transforms(w, dt)) if self.cfg.swizzle_epilogue else (lambda dt: ())
         for l in self.tile_loads:
-            s["in_" + l.name] = plgpu.SMEM(lead + (2, self._load_nparts(l), tm, w), loads_dtypes[l.name],
+            s["in_" + l.name] = plgpu.SMEM(lead + (self.slots, self._load_nparts(l), tm, w), loads_dtypes[l.name],
                                            transforms=tf(loads_dtypes[l.name]))
         for o in self.tile_outs:
-            s["out_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(o.half), tm, w), self.dt[o.name],
-                                            transforms=tf(self.dt[o.name]))
+            if o.name not in self.in_place:
+                s["out_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(o.half), tm, w), self.dt[o.name],
+                                                transforms=tf(self.dt[o.name]))
         for o in self.row_outs:
             s["row_" + o.name] = plgpu.SMEM(lead + (2, tm), jnp.float32)
         for o in self.col_outs:
             s["col_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(False), w), jnp.float32)
-        n_bar = 2 * sum(self._load_nparts(l) for l in self.tile_loads)
-        if n_bar:
-            s["barrier"] = plgpu.Barrier(num_barriers=n_bar * (copies or 1))
+        if self.n_barriers:
+            s["barrier"] = plgpu.Barrier(num_barriers=self.n_barriers * (copies or 1))
         return s
+
+    @property
+    def n_barriers(self) -> int:
+        """Load barriers of one consumer: one per slot and load part."""
+        return self.slots * len(self._load_parts_list())
 
     def scratch_bytes(self, loads_dtypes: dict[str, Any]) -> int:
         w, tm = self._width(), self.tm
-        total = sum(2 * self._load_nparts(l) * tm * w * jnp.dtype(loads_dtypes[l.name]).itemsize for l in self.tile_loads)
-        total += sum(2 * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize for o in self.tile_outs)
+        total = sum(self.slots * self._load_nparts(l) * tm * w * jnp.dtype(loads_dtypes[l.name]).itemsize
+                    for l in self.tile_loads)
+        total += sum(2 * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize
+                     for o in self.tile_outs if o.name not in self.in_place)
         total += len(self.row_outs) * 2 * tm * 4 + len(self.col_outs) * 2 * 2 * w * 4
         return total
 
     def _n_prefetched(self) -> int:
-        """Chunks whose tile loads :meth:`prefetch` issues before the mainloop (both slots)."""
-        return min(2, len(self.chunks))
+        """Chunks whose tile loads are issued before the first chunk is computed."""
+        return min(self.lookahead + 1, len(self.chunks))
+
+    def _wait_slot_free(self):
+        """Before a load refills a slot that staged an in-place output: that store has read
+        it (only the last chunk's stores may still be in flight)."""
+        if self.in_place:
+            plgpu.wait_smem_to_gmem(self.stores_per_chunk, wait_read_only=True)
 
     def _load_parts_list(self):
         return [(l, p) for l in self.tile_loads for p in range(self._load_nparts(l))]
 
-    def _slot_of(self, step_base, ci):
-        return (step_base + ci) % 2 if isinstance(step_base, int) else lax.rem(step_base + ci, 2)
+    def _slot_of(self, step_base, ci, slots=None):
+        slots = slots or self.slots
+        return (step_base + ci) % slots if isinstance(step_base, int) else lax.rem(step_base + ci, slots)
 
     def _issue_loads(self, ci, m0, n0, load_refs, scr, barrier_base, step_base):
         """TMA of chunk ``ci``'s tile / row_block loads into its SMEM slot."""
@@ -257,6 +303,7 @@ class _EpilogueEmitter:
         column vectors; call before the mainloop so that they land during it. Returns the
         vectors, to pass as :meth:`emit`'s ``prefetched``."""
         if self._load_parts_list():
+            self._wait_slot_free()
             for ci in range(self._n_prefetched()):
                 self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
         return self._row_vectors(m0, load_refs), self._col_vectors(0, n0, load_refs)
@@ -272,32 +319,31 @@ class _EpilogueEmitter:
         before chunk ``ci`` is computed, so their latency hides behind its math.
         """
 
-        def slot_of(ci):
-            return self._slot_of(step_base, ci)
-
         epi, shape, b, tm = self.epi, self.shape, self.b, self.tm
         m_slice = pl.ds(m0, tm)
         shape_c = (tm, self._width())
         load_parts = self._load_parts_list()
-        first_unissued = self._n_prefetched() if prefetched is not None else 0
+        n_chunks, ahead = len(self.chunks), self.lookahead
 
         def issue_loads(ci):
             self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
 
-        if load_parts and first_unissued == 0:
-            issue_loads(0)
-            first_unissued = 1
+        if load_parts and prefetched is None:
+            self._wait_slot_free()
+            for ci in range(self._n_prefetched()):
+                issue_loads(ci)
         rows, cols = prefetched if prefetched is not None else (self._row_vectors(m0, load_refs),
                                                                  self._col_vectors(0, n0, load_refs))
         row_vals = {k: lax.broadcast_in_dim(v, shape_c, [0]) for k, v in rows.items()}
         row_state: dict[str, Any] = {}
         for ci, (c0, w) in enumerate(self.chunks):
-            slot = slot_of(ci)
+            slot, out_slot = self._slot_of(step_base, ci), self._slot_of(step_base, ci, 2)
             col0 = n0 + c0
-            next_cols = self._col_vectors(ci + 1, n0, load_refs) if ci + 1 < len(self.chunks) else {}
+            next_cols = self._col_vectors(ci + 1, n0, load_refs) if ci + 1 < n_chunks else {}
             if load_parts:
-                if first_unissued <= ci + 1 < len(self.chunks):  # its slot was read by chunk ci - 1
-                    issue_loads(ci + 1)
+                if ci >= 1 and ci + ahead < n_chunks:  # into the slot of chunk ci + ahead - slots
+                    self._wait_slot_free()
+                    issue_loads(ci + ahead)
                 for j in range(len(load_parts)):
                     plgpu.barrier_wait(scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
             acc_c = acc[:, c0:c0 + w] if b is None or epi.half_acc else (acc[:, c0:c0 + w], acc[:, c0 + b:c0 + b + w])
@@ -313,15 +359,17 @@ class _EpilogueEmitter:
                                for p in range(self._load_nparts(l)))
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
             res = epi.body(acc_c, _TileContext(col0, shape_c), **kw)
-            # The slot written now was last stored two chunks ago: keep only the last chunk's stores.
+            # An own slot written now was last stored two chunks ago: keep only the last chunk's
+            # stores (an in-place slot was freed before its load was issued).
             plgpu.wait_smem_to_gmem(self.stores_per_chunk, wait_read_only=True)
             col_half = {}
             for o in epi.outputs:
                 v = res[o.name]
                 vs = v if isinstance(v, tuple) else (v,)
                 if o.kind is OutputKind.TILE:
+                    buf, bslot = self._out_buf(o.name, slot, out_slot)
                     for p, part in enumerate(vs):
-                        scr["out_" + o.name][slot, p] = part.astype(self.dt[o.name])
+                        scr[buf][bslot, p] = part.astype(self.dt[o.name])
                 elif o.kind is OutputKind.ROW_SUM:
                     tot = None
                     for part in vs:
@@ -348,14 +396,15 @@ class _EpilogueEmitter:
                         if shape.m_real < shape.m:
                             rows = plgpu.broadcasted_iota(jnp.int32, shape_c, 0, layout=_WG) + m0
                             part = jnp.where(rows < shape.m_real, part, 0.0)
-                        scr["col_" + o.name][slot, p] = part.sum(axis=0)
+                        scr["col_" + o.name][out_slot, p] = part.sum(axis=0)
             plgpu.commit_smem()
             for o in self.tile_outs:
+                buf, bslot = self._out_buf(o.name, slot, out_slot)
                 for p, (gc, pw) in enumerate(self.parts(c0, n0, o.half)):
-                    plgpu.copy_smem_to_gmem(scr["out_" + o.name].at[slot, p], out_refs[o.name].at[m_slice, pl.ds(gc, pw)])
+                    plgpu.copy_smem_to_gmem(scr[buf].at[bslot, p], out_refs[o.name].at[m_slice, pl.ds(gc, pw)])
             for o in self.col_outs:
                 for p, (gc, pw) in enumerate(self.parts(c0, n0, col_half[o.name])):
-                    plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
+                    plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[out_slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
             cols = next_cols
         if self.row_outs:
             for o in self.row_outs:
@@ -383,8 +432,9 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
 
     Order of preference: the warp-specialized kernel with ``cfg``'s pipeline depth and
     the widest epilogue chunk (at most ``cfg.epilogue_cols``) whose :func:`live_values` fit
-    ``cfg.epilogue_regs``, then narrower chunks (32, 16 columns: less staging SMEM per
-    consumer), then fewer stages (down to 2); then the single-warpgroup kernel (whose
+    ``cfg.epilogue_regs``, each with the most load slots that fit (at most
+    ``cfg.epilogue_load_slots``, at least 2), then narrower chunks (32, 16 columns: less
+    staging SMEM per consumer), then fewer stages (down to 2); then the single-warpgroup kernel (whose
     epilogue staging reuses the pipeline's SMEM), then with ``tile_m=64``. Raises
     ``ValueError`` naming the epilogue if nothing fits.
     """
@@ -392,7 +442,7 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     itemsize = jnp.dtype(shape.operand_dtype).itemsize
 
     def fits(c: TuningConfig) -> bool:
-        scratch = _EpilogueEmitter(epi, shape, c).scratch_bytes(ldt)
+        scratch = _EpilogueEmitter(epi, shape, c, ldt).scratch_bytes(ldt)
         if c.warp_specialized:  # staging lives beside the pipeline (consumers run ahead)
             return c.smem_bytes(itemsize) + 2 * scratch + 2048 <= SMEM_LIMIT
         return max(c.smem_bytes(itemsize), scratch) + 2048 <= SMEM_LIMIT  # disjoint scopes
@@ -414,18 +464,19 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
         widest //= 2
     col_options = [c for c in (widest, 32, 16) if c <= widest]
     stage_options = list(range(cfg.max_concurrent_steps, 2, -1))
+    # Load slots are given up first (they only matter to epilogues with tile loads).
+    slot_options = list(range(cfg.epilogue_load_slots, 1, -1))
     candidates = []
     # A cluster that does not divide the grid is dropped before the warp-specialized kernel is.
     for ws_cfg in dict.fromkeys((cfg, dataclasses.replace(cfg, cluster_dimension=None))):
         if ws_cfg.warp_specialized and ws_applies(ws_cfg):
-            candidates += [dataclasses.replace(ws_cfg, epilogue_cols=c, max_concurrent_steps=s)
-                           for s in stage_options for c in col_options]
-            candidates += [dataclasses.replace(ws_cfg, epilogue_cols=c, max_concurrent_steps=2) for c in col_options]
+            candidates += [dataclasses.replace(ws_cfg, epilogue_cols=c, max_concurrent_steps=s, epilogue_load_slots=k)
+                           for s in stage_options + [2] for c in col_options for k in slot_options]
             break
     simple = dataclasses.replace(cfg, warp_specialized=False, cluster_dimension=None, epilogue_cols=widest)
     for tm in dict.fromkeys((cfg.tile_m, 64)):
-        candidates += [dataclasses.replace(simple, tile_m=tm, max_concurrent_steps=s)
-                       for s in range(cfg.max_concurrent_steps, 1, -1)]
+        candidates += [dataclasses.replace(simple, tile_m=tm, max_concurrent_steps=s, epilogue_load_slots=k)
+                       for s in range(cfg.max_concurrent_steps, 1, -1) for k in slot_options]
     for c in candidates:
         if fits(c):
             return c
@@ -439,7 +490,7 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
 
     ``cfg`` must already be the planned configuration (:func:`plan_kernel`).
     """
-    emitter = _EpilogueEmitter(epi, shape, cfg)
+    emitter = _EpilogueEmitter(epi, shape, cfg, dict(load_dtypes))
     ldt = dict(load_dtypes)
     ws = cfg.warp_specialized
     body = _ws_body(emitter, shape, cfg, ldt) if ws else _simple_body(emitter, shape, cfg, ldt)
@@ -538,7 +589,7 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
     # A cluster along M shares the B block (multicast to both CTAs); along N, the A block.
     a_shared = ("cluster",) if cfg.cluster_dimension == "n" else ()
     b_shared = ("cluster",) if cfg.cluster_dimension == "m" else ()
-    n_bar = 2 * sum(em._load_nparts(l) for l in em.tile_loads)
+    n_bar = em.n_barriers
 
     def pipeline(step, compute_context):
         return plgpu.emit_pipeline_warp_specialized(

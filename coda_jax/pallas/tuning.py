@@ -39,6 +39,11 @@ class TuningConfig:
         accumulator is processed ``[tile_m, epilogue_cols]`` at a time, each chunk's tile
         loads and outputs double-buffered in SMEM. ``plan_kernel`` narrows it for heavy
         epilogues so that the warp-specialized kernel keeps its pipeline depth.
+      epilogue_load_slots: SMEM slots of the epilogue's tile loads (at most; ``plan_kernel``
+        lowers it, down to 2, to fit): a chunk's loads are issued that many chunks ahead
+        (one fewer where a tile output is staged in place of a load, see
+        :class:`coda_jax.pallas.gemm_epilogue._EpilogueEmitter`), so their latency hides
+        behind the chunks before it.
       epilogue_regs: register budget of one epilogue chunk, in float32 values per thread
         (:func:`coda_jax.pallas.gemm_epilogue.live_values`: accumulator slice, tile loads and
         tile outputs of a chunk); ``plan_kernel`` narrows the chunk (pair-mode chunks too,
@@ -60,6 +65,7 @@ class TuningConfig:
     wg_dimension: str = "m"
     swizzle_epilogue: bool = False
     epilogue_cols: int = 64
+    epilogue_load_slots: int = 4
     epilogue_regs: int = 128
     approx_math: bool = False
 
@@ -74,6 +80,8 @@ class TuningConfig:
             raise ValueError(f"tile_m, tile_n and tile_k must be multiples of 64, got {self}")
         if self.epilogue_cols not in (16, 32, 64):
             raise ValueError(f"epilogue_cols must be 16, 32 or 64, got {self.epilogue_cols}")
+        if self.epilogue_load_slots < 2:
+            raise ValueError(f"epilogue_load_slots must be >= 2, got {self.epilogue_load_slots}")
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
 
