@@ -53,7 +53,7 @@ if [ "${TRAIN_STEPS:-0}" -gt 0 ]; then
   [ "${#RUNS[@]}" -gt 1 ] && python3 benchmarks/compare_losses.py "${RUNS[@]}" | tee "$OUT/train_compare.md"
 fi
 echo "== summary =="
-grep '^BEST\|^SWEEP\|^MAINLOOP' "$OUT/tune.log" 2>/dev/null
+grep '^BEST\|^SWEEP\|^MAINLOOP\|^PLAIN' "$OUT/tune.log" 2>/dev/null
 tail -n 3 "$OUT/tests.log"
 cat "$OUT/table.md" 2>/dev/null
 cat "$OUT/train_compare.md" 2>/dev/null

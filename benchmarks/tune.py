@@ -214,6 +214,35 @@ def mainloop_sweep(args, record):
             report(vname, fn, (a, b))
 
 
+def plain_sweep(args, record):
+    """The block's plain (identity-epilogue) backward GEMMs at d=2048 and 4096 on XLA's GEMM
+    (cuBLAS, bf16 out) and on the Pallas kernel, CUPTI-timed: the data behind
+    ``PallasLowering``'s plain-GEMM route."""
+    for d, f in ((2048, 8192), (4096, 14336)):
+        gemms = [  # (name, rows, K, N, transpose_a, transpose_b)
+            ("o_proj_dgrad", M, d, d, False, True),
+            ("o_proj_wgrad", d, M, d, True, False),
+            ("down_wgrad", f, M, d, True, False),
+        ]
+        for name, m, k, n, ta, tb in gemms:
+            r = Inputs(m + k + n)
+            a = r.normal((k, m) if ta else (m, k))
+            b = r.normal((n, k) if tb else (k, n))
+            flops = 2 * m * k * n
+            dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+            routes = {"xla": jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims))}
+            low = PallasLowering(_D, plain_gemm="pallas")
+            routes["pallas"] = jax.jit(lambda a, b, low=low: low.gemm(programs.IDENTITY, a, b, {}, transpose_a=ta,
+                                                                      transpose_b=tb)["out"])
+            for route, fn in routes.items():
+                row = {"d": d, "gemm": name, "m": m, "k": k, "n": n, "route": route}
+                row["kernel_ms"] = kernel_ms(fn, a, b, iters=2 * args.iters)
+                row["kernel_tflops"] = flops / row["kernel_ms"] / 1e9
+                record(row)
+                print(f"PLAIN d={d} {name:13s} [{m}x{k}]x[{k}x{n}] {route:6s} {row['kernel_ms']:.3f} ms "
+                      f"{row['kernel_tflops']:.0f} TFLOP/s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_out")
@@ -221,6 +250,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="first two shapes only")
     ap.add_argument("--epilogue-sweep", action="store_true", help="the block's fused GEMMs under epilogue variants")
     ap.add_argument("--mainloop", action="store_true", help="identity GEMM: tile order / cluster variants vs cuBLAS")
+    ap.add_argument("--plain", action="store_true", help="the block's plain backward GEMMs: cuBLAS vs the kernel")
     ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for the two sweeps above")
     args = ap.parse_args()
     out = Path(args.out)
@@ -232,7 +262,9 @@ def main():
         print(json.dumps(row), flush=True)
         (out / "tune.json").write_text(json.dumps(rows, indent=1))
 
-    if args.epilogue_sweep or args.mainloop:
+    if args.epilogue_sweep or args.mainloop or args.plain:
+        if args.plain:
+            plain_sweep(args, record)
         if args.mainloop:
             mainloop_sweep(args, record)
         if args.epilogue_sweep:

@@ -43,7 +43,9 @@ class TuningConfig:
         lowers it, down to 2, to fit): a chunk's loads are issued that many chunks ahead
         (one fewer where a tile output is staged in place of a load, see
         :class:`coda_jax.pallas.gemm_epilogue._EpilogueEmitter`), so their latency hides
-        behind the chunks before it.
+        behind the chunks before it. Default 2 (double-buffered loads): 4 slots did not
+        speed up the block's fused GEMMs on the H100 and slowed ``rms_dgrad_res`` 0.718 ->
+        0.787 ms (benchmarks/RESULTS.md, run 32).
       epilogue_regs: register budget of one epilogue chunk, in float32 values per thread
         (:func:`coda_jax.pallas.gemm_epilogue.live_values`: accumulator slice, tile loads and
         tile outputs of a chunk); ``plan_kernel`` narrows the chunk (pair-mode chunks too,
@@ -65,7 +67,7 @@ class TuningConfig:
     wg_dimension: str = "m"
     swizzle_epilogue: bool = False
     epilogue_cols: int = 64
-    epilogue_load_slots: int = 4
+    epilogue_load_slots: int = 2
     epilogue_regs: int = 128
     approx_math: bool = False
 
