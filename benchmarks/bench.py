@@ -167,6 +167,10 @@ def _kernel_lowering(name):
         from coda_jax.pallas.lowering import PallasLowering
 
         return PallasLowering(plain_gemm="pallas")
+    if name == "cutedsl":
+        from coda_jax.ffi.lowering import CuteDslLowering
+
+        return CuteDslLowering(plain_gemm="cutedsl")
     return _lowerings[name]()
 
 
@@ -342,26 +346,28 @@ def coda_model(preset, backend, batch, seq, layers=None):
 
 
 @contextlib.contextmanager
-def plain_gemm_route(plain):
-    """Within: the Pallas backend's plain GEMMs go to ``plain`` (None: unchanged)."""
-    old = os.environ.get("CODA_JAX_PALLAS_PLAIN_GEMM")
+def plain_gemm_route(backend, plain):
+    """Within: ``backend``'s plain GEMMs go to ``plain`` (None: unchanged)."""
+    from coda_jax.lowering import plain_gemm_env
+
+    var = plain_gemm_env(backend)
+    old = os.environ.get(var)
     if plain is not None:
-        os.environ["CODA_JAX_PALLAS_PLAIN_GEMM"] = plain
+        os.environ[var] = plain
     try:
         yield
     finally:
         if plain is not None:
             if old is None:
-                os.environ.pop("CODA_JAX_PALLAS_PLAIN_GEMM", None)
+                os.environ.pop(var, None)
             else:
-                os.environ["CODA_JAX_PALLAS_PLAIN_GEMM"] = old
+                os.environ[var] = old
 
 
 def block_variants(backends):
-    """(label, backend, plain-GEMM route): "pallas" sends plain GEMMs to XLA (its default),
-    "pallas+pallasplain" runs them on the Pallas kernel too."""
-    return [(b, b, None) for b in backends] + ([("pallas+pallasplain", "pallas", "pallas")] if "pallas" in backends
-                                               else [])
+    """(label, backend, plain-GEMM route): "<backend>" sends plain GEMMs to XLA (the default),
+    "<backend>+<backend>plain" runs them on the backend's kernel too."""
+    return [(b, b, None) for b in backends] + [(f"{b}+{b}plain", b, b) for b in backends if b in ("pallas", "cutedsl")]
 
 
 def bench_block(widths, backends, iters):
@@ -373,7 +379,7 @@ def bench_block(widths, backends, iters):
         row["baseline_fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
         for label, b, plain in block_variants(backends):
             try:
-                with plain_gemm_route(plain):
+                with plain_gemm_route(b, plain):
                     fwd, fb, args = coda_block(d, b)
                     row[f"{label}_fwd_ms"] = median_ms(fwd, *args, iters=iters)
                     row[f"{label}_fwdbwd_ms"] = median_ms(fb, *args, iters=iters)

@@ -124,7 +124,7 @@ def main():
         _, fb, a = bench.baseline_block(args.width)
         results["baseline"] = profile(fb, a, args.steps, out / f"hlo_{tag}_baseline.txt")
         for label, b, plain in bench.block_variants(args.backends.split(",")):
-            with bench.plain_gemm_route(plain):
+            with bench.plain_gemm_route(b, plain):
                 _, fb, a = bench.coda_block(args.width, b)
                 results[label] = profile(fb, a, args.steps, out / f"hlo_{tag}_{label}.txt")
     (out / f"profile_{tag}.json").write_text(json.dumps(results, indent=1))

@@ -9,6 +9,7 @@ tiles, the CuTeDSL backend does the same through the XLA FFI.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -88,3 +89,33 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
             raise NotImplementedError(f"epilogue {epilogue.name!r}: col_sum / row_logsumexp in pair mode "
                                       f"are not supported by the {backend} backend")
     return m, n, k
+
+
+def plain_gemm_env(backend: str) -> str:
+    """The environment variable that routes a kernel backend's plain GEMMs."""
+    return f"CODA_JAX_{backend.upper()}_PLAIN_GEMM"
+
+
+def check_plain_gemm(backend: str, choice: str | None) -> None:
+    """``choice`` must be ``None``, ``"xla"`` or the backend's name."""
+    if choice not in (None, backend, "xla"):
+        raise ValueError(f"plain_gemm must be {backend!r} or 'xla', got {choice!r}")
+
+
+def plain_gemm_route(backend: str, choice: str | None) -> str:
+    """Where a kernel backend runs a *plain* GEMM (the identity epilogue: the backward
+    dgrad / wgrad GEMMs with nothing to fuse): ``"xla"`` (XLA's GEMM, cuBLAS on a GPU; the
+    default) or ``backend`` (its own kernel).
+
+    ``choice`` (the lowering's ``plain_gemm`` argument) wins, then the environment variable
+    ``CODA_JAX_<BACKEND>_PLAIN_GEMM``. An epilogue without loads or reductions gains
+    nothing from a fused kernel, and cuBLAS ran each of the block's plain GEMMs 1-3.5 %
+    faster than the Pallas kernel (benchmarks/RESULTS.md, run 33) and faster still than the
+    CuTeDSL kernel.
+    """
+    check_plain_gemm(backend, choice)
+    env = plain_gemm_env(backend)
+    route = choice or os.environ.get(env, "xla")
+    if route not in (backend, "xla"):
+        raise ValueError(f"{env} must be {backend!r} or 'xla', got {route!r}")
+    return route

@@ -120,6 +120,25 @@ def test_contraction_mismatch_is_refused():
         CUTEDSL.gemm(P.IDENTITY, jnp.zeros((128, 64), BF), jnp.zeros((32, 128), BF), {})
 
 
+def test_plain_gemms_route_to_xla_by_default(monkeypatch):
+    from coda_jax.ffi.lowering import CuteDslLowering
+
+    monkeypatch.delenv("CODA_JAX_CUTEDSL_PLAIN_GEMM", raising=False)
+    a, b = _normal(0, (128, 64)), _normal(1, (64, 128))
+    plain = jax.jit(lambda a, b: CuteDslLowering().gemm(P.IDENTITY, a, b, {})["out"])
+    assert "CuteDSL" not in plain.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    np.testing.assert_allclose(np.asarray(plain(a, b), np.float32),
+                               np.asarray(jnp.dot(a, b, preferred_element_type=jnp.float32).astype(BF), np.float32))
+    _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {})["out"], a, b)
+    monkeypatch.setenv("CODA_JAX_CUTEDSL_PLAIN_GEMM", "cutedsl")
+    _lower(lambda a, b: CuteDslLowering().gemm(P.IDENTITY, a, b, {})["out"], a, b)
+    with pytest.raises(ValueError, match="plain_gemm must be 'cutedsl' or 'xla'"):
+        CuteDslLowering(plain_gemm="pallas")
+    monkeypatch.setenv("CODA_JAX_CUTEDSL_PLAIN_GEMM", "cublas")
+    with pytest.raises(ValueError, match="CODA_JAX_CUTEDSL_PLAIN_GEMM must be"):
+        CuteDslLowering().gemm(P.IDENTITY, a, b, {})
+
+
 def test_unsupported_primitive_names_the_primitive():
     epi = E.Epilogue("uses_cumsum", (), (E.tile_out("out"),), lambda acc, ctx: {"out": jnp.cumsum(acc, axis=1)})
     traced = I.trace_body(epi, (8, 16))
@@ -204,10 +223,12 @@ def _abstract_loads(epi, m, n):
 
 @pytest.mark.parametrize("epi,kw", _PROGRAMS, ids=[f"{e.name}-{'-'.join(k) or 'nn'}" for e, k in _PROGRAMS])
 def test_program_lowers(epi, kw):
-    from coda_jax.ffi.lowering import CUTEDSL
+    from coda_jax.ffi.lowering import CuteDslLowering
+
+    kernel = CuteDslLowering(plain_gemm="cutedsl")  # the identity program on the kernel too
 
     m, n, k = 200, (256 if epi.pair_block else 300), 136
     ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
     a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), BF)
     b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), BF)
-    _lower(lambda a, b, l: CUTEDSL.gemm(epi, a, b, l, **kw), a, b, _abstract_loads(epi, m, n))
+    _lower(lambda a, b, l: kernel.gemm(epi, a, b, l, **kw), a, b, _abstract_loads(epi, m, n))

@@ -35,8 +35,9 @@ BF = jnp.bfloat16
 
 
 def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0):
-    from coda_jax.ffi.lowering import CUTEDSL
+    from coda_jax.ffi.lowering import CuteDslLowering
 
+    kernel = CuteDslLowering(plain_gemm="cutedsl")  # the identity program on the kernel too
     key = jax.random.key(seed)
     ka, kb, kl = jax.random.split(key, 3)
     a = (jax.random.normal(ka, (k, m) if transpose_a else (m, k)) / k ** 0.25).astype(BF)
@@ -45,7 +46,7 @@ def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0):
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
     want = REFERENCE.gemm(epi, a, b, loads, **kw)
     poison_allocator([(m, n)] * (2 * len(epi.outputs)))
-    got = jax.jit(lambda a, b, l: CUTEDSL.gemm(epi, a, b, l, **kw))(a, b, loads)
+    got = jax.jit(lambda a, b, l: kernel.gemm(epi, a, b, l, **kw))(a, b, loads)
     assert set(got) == set(want)
     for o in epi.outputs:
         g, w = got[o.name], want[o.name]

@@ -7,6 +7,10 @@ sums, column sums and log-sum-exps. Pair-mode epilogues need N to be a multiple 
 ``2 * pair_block``. Operands must be bfloat16 or float16; float32 operands raise a
 ``TypeError`` that points at ``backend="xla"``.
 
+Plain GEMMs (the identity epilogue) go to XLA's GEMM (cuBLAS) by default, as on the Pallas
+backend (:func:`coda_jax.lowering.plain_gemm_route`); ``plain_gemm="cutedsl"`` or
+``CODA_JAX_CUTEDSL_PLAIN_GEMM=cutedsl`` runs them on this backend's kernel.
+
 Kernels are built once per (epilogue, padded shapes, layouts, dtypes, tile config) and
 cached here; ``cutlass_call`` then compiles each one once (``compile_key`` skips IR
 regeneration on cache hits), so a training step does not recompile.
@@ -22,7 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import check_kernel_gemm
+from coda_jax import programs
+from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, plain_gemm_route
+from coda_jax.reference import REFERENCE
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
 TILE_M = 128
@@ -68,6 +74,10 @@ class CuteDslLowering:
 
     name = "cutedsl"
 
+    def __init__(self, plain_gemm: str | None = None):
+        check_plain_gemm(self.name, plain_gemm)
+        self.plain_gemm = plain_gemm
+
     def gemm(
         self,
         epilogue: Epilogue,
@@ -84,6 +94,9 @@ class CuteDslLowering:
         from coda_jax.ffi.kernel import KernelPlan, choose_stages, needs_scratch, scratch_floats  # noqa: F401
 
         m, n, k = check_kernel_gemm("CuTeDSL", epilogue, a, b, loads, transpose_a, transpose_b)
+        if epilogue is programs.IDENTITY and plain_gemm_route(self.name, self.plain_gemm) == "xla":
+            return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
+                                  out_dtypes=out_dtypes)
         pb = epilogue.pair_block
         tn = _tile_n(epilogue)
         mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, TILE_K)

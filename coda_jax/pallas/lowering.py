@@ -8,17 +8,15 @@ log-sum-exps. Pair-mode epilogues need N to be a multiple of the pair block's wi
 float32 operands raise a ``TypeError`` that points at ``backend="xla"``.
 
 Plain GEMMs (the identity epilogue: backward wgrad/dgrad GEMMs with nothing to fuse) go
-to XLA's GEMM (cuBLAS) by default: an epilogue without loads or reductions gains nothing
-from the fused kernel, and in the block the two routes are within run-to-run noise of each
-other (benchmarks/RESULTS.md, runs 17, 20 and 26: each route won at some width in some
-run). ``plain_gemm="pallas"`` (or the environment variable
+to XLA's GEMM (cuBLAS) by default (:func:`coda_jax.lowering.plain_gemm_route`: cuBLAS ran
+each of the block's plain GEMMs 1-3.5 % faster than this kernel, benchmarks/RESULTS.md,
+run 33). ``plain_gemm="pallas"`` (or the environment variable
 ``CODA_JAX_PALLAS_PLAIN_GEMM=pallas``) runs them on this backend's kernel.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +25,7 @@ import jax.numpy as jnp
 
 from coda_jax import programs
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import check_kernel_gemm
+from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, plain_gemm_route
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.pallas.tuning import TuningConfig, choose_config
@@ -60,16 +58,12 @@ class PallasLowering:
     name = "pallas"
 
     def __init__(self, config: TuningConfig | None = None, plain_gemm: str | None = None):
-        if plain_gemm not in (None, "pallas", "xla"):
-            raise ValueError(f"plain_gemm must be 'pallas' or 'xla', got {plain_gemm!r}")
+        check_plain_gemm(self.name, plain_gemm)
         self.config = config
         self.plain_gemm = plain_gemm
 
     def _plain_gemm(self) -> str:
-        choice = self.plain_gemm or os.environ.get("CODA_JAX_PALLAS_PLAIN_GEMM", "xla")
-        if choice not in ("pallas", "xla"):
-            raise ValueError(f"CODA_JAX_PALLAS_PLAIN_GEMM must be 'pallas' or 'xla', got {choice!r}")
-        return choice
+        return plain_gemm_route(self.name, self.plain_gemm)
 
     def gemm(
         self,
