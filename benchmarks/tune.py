@@ -1,22 +1,22 @@
-"""Sweeps TuningConfig candidates of the Pallas GEMM-epilogue kernel on the H100.
+"""Measures TuningConfig variants of the Pallas GEMM-epilogue kernel on the H100 (CUPTI kernel time).
 
-    python benchmarks/tune.py [--out DIR] [--quick]
+    python benchmarks/tune.py [--out DIR] [--mainloop] [--epilogue-sweep] [--plain] [--variants a,b]
 
-For M=8192 tokens and the Llama (K, N) pairs, in the three operand layouts a training step
-uses (forward ``a @ b``, dgrad ``a @ b^T``, wgrad ``a^T @ b``), times the identity-epilogue
-kernel under every candidate (skipping those that do not fit in SMEM), and two fused
-programs (``residual_rms``, ``rms_swiglu_train``) under the best candidates, next to
-``jnp.dot`` and the JAX-shipped Hopper matmul (``hopper_matmul_mgpu``, forward layout
-only) as yardsticks, all in the same process. Prints one line per measurement and the
-winners; copy them into ``coda_jax/pallas/tuning.py``'s ``CONFIG_TABLE``. Results go to
-``<out>/tune.json``.
+``--mainloop`` (the default when no sweep is named): the identity GEMM at M=8192 tokens and
+the Llama (K, N) pairs, in the forward, dgrad (``a @ b^T``) and wgrad (``a^T @ b``) layouts,
+under tile-order / cluster / warpgroup-split variants (``VARIANTS``), next to cuBLAS (XLA's
+bf16 GEMM) and the JAX-shipped Hopper matmul (``hopper_matmul_mgpu``, forward layout), all
+in one process. Prints one ``MAINLOOP`` line per measurement and the best variant per case;
+copy the winner into ``coda_jax/pallas/tuning.py``'s ``CONFIG_TABLE``.
 
-``--mainloop``: instead, the identity GEMM under tile-order and cluster variants (VARIANTS) next
-to cuBLAS and the JAX-shipped kernel, timed by CUPTI (kernel time only).
+``--epilogue-sweep``: the block's fused GEMMs at d=2048 (forward, dgrad and wgrad programs
+at their real shapes) under epilogue variants (chunk register budget, load slots, swizzled
+staging), each next to the identity GEMM of the same shape.
 
-``--epilogue-sweep``: instead, the block's fused GEMMs at d=2048 (forward, dgrad and wgrad
-programs at their real shapes) under the table's configuration and its epilogue variants
-(chunk register budget, swizzled staging), each next to the identity GEMM of the same shape.
+``--plain``: the block's plain backward GEMMs at d=2048 and 4096 on cuBLAS and on the kernel
+(the data behind the plain-GEMM route).
+
+Results go to ``<out>/tune.json``.
 """
 
 from __future__ import annotations
@@ -38,23 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import Inputs, median_ms  # noqa: E402
 from coda_jax import programs  # noqa: E402
-from coda_jax.pallas.gemm_epilogue import KernelShape, plan_kernel  # noqa: E402
 from coda_jax.pallas.lowering import PallasLowering  # noqa: E402
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig  # noqa: E402
 
 M = 8192
-SHAPES = [(2048, 8192), (4096, 14336), (8192, 28672), (2048, 16384)]  # (K, N)
+SHAPES = [(2048, 8192), (4096, 14336)]  # (K, N): d=2048 gate/up-like, d=4096 MLP-like
 LAYOUTS = {"fwd": (False, False), "dgrad": (False, True), "wgrad": (True, False)}
-_WS = TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, warp_specialized=True)
-CANDIDATES = {
-    "single_wg_128x128_s4": TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4),
-    "ws_m_s4": _WS,
-    "ws_n_s4": dataclasses.replace(_WS, wg_dimension="n"),
-    "ws_n_s4_gw8": dataclasses.replace(_WS, wg_dimension="n", grid_tile_width=8),
-    "ws_n_s4_swizzled": dataclasses.replace(_WS, wg_dimension="n", swizzle_epilogue=True),
-    "ws_n_64x128_s6": TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=6, warp_specialized=True,
-                                   wg_dimension="n"),
-}
 _D = CONFIG_TABLE["default"]
 # Variants of the table's default: tile order, 2-CTA clusters, epilogue chunking.
 VARIANTS = {
@@ -73,6 +62,9 @@ VARIANTS = {
     "wide_chunks": dataclasses.replace(_D, epilogue_regs=1 << 20),  # no register-budget narrowing
     "regs_64": dataclasses.replace(_D, epilogue_regs=64),
     "swizzled": dataclasses.replace(_D, swizzle_epilogue=True),
+    # Other tile shapes (name them with --variants).
+    "single_wg_128x128": TuningConfig(tile_m=128, tile_n=128, max_concurrent_steps=4, approx_math=True),
+    "ws_n_64x128_s6": dataclasses.replace(_D, tile_m=64, max_concurrent_steps=6),
 }
 MAINLOOP_VARIANTS = ["default", "no_cluster", "gw8", "minor_m", "minor_m_gw8", "cluster_m_minor_m", "cluster_n",
                      "split_m", "split_m_cluster_n"]
@@ -85,12 +77,6 @@ def kernel_ms(fn, *args, iters: int = 20) -> float:
     jax.block_until_ready(fn(*args))
     _, times = profiler.measure(fn, iterations=iters)(*args)
     return statistics.median(times)
-
-
-def _planned(epi, m, k, n, ta, tb, cfg, out_dtypes):
-    shape = KernelShape(m=m, n=n, k=k, m_real=m, n_real=n, transpose_a=ta, transpose_b=tb,
-                        operand_dtype=jnp.dtype(jnp.bfloat16), out_dtypes=out_dtypes, num_sms=jax.devices()[0].core_count)
-    return plan_kernel(epi, shape, cfg, ())
 
 
 def _jax_example(a, b, tile_m=128, tile_n=128, wg="n", minor="n", width=4, cluster=None, stages=4):
@@ -177,7 +163,7 @@ def mainloop_sweep(args, record):
     and the JAX-shipped kernel, CUPTI-timed: where the mainloop loses to cuBLAS."""
     names = args.variants.split(",") if args.variants else MAINLOOP_VARIANTS
     k0, n0 = SHAPES[0]
-    cases = [(k, n, "fwd") for k, n in SHAPES[:2]] + [(k0, n0, "dgrad"), (k0, n0, "wgrad")]
+    cases = [(k, n, "fwd") for k, n in SHAPES] + [(k0, n0, "dgrad"), (k0, n0, "wgrad")]
     for k, n, layout in cases:
         ta, tb = LAYOUTS[layout]
         m = k if ta else M  # wgrad: [d, tokens] @ [tokens, n]
@@ -202,16 +188,23 @@ def mainloop_sweep(args, record):
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"MAINLOOP {layout:5s} k={kk:5d} n={n:5d} {impl:22s} {row['error'][:120]}", flush=True)
             record(row)
+            return row
 
-        report("jnp.dot", dot, (a, b))
+        cublas = report("jnp.dot", dot, (a, b))
         if layout == "fwd":
             for ename, kw in JAX_EXAMPLE.items():
                 report(ename, jax.jit(functools.partial(_jax_example, **kw)), (a, b))
+        ours = []
         for vname in names:
             low = PallasLowering(VARIANTS[vname], plain_gemm="pallas")
             fn = jax.jit(lambda a, b, low=low: low.gemm(programs.IDENTITY, a, b, {}, transpose_a=ta,
                                                         transpose_b=tb)["out"])
-            report(vname, fn, (a, b))
+            ours.append(report(vname, fn, (a, b)))
+        done = [r for r in ours if "kernel_ms" in r]
+        if done and "kernel_ms" in cublas:
+            w = min(done, key=lambda r: r["kernel_ms"])
+            print(f"BEST {layout} k={kk} n={n}: {w['impl']} {w['kernel_tflops']:.0f} TFLOP/s "
+                  f"({cublas['kernel_ms'] / w['kernel_ms']:.2f}x cuBLAS)", flush=True)
 
 
 def plain_sweep(args, record):
@@ -247,11 +240,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_out")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--quick", action="store_true", help="first two shapes only")
     ap.add_argument("--epilogue-sweep", action="store_true", help="the block's fused GEMMs under epilogue variants")
     ap.add_argument("--mainloop", action="store_true", help="identity GEMM: tile order / cluster variants vs cuBLAS")
     ap.add_argument("--plain", action="store_true", help="the block's plain backward GEMMs: cuBLAS vs the kernel")
-    ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for the two sweeps above")
+    ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for --mainloop / --epilogue-sweep")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -262,76 +254,15 @@ def main():
         print(json.dumps(row), flush=True)
         (out / "tune.json").write_text(json.dumps(rows, indent=1))
 
-    if args.epilogue_sweep or args.mainloop or args.plain:
-        if args.plain:
-            plain_sweep(args, record)
-        if args.mainloop:
-            mainloop_sweep(args, record)
-        if args.epilogue_sweep:
-            epilogue_sweep(args, record)
-        return
+    if not (args.epilogue_sweep or args.plain):
+        args.mainloop = True
+    if args.plain:
+        plain_sweep(args, record)
+    if args.mainloop:
+        mainloop_sweep(args, record)
+    if args.epilogue_sweep:
+        epilogue_sweep(args, record)
 
-    for k, n in SHAPES[:2] if args.quick else SHAPES:
-        flops = 2 * M * k * n
-        for layout, (ta, tb) in LAYOUTS.items():
-            r = Inputs(k + n)
-            a = r.normal((k, M) if ta else (M, k))
-            b = r.normal((n, k) if tb else (k, n))
-            base = {"k": k, "n": n, "layout": layout}
-            dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-            dot = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-                          .astype(jnp.bfloat16))
-            ref = dot(a, b)
-            dot_ms = median_ms(dot, a, b, iters=args.iters)
-            record({**base, "impl": "jnp.dot", "ms": dot_ms, "tflops": flops / dot_ms / 1e9})
-            if layout == "fwd":
-                try:
-                    ex = jax.jit(_jax_example)
-                    ms = median_ms(ex, a, b, iters=args.iters)
-                    record({**base, "impl": "jax_example_128x256_wgN_s4", "ms": ms, "tflops": flops / ms / 1e9,
-                            "vs_dot": dot_ms / ms})
-                except Exception as e:
-                    record({**base, "impl": "jax_example", "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            for name, cfg in CANDIDATES.items():
-                row = {**base, "impl": name}
-                try:
-                    planned = _planned(programs.IDENTITY, M, k, n, ta, tb, cfg, (("out", jnp.dtype(jnp.bfloat16)),))
-                    row["planned"] = {f: getattr(planned, f) for f in ("tile_m", "max_concurrent_steps",
-                                                                        "warp_specialized", "wg_dimension")}
-                    low = PallasLowering(cfg, plain_gemm="pallas")
-                    f = jax.jit(lambda a, b, low=low: low.gemm(programs.IDENTITY, a, b, {}, transpose_a=ta,
-                                                               transpose_b=tb)["out"])
-                    got = f(a, b)
-                    row["rel_err"] = float(jnp.linalg.norm((got - ref).astype(jnp.float32))
-                                           / jnp.linalg.norm(ref.astype(jnp.float32)))
-                    row["ms"] = median_ms(f, a, b, iters=args.iters)
-                    row["tflops"] = flops / row["ms"] / 1e9
-                    row["vs_dot"] = dot_ms / row["ms"]
-                except Exception as e:  # SMEM overflow, lowering failures: record and go on
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    traceback.print_exc()
-                record(row)
-        # Fused programs (forward layout) under each candidate, against the identity GEMM.
-        r = Inputs(n)
-        a, b = r.normal((M, k)), r.normal((k, n))
-        fused = {
-            "residual_rms": (programs.RESIDUAL_RMS, {"residual": r.normal((M, n)),
-                                                     "gamma": r.normal((n,), 0.1, 1.0, jnp.float32)}),
-            "rms_swiglu_train": (programs.rms_swiglu(True), {"rstd": r.normal((M,), 0.1, 1.0, jnp.float32)}),
-        }
-        for pname, (epi, loads) in fused.items():
-            for name, cfg in CANDIDATES.items():
-                row = {"k": k, "n": n, "layout": "fwd", "program": pname, "impl": name}
-                record(_time_program(row, cfg, epi, a, b, loads, False, False, flops, args.iters))
-    best = {}
-    for row in rows:
-        if "ms" in row and row["impl"] in CANDIDATES:
-            key = (row["k"], row["n"], row["layout"], row.get("program", "identity"))
-            if key not in best or row["ms"] < best[key]["ms"]:
-                best[key] = row
-    for key, row in sorted(best.items()):
-        vs = f" ({row['vs_dot']:.2f}x jnp.dot)" if "vs_dot" in row else ""
-        print(f"BEST k={key[0]} n={key[1]} {key[2]} {key[3]}: {row['impl']} {row['tflops']:.0f} TFLOP/s{vs}", flush=True)
 
 if __name__ == "__main__":
     main()
