@@ -98,11 +98,30 @@ JAX_EXAMPLE = {  # the JAX-shipped kernel's configurations, as yardsticks (forwa
 }
 
 
+def _operands(m, k, n, ta, tb):
+    """Random bf16 operands of an ``[m, k] @ [k, n]`` GEMM (A as ``[k, m]`` if ``ta``, B as
+    ``[n, k]`` if ``tb``)."""
+    r = Inputs(m + k + n)
+    return r.normal((k, m) if ta else (m, k)), r.normal((n, k) if tb else (k, n))
+
+
+def _cublas_fn(ta, tb):
+    """XLA's GEMM of the layout, bf16 out with f32 accumulation (cuBLAS's own epilogue
+    converts): the GEMM XLA emits in a model. Called as ``fn(a, b)``."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims))
+
+
+def _kernel_fn(cfg, epi, ta, tb):
+    """``epi`` on the Pallas kernel under ``cfg`` (plain GEMMs too), called as ``fn(a, b, loads)``."""
+    low = PallasLowering(cfg, plain_gemm="pallas")
+    return jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_a=ta, transpose_b=tb))
+
+
 def _time_program(row, cfg, epi, a, b, loads, ta, tb, flops, iters):
     """``row`` with the program's time on the Pallas kernel under ``cfg`` (or the error)."""
     try:
-        low = PallasLowering(cfg, plain_gemm="pallas")
-        fn = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_a=ta, transpose_b=tb))
+        fn = _kernel_fn(cfg, epi, ta, tb)
         row["ms"] = median_ms(fn, a, b, loads, iters=iters)
         row["tflops"] = flops / row["ms"] / 1e9
         row["kernel_ms"] = kernel_ms(fn, a, b, loads, iters=2 * iters)
@@ -169,12 +188,7 @@ def mainloop_sweep(args, record):
         m = k if ta else M  # wgrad: [d, tokens] @ [tokens, n]
         kk = M if ta else k
         flops = 2 * m * kk * n
-        r = Inputs(kk + n)
-        a = r.normal((kk, m) if ta else (m, kk))
-        b = r.normal((n, kk) if tb else (kk, n))
-        dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-        # bf16 out, f32 accumulation (cuBLAS's own epilogue converts): the GEMM XLA emits in a model.
-        dot = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims))
+        a, b = _operands(m, kk, n, ta, tb)
         base = {"m": m, "k": kk, "n": n, "layout": layout}
 
         def report(impl, fn, fargs):
@@ -190,16 +204,13 @@ def mainloop_sweep(args, record):
             record(row)
             return row
 
-        cublas = report("jnp.dot", dot, (a, b))
+        cublas = report("jnp.dot", _cublas_fn(ta, tb), (a, b))
         if layout == "fwd":
             for ename, kw in JAX_EXAMPLE.items():
                 report(ename, jax.jit(functools.partial(_jax_example, **kw)), (a, b))
         ours = []
         for vname in names:
-            low = PallasLowering(VARIANTS[vname], plain_gemm="pallas")
-            fn = jax.jit(lambda a, b, low=low: low.gemm(programs.IDENTITY, a, b, {}, transpose_a=ta,
-                                                        transpose_b=tb)["out"])
-            ours.append(report(vname, fn, (a, b)))
+            ours.append(report(vname, _kernel_fn(VARIANTS[vname], programs.IDENTITY, ta, tb), (a, b, {})))
         done = [r for r in ours if "kernel_ms" in r]
         if done and "kernel_ms" in cublas:
             w = min(done, key=lambda r: r["kernel_ms"])
@@ -218,18 +229,13 @@ def plain_sweep(args, record):
             ("down_wgrad", f, M, d, True, False),
         ]
         for name, m, k, n, ta, tb in gemms:
-            r = Inputs(m + k + n)
-            a = r.normal((k, m) if ta else (m, k))
-            b = r.normal((n, k) if tb else (k, n))
+            a, b = _operands(m, k, n, ta, tb)
             flops = 2 * m * k * n
-            dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-            routes = {"xla": jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims))}
-            low = PallasLowering(_D, plain_gemm="pallas")
-            routes["pallas"] = jax.jit(lambda a, b, low=low: low.gemm(programs.IDENTITY, a, b, {}, transpose_a=ta,
-                                                                      transpose_b=tb)["out"])
-            for route, fn in routes.items():
+            routes = {"xla": (_cublas_fn(ta, tb), (a, b)),
+                      "pallas": (_kernel_fn(_D, programs.IDENTITY, ta, tb), (a, b, {}))}
+            for route, (fn, fargs) in routes.items():
                 row = {"d": d, "gemm": name, "m": m, "k": k, "n": n, "route": route}
-                row["kernel_ms"] = kernel_ms(fn, a, b, iters=2 * args.iters)
+                row["kernel_ms"] = kernel_ms(fn, *fargs, iters=2 * args.iters)
                 row["kernel_tflops"] = flops / row["kernel_ms"] / 1e9
                 record(row)
                 print(f"PLAIN d={d} {name:13s} [{m}x{k}]x[{k}x{n}] {route:6s} {row['kernel_ms']:.3f} ms "

@@ -23,6 +23,22 @@ TOL = {  # dtype: (forward, gradient) relative-error bounds
 }
 
 
+def abstract_loads(epi, m, n) -> dict:
+    """``jax.ShapeDtypeStruct`` of each of ``epi``'s loads for an ``[m, n]`` output (to lower,
+    not run): bf16 tiles, float32 vectors, blocks and the ``prev`` accumulator, int32 targets."""
+    from coda_jax.epilogue import LoadKind
+
+    out = {}
+    for l in epi.loads:
+        w = epi.width(n, l.half)
+        shape = {LoadKind.ROW: (m,), LoadKind.COL: (w,), LoadKind.TILE: (m, w), LoadKind.SCALAR: (),
+                 LoadKind.ROW_BLOCK: (m, epi.pair_block)}[l.kind]
+        dt = (jnp.int32 if l.name == "target" else
+              jnp.float32 if l.name == "prev" or l.kind is not LoadKind.TILE else jnp.bfloat16)
+        out[l.name] = jax.ShapeDtypeStruct(shape, dt)
+    return out
+
+
 def rel_err(out, ref) -> float:
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)

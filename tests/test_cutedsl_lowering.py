@@ -25,6 +25,7 @@ from coda_jax import epilogue as E  # noqa: E402
 from coda_jax import programs as P  # noqa: E402
 from coda_jax.ffi import interpret as I  # noqa: E402
 from coda_jax.ops.names import ALL_OPS  # noqa: E402
+from op_cases import abstract_loads  # noqa: E402
 
 BF = jnp.bfloat16
 
@@ -210,17 +211,6 @@ _PROGRAMS = [
 ]
 
 
-def _abstract_loads(epi, m, n):
-    out = {}
-    for l in epi.loads:
-        w = epi.width(n, l.half)
-        shape = {E.LoadKind.ROW: (m,), E.LoadKind.COL: (w,), E.LoadKind.TILE: (m, w), E.LoadKind.SCALAR: (),
-                 E.LoadKind.ROW_BLOCK: (m, epi.pair_block)}[l.kind]
-        dt = jnp.int32 if l.name == "target" else jnp.float32 if l.name == "prev" or l.kind is not E.LoadKind.TILE else BF
-        out[l.name] = jax.ShapeDtypeStruct(shape, dt)
-    return out
-
-
 @pytest.mark.parametrize("epi,kw", _PROGRAMS, ids=[f"{e.name}-{'-'.join(k) or 'nn'}" for e, k in _PROGRAMS])
 def test_program_lowers(epi, kw):
     from coda_jax.ffi.lowering import CuteDslLowering
@@ -231,4 +221,4 @@ def test_program_lowers(epi, kw):
     ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
     a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), BF)
     b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), BF)
-    _lower(lambda a, b, l: kernel.gemm(epi, a, b, l, **kw), a, b, _abstract_loads(epi, m, n))
+    _lower(lambda a, b, l: kernel.gemm(epi, a, b, l, **kw), a, b, abstract_loads(epi, m, n))

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from coda_jax.epilogue import LoadKind
 from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE
+from op_cases import abstract_loads
 from test_pallas_kernels import CASES
 
 CONFIGS = {
@@ -23,22 +23,6 @@ CONFIGS = {
     "split_m_cluster_n_swizzled": dataclasses.replace(CONFIG_TABLE["default"], wg_dimension="m",
                                                       cluster_dimension="n", swizzle_epilogue=True),
 }
-
-
-def _abstract_loads(epi, m, n):
-    out = {}
-    for l in epi.loads:
-        if l.kind is LoadKind.ROW:
-            s = (m,)
-        elif l.kind is LoadKind.COL:
-            s = (epi.width(n, l.half),)
-        elif l.kind is LoadKind.TILE:
-            s = (m, epi.width(n, l.half))
-        else:  # ROW_BLOCK
-            s = (m, epi.pair_block)
-        dt = jnp.bfloat16 if l.kind in (LoadKind.TILE, LoadKind.ROW_BLOCK) else jnp.float32
-        out[l.name] = jax.ShapeDtypeStruct(s, jnp.int32 if l.name == "target" else dt)
-    return out
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
@@ -50,5 +34,5 @@ def test_kernel_lowers_for_cuda(epi, kw, cfg):
     b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
     low = PallasLowering(CONFIGS[cfg], plain_gemm="pallas")
     f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw))
-    txt = f.trace(a, b, _abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
+    txt = f.trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt, "no Mosaic GPU custom call in the lowered module"
