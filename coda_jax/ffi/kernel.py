@@ -1,24 +1,33 @@
 """The CuTeDSL Hopper GEMM with a lowered epilogue program (sm_90a).
 
-Mainloop (one CTA per ``[tile_m, tile_n]`` output tile, ``tile_m = 128``, two MMA
-warpgroups of 64 rows each, 256 threads):
+Warp-specialized, persistent mainloop (384 threads = three warpgroups):
 
-* operands stream through a ``stages``-deep ring of swizzled SMEM buffers filled by TMA
-  (``cp.async.bulk.tensor``); one mbarrier pair per stage (``PipelineTmaAsync``: "full"
-  with the TMA transaction count, "empty" released by the consumers);
-* warp 0 issues the loads ``stages`` K-tiles ahead, all threads run ``wgmma`` with float32
-  accumulators in registers, keeping one wgmma batch in flight before releasing a stage;
+* warpgroups 0 and 1 are the *consumers*: together they own one ``[128, tile_n]`` output
+  tile at a time (64 rows each, ``wgmma`` m64nNk16 with float32 accumulators in registers)
+  and run its epilogue; they raise their register budget to 232 (``setmaxnreg``);
+* warpgroup 2 is the *producer*: it lowers its budget to 40 registers and one of its warps
+  issues the TMA loads (``cp.async.bulk.tensor``) of the operand K-tiles into a
+  ``stages``-deep ring of 128B-swizzled SMEM buffers, one mbarrier pair per stage
+  (``PipelineTmaAsync``: "full" with the TMA transaction count, "empty" released by the
+  consumers);
+* the grid is persistent: ``ctas = min(tiles, SMs)`` CTAs walk the output tiles
+  ``blockIdx.x, blockIdx.x + ctas, ...`` in groups of ``GROUP_M`` tile rows (L2 reuse of
+  the ``b`` column blocks); the producer runs ahead across tile boundaries, so the next
+  tile's operands stream in while the consumers run the current tile's epilogue;
 * transposed operands (``a`` as ``[K, M]``, ``b`` as ``[N, K]``) are M/N-major SMEM
   layouts chosen from the operand's major mode: no copies.
 
-Epilogue (see :mod:`coda_jax.ffi.interpret`): each thread knows the tile coordinates of
-its accumulator registers (an identity tensor partitioned like the accumulator); the
-traced body runs on its registers element by element. Row/column/tile loads are read
-from global memory at those coordinates, tile outputs are written the same way; row
-sums, column sums, log-sum-exps, ``ctx.row_sum`` and the pair-mode lo/hi exchange go
-through one float32 SMEM scratch tile (``[tile_m, tile_n + 1]``, padded against bank
-conflicts) with CTA barriers; the code is branch-free (duplicate threads redo identical
-work instead of being predicated off).
+Epilogue (see :mod:`coda_jax.ffi.interpret`): each consumer thread knows the tile
+coordinates of its accumulator registers (an identity tensor partitioned like the
+accumulator); the traced body runs on its registers element by element. Row/column/tile
+loads are read from global memory at those coordinates. Tile outputs are written into a
+128B-swizzled SMEM staging tile per output and stored by one TMA bulk store per output and
+tile (``plan.stage_outputs``; when the staging tiles do not fit beside a 3-stage ring, the
+kernel stores each element to global memory instead). Row sums, column sums,
+log-sum-exps, ``ctx.row_sum`` and the pair-mode lo/hi exchange go through one float32
+SMEM scratch tile (``[tile_m, tile_n + 1]``, padded against bank conflicts) with named
+barriers over the consumer threads; the code is branch-free (duplicate threads redo
+identical work instead of being predicated off).
 """
 
 from __future__ import annotations
@@ -40,9 +49,17 @@ from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.ffi.interpret import TracedBody, interpret
 
 SMEM_CAPACITY = 227 * 1024
-THREADS = 256  # two MMA warpgroups
+THREADS = 256  # the consumer threads: two MMA + epilogue warpgroups (tid 0..255)
+CTA_THREADS = 384  # plus the producer warpgroup (tid 256..383)
+PRODUCER_WARP = 8  # the producer warpgroup's first warp issues the TMA loads
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232  # 128 * 40 + 256 * 232 <= 64K registers per SM
+EPILOGUE_BARRIER = 1  # named barrier over the consumer threads (0 is __syncthreads)
 TILE_M = 128
 TILE_K = 64
+GROUP_M = 8  # tile rows per raster group
+MIN_STAGED_STAGES = 3  # stage tile outputs in SMEM only if this many operand stages still fit
+H100_SMS = 132
 
 _DSL = {
     np.dtype(np.float32): cutlass.Float32,
@@ -73,6 +90,8 @@ class KernelPlan:
     n_real: int
     tile_n: int
     stages: int
+    ctas: int
+    stage_outputs: bool
     transpose_a: bool
     transpose_b: bool
     operand_dtype: Any
@@ -81,24 +100,63 @@ class KernelPlan:
 
     @property
     def grid(self) -> tuple[int, int]:
+        """Output tiles along M and N."""
         return self.m // TILE_M, self.n // self.tile_n
 
 
-def needs_scratch(epi: Epilogue, traced: TracedBody) -> bool:
-    reducing = any(o.kind is not OutputKind.TILE for o in epi.outputs)
-    body_reduces = any(e.primitive.name.startswith("reduce_") for e in traced.jaxpr.jaxpr.eqns)
-    return reducing or body_reduces or epi.pair_block is not None
+def register_layout_ok(epi: Epilogue) -> bool:
+    """Row reductions and the pair exchange run in registers (quad shuffles) unless the pair
+    block is not a multiple of 8 (a pair's halves then sit in different lanes)."""
+    return epi.pair_block is None or epi.pair_block % 8 == 0
+
+
+def needs_scratch(epi: Epilogue) -> bool:
+    """Whether the epilogue needs the float32 SMEM scratch tile (column sums, or pair blocks
+    that are not a multiple of 8)."""
+    col_sums = any(o.kind is OutputKind.COL_SUM for o in epi.outputs)
+    return col_sums or not register_layout_ok(epi)
+
+
+def _stages_that_fit(tile_n: int, itemsize: int, reserved: int) -> int:
+    per_stage = (TILE_M + tile_n) * TILE_K * itemsize
+    return min(6, (SMEM_CAPACITY - reserved - 4096) // per_stage)
 
 
 def choose_stages(tile_n: int, itemsize: int, scratch_bytes: int) -> int:
-    per_stage = (TILE_M + tile_n) * TILE_K * itemsize
-    return max(2, min(6, (SMEM_CAPACITY - scratch_bytes - 4096) // per_stage))
+    return max(2, _stages_that_fit(tile_n, itemsize, scratch_bytes))
 
 
 def scratch_floats(tile_n: int, pair_block: int | None) -> int:
     row_pitch = tile_n + 1
     segments = TILE_M * (tile_n // (2 * pair_block) if pair_block else 1)
     return TILE_M * row_pitch + segments
+
+
+def staging_bytes(epi: Epilogue, tile_n: int, out_dtypes) -> int:
+    """SMEM for one ``[TILE_M, width]`` staging tile per tile output (+1 KiB alignment each)."""
+    dts = dict(out_dtypes)
+    return sum(TILE_M * epi.width(tile_n, o.half) * np.dtype(dts[o.name]).itemsize + 1024
+               for o in epi.outputs if o.kind is OutputKind.TILE)
+
+
+def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes) -> tuple[int, bool]:
+    """``(stages, stage_outputs)``: stage tile outputs in SMEM when a 3-stage ring still fits."""
+    scratch = 4 * scratch_floats(tile_n, epi.pair_block) + 1024 if needs_scratch(epi) else 0
+    staged = _stages_that_fit(tile_n, itemsize, scratch + staging_bytes(epi, tile_n, out_dtypes))
+    if staged >= MIN_STAGED_STAGES:
+        return staged, True
+    return choose_stages(tile_n, itemsize, scratch), False
+
+
+def num_sms() -> int:
+    """SMs of the first GPU (the persistent grid's size); an H100's 132 without a GPU."""
+    import jax
+
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return H100_SMS
+    return getattr(dev, "core_count", None) or H100_SMS
 
 
 # --------------------------------------------------------------- element ops --------
@@ -181,30 +239,50 @@ def _typed_like(ref, value):
 class TileEpilogue:
     """Runs one traced epilogue on the accumulator registers of one CTA tile."""
 
-    def __init__(self, epi: Epilogue, traced: TracedBody, plan: KernelPlan, scratch, tidx, coords, m0, n0,
-                 pid_m, pid_n):
+    def __init__(self, epi: Epilogue, traced: TracedBody, plan: KernelPlan, scratch, tidx, base, offsets, m0, n0,
+                 pid_m, pid_n, staging: dict[str, Any] | None = None):
+        """``base``: this thread's first accumulator coordinate ``(row, col)`` (dynamic);
+        ``offsets``: every accumulator register's static ``(row, col)`` offset from it (the
+        wgmma fragment layout: a thread holds 2 rows x ``tile_n / 4`` columns, and the 4
+        lanes of a quad hold the same rows)."""
         self.epi, self.traced, self.plan = epi, traced, plan
         self.scr = scratch
+        # Tile outputs -> their SMEM staging tiles ([TILE_M, width], stored by TMA), or None:
+        # store each element to global memory.
+        self.staging = staging
         self.tidx = tidx
         self.m0, self.n0, self.pid_m, self.pid_n = m0, n0, pid_m, pid_n
         self.tn = plan.tile_n
         self.pitch = self.tn + 1
-        self.b = epi.pair_block
-        self.rows = [rc[0] for rc in coords]
-        self.cols = [rc[1] for rc in coords]
-        self.count = len(coords)
+        self.b = b = epi.pair_block
+        self.off = list(offsets)
+        self.rows = [base[0] + cutlass.Int32(r) for r, _ in self.off]
+        self.cols = [base[1] + cutlass.Int32(c) for _, c in self.off]
+        self.count = len(self.off)
         self.ops = DslOps()
         self.half_acc = epi.half_acc
+        self.in_registers = register_layout_ok(epi)
         if self.half_acc:
             # One accumulator column per pair: column g's pair sits at global columns
             # (g // b) * 2b + g % b (lo) and that + b (hi) of the full-width arrays.
-            bb, two_b = cutlass.Int32(self.b), cutlass.Int32(2 * self.b)
+            bb, two_b = cutlass.Int32(b), cutlass.Int32(2 * b)
             g = [self.n0 + c for c in self.cols]
             self.wide_lo = [(x // bb) * two_b + x % bb for x in g]
             self.wide_hi = [x + bb for x in self.wide_lo]
-        elif self.b is not None:
-            two_b = cutlass.Int32(2 * self.b)
-            bb = cutlass.Int32(self.b)
+        elif b is not None and self.in_registers:
+            # b % 8 == 0: lo/hi and the pair block of a register are static (the lane's
+            # column base is < 8), and the partner (column +- b) is a register of this thread.
+            where = {o: i for i, o in enumerate(self.off)}
+            self.is_lo = [c % (2 * b) < b for _, c in self.off]
+            self.seg = [c // (2 * b) for _, c in self.off]
+            self.partner_reg = [where[(r, c + (b if lo else -b))] for (r, c), lo in zip(self.off, self.is_lo)]
+            self.lo_col = [self.cols[i] if lo else self.cols[p] for i, (p, lo) in
+                           enumerate(zip(self.partner_reg, self.is_lo))]
+            self.hi_col = [self.cols[p] if lo else self.cols[i] for i, (p, lo) in
+                           enumerate(zip(self.partner_reg, self.is_lo))]
+        elif b is not None:
+            two_b = cutlass.Int32(2 * b)
+            bb = cutlass.Int32(b)
             self.is_lo = [(c % two_b) < bb for c in self.cols]
             # Column of the partner element (the other half of the same pair).
             self.partner = [c + cutlass.Int32(cutlass.select_(lo, bb, -bb)) for c, lo in zip(self.cols, self.is_lo)]
@@ -212,6 +290,29 @@ class TileEpilogue:
                            zip(self.cols, self.partner, self.is_lo)]
             self.hi_col = [cutlass.Int32(cutlass.select_(lo, p, c)) for c, p, lo in
                            zip(self.cols, self.partner, self.is_lo)]
+
+    @staticmethod
+    def _pick(lo, a, b_):
+        """``a if lo else b_`` for a static (bool) or dynamic (DSL Boolean) ``lo``."""
+        if isinstance(lo, bool):
+            return a if lo else b_
+        return cutlass.Float32(cutlass.select_(lo, a, b_))
+
+    # -- register-layout reductions (rows live in one quad of lanes) --
+    @staticmethod
+    def _combine(op, x, y):
+        return x + y if op == "sum" else cutlass.Float32(cutlass.select_(x > y, x, y))
+
+    def _quad_reduce(self, values, keys, op):
+        """``{key: reduction}`` over the registers with each key, then over the quad's 4 lanes."""
+        part: dict[Any, Any] = {}
+        for v, k in zip(values, keys):
+            part[k] = v if k not in part else self._combine(op, part[k], v)
+        for k, v in part.items():
+            for lane_mask in (1, 2):
+                v = self._combine(op, v, cute.arch.shuffle_sync_bfly(v, offset=lane_mask))
+            part[k] = v
+        return part
 
     # -- ElementContext --
     def coord(self, dim):
@@ -228,6 +329,10 @@ class TileEpilogue:
         F = cutlass.Float32
         ident = F(0.0) if op == "sum" else F(-math.inf)
         b, tn = self.b, self.tn
+        if self.in_registers:  # lo-holders' values, per (row, pair block)
+            keys = [(r, sg) for (r, _), sg in zip(self.off, self.seg)]
+            red = self._quad_reduce([v if lo else ident for v, lo in zip(values, self.is_lo)], keys, op)
+            return [red[k] for k in keys]
         nblk = tn // (2 * b)
         # Each lo-holder writes the pair value at its own position; hi-holders write the identity.
         self._store_tile([F(cutlass.select_(lo, v, ident)) for v, lo in zip(values, self.is_lo)])
@@ -243,16 +348,21 @@ class TileEpilogue:
                 x = self.scr[base + cutlass.Int32(j)]
                 acc = acc + x if op == "sum" else F(cutlass.select_(x > acc, x, acc))
             self.scr[cutlass.Int32(seg_base) + s] = acc
-        cute.arch.sync_threads()
+        self.sync()
         return [self.scr[cutlass.Int32(seg_base) + r * cutlass.Int32(nblk) + c // cutlass.Int32(2 * b)]
                 for r, c in zip(self.rows, self.cols)]
 
     # -- scratch helpers --
+    @staticmethod
+    def sync():
+        """Barrier over the consumer threads (the producer warpgroup does not take part)."""
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+
     def _store_tile(self, values):
-        cute.arch.sync_threads()  # earlier readers of the scratch are done
+        self.sync()  # earlier readers of the scratch are done
         for r, c, v in zip(self.rows, self.cols, values):
             self.scr[r * cutlass.Int32(self.pitch) + c] = v
-        cute.arch.sync_threads()
+        self.sync()
 
     def _reduce_rows_to(self, out, kind):
         """Thread ``t`` reduces scratch row ``t % tile_m`` and stores it as partial ``[pid_n, row]``."""
@@ -276,6 +386,25 @@ class TileEpilogue:
             acc = safe + cute.math.log(se)
         out[self.pid_n, self.m0 + r] = acc
 
+    def _reduce_rows_in_registers(self, out, kind, values):
+        """Row partial ``[pid_n, row]`` of the tile from registers: each lane of a quad holds a
+        quarter of the row's columns; all 4 lanes store the same value (branch-free)."""
+        F = cutlass.Float32
+        keys = [r for r, _ in self.off]
+        if kind is OutputKind.ROW_SUM:
+            red = self._quad_reduce(values, keys, "sum")
+        else:  # max, then the sum of exp over the row
+            mx = self._quad_reduce(values, keys, "max")
+            # A fully masked row (cannot happen with real columns) would give -inf - -inf.
+            safe = {k: F(cutlass.select_(v == F(-math.inf), F(0.0), v)) for k, v in mx.items()}
+            se = self._quad_reduce([cute.math.exp(v - safe[k]) for v, k in zip(values, keys)], keys, "sum")
+            red = {k: safe[k] + cute.math.log(se[k]) for k in safe}
+        first = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        for k, i in first.items():
+            out[self.pid_n, self.m0 + self.rows[i]] = red[k]
+
     def _reduce_cols_to(self, out):
         F = cutlass.Float32
         for rep in range(-(-self.tn // THREADS)):
@@ -295,7 +424,11 @@ class TileEpilogue:
         F = cutlass.Float32
         vals: dict[tuple, list] = {}
         pair = self.epi.paired_acc
-        if pair:
+        if pair and self.in_registers:  # the partner is a register of this thread
+            partner = [acc_vals[p] for p in self.partner_reg]
+            vals[("acc", None, 0)] = [a if lo else q for a, q, lo in zip(acc_vals, partner, self.is_lo)]
+            vals[("acc", None, 1)] = [q if lo else a for a, q, lo in zip(acc_vals, partner, self.is_lo)]
+        elif pair:
             # lo/hi exchange through SMEM: every element gets its partner's accumulator.
             self._store_tile(acc_vals)
             partner = [self.scr[r * cutlass.Int32(self.pitch) + p] for r, p in zip(self.rows, self.partner)]
@@ -359,25 +492,32 @@ class TileEpilogue:
                 lo, hi = res[(o.name, 0)], res[(o.name, 1)]
                 if o.kind is OutputKind.TILE:
                     dt = dsl_dtype(dict(plan.out_dtypes)[o.name])
-                    t = outs[o.name]
-                    for g, cl, ch, vl, vh in zip(grow, self.wide_lo, self.wide_hi, lo, hi):
-                        t[g, cl] = vl.to(dt)
-                        t[g, ch] = vh.to(dt)
+                    if self.staging is not None:  # the tile's output block starts at column 2 * n0
+                        t, rows, base = self.staging[o.name], self.rows, cutlass.Int32(2) * self.n0
+                    else:
+                        t, rows, base = outs[o.name], grow, cutlass.Int32(0)
+                    for g, cl, ch, vl, vh in zip(rows, self.wide_lo, self.wide_hi, lo, hi):
+                        t[g, cl - base] = vl.to(dt)
+                        t[g, ch - base] = vh.to(dt)
                     continue
                 mine = [F(a + b_) for a, b_ in zip(lo, hi)]  # a row sum adds both halves
             else:
                 lo, hi = res[(o.name, 0)], res[(o.name, 1)]
-                mine = [F(cutlass.select_(s, a, b_)) for a, b_, s in zip(lo, hi, self.is_lo)]
+                mine = [self._pick(s, a, b_) for a, b_, s in zip(lo, hi, self.is_lo)]
             single_in_pair = pair and parts == [None]
             if o.kind is OutputKind.TILE:
                 dt = dsl_dtype(dict(plan.out_dtypes)[o.name])
-                t = outs[o.name]
+                if self.staging is not None:  # tile-local coordinates in the staging tile
+                    t, rows, cols = self.staging[o.name], self.rows, self.cols
+                    half_base = self.n0 // cutlass.Int32(2)
+                else:
+                    t, rows, cols, half_base = outs[o.name], grow, gcol, cutlass.Int32(0)
                 if single_in_pair:
                     # Half-width output: lo- and hi-holder of a pair store the same value.
-                    for g, c, v in zip(grow, self.lo_col, mine):
-                        t[g, self._half_index(c)] = v.to(dt)
+                    for g, c, v in zip(rows, self.lo_col, mine):
+                        t[g, self._half_index(c) - half_base] = v.to(dt)
                 else:
-                    for g, c, v in zip(grow, gcol, mine):
+                    for g, c, v in zip(rows, cols, mine):
                         t[g, c] = v.to(dt)
                 continue
             # Reductions: each tile position written exactly once into the scratch.
@@ -388,13 +528,35 @@ class TileEpilogue:
                 continue
             fill = F(0.0) if o.kind is OutputKind.ROW_SUM else F(-math.inf)
             ok = [c < cutlass.Int32(plan.n_real) for c in gcol]
+            masked = [F(cutlass.select_(k_, v, fill)) for v, k_ in zip(mine, ok)]
             if single_in_pair:  # one value per pair: only the lo-holder contributes
-                ok = [cutlass.Boolean(a) & cutlass.Boolean(lo) for a, lo in zip(ok, self.is_lo)]
-            self._store_tile([F(cutlass.select_(k_, v, fill)) for v, k_ in zip(mine, ok)])
-            self._reduce_rows_to(outs[o.name], o.kind)
+                masked = [self._pick(lo, v, fill) for v, lo in zip(masked, self.is_lo)]
+            if self.in_registers:
+                self._reduce_rows_in_registers(outs[o.name], o.kind, masked)
+            else:
+                self._store_tile(masked)
+                self._reduce_rows_to(outs[o.name], o.kind)
 
 
 # ------------------------------------------------------------------ builder ---------
+def _tile_of(t, grid_m: int, grid_n: int):
+    """Linear tile index -> ``(pid_m, pid_n)``, in groups of ``GROUP_M`` tile rows.
+
+    Consecutive CTAs take neighbouring rows of one group at the same column block, so a
+    wave of CTAs reads few distinct ``b`` column blocks and ``a`` row blocks (L2 reuse).
+    """
+    per_group = cutlass.Int32(GROUP_M * grid_n)
+    first_m = (t // per_group) * cutlass.Int32(GROUP_M)
+    size_m = cutlass.min(cutlass.Int32(grid_m) - first_m, cutlass.Int32(GROUP_M))
+    r = t % per_group
+    return first_m + r % size_m, r // size_m
+
+
+def _staging_layout(dtype, width: int):
+    """128B-swizzled SMEM layout of one ``[TILE_M, width]`` row-major output tile."""
+    return cute.slice_(sm90.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, (TILE_M, width), 1), (None, None, 0))
+
+
 def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     """A ``@cute.jit`` ``(stream, a, b, *loads, *outputs)`` launching the kernel."""
     load_names = [l.name for l in epi.loads]
@@ -402,36 +564,47 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     n_loads = len(load_names)
     tm, tn, tk = TILE_M, plan.tile_n, TILE_K
     grid_m, grid_n = plan.grid
+    num_tiles = grid_m * grid_n
     stages = plan.stages
-    use_scratch = needs_scratch(epi, traced)
+    use_scratch = needs_scratch(epi)
     n_scratch = scratch_floats(tn, epi.pair_block) if use_scratch else 1
     ab_dtype = dsl_dtype(plan.operand_dtype)
     a_layout = LayoutEnum.COL_MAJOR if plan.transpose_a else LayoutEnum.ROW_MAJOR  # M-major / K-major
     b_layout = LayoutEnum.ROW_MAJOR if plan.transpose_b else LayoutEnum.COL_MAJOR  # K-major / N-major
     tile_mnk = (tm, tn, tk)
+    out_dts = dict(plan.out_dtypes)
+    # Staged tile outputs: (position in io, name, DSL dtype, staging width).
+    staged = [(n_loads + i, o.name, dsl_dtype(out_dts[o.name]), epi.width(tn, o.half))
+              for i, o in enumerate(epi.outputs) if o.kind is OutputKind.TILE and plan.stage_outputs]
 
     @cute.kernel
     def gemm_kernel(tma_a: cute.CopyAtom, g_a: cute.Tensor, tma_b: cute.CopyAtom, g_b: cute.Tensor,
                     mma: cute.TiledMma, sa_layout: cute.ComposedLayout, sb_layout: cute.ComposedLayout,
-                    io: list):
+                    io: list, tma_out: list, g_out: list):
         tidx, _, _ = cute.arch.thread_idx()
-        pid_m, pid_n, _ = cute.arch.block_idx()
+        bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
+        if warp == PRODUCER_WARP:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
-        @cute.struct
-        class Smem:
-            bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
-            sa: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sa_layout)], 1024]
-            sb: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sb_layout)], 1024]
-            scratch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_scratch], 16]
+        stage_layouts = [_staging_layout(dt, w) for (_, _, dt, w) in staged]
+        fields = {
+            "bars": cute.struct.MemRange[cutlass.Int64, stages * 2],
+            "sa": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sa_layout)], 1024],
+            "sb": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sb_layout)], 1024],
+            "scratch": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_scratch], 16],
+        }
+        for i, ((_, _, dt, _), lay) in enumerate(zip(staged, stage_layouts)):
+            fields[f"out{i}"] = cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay)], 1024]
+        Smem = cute.struct(type("Smem", (), {"__annotations__": fields}))
 
         storage = cutlass.memory.SmemAllocator().allocate(Smem)
         s_a = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
         s_b = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
         scratch = storage.scratch.get_tensor(cute.make_layout(n_scratch))
+        s_out = [getattr(storage, f"out{i}").get_tensor(lay.outer, swizzle=lay.inner)
+                 for i, lay in enumerate(stage_layouts)]
 
         stage_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(sa_layout, (None, None, 0))) + cute.size_in_bytes(
             ab_dtype, cute.slice_(sb_layout, (None, None, 0)))
@@ -445,85 +618,117 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
         )
         cute.arch.sync_threads()
 
-        # Global tiles of this CTA: (tm, tk, k_tiles) and (tn, tk, k_tiles).
-        blk_a = cute.local_tile(g_a, (tm, tk), (pid_m, None))
-        blk_b = cute.local_tile(g_b, (tn, tk), (pid_n, None))
+        # Global K-tiles of every output tile: (TMA, tiles_m, k_tiles) and (TMA, tiles_n, k_tiles).
+        blk_a = cute.local_tile(g_a, (tm, tk), (None, None))
+        blk_b = cute.local_tile(g_b, (tn, tk), (None, None))
         ta_s, ta_g = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2),
                                                       cute.group_modes(blk_a, 0, 2))
         tb_s, tb_g = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2),
                                                       cute.group_modes(blk_b, 0, 2))
-
+        k_tiles = cute.size(blk_a, mode=[3])
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_mma = mma.get_slice(wg * 128)
-        frag_a = mma.make_fragment_A(wg_mma.partition_A(s_a))
-        frag_b = mma.make_fragment_B(wg_mma.partition_B(s_b))
-        acc_shape = wg_mma.partition_shape_C((tm, tn))
-        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        k_tiles = cute.size(blk_a, mode=[2])
-        k_blocks = cute.size(frag_a, mode=[2])
 
-        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-        consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        if wg == 2:
+            # ---------------- producer: TMA loads of every K-tile of every tile of this CTA.
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == PRODUCER_WARP:
+                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+                tile = cutlass.Int32(bid)
+                while tile < num_tiles:
+                    pm, pn = _tile_of(tile, grid_m, grid_n)
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        ring.producer_acquire(produce)
+                        cute.copy(tma_a, ta_g[(None, pm, kt)], ta_s[(None, produce.index)],
+                                  tma_bar_ptr=ring.producer_get_barrier(produce))
+                        cute.copy(tma_b, tb_g[(None, pn, kt)], tb_s[(None, produce.index)],
+                                  tma_bar_ptr=ring.producer_get_barrier(produce))
+                        ring.producer_commit(produce)
+                        produce.advance()
+                    tile += plan.ctas
+                ring.producer_tail(produce)
+        else:
+            # ---------------- consumers: wgmma mainloop + epilogue, one tile at a time.
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            wg_mma = mma.get_slice(wg * 128)
+            frag_a = mma.make_fragment_A(wg_mma.partition_A(s_a))
+            frag_b = mma.make_fragment_B(wg_mma.partition_B(s_b))
+            acc = cute.make_rmem_tensor(wg_mma.partition_shape_C((tm, tn)), cutlass.Float32)
+            k_blocks = cute.size(frag_a, mode=[2])
+            consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
 
-        # Fill the ring.
-        if warp == 0:
-            for _ in cutlass.range(cutlass.min(stages, k_tiles), unroll=1):
-                ring.producer_acquire(produce)
-                cute.copy(tma_a, ta_g[(None, produce.count)], ta_s[(None, produce.index)],
-                          tma_bar_ptr=ring.producer_get_barrier(produce))
-                cute.copy(tma_b, tb_g[(None, produce.count)], tb_s[(None, produce.index)],
-                          tma_bar_ptr=ring.producer_get_barrier(produce))
-                ring.producer_commit(produce)
-                produce.advance()
+            # Tile coordinates of this thread's accumulator registers (the same for every tile).
+            thr = mma.get_slice(tidx)
+            coords_t = thr.partition_C(cute.make_identity_tensor((tm, tn)))
+            count = cute.size(acc)
+            base = coords_t[0]
+            # Static offsets of every register from the first: thread 0's coordinates.
+            c0 = mma.get_slice(0).partition_C(cute.make_identity_tensor((tm, tn)))
+            offsets = [c0[i] for i in range(count)]
+            loads = dict(zip(load_names, io[:n_loads]))
+            outs = dict(zip(out_names, io[n_loads:]))
+            # TMA store views: (TMA, tiles_m, tiles_n) per staged output.
+            st_parts = []
+            staging = None
+            if cutlass.const_expr(len(staged) > 0):
+                staging = {name: s for (_, name, _, _), s in zip(staged, s_out)}
+            for (_, _, _, w), atom, g, s in zip(staged, tma_out, g_out, s_out):
+                st_parts.append(cute.nvgpu.cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                    cute.group_modes(cute.local_tile(g, (tm, w), (None, None)), 0, 2)))
 
-        # K-tile 0 is peeled: it starts the accumulation (ACCUMULATE=False on its first
-        # wgmma), so the flag is a compile-time fact and never a loop-carried value.
-        mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        ring.consumer_wait(consume)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(k_blocks):
-            cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)], frag_b[(None, None, kb, consume.index)], acc)
-            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.commit_group()
-        consume.advance()
+            tile = cutlass.Int32(bid)
+            while tile < num_tiles:
+                pm, pn = _tile_of(tile, grid_m, grid_n)
+                # K-tile 0 is peeled: it starts the accumulation (ACCUMULATE=False on its first
+                # wgmma), so the flag is a compile-time fact and never a loop-carried value.
+                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                ring.consumer_wait(consume)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)],
+                              frag_b[(None, None, kb, consume.index)], acc)
+                    mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                consume.advance()
+                for kt in cutlass.range(1, k_tiles, 1, unroll=1):
+                    ring.consumer_wait(consume)
+                    cute.nvgpu.warpgroup.fence()
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)],
+                                  frag_b[(None, None, kb, consume.index)], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    consume.advance()
+                    # Keep this K-tile's wgmma batch in flight; the previous one has finished.
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ring.consumer_release(release)
+                    release.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ring.consumer_release(release)
+                release.advance()
 
-        for kt in cutlass.range(1, k_tiles, 1, unroll=1):
-            ring.consumer_wait(consume)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(k_blocks):
-                cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)], frag_b[(None, None, kb, consume.index)],
-                          acc)
-            cute.nvgpu.warpgroup.commit_group()
-            consume.advance()
-            # Keep this K-tile's wgmma batch in flight; the previous one has finished: free its stage.
-            cute.nvgpu.warpgroup.wait_group(1)
-            ring.consumer_release(release)
-            release.advance()
-            # Refill the stage just freed (warp 0 is also a consumer, so it only ever waits
-            # for a stage that it has released itself).
-            if warp == 0 and produce.count < k_tiles:
-                ring.producer_acquire(produce)
-                cute.copy(tma_a, ta_g[(None, produce.count)], ta_s[(None, produce.index)],
-                          tma_bar_ptr=ring.producer_get_barrier(produce))
-                cute.copy(tma_b, tb_g[(None, produce.count)], tb_s[(None, produce.index)],
-                          tma_bar_ptr=ring.producer_get_barrier(produce))
-                ring.producer_commit(produce)
-                produce.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        cute.arch.sync_threads()
-
-        # Epilogue: coordinates of this thread's accumulator registers inside the tile.
-        thr = mma.get_slice(tidx)
-        coords_t = thr.partition_C(cute.make_identity_tensor((tm, tn)))
-        count = cute.size(acc)
-        coords = [coords_t[i] for i in range(count)]
-        acc_vals = [acc[i] for i in range(count)]
-        loads = dict(zip(load_names, io[:n_loads]))
-        outs = dict(zip(out_names, io[n_loads:]))
-        ep = TileEpilogue(epi, traced, plan, scratch, cutlass.Int32(tidx), coords,
-                          cutlass.Int32(pid_m * tm), cutlass.Int32(pid_n * tn), pid_m, pid_n)
-        ep.run(acc_vals, loads, outs)
+                # Epilogue. The staging tiles are free once the previous tile's TMA stores
+                # have read them.
+                if cutlass.const_expr(len(staged) > 0):
+                    if tidx == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    TileEpilogue.sync()
+                acc_vals = [acc[i] for i in range(count)]
+                ep = TileEpilogue(epi, traced, plan, scratch, cutlass.Int32(tidx), base, offsets,
+                                  pm * cutlass.Int32(tm), pn * cutlass.Int32(tn), pm, pn, staging)
+                ep.run(acc_vals, loads, outs)
+                if cutlass.const_expr(len(staged) > 0):
+                    # Generic-proxy SMEM writes -> visible to the TMA (async proxy), then one store each.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    TileEpilogue.sync()
+                    if tidx == 0:
+                        for atom, (st_s, st_g) in zip(tma_out, st_parts):
+                            cute.copy(atom, st_s, st_g[(None, pm, pn)])
+                        cute.arch.cp_async_bulk_commit_group()
+                tile += plan.ctas
+            if cutlass.const_expr(len(staged) > 0):
+                if tidx == 0:
+                    cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def launch(stream, g_a: cute.Tensor, g_b: cute.Tensor, *io):
@@ -537,7 +742,13 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                                                                (tm, tk))
         tma_b, tma_gb = cute.nvgpu.cpasync.make_tiled_tma_atom(op, g_b, cute.slice_(sb_layout, (None, None, 0)),
                                                                (tn, tk))
-        gemm_kernel(tma_a, tma_ga, tma_b, tma_gb, mma, sa_layout, sb_layout, list(io)).launch(
-            grid=[grid_m, grid_n, 1], block=[THREADS, 1, 1], stream=stream)
+        tma_out, g_out = [], []
+        for pos, _, dt, w in staged:
+            atom, g = cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), io[pos],
+                                                             _staging_layout(dt, w), (tm, w))
+            tma_out.append(atom)
+            g_out.append(g)
+        gemm_kernel(tma_a, tma_ga, tma_b, tma_gb, mma, sa_layout, sb_layout, list(io), tma_out, g_out).launch(
+            grid=[plan.ctas, 1, 1], block=[CTA_THREADS, 1, 1], stream=stream)
 
     return launch

@@ -91,13 +91,12 @@ class CuteDslLowering:
     ) -> dict[str, jax.Array]:
         from cutlass.jax import TensorSpec
 
-        from coda_jax.ffi.kernel import KernelPlan, choose_stages, needs_scratch, scratch_floats  # noqa: F401
+        from coda_jax.ffi.kernel import KernelPlan, num_sms, plan_smem
 
         m, n, k = check_kernel_gemm("CuTeDSL", epilogue, a, b, loads, transpose_a, transpose_b)
         if epilogue is programs.IDENTITY and plain_gemm_route(self.name, self.plain_gemm) == "xla":
             return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
                                   out_dtypes=out_dtypes)
-        pb = epilogue.pair_block
         tn = _tile_n(epilogue)
         mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, TILE_K)
 
@@ -136,10 +135,10 @@ class CuteDslLowering:
         op_dt = jnp.dtype(a.dtype)
         itemsize = op_dt.itemsize
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
-        scratch = 4 * scratch_floats(tn, pb)
-        stages = choose_stages(tn, itemsize, scratch)
+        stages, stage_outputs = plan_smem(epilogue, tn, itemsize, dtypes)
+        tiles = (mp // TILE_M) * (np_ // tn)
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
-                          transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
+                          ctas=min(tiles, num_sms()), stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
                           load_dtypes=load_dtypes, out_dtypes=dtypes)
         launch = _build(epilogue, plan)
         out_types = []
