@@ -175,17 +175,18 @@ class DslOps:
         F = cutlass.Float32
         if name == "neg":
             return -x
-        if name == "logistic":
-            return F(1.0) / (F(1.0) + cute.math.exp(-x))
+        if name == "logistic":  # 1 / (1 + exp(-x)); exp(-x) = inf gives 0
+            return cute.arch.rcp_approx(F(1.0) + cute.math.exp(-x, fastmath=True))
         if name == "square":
             return x * x
         if name == "not":
             return cutlass.Boolean(cutlass.select_(x, cutlass.Boolean(False), cutlass.Boolean(True)))
         if name == "sign":
             return F(cutlass.select_(x > F(0.0), F(1.0), F(cutlass.select_(x < F(0.0), F(-1.0), F(0.0)))))
-        fn = {"exp": cute.math.exp, "log": cute.math.log, "rsqrt": cute.math.rsqrt, "sqrt": cute.math.sqrt,
-              "cos": cute.math.cos, "sin": cute.math.sin, "tanh": cute.math.tanh, "abs": cute.math.abs,
-              "exp2": cute.math.exp2, "log1p": cute.math.log1p, "expm1": cute.math.expm1,
+        if name in FAST_UNARY:  # approximate hardware units (ex2/lg2/rsqrt.approx): ~1e-7 relative error
+            return FAST_UNARY[name](x, fastmath=True)
+        fn = {"cos": cute.math.cos, "sin": cute.math.sin, "tanh": cute.math.tanh, "abs": cute.math.abs,
+              "log1p": cute.math.log1p, "expm1": cute.math.expm1,
               "floor": cute.math.floor, "ceil": cute.math.ceil, "erf": cute.math.erf}[name]
         return fn(x)
 
@@ -197,6 +198,8 @@ class DslOps:
         if name == "mul":
             return x * y
         if name == "div":
+            if isinstance(x, cutlass.Float32) and isinstance(y, cutlass.Float32):
+                return x * cute.arch.rcp_approx(y)  # rcp.approx.ftz: 1 ulp, no IEEE division sequence
             return x / y
         if name == "max":
             return _typed_like(x, cutlass.select_(x > y, x, y))
@@ -231,8 +234,29 @@ class DslOps:
         return x.to(_DSL[dst])
 
 
+# Unary math lowered with fastmath (the epilogue is instruction-bound: these run once per
+# accumulator element). sin/cos stay exact: their approximate units lose accuracy for large
+# arguments.
+FAST_UNARY = {"exp": cute.math.exp, "log": cute.math.log, "rsqrt": cute.math.rsqrt, "sqrt": cute.math.sqrt,
+              "exp2": cute.math.exp2}
+
+
 def _typed_like(ref, value):
     return type(ref)(value) if isinstance(ref, cutlass.Numeric) else cutlass.Float32(value)
+
+
+def _dedup(keys, fetch):
+    """``fetch(i)`` for the first register of each static key (``None``: no key), reused by the rest."""
+    memo: dict[Any, Any] = {}
+    out = []
+    for i, k in enumerate(keys):
+        if k is None:
+            out.append(fetch(i))
+        else:
+            if k not in memo:
+                memo[k] = fetch(i)
+            out.append(memo[k])
+    return out
 
 
 # ------------------------------------------------------------- tile context ---------
@@ -397,8 +421,8 @@ class TileEpilogue:
             mx = self._quad_reduce(values, keys, "max")
             # A fully masked row (cannot happen with real columns) would give -inf - -inf.
             safe = {k: F(cutlass.select_(v == F(-math.inf), F(0.0), v)) for k, v in mx.items()}
-            se = self._quad_reduce([cute.math.exp(v - safe[k]) for v, k in zip(values, keys)], keys, "sum")
-            red = {k: safe[k] + cute.math.log(se[k]) for k in safe}
+            se = self._quad_reduce([cute.math.exp(v - safe[k], fastmath=True) for v, k in zip(values, keys)], keys, "sum")
+            red = {k: safe[k] + cute.math.log(se[k], fastmath=True) for k in safe}
         first = {}
         for i, k in enumerate(keys):
             first.setdefault(k, i)
@@ -442,38 +466,53 @@ class TileEpilogue:
         def cvt(x):
             return x.to(F) if x.dtype in (cutlass.BFloat16, cutlass.Float16) else x
 
+        # Static keys of the registers' load positions: registers with equal keys read the same
+        # element, so it is loaded once (a row load is 2 loads per thread, not one per register).
+        rk = [r for r, _ in self.off]
+        ck = [c for _, c in self.off]
+        if pair and self.in_registers:
+            lo_k = [c if lo else self.off[p][1] for c, p, lo in zip(ck, self.partner_reg, self.is_lo)]
+        else:
+            lo_k = [None] * self.count
+
+        def keyed(*parts):
+            return [None if any(x is None for x in k) else k for k in zip(*parts)]
+
         for l in self.epi.loads:
             t = loads[l.name]
             if l.kind is LoadKind.SCALAR:
                 v = cvt(t[0])
                 vals[("load", l.name, None)] = [v] * self.count
             elif l.kind is LoadKind.ROW:
-                vals[("load", l.name, None)] = [cvt(t[g]) for g in grow]
+                vals[("load", l.name, None)] = _dedup(rk, lambda i: cvt(t[grow[i]]))
             elif l.kind is LoadKind.ROW_BLOCK:
-                vals[("load", l.name, None)] = [cvt(t[g, c % cutlass.Int32(self.b)]) for g, c in zip(grow, self.cols)]
+                keys = keyed(rk, [c % self.b for c in ck]) if self.in_registers else [None] * self.count
+                vals[("load", l.name, None)] = _dedup(
+                    keys, lambda i: cvt(t[grow[i], self.cols[i] % cutlass.Int32(self.b)]))
             elif self.half_acc and not l.half:  # full-width: the (lo, hi) pair of each column
                 for part, cols in ((0, self.wide_lo), (1, self.wide_hi)):
                     if l.kind is LoadKind.COL:
-                        vals[("load", l.name, part)] = [cvt(t[c]) for c in cols]
+                        vals[("load", l.name, part)] = _dedup(ck, lambda i, cols=cols: cvt(t[cols[i]]))
                     else:
                         vals[("load", l.name, part)] = [cvt(t[g, c]) for g, c in zip(grow, cols)]
             elif not pair:
                 if l.kind is LoadKind.COL:
-                    vals[("load", l.name, None)] = [cvt(t[self.n0 + c]) for c in self.cols]
+                    vals[("load", l.name, None)] = _dedup(ck, lambda i: cvt(t[self.n0 + self.cols[i]]))
                 else:
                     vals[("load", l.name, None)] = [cvt(t[g, self.n0 + c]) for g, c in zip(grow, self.cols)]
             elif l.half:
                 idx = [self._half_index(c) for c in self.lo_col]
                 if l.kind is LoadKind.COL:
-                    vals[("load", l.name, None)] = [cvt(t[i]) for i in idx]
+                    vals[("load", l.name, None)] = _dedup(lo_k, lambda i: cvt(t[idx[i]]))
                 else:
-                    vals[("load", l.name, None)] = [cvt(t[g, i]) for g, i in zip(grow, idx)]
+                    vals[("load", l.name, None)] = _dedup(keyed(rk, lo_k), lambda i: cvt(t[grow[i], idx[i]]))
             else:
                 for part, cols in ((0, self.lo_col), (1, self.hi_col)):
                     if l.kind is LoadKind.COL:
-                        vals[("load", l.name, part)] = [cvt(t[self.n0 + c]) for c in cols]
+                        vals[("load", l.name, part)] = _dedup(lo_k, lambda i, cols=cols: cvt(t[self.n0 + cols[i]]))
                     else:
-                        vals[("load", l.name, part)] = [cvt(t[g, self.n0 + c]) for g, c in zip(grow, cols)]
+                        vals[("load", l.name, part)] = _dedup(
+                            keyed(rk, lo_k), lambda i, cols=cols: cvt(t[grow[i], self.n0 + cols[i]]))
         return vals
 
     # -- the whole epilogue --
