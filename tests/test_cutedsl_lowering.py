@@ -222,3 +222,43 @@ def test_program_lowers(epi, kw):
     a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), BF)
     b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), BF)
     _lower(lambda a, b, l: kernel.gemm(epi, a, b, l, **kw), a, b, abstract_loads(epi, m, n))
+
+
+def test_odd_pair_block_lowers():
+    """pair_block % 8 != 0: a pair's halves sit in different lanes, so the exchange and the
+    body's row sum go through the SMEM scratch instead of registers."""
+    from coda_jax.ffi.kernel import needs_scratch, register_layout_ok
+    from coda_jax.ffi.lowering import CuteDslLowering
+
+    epi = P.rms_rope(12, 1e-6, True)
+    assert not register_layout_ok(epi) and needs_scratch(epi)
+    m, n, k = 200, 288, 136
+    a, b = jax.ShapeDtypeStruct((m, k), BF), jax.ShapeDtypeStruct((k, n), BF)
+    _lower(lambda a, b, l: CuteDslLowering().gemm(epi, a, b, l), a, b, abstract_loads(epi, m, n))
+
+
+def test_kernel_plan_stages_outputs_and_is_persistent(monkeypatch):
+    """Every program of the op set stages its tile outputs for TMA stores beside >= 3 operand
+    stages, with no SMEM scratch; the grid is min(tiles, SMs) persistent CTAs."""
+    from coda_jax.ffi import kernel as K
+    from coda_jax.ffi.lowering import CuteDslLowering, _tile_n
+
+    for epi, _ in _PROGRAMS:
+        dts = tuple((o.name, jnp.dtype(o.dtype or BF)) for o in epi.outputs)
+        stages, staged = K.plan_smem(epi, _tile_n(epi), 2, dts)
+        assert staged and stages >= K.MIN_STAGED_STAGES, epi.name
+        assert not K.needs_scratch(epi), epi.name
+    assert K.needs_scratch(_COL_SUM_PROBE)
+
+    plans = []
+    real = K.build_launcher
+    monkeypatch.setattr(K, "build_launcher", lambda e, t, plan: plans.append(plan) or real(e, t, plan))
+    monkeypatch.setattr(K, "num_sms", lambda: 7)
+    for m in (256, 2048):  # 2 x 3 tiles -> 6 CTAs; 16 x 3 tiles -> 7 CTAs
+        a, b = jax.ShapeDtypeStruct((m, 64), BF), jax.ShapeDtypeStruct((64, 384), BF)
+        _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
+    assert [p.ctas for p in plans] == [6, 7]
+
+
+_COL_SUM_PROBE = E.Epilogue(name="col_sum_probe_cpu", loads=(), outputs=(E.tile_out("out"), E.col_sum("c")),
+                            body=lambda acc, ctx: {"out": acc, "c": acc})

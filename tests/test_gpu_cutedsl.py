@@ -70,6 +70,11 @@ def test_operand_layouts_on_gpu(ta, tb):
     _compare(programs.IDENTITY, 512, 384, 320, transpose_a=ta, transpose_b=tb)
 
 
+def test_odd_pair_block_on_gpu():
+    """pair_block 12 (not a multiple of 8): the SMEM exchange / row-sum fallback, 144-wide tiles."""
+    _compare(programs.rms_rope(12, 1e-6, True), 512, 576, 256)
+
+
 def test_ragged_shapes_on_gpu():
     _compare(programs.RESIDUAL_RMS, 1000, 1500, 520)
     _compare(programs.RMS_LSE, 777, 5000, 256, transpose_b=True)

@@ -561,13 +561,16 @@ class TileEpilogue:
                 continue
             # Reductions: each tile position written exactly once into the scratch.
             if o.kind is OutputKind.COL_SUM:
-                row_ok = [g < cutlass.Int32(plan.m_real) for g in grow]
-                self._store_tile([F(cutlass.select_(ok, v, F(0.0))) for v, ok in zip(mine, row_ok)])
+                if plan.m_real < plan.m:  # padded rows add 0
+                    mine = [F(cutlass.select_(g < cutlass.Int32(plan.m_real), v, F(0.0))) for v, g in zip(mine, grow)]
+                self._store_tile(list(mine))
                 self._reduce_cols_to(outs[o.name])
                 continue
             fill = F(0.0) if o.kind is OutputKind.ROW_SUM else F(-math.inf)
-            ok = [c < cutlass.Int32(plan.n_real) for c in gcol]
-            masked = [F(cutlass.select_(k_, v, fill)) for v, k_ in zip(mine, ok)]
+            if plan.n_real == plan.n:  # no padded columns: nothing to mask
+                masked = list(mine)
+            else:
+                masked = [F(cutlass.select_(c < cutlass.Int32(plan.n_real), v, fill)) for v, c in zip(mine, gcol)]
             if single_in_pair:  # one value per pair: only the lo-holder contributes
                 masked = [self._pick(lo, v, fill) for v, lo in zip(masked, self.is_lo)]
             if self.in_registers:
