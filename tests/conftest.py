@@ -1,7 +1,5 @@
 """Shared test fixtures: float32 math on the CPU, GPU tests skipped without a Hopper GPU."""
 
-import os
-
 import jax
 import numpy as np
 import pytest

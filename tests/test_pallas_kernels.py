@@ -9,7 +9,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from coda_jax import epilogue as E

@@ -23,7 +23,7 @@ JAX primitives is checked on the CPU against the reference backend.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import jax

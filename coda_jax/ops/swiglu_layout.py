@@ -9,7 +9,6 @@ epilogue never needs a column from another tile.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from coda_jax.epilogue import join_pairs, split_pairs
 from coda_jax.programs import SWIGLU_BLOCK
