@@ -91,6 +91,15 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
     return m, n, k
 
 
+# SM count assumed when lowering for CUDA on a host without a GPU (the H100 SXM's).
+H100_SMS = 132
+
+
+def gpu_sm_count() -> int:
+    """SMs of the default device (a persistent grid's size); an H100's 132 without a GPU."""
+    return getattr(jax.devices()[0], "core_count", None) or H100_SMS
+
+
 def plain_gemm_env(backend: str) -> str:
     """The environment variable that routes a kernel backend's plain GEMMs."""
     return f"CODA_JAX_{backend.upper()}_PLAIN_GEMM"

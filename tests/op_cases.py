@@ -39,6 +39,29 @@ def abstract_loads(epi, m, n) -> dict:
     return out
 
 
+def kernel_probes():
+    """Epilogues outside the op set that steer a kernel onto its less common paths:
+
+    * ``odd_pair_rows``: pair block 12 (not a multiple of 8: the CuTeDSL pair exchange goes
+      through SMEM) with a half-width output, a lo-only row sum and a (lo, hi) row sum;
+    * ``wide_f32_outputs``: four float32 tile outputs, too many to stage in SMEM beside a
+      3-stage ring (the CuTeDSL kernel stores them element by element).
+    """
+    from coda_jax import epilogue as E
+
+    odd = E.Epilogue(
+        name="odd_pair_rows", loads=(E.row("rstd"),),
+        outputs=(E.tile_out("y", half=True), E.row_sum("s"), E.row_sum("t")),
+        body=lambda acc, ctx, rstd: {"y": acc[0] * acc[1] * rstd, "s": acc[0] * acc[1],
+                                     "t": (acc[0], 2.0 * acc[1])},
+        pair_block=12)
+    wide = E.Epilogue(
+        name="wide_f32_outputs", loads=(E.col("gamma"),),
+        outputs=tuple(E.tile_out(n, jnp.float32) for n in ("a", "b", "c", "d")),
+        body=lambda acc, ctx, gamma: {"a": acc, "b": acc * gamma, "c": acc + 1.0, "d": -acc})
+    return odd, wide
+
+
 def rel_err(out, ref) -> float:
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)

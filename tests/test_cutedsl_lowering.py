@@ -25,7 +25,7 @@ from coda_jax import epilogue as E  # noqa: E402
 from coda_jax import programs as P  # noqa: E402
 from coda_jax.ffi import interpret as I  # noqa: E402
 from coda_jax.ops.names import ALL_OPS  # noqa: E402
-from op_cases import abstract_loads  # noqa: E402
+from op_cases import abstract_loads, kernel_probes  # noqa: E402
 
 BF = jnp.bfloat16
 
@@ -241,6 +241,7 @@ def test_kernel_plan_stages_outputs_and_is_persistent(monkeypatch):
     """Every program of the op set stages its tile outputs for TMA stores beside >= 3 operand
     stages, with no SMEM scratch; the grid is min(tiles, SMs) persistent CTAs."""
     from coda_jax.ffi import kernel as K
+    from coda_jax.ffi import lowering as L
     from coda_jax.ffi.lowering import CuteDslLowering, _tile_n
 
     for epi, _ in _PROGRAMS:
@@ -253,7 +254,7 @@ def test_kernel_plan_stages_outputs_and_is_persistent(monkeypatch):
     plans = []
     real = K.build_launcher
     monkeypatch.setattr(K, "build_launcher", lambda e, t, plan: plans.append(plan) or real(e, t, plan))
-    monkeypatch.setattr(K, "num_sms", lambda: 7)
+    monkeypatch.setattr(L, "gpu_sm_count", lambda: 7)
     for m in (256, 2048):  # 2 x 3 tiles -> 6 CTAs; 16 x 3 tiles -> 7 CTAs
         a, b = jax.ShapeDtypeStruct((m, 64), BF), jax.ShapeDtypeStruct((64, 384), BF)
         _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
@@ -262,3 +263,17 @@ def test_kernel_plan_stages_outputs_and_is_persistent(monkeypatch):
 
 _COL_SUM_PROBE = E.Epilogue(name="col_sum_probe_cpu", loads=(), outputs=(E.tile_out("out"), E.col_sum("c")),
                             body=lambda acc, ctx: {"out": acc, "c": acc})
+
+
+@pytest.mark.parametrize("probe", kernel_probes(), ids=lambda e: e.name)
+def test_kernel_probe_lowers(probe):
+    """The odd-pair-block probe (SMEM exchange, register row sums) and the unstaged probe
+    (element-wise global stores) lower; the second is planned without staging."""
+    from coda_jax.ffi.kernel import plan_smem
+    from coda_jax.ffi.lowering import CuteDslLowering, _tile_n
+
+    dts = tuple((o.name, jnp.dtype(o.dtype or BF)) for o in probe.outputs)
+    assert plan_smem(probe, _tile_n(probe), 2, dts)[1] is (probe.name != "wide_f32_outputs")
+    m, n, k = 200, 288, 136
+    a, b = jax.ShapeDtypeStruct((m, k), BF), jax.ShapeDtypeStruct((k, n), BF)
+    _lower(lambda a, b, l: CuteDslLowering().gemm(probe, a, b, l), a, b, abstract_loads(probe, m, n))

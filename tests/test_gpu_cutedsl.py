@@ -25,7 +25,7 @@ import coda_jax as cj  # noqa: E402
 from coda_jax import programs  # noqa: E402
 from coda_jax.epilogue import OutputKind  # noqa: E402
 from coda_jax.reference import REFERENCE  # noqa: E402
-from op_cases import Inputs, poison_allocator, rel_err  # noqa: E402
+from op_cases import Inputs, kernel_probes, poison_allocator, rel_err  # noqa: E402
 from test_pallas_kernels import CASES, _loads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -73,6 +73,12 @@ def test_operand_layouts_on_gpu(ta, tb):
 def test_odd_pair_block_on_gpu():
     """pair_block 12 (not a multiple of 8): the SMEM exchange / row-sum fallback, 144-wide tiles."""
     _compare(programs.rms_rope(12, 1e-6, True), 512, 576, 256)
+
+
+@pytest.mark.parametrize("probe", kernel_probes(), ids=lambda e: e.name)
+def test_kernel_probe_on_gpu(probe):
+    """Odd pair block with row-sum outputs; four f32 outputs stored element by element."""
+    _compare(probe, 1000, 576, 320)
 
 
 def test_ragged_shapes_on_gpu():

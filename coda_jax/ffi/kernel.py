@@ -23,11 +23,13 @@ accumulator); the traced body runs on its registers element by element. Row/colu
 loads are read from global memory at those coordinates. Tile outputs are written into a
 128B-swizzled SMEM staging tile per output and stored by one TMA bulk store per output and
 tile (``plan.stage_outputs``; when the staging tiles do not fit beside a 3-stage ring, the
-kernel stores each element to global memory instead). Row sums, column sums,
-log-sum-exps, ``ctx.row_sum`` and the pair-mode lo/hi exchange go through one float32
-SMEM scratch tile (``[tile_m, tile_n + 1]``, padded against bank conflicts) with named
-barriers over the consumer threads; the code is branch-free (duplicate threads redo
-identical work instead of being predicated off).
+kernel stores each element to global memory instead). Row sums and log-sum-exps reduce
+in registers, then across the 4 lanes of a quad (which hold the same rows) by shuffles; so
+do the pair-mode lo/hi exchange and ``ctx.row_sum`` when the pair block is a multiple of 8
+(the partner column is then a register of the same thread). Column sums and other pair
+blocks go through one float32 SMEM scratch tile (``[tile_m, tile_n + 1]``, padded against
+bank conflicts) with named barriers over the consumer threads. The code is branch-free
+(duplicate threads redo identical work instead of being predicated off).
 """
 
 from __future__ import annotations
@@ -59,7 +61,6 @@ TILE_M = 128
 TILE_K = 64
 GROUP_M = 8  # tile rows per raster group
 MIN_STAGED_STAGES = 3  # stage tile outputs in SMEM only if this many operand stages still fit
-H100_SMS = 132
 
 _DSL = {
     np.dtype(np.float32): cutlass.Float32,
@@ -90,7 +91,7 @@ class KernelPlan:
     n_real: int
     tile_n: int
     stages: int
-    ctas: int
+    sms: int  # the GPU's SMs: the persistent grid has min(tiles, sms) CTAs
     stage_outputs: bool
     transpose_a: bool
     transpose_b: bool
@@ -103,10 +104,17 @@ class KernelPlan:
         """Output tiles along M and N."""
         return self.m // TILE_M, self.n // self.tile_n
 
+    @property
+    def ctas(self) -> int:
+        """CTAs of the persistent grid."""
+        grid_m, grid_n = self.grid
+        return min(grid_m * grid_n, self.sms)
+
 
 def register_layout_ok(epi: Epilogue) -> bool:
-    """Row reductions and the pair exchange run in registers (quad shuffles) unless the pair
-    block is not a multiple of 8 (a pair's halves then sit in different lanes)."""
+    """The pair exchange and the body's row sums (``ctx.row_sum``, per pair block) run in
+    registers unless the pair block is not a multiple of 8 (a pair's halves then sit in
+    different lanes). Row-sum / log-sum-exp outputs always reduce in registers."""
     return epi.pair_block is None or epi.pair_block % 8 == 0
 
 
@@ -120,10 +128,6 @@ def needs_scratch(epi: Epilogue) -> bool:
 def _stages_that_fit(tile_n: int, itemsize: int, reserved: int) -> int:
     per_stage = (TILE_M + tile_n) * TILE_K * itemsize
     return min(6, (SMEM_CAPACITY - reserved - 4096) // per_stage)
-
-
-def choose_stages(tile_n: int, itemsize: int, scratch_bytes: int) -> int:
-    return max(2, _stages_that_fit(tile_n, itemsize, scratch_bytes))
 
 
 def scratch_floats(tile_n: int, pair_block: int | None) -> int:
@@ -145,18 +149,7 @@ def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes) -> tuple[in
     staged = _stages_that_fit(tile_n, itemsize, scratch + staging_bytes(epi, tile_n, out_dtypes))
     if staged >= MIN_STAGED_STAGES:
         return staged, True
-    return choose_stages(tile_n, itemsize, scratch), False
-
-
-def num_sms() -> int:
-    """SMs of the first GPU (the persistent grid's size); an H100's 132 without a GPU."""
-    import jax
-
-    try:
-        dev = jax.devices("gpu")[0]
-    except RuntimeError:
-        return H100_SMS
-    return getattr(dev, "core_count", None) or H100_SMS
+    return max(2, _stages_that_fit(tile_n, itemsize, scratch)), False
 
 
 # --------------------------------------------------------------- element ops --------
@@ -388,31 +381,10 @@ class TileEpilogue:
             self.scr[r * cutlass.Int32(self.pitch) + c] = v
         self.sync()
 
-    def _reduce_rows_to(self, out, kind):
-        """Thread ``t`` reduces scratch row ``t % tile_m`` and stores it as partial ``[pid_n, row]``."""
-        F = cutlass.Float32
-        r = self.tidx % cutlass.Int32(TILE_M)
-        base = r * cutlass.Int32(self.pitch)
-        if kind is OutputKind.ROW_SUM:
-            acc = F(0.0)
-            for j in range(self.tn):
-                acc = acc + self.scr[base + cutlass.Int32(j)]
-        else:  # online max / sum-exp over the tile's columns
-            mx = F(-math.inf)
-            for j in range(self.tn):
-                x = self.scr[base + cutlass.Int32(j)]
-                mx = F(cutlass.select_(x > mx, x, mx))
-            # A fully masked row (cannot happen with real columns) would give -inf - -inf.
-            safe = F(cutlass.select_(mx == F(-math.inf), F(0.0), mx))
-            se = F(0.0)
-            for j in range(self.tn):
-                se = se + cute.math.exp(self.scr[base + cutlass.Int32(j)] - safe)
-            acc = safe + cute.math.log(se)
-        out[self.pid_n, self.m0 + r] = acc
-
     def _reduce_rows_in_registers(self, out, kind, values):
         """Row partial ``[pid_n, row]`` of the tile from registers: each lane of a quad holds a
-        quarter of the row's columns; all 4 lanes store the same value (branch-free)."""
+        quarter of the row's columns (whatever the pair block); all 4 lanes store the same
+        value (branch-free)."""
         F = cutlass.Float32
         keys = [r for r, _ in self.off]
         if kind is OutputKind.ROW_SUM:
@@ -573,11 +545,7 @@ class TileEpilogue:
                 masked = [F(cutlass.select_(c < cutlass.Int32(plan.n_real), v, fill)) for v, c in zip(mine, gcol)]
             if single_in_pair:  # one value per pair: only the lo-holder contributes
                 masked = [self._pick(lo, v, fill) for v, lo in zip(masked, self.is_lo)]
-            if self.in_registers:
-                self._reduce_rows_in_registers(outs[o.name], o.kind, masked)
-            else:
-                self._store_tile(masked)
-                self._reduce_rows_to(outs[o.name], o.kind)
+            self._reduce_rows_in_registers(outs[o.name], o.kind, masked)
 
 
 # ------------------------------------------------------------------ builder ---------

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax import programs
-from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, plain_gemm_route
+from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, plain_gemm_route
 from coda_jax.reference import REFERENCE
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
@@ -91,7 +91,7 @@ class CuteDslLowering:
     ) -> dict[str, jax.Array]:
         from cutlass.jax import TensorSpec
 
-        from coda_jax.ffi.kernel import KernelPlan, num_sms, plan_smem
+        from coda_jax.ffi.kernel import KernelPlan, plan_smem
 
         m, n, k = check_kernel_gemm("CuTeDSL", epilogue, a, b, loads, transpose_a, transpose_b)
         if epilogue is programs.IDENTITY and plain_gemm_route(self.name, self.plain_gemm) == "xla":
@@ -136,9 +136,8 @@ class CuteDslLowering:
         itemsize = op_dt.itemsize
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         stages, stage_outputs = plan_smem(epilogue, tn, itemsize, dtypes)
-        tiles = (mp // TILE_M) * (np_ // tn)
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
-                          ctas=min(tiles, num_sms()), stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
+                          sms=gpu_sm_count(), stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
                           load_dtypes=load_dtypes, out_dtypes=dtypes)
         launch = _build(epilogue, plan)
         out_types = []

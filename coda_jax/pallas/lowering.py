@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from coda_jax import programs
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, plain_gemm_route
+from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, plain_gemm_route
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.pallas.tuning import TuningConfig, choose_config
@@ -33,8 +33,6 @@ from coda_jax.reference import REFERENCE
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
 INTERPRET_SMS = 4
-# SM count assumed when lowering for CUDA on a host without a GPU (the H100 SXM's).
-H100_SMS = 132
 
 
 def _round_up(x: int, q: int) -> int:
@@ -44,7 +42,7 @@ def _round_up(x: int, q: int) -> int:
 def _num_sms(interpret: bool) -> int:
     if interpret:
         return INTERPRET_SMS
-    return getattr(jax.devices()[0], "core_count", None) or H100_SMS
+    return gpu_sm_count()
 
 
 @functools.lru_cache(maxsize=256)
