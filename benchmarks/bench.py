@@ -139,17 +139,18 @@ def bench_op(name, fused, ref, args, argnums, backends, iters, check):
     for b in backends:
         row = {"op": name, "backend": b, "d": args[0].shape[1]}
         try:
-            fn = fused(b)
-            fwd = jax.jit(fn)
-            scalar = lambda *a: jnp.sum(first(fn(*a)).astype(jnp.float32) * (rnd if rnd is not None else 1.0)) \
-                if first(jax.eval_shape(fn, *args)).ndim else first(fn(*a))
-            fb = jax.jit(jax.value_and_grad(scalar, argnums))
-            if check:
-                row["fwd_rel_err"] = rel(first(fwd(*args)), first(out_ref))
-                _, grads = fb(*args)
-                row["grad_rel_err"] = max(rel(a, r_) for a, r_ in zip(grads, grads_ref))
-            row["fwd_ms"] = median_ms(fwd, *args, iters=iters)
-            row["fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
+            with backend_variant(b) as base:
+                fn = fused(base)
+                fwd = jax.jit(fn)
+                scalar = lambda *a: jnp.sum(first(fn(*a)).astype(jnp.float32) * (rnd if rnd is not None else 1.0)) \
+                    if first(jax.eval_shape(fn, *args)).ndim else first(fn(*a))
+                fb = jax.jit(jax.value_and_grad(scalar, argnums))
+                if check:
+                    row["fwd_rel_err"] = rel(first(fwd(*args)), first(out_ref))
+                    _, grads = fb(*args)
+                    row["grad_rel_err"] = max(rel(a, r_) for a, r_ in zip(grads, grads_ref))
+                row["fwd_ms"] = median_ms(fwd, *args, iters=iters)
+                row["fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
         except Exception as e:  # record and go on: one failing kernel must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
@@ -186,10 +187,11 @@ def bench_gemm(backends, iters):
             if name == "xla":
                 continue
             try:
-                low = _kernel_lowering(name)
-                f = jax.jit(lambda a, b: low.gemm(programs.IDENTITY, a, b, {})["out"])
-                row[f"{name}_rel_err"] = rel(f(a, b), ref)
-                row[f"{name}_ms"] = median_ms(f, a, b, iters=iters)
+                with backend_variant(name) as base:
+                    low = _kernel_lowering(base)
+                    f = jax.jit(lambda a, b: low.gemm(programs.IDENTITY, a, b, {})["out"])
+                    row[f"{name}_rel_err"] = rel(f(a, b), ref)
+                    row[f"{name}_ms"] = median_ms(f, a, b, iters=iters)
                 row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
             except Exception as e:
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -243,41 +245,47 @@ def _epilogue_cases(d):
 
 def bench_epilogues(widths, backends, iters):
     """Time of each forward program's GEMM vs the identity-epilogue GEMM of the same shape."""
+    rows = []
+    for name in [b for b in backends if b != "xla"]:
+        with backend_variant(name) as base:
+            rows += _bench_epilogues_of(name, _kernel_lowering(base), widths, iters)
+    return rows
+
+
+def _bench_epilogues_of(name, low, widths, iters):
     from coda_jax.epilogue import LoadKind
 
     rows = []
-    for name in [b for b in backends if b != "xla"]:
-        low = _kernel_lowering(name)
-        for d in widths:
-            for label, epi, m, k, n, ta, tb in _epilogue_cases(d):
-                r = Inputs(k + n)
-                a = r.normal((k, m) if ta else (m, k))
-                b = r.normal((n, k) if tb else (k, n), 0.05)
-                loads = {}
-                for l in epi.loads:
-                    width = epi.width(n, l.half)
-                    if l.kind is LoadKind.ROW:
-                        loads[l.name] = (r.ints((m,), n) if l.name == "target"
-                                         else r.normal((m,), 0.1, 1.0, jnp.float32))
-                    elif l.kind is LoadKind.COL:
-                        loads[l.name] = r.normal((width,), 0.1, 1.0, jnp.float32)
-                    elif l.kind is LoadKind.ROW_BLOCK:
-                        loads[l.name] = r.normal((m, epi.pair_block), 0.5, 0.0, jnp.float32)
-                    else:
-                        loads[l.name] = r.normal((m, width))
-                fn = jax.jit(lambda a, b, loads, epi=epi, ta=ta, tb=tb: low.gemm(epi, a, b, loads, transpose_a=ta,
-                                                                                   transpose_b=tb))
-                row = {"op": "epilogue", "backend": name, "d": d, "program": label, "m": m, "k": k, "n": n}
-                try:
-                    row["ms"] = median_ms(fn, a, b, loads, iters=iters)
-                    dot = jax.jit(lambda a, b, ta=ta, tb=tb: jnp.dot(a.T if ta else a, b.T if tb else b))
-                    row["xla_dot_ms"] = median_ms(dot, a, b, iters=iters) if epi is programs.IDENTITY else None
-                    row["tflops"] = 2 * m * k * n / row["ms"] / 1e9
-                except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    traceback.print_exc()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    for d in widths:
+        for label, epi, m, k, n, ta, tb in _epilogue_cases(d):
+            r = Inputs(k + n)
+            a = r.normal((k, m) if ta else (m, k))
+            b = r.normal((n, k) if tb else (k, n), 0.05)
+            loads = {}
+            for l in epi.loads:
+                width = epi.width(n, l.half)
+                if l.kind is LoadKind.ROW:
+                    loads[l.name] = (r.ints((m,), n) if l.name == "target"
+                                     else r.normal((m,), 0.1, 1.0, jnp.float32))
+                elif l.kind is LoadKind.COL:
+                    loads[l.name] = r.normal((width,), 0.1, 1.0, jnp.float32)
+                elif l.kind is LoadKind.ROW_BLOCK:
+                    loads[l.name] = r.normal((m, epi.pair_block), 0.5, 0.0, jnp.float32)
+                else:
+                    loads[l.name] = r.normal((m, width))
+            fn = jax.jit(lambda a, b, loads, epi=epi, ta=ta, tb=tb: low.gemm(epi, a, b, loads, transpose_a=ta,
+                                                                               transpose_b=tb))
+            row = {"op": "epilogue", "backend": name, "d": d, "program": label, "m": m, "k": k, "n": n}
+            try:
+                row["ms"] = median_ms(fn, a, b, loads, iters=iters)
+                dot = jax.jit(lambda a, b, ta=ta, tb=tb: jnp.dot(a.T if ta else a, b.T if tb else b))
+                row["xla_dot_ms"] = median_ms(dot, a, b, iters=iters) if epi is programs.IDENTITY else None
+                row["tflops"] = 2 * m * k * n / row["ms"] / 1e9
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -346,28 +354,50 @@ def coda_model(preset, backend, batch, seq, layers=None):
 
 
 @contextlib.contextmanager
-def plain_gemm_route(backend, plain):
-    """Within: ``backend``'s plain GEMMs go to ``plain`` (None: unchanged)."""
-    from coda_jax.lowering import plain_gemm_env
-
-    var = plain_gemm_env(backend)
+def _env(var, value):
+    """Within: environment variable ``var`` is ``value`` (None: unchanged)."""
     old = os.environ.get(var)
-    if plain is not None:
-        os.environ[var] = plain
+    if value is not None:
+        os.environ[var] = value
     try:
         yield
     finally:
-        if plain is not None:
+        if value is not None:
             if old is None:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = old
 
 
+def plain_gemm_route(backend, plain):
+    """Within: ``backend``'s plain GEMMs go to ``plain`` (None: unchanged)."""
+    from coda_jax.lowering import plain_gemm_env
+
+    return _env(plain_gemm_env(backend), plain)
+
+
+@contextlib.contextmanager
+def backend_variant(label):
+    """``label`` is a backend or ``"cutedsl@<tile_n>"`` (e.g. ``cutedsl@128``: the CuTeDSL
+    backend with its CTA tile width forced, to compare tile widths in one run). Within,
+    yields the backend's name."""
+    base, _, tile = label.partition("@")
+    if tile and base != "cutedsl":
+        raise ValueError(f"backend variant {label!r}: only cutedsl@<tile_n> is defined")
+    if not tile:
+        yield base
+        return
+    from coda_jax.ffi.lowering import TILE_N_ENV
+
+    with _env(TILE_N_ENV, tile):
+        yield base
+
+
 def block_variants(backends):
     """(label, backend, plain-GEMM route): "<backend>" sends plain GEMMs to XLA (the default),
     "<backend>+<backend>plain" runs them on the backend's kernel too."""
-    return [(b, b, None) for b in backends] + [(f"{b}+{b}plain", b, b) for b in backends if b in ("pallas", "cutedsl")]
+    return [(b, b, None) for b in backends] + [(f"{b}+{b.partition('@')[0]}plain", b, b.partition("@")[0])
+                                               for b in backends if b.partition("@")[0] in ("pallas", "cutedsl")]
 
 
 def bench_block(widths, backends, iters):
@@ -379,8 +409,8 @@ def bench_block(widths, backends, iters):
         row["baseline_fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
         for label, b, plain in block_variants(backends):
             try:
-                with plain_gemm_route(b, plain):
-                    fwd, fb, args = coda_block(d, b)
+                with backend_variant(b) as base, plain_gemm_route(base, plain):
+                    fwd, fb, args = coda_block(d, base)
                     row[f"{label}_fwd_ms"] = median_ms(fwd, *args, iters=iters)
                     row[f"{label}_fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
             except Exception as e:

@@ -211,9 +211,14 @@ _PROGRAMS = [
 ]
 
 
+@pytest.mark.parametrize("tile_n", ["auto", "256"])
 @pytest.mark.parametrize("epi,kw", _PROGRAMS, ids=[f"{e.name}-{'-'.join(k) or 'nn'}" for e, k in _PROGRAMS])
-def test_program_lowers(epi, kw):
-    from coda_jax.ffi.lowering import CuteDslLowering
+def test_program_lowers(epi, kw, tile_n, monkeypatch):
+    """Every program lowers with the automatic tile (128 wide at these small shapes) and
+    with the 128 x 256 tile forced wherever it fits."""
+    from coda_jax.ffi.lowering import TILE_N_ENV, CuteDslLowering
+
+    monkeypatch.setenv(TILE_N_ENV, tile_n)
 
     kernel = CuteDslLowering(plain_gemm="cutedsl")  # the identity program on the kernel too
 
@@ -242,12 +247,13 @@ def test_kernel_plan_stages_outputs_and_is_persistent(monkeypatch):
     stages, with no SMEM scratch; the grid is min(tiles, SMs) persistent CTAs."""
     from coda_jax.ffi import kernel as K
     from coda_jax.ffi import lowering as L
-    from coda_jax.ffi.lowering import CuteDslLowering, _tile_n
+    from coda_jax.ffi.lowering import CuteDslLowering
 
     for epi, _ in _PROGRAMS:
         dts = tuple((o.name, jnp.dtype(o.dtype or BF)) for o in epi.outputs)
-        stages, staged = K.plan_smem(epi, _tile_n(epi), 2, dts)
-        assert staged and stages >= K.MIN_STAGED_STAGES, epi.name
+        for tn in {K.narrow_tile_n(epi), K.choose_tile_n(epi, 8192, 8192, 2, dts, 132)}:
+            stages, staged = K.plan_smem(epi, tn, 2, dts)
+            assert staged and stages >= K.MIN_STAGED_STAGES, (epi.name, tn)
         assert not K.needs_scratch(epi), epi.name
     assert K.needs_scratch(_COL_SUM_PROBE)
 
@@ -261,6 +267,35 @@ def test_kernel_plan_stages_outputs_and_is_persistent(monkeypatch):
     assert [p.ctas for p in plans] == [6, 7]
 
 
+def test_tile_width_choice(monkeypatch):
+    """128 x 256 tiles for large outputs when the program fits them; 128-wide tiles for small
+    outputs (too few CTAs), scratch programs, and outputs too big to stage beside 3 stages."""
+    from coda_jax.ffi import kernel as K
+    from coda_jax.ffi.lowering import TILE_N_ENV, tile_n_request
+
+    def pick(epi, m, n, request=None):
+        dts = tuple((o.name, jnp.dtype(o.dtype or BF)) for o in epi.outputs)
+        return K.choose_tile_n(epi, m, n, 2, dts, 132, request)
+
+    assert pick(P.IDENTITY, 8192, 8192) == 256
+    assert pick(P.RMS_LSE, 8192, 128256) == 256
+    assert pick(P.rms_swiglu(False), 8192, 16384) == 256  # two (gate, up) pair segments per tile
+    assert pick(P.IDENTITY, 256, 512) == 128  # 2 x 2 wide tiles would leave 128 SMs idle
+    assert pick(P.IDENTITY, 8192, 8192, request=128) == 128
+    assert pick(P.IDENTITY, 256, 512, request=256) == 256
+    assert pick(_COL_SUM_PROBE, 8192, 8192, request=256) == 128  # needs the [128, tn + 1] f32 scratch
+    assert pick(P.rms_rope(12, None, False), 8192, 8192) == 144  # odd pair block: scratch
+    # SWIGLU_DGRAD's [128, 2 * tile_n] outputs do not stage beside 3 stages at tile_n = 256.
+    assert pick(P.SWIGLU_DGRAD, 8192, 8192, request=256) == 128
+    with pytest.raises(ValueError, match="tile_n must be 128, 256"):
+        pick(P.IDENTITY, 8192, 8192, request=192)
+    monkeypatch.setenv(TILE_N_ENV, "96")
+    with pytest.raises(ValueError, match=TILE_N_ENV):
+        tile_n_request()
+    monkeypatch.setenv(TILE_N_ENV, "256")
+    assert tile_n_request() == 256
+
+
 _COL_SUM_PROBE = E.Epilogue(name="col_sum_probe_cpu", loads=(), outputs=(E.tile_out("out"), E.col_sum("c")),
                             body=lambda acc, ctx: {"out": acc, "c": acc})
 
@@ -269,11 +304,11 @@ _COL_SUM_PROBE = E.Epilogue(name="col_sum_probe_cpu", loads=(), outputs=(E.tile_
 def test_kernel_probe_lowers(probe):
     """The odd-pair-block probe (SMEM exchange, register row sums) and the unstaged probe
     (element-wise global stores) lower; the second is planned without staging."""
-    from coda_jax.ffi.kernel import plan_smem
-    from coda_jax.ffi.lowering import CuteDslLowering, _tile_n
+    from coda_jax.ffi.kernel import narrow_tile_n, plan_smem
+    from coda_jax.ffi.lowering import CuteDslLowering
 
     dts = tuple((o.name, jnp.dtype(o.dtype or BF)) for o in probe.outputs)
-    assert plan_smem(probe, _tile_n(probe), 2, dts)[1] is (probe.name != "wide_f32_outputs")
+    assert plan_smem(probe, narrow_tile_n(probe), 2, dts)[1] is (probe.name != "wide_f32_outputs")
     m, n, k = 200, 288, 136
     a, b = jax.ShapeDtypeStruct((m, k), BF), jax.ShapeDtypeStruct((k, n), BF)
     _lower(lambda a, b, l: CuteDslLowering().gemm(probe, a, b, l), a, b, abstract_loads(probe, m, n))

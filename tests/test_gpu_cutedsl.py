@@ -1,8 +1,8 @@
 """GPU suite (H100): the CuTeDSL backend executed, against the reference backend.
 
-* every epilogue program through ``CuteDslLowering.gemm`` at M=N=K=2048 (plus ragged
-  shapes and every operand layout), relative error <= 1e-2 per output after reducing
-  partials;
+* every epilogue program through ``CuteDslLowering.gemm`` at M=N=K=2048 (the automatic
+  tile: 128 x 256 where the program fits it), plus ragged shapes and every operand layout
+  with 128- and 256-wide tiles, relative error <= 1e-2 per output after reducing partials;
 * every op, forward and ``jax.grad``, on ``backend="cutedsl"`` vs ``backend="xla"`` on the
   same bf16 inputs, relative error <= 1e-2.
 
@@ -65,8 +65,13 @@ def test_program_on_gpu(epi, kw):
     _compare(epi, 2048, 2048, 2048, **kw)
 
 
+@pytest.mark.parametrize("tile_n", ["auto", "256"])
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
-def test_operand_layouts_on_gpu(ta, tb):
+def test_operand_layouts_on_gpu(ta, tb, tile_n, monkeypatch):
+    """Every operand layout, with the automatic tile (128 wide at this size) and 128 x 256."""
+    from coda_jax.ffi.lowering import TILE_N_ENV
+
+    monkeypatch.setenv(TILE_N_ENV, tile_n)
     _compare(programs.IDENTITY, 512, 384, 320, transpose_a=ta, transpose_b=tb)
 
 
@@ -81,7 +86,12 @@ def test_kernel_probe_on_gpu(probe):
     _compare(probe, 1000, 576, 320)
 
 
-def test_ragged_shapes_on_gpu():
+@pytest.mark.parametrize("tile_n", ["auto", "256"])
+def test_ragged_shapes_on_gpu(tile_n, monkeypatch):
+    """Padded rows/columns masked out of every reduction, with 128- and (where it fits) 256-wide tiles."""
+    from coda_jax.ffi.lowering import TILE_N_ENV
+
+    monkeypatch.setenv(TILE_N_ENV, tile_n)
     _compare(programs.RESIDUAL_RMS, 1000, 1500, 520)
     _compare(programs.RMS_LSE, 777, 5000, 256, transpose_b=True)
     _compare(programs.rms_dgrad(True), 1000, 900, 333, transpose_b=True)

@@ -152,6 +152,52 @@ def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes) -> tuple[in
     return max(2, _stages_that_fit(tile_n, itemsize, scratch)), False
 
 
+WIDE_TILE_N = 256
+# Throughput of a 128 x 256 CTA tile over a 128 x 128 one at equal waves: half the SMEM
+# operand traffic per FLOP (wgmma m64n256 reads the same A rows for twice the columns) and
+# half the epilogues per FLOP.
+WIDE_TILE_SPEEDUP = 1.1
+
+
+def narrow_tile_n(epi: Epilogue) -> int:
+    """The 128-ish column tile: 128, or the smallest multiple of ``2 * pair_block`` >= 128."""
+    if epi.pair_block is None:
+        return 128
+    w = 2 * epi.pair_block
+    return -(-128 // w) * w if w <= 128 else w
+
+
+def choose_tile_n(epi: Epilogue, m: int, n: int, itemsize: int, out_dtypes, sms: int,
+                  request: int | None = None) -> int:
+    """The CTA tile's width for an ``[m, n]`` output.
+
+    The wide tile (the largest multiple of the pair width <= 256) is taken when the program
+    needs no SMEM scratch, its tile outputs can still be staged beside a 3-stage ring, and
+    the wave-quantized cost ``ceil(tiles / sms) * tile_n / speed`` is no worse than the
+    narrow tile's (a wide tile halves the CTAs: small problems keep narrow tiles).
+    ``request`` (128 or 256) forces the narrow or the wide tile where the wide one fits.
+    """
+    narrow = narrow_tile_n(epi)
+    w = 2 * epi.pair_block if epi.pair_block is not None else 8
+    wide = (WIDE_TILE_N // w) * w
+    if request is not None and request not in (128, WIDE_TILE_N):
+        raise ValueError(f"tile_n must be 128, {WIDE_TILE_N} or None (automatic), got {request!r}")
+    if wide <= narrow or needs_scratch(epi) or request == 128:
+        return narrow
+    stages, staged = plan_smem(epi, wide, itemsize, out_dtypes)
+    has_tile_outputs = any(o.kind is OutputKind.TILE for o in epi.outputs)
+    if stages < MIN_STAGED_STAGES or (has_tile_outputs and not staged):
+        return narrow
+    if request == WIDE_TILE_N:
+        return wide
+
+    def cost(tn: int, speed: float) -> float:
+        tiles = -(-m // TILE_M) * -(-n // tn)
+        return -(-tiles // sms) * tn / speed
+
+    return wide if cost(wide, WIDE_TILE_SPEEDUP) <= cost(narrow, 1.0) else narrow
+
+
 # --------------------------------------------------------------- element ops --------
 class DslOps:
     """:class:`~coda_jax.ffi.interpret.ElementOps` on CuTeDSL scalars."""

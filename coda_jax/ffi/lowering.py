@@ -19,6 +19,7 @@ regeneration on cache hits), so a training step does not recompile.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,21 +35,32 @@ from coda_jax.reference import REFERENCE
 TILE_M = 128
 TILE_K = 64
 MAX_TILE_N = 256
+TILE_N_ENV = "CODA_JAX_CUTEDSL_TILE_N"
 
 
 def _round_up(x: int, q: int) -> int:
     return -(-x // q) * q
 
 
-def _tile_n(epi: Epilogue) -> int:
+def _check_pair_width(epi: Epilogue) -> None:
     if epi.pair_block is None:
-        return 128
+        return
     w = 2 * epi.pair_block
     if w > MAX_TILE_N or w % 8:
         raise NotImplementedError(
             f"epilogue {epi.name!r}: pair_block={epi.pair_block} needs a 2*pair_block={w} column tile; the "
             f"CuTeDSL backend supports pair blocks that are multiples of 4 up to {MAX_TILE_N // 2}")
-    return _round_up(128, w) if w <= 128 else w
+
+
+def tile_n_request() -> int | None:
+    """``CODA_JAX_CUTEDSL_TILE_N``: ``128`` or ``256`` forces the CTA tile width (where it
+    fits); unset or ``auto`` lets :func:`coda_jax.ffi.kernel.choose_tile_n` pick."""
+    raw = os.environ.get(TILE_N_ENV, "auto").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw not in ("128", "256"):
+        raise ValueError(f"{TILE_N_ENV} must be 128, 256 or auto, got {raw!r}")
+    return int(raw)
 
 
 @functools.lru_cache(maxsize=256)
@@ -91,13 +103,22 @@ class CuteDslLowering:
     ) -> dict[str, jax.Array]:
         from cutlass.jax import TensorSpec
 
-        from coda_jax.ffi.kernel import KernelPlan, plan_smem
+        from coda_jax.ffi.kernel import KernelPlan, choose_tile_n, plan_smem
 
         m, n, k = check_kernel_gemm("CuTeDSL", epilogue, a, b, loads, transpose_a, transpose_b)
         if epilogue is programs.IDENTITY and plain_gemm_route(self.name, self.plain_gemm) == "xla":
             return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
                                   out_dtypes=out_dtypes)
-        tn = _tile_n(epilogue)
+        _check_pair_width(epilogue)
+        dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
+                       for o in epilogue.outputs)
+        for name, dt in dtypes:
+            if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+                raise TypeError(f"epilogue {epilogue.name!r}: output {name!r} dtype {dt} is not bf16/f16/f32")
+        op_dt = jnp.dtype(a.dtype)
+        itemsize = op_dt.itemsize
+        sms = gpu_sm_count()
+        tn = choose_tile_n(epilogue, m, n, itemsize, dtypes, sms, tile_n_request())
         mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, TILE_K)
 
         def pad2(x, rows, cols):
@@ -127,17 +148,10 @@ class CuteDslLowering:
             else:
                 raise TypeError(f"epilogue {epilogue.name!r}: load {l.name!r} has unsupported dtype {v.dtype}")
             args.append(v)
-        dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
-                       for o in epilogue.outputs)
-        for name, dt in dtypes:
-            if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-                raise TypeError(f"epilogue {epilogue.name!r}: output {name!r} dtype {dt} is not bf16/f16/f32")
-        op_dt = jnp.dtype(a.dtype)
-        itemsize = op_dt.itemsize
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         stages, stage_outputs = plan_smem(epilogue, tn, itemsize, dtypes)
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
-                          sms=gpu_sm_count(), stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
+                          sms=sms, stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
                           load_dtypes=load_dtypes, out_dtypes=dtypes)
         launch = _build(epilogue, plan)
         out_types = []
