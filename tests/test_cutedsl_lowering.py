@@ -7,7 +7,12 @@ lowers the ``cutlass_call`` custom call, so a successful lowering means every ke
 NumPy values against the reference backend's body evaluation.
 """
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+import textwrap
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -294,6 +299,55 @@ def test_tile_width_choice(monkeypatch):
         tile_n_request()
     monkeypatch.setenv(TILE_N_ENV, "256")
     assert tile_n_request() == 256
+
+
+_SPILL_PROBE = textwrap.dedent("""
+    import glob, json, os, shutil, sys
+    import jax
+    from coda_jax.ffi.lowering import CuteDslLowering
+    from op_cases import abstract_loads
+    from test_cutedsl_lowering import _PROGRAMS
+    stamp, found = {}, {}
+    m = n = k = 8192
+    for i, (epi, kw) in enumerate(_PROGRAMS):
+        ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
+        a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jax.numpy.bfloat16)
+        b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jax.numpy.bfloat16)
+        f = lambda a, b, l: CuteDslLowering(plain_gemm="cutedsl").gemm(epi, a, b, l, **kw)
+        jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
+        # PTX files are named by the launch signature: programs with equal operands rewrite
+        # the same file, so take the files written by this lowering and copy them aside.
+        new = []
+        for f in glob.glob(os.path.join(sys.argv[1], "*.ptx")):
+            t = os.stat(f).st_mtime_ns
+            if stamp.get(f) != t:
+                stamp[f] = t
+                new.append(shutil.copy(f, os.path.join(sys.argv[1], f"{i}.{len(new)}.kept")))
+        found[f"{i}:{epi.name}-" + "-".join(kw)] = new
+    print(json.dumps(found))
+""")
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit) on PATH")
+def test_kernels_do_not_spill(tmp_path):
+    """Every program's kernel at an 8192^3 GEMM (its automatic tile: 128 x 256 where
+    ``choose_tile_n`` takes it) compiles for sm_90a without register spills: ``ptxas -v``
+    on the PTX that CuTeDSL keeps. Guards :func:`coda_jax.ffi.kernel.wide_registers_ok`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _SPILL_PROBE, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(found) == len(_PROGRAMS) and all(found.values()), found
+    for name, files in found.items():
+        for f in files:
+            v = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, f], capture_output=True, text=True)
+            assert v.returncode == 0, v.stderr[-2000:]
+            spills = [line.strip() for line in v.stderr.splitlines() if "spill" in line]
+            assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), (
+                name, spills)
 
 
 _COL_SUM_PROBE = E.Epilogue(name="col_sum_probe_cpu", loads=(), outputs=(E.tile_out("out"), E.col_sum("c")),

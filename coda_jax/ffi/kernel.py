@@ -159,6 +159,18 @@ WIDE_TILE_N = 256
 WIDE_TILE_SPEEDUP = 1.1
 
 
+def wide_registers_ok(epi: Epilogue) -> bool:
+    """Whether the epilogue fits the consumer's 232 registers at 256 columns.
+
+    The accumulator alone takes 128 of them there. A tile load prefetched during the
+    mainloop adds 64 (bf16) and a tile output beside a row reduction keeps two 128-value
+    sets live at the end of the body: both spill (``ptxas -v``; every program's chosen tile
+    is compiled and checked for spills by ``tests/test_cutedsl_lowering.py``)."""
+    tile_outs = any(o.kind is OutputKind.TILE for o in epi.outputs)
+    reductions = any(o.kind is not OutputKind.TILE for o in epi.outputs)
+    return not prefetched_tile_loads(epi) and not (tile_outs and reductions)
+
+
 def narrow_tile_n(epi: Epilogue) -> int:
     """The 128-ish column tile: 128, or the smallest multiple of ``2 * pair_block`` >= 128."""
     if epi.pair_block is None:
@@ -182,7 +194,7 @@ def choose_tile_n(epi: Epilogue, m: int, n: int, itemsize: int, out_dtypes, sms:
     wide = (WIDE_TILE_N // w) * w
     if request is not None and request not in (128, WIDE_TILE_N):
         raise ValueError(f"tile_n must be 128, {WIDE_TILE_N} or None (automatic), got {request!r}")
-    if wide <= narrow or needs_scratch(epi) or request == 128:
+    if wide <= narrow or needs_scratch(epi) or request == 128 or not wide_registers_ok(epi):
         return narrow
     stages, staged = plan_smem(epi, wide, itemsize, out_dtypes)
     has_tile_outputs = any(o.kind is OutputKind.TILE for o in epi.outputs)
@@ -303,11 +315,16 @@ class TileEpilogue:
     """Runs one traced epilogue on the accumulator registers of one CTA tile."""
 
     def __init__(self, epi: Epilogue, traced: TracedBody, plan: KernelPlan, scratch, tidx, base, offsets, m0, n0,
-                 pid_m, pid_n, staging: dict[str, Any] | None = None):
+                 pid_m, pid_n, staging: dict[str, Any] | None = None, thr=None,
+                 tile_frags: dict[str, Any] | None = None):
         """``base``: this thread's first accumulator coordinate ``(row, col)`` (dynamic);
         ``offsets``: every accumulator register's static ``(row, col)`` offset from it (the
         wgmma fragment layout: a thread holds 2 rows x ``tile_n / 4`` columns, and the 4
-        lanes of a quad hold the same rows)."""
+        lanes of a quad hold the same rows). ``thr``: this thread's slice of the tiled MMA
+        (partitions a ``[TILE_M, tile_n]`` tile like the accumulator: vectorized staging
+        stores); ``tile_frags``: tile loads already in registers (:func:`prefetch_tile_loads`)."""
+        self.thr = thr
+        self.tile_frags = tile_frags or {}
         self.epi, self.traced, self.plan = epi, traced, plan
         self.scr = scratch
         # Tile outputs -> their SMEM staging tiles ([TILE_M, width], stored by TMA), or None:
@@ -513,6 +530,15 @@ class TileEpilogue:
                         vals[("load", l.name, part)] = _dedup(ck, lambda i, cols=cols: cvt(t[cols[i]]))
                     else:
                         vals[("load", l.name, part)] = [cvt(t[g, c]) for g, c in zip(grow, cols)]
+            elif l.name in self.tile_frags:  # full-width tile load, already in registers
+                frag = self.tile_frags[l.name]
+                own = [cvt(frag[i]) for i in range(self.count)]
+                if not pair:
+                    vals[("load", l.name, None)] = own
+                else:  # the lo and hi halves of each pair: this register and its partner
+                    other = [own[p] for p in self.partner_reg]
+                    vals[("load", l.name, 0)] = [a if lo else q for a, q, lo in zip(own, other, self.is_lo)]
+                    vals[("load", l.name, 1)] = [q if lo else a for a, q, lo in zip(own, other, self.is_lo)]
             elif not pair:
                 if l.kind is LoadKind.COL:
                     vals[("load", l.name, None)] = _dedup(ck, lambda i: cvt(t[self.n0 + self.cols[i]]))
@@ -573,6 +599,14 @@ class TileEpilogue:
                     # Half-width output: lo- and hi-holder of a pair store the same value.
                     for g, c, v in zip(rows, self.lo_col, mine):
                         t[g, self._half_index(c) - half_base] = v.to(dt)
+                elif self.staging is not None and self.thr is not None:
+                    # Registers -> a fragment laid out like the accumulator -> one vectorized
+                    # copy into the staging tile (2 adjacent columns per 32-bit store).
+                    dst = self.thr.partition_C(t)
+                    frag = cute.make_fragment_like(dst)
+                    for i, v in enumerate(mine):
+                        frag[i] = v.to(dt)
+                    cute.autovec_copy(frag, dst)
                 else:
                     for g, c, v in zip(rows, cols, mine):
                         t[g, c] = v.to(dt)
@@ -592,6 +626,27 @@ class TileEpilogue:
             if single_in_pair:  # one value per pair: only the lo-holder contributes
                 masked = [self._pick(lo, v, fill) for v, lo in zip(masked, self.is_lo)]
             self._reduce_rows_in_registers(outs[o.name], o.kind, masked)
+
+
+def prefetched_tile_loads(epi: Epilogue) -> list[str]:
+    """Tile loads read into registers before the tile's mainloop (so their latency hides
+    behind it): full-width loads whose elements line up with the accumulator registers
+    (no pair mode, or pair blocks in registers; not the half-width loads or ``half_acc``)."""
+    if epi.half_acc or not register_layout_ok(epi):
+        return []
+    return [l.name for l in epi.loads if l.kind is LoadKind.TILE and not l.half]
+
+
+def prefetch_tile_loads(epi: Epilogue, thr, loads: dict[str, Any], tile_n: int, pid_m, pid_n) -> dict[str, Any]:
+    """``{name: fragment}``: this thread's elements of each prefetched tile load, laid out
+    like its accumulator registers, by vectorized global loads (``autovec_copy``)."""
+    frags = {}
+    for name in prefetched_tile_loads(epi):
+        src = thr.partition_C(cute.local_tile(loads[name], (TILE_M, tile_n), (pid_m, pid_n)))
+        frag = cute.make_fragment_like(src)
+        cute.autovec_copy(src, frag)
+        frags[name] = frag
+    return frags
 
 
 # ------------------------------------------------------------------ builder ---------
@@ -736,6 +791,8 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             tile = cutlass.Int32(bid)
             while tile < num_tiles:
                 pm, pn = _tile_of(tile, grid_m, grid_n)
+                # The epilogue's tile loads stream into registers during the mainloop.
+                frags = prefetch_tile_loads(epi, thr, loads, tn, pm, pn)
                 # K-tile 0 is peeled: it starts the accumulation (ACCUMULATE=False on its first
                 # wgmma), so the flag is a compile-time fact and never a loop-carried value.
                 mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
@@ -771,7 +828,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     TileEpilogue.sync()
                 acc_vals = [acc[i] for i in range(count)]
                 ep = TileEpilogue(epi, traced, plan, scratch, cutlass.Int32(tidx), base, offsets,
-                                  pm * cutlass.Int32(tm), pn * cutlass.Int32(tn), pm, pn, staging)
+                                  pm * cutlass.Int32(tm), pn * cutlass.Int32(tn), pm, pn, staging, thr, frags)
                 ep.run(acc_vals, loads, outs)
                 if cutlass.const_expr(len(staged) > 0):
                     # Generic-proxy SMEM writes -> visible to the TMA (async proxy), then one store each.
