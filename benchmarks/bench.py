@@ -243,36 +243,44 @@ def _epilogue_cases(d):
     ]
 
 
-def bench_epilogues(widths, backends, iters):
-    """Time of each forward program's GEMM vs the identity-epilogue GEMM of the same shape."""
+def bench_epilogues(widths, backends, iters, labels=None):
+    """Time of each forward program's GEMM vs the identity-epilogue GEMM of the same shape
+    (``labels``: only the cases with these labels)."""
     rows = []
     for name in [b for b in backends if b != "xla"]:
         with backend_variant(name) as base:
-            rows += _bench_epilogues_of(name, _kernel_lowering(base), widths, iters)
+            rows += _bench_epilogues_of(name, _kernel_lowering(base), widths, iters, labels)
     return rows
 
 
-def _bench_epilogues_of(name, low, widths, iters):
+def epilogue_inputs(epi, m, k, n, ta, tb):
+    """Random ``(a, b, loads)`` for one program's GEMM (operands in their stored layouts)."""
     from coda_jax.epilogue import LoadKind
 
+    r = Inputs(k + n)
+    a = r.normal((k, m) if ta else (m, k))
+    b = r.normal((n, k) if tb else (k, n), 0.05)
+    loads = {}
+    for l in epi.loads:
+        width = epi.width(n, l.half)
+        if l.kind is LoadKind.ROW:
+            loads[l.name] = r.ints((m,), n) if l.name == "target" else r.normal((m,), 0.1, 1.0, jnp.float32)
+        elif l.kind is LoadKind.COL:
+            loads[l.name] = r.normal((width,), 0.1, 1.0, jnp.float32)
+        elif l.kind is LoadKind.ROW_BLOCK:
+            loads[l.name] = r.normal((m, epi.pair_block), 0.5, 0.0, jnp.float32)
+        else:
+            loads[l.name] = r.normal((m, width))
+    return a, b, loads
+
+
+def _bench_epilogues_of(name, low, widths, iters, labels):
     rows = []
     for d in widths:
         for label, epi, m, k, n, ta, tb in _epilogue_cases(d):
-            r = Inputs(k + n)
-            a = r.normal((k, m) if ta else (m, k))
-            b = r.normal((n, k) if tb else (k, n), 0.05)
-            loads = {}
-            for l in epi.loads:
-                width = epi.width(n, l.half)
-                if l.kind is LoadKind.ROW:
-                    loads[l.name] = (r.ints((m,), n) if l.name == "target"
-                                     else r.normal((m,), 0.1, 1.0, jnp.float32))
-                elif l.kind is LoadKind.COL:
-                    loads[l.name] = r.normal((width,), 0.1, 1.0, jnp.float32)
-                elif l.kind is LoadKind.ROW_BLOCK:
-                    loads[l.name] = r.normal((m, epi.pair_block), 0.5, 0.0, jnp.float32)
-                else:
-                    loads[l.name] = r.normal((m, width))
+            if labels and label not in labels:
+                continue
+            a, b, loads = epilogue_inputs(epi, m, k, n, ta, tb)
             fn = jax.jit(lambda a, b, loads, epi=epi, ta=ta, tb=tb: low.gemm(epi, a, b, loads, transpose_a=ta,
                                                                                transpose_b=tb))
             row = {"op": "epilogue", "backend": name, "d": d, "program": label, "m": m, "k": k, "n": n}
@@ -378,18 +386,19 @@ def plain_gemm_route(backend, plain):
 
 @contextlib.contextmanager
 def backend_variant(label):
-    """``label`` is a backend or ``"cutedsl@<tile_n>"`` (e.g. ``cutedsl@128``: the CuTeDSL
-    backend with its CTA tile width forced, to compare tile widths in one run). Within,
-    yields the backend's name."""
-    base, _, tile = label.partition("@")
-    if tile and base != "cutedsl":
-        raise ValueError(f"backend variant {label!r}: only cutedsl@<tile_n> is defined")
-    if not tile:
+    """``label`` is a backend or ``"cutedsl@[<tile_n>][s<max stages>]"`` (e.g. ``cutedsl@128``:
+    the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at most 4 operand
+    stages), to compare kernel configurations in one run. Within, yields the backend's name."""
+    base, _, variant = label.partition("@")
+    if variant and base != "cutedsl":
+        raise ValueError(f"backend variant {label!r}: only cutedsl@<tile_n>[s<max stages>] is defined")
+    if not variant:
         yield base
         return
-    from coda_jax.ffi.lowering import TILE_N_ENV
+    from coda_jax.ffi.lowering import MAX_STAGES_ENV, TILE_N_ENV
 
-    with _env(TILE_N_ENV, tile):
+    tile, _, stages = variant.partition("s")
+    with _env(TILE_N_ENV, tile or None), _env(MAX_STAGES_ENV, stages or None):
         yield base
 
 
@@ -465,6 +474,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--parts", default="gemm,ops,ce_memory,block")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--programs", default="", help="epilogues part: only these case labels (comma-separated)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     args = ap.parse_args()
     if args.smoke:
@@ -496,7 +506,8 @@ def main():
                 rows += bench_op(name, fused, ref, a, argnums, backends, args.iters, not args.no_check)
                 save()
     if "epilogues" in parts:
-        rows += bench_epilogues(widths, backends, args.iters)
+        rows += bench_epilogues(widths, backends, args.iters,
+                                args.programs.split(",") if args.programs else None)
         save()
     if "ce_memory" in parts:
         rows += ce_memory(backends)

@@ -6,6 +6,7 @@
 # examples/train_llama.py on every backend (TRAIN_ARGS, default the 1b preset) and compares
 # the loss curves (benchmarks/compare_losses.py). PROFILE=1 profiles the block's fwd+bwd per
 # kernel (benchmarks/profile_block.py, PROFILE_ARGS; "--model 1b --layers 4" profiles a training step).
+# NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
 set -uo pipefail
@@ -36,6 +37,20 @@ fi
 if [ -n "${PROFILE:-}" ]; then
   echo "== block profile =="
   timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_block.py --out "$OUT" --backends "$BACKENDS" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -n 120
+fi
+if [ -n "${NCU_PROGRAMS:-}" ]; then
+  # Nsight Compute on one kernel launch per program label (benchmarks/kernel_probe.py), e.g.
+  # NCU_PROGRAMS="identity dgrad;rms_dgrad_res dgrad" NCU_BACKEND=cutedsl.
+  echo "== ncu (${NCU_BACKEND:-cutedsl}) ==" | tee "$OUT/ncu.log"
+  IFS=';' read -ra NCU_LIST <<< "$NCU_PROGRAMS"
+  for p in "${NCU_LIST[@]}"; do
+    echo "-- $p" | tee -a "$OUT/ncu.log"
+    timeout "${NCU_TIMEOUT:-180}" ncu -k "regex:${NCU_KERNEL:-gemm_kernel}" -c 1 --section SpeedOfLight \
+      --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
+      python3 benchmarks/kernel_probe.py "$p" --backend "${NCU_BACKEND:-cutedsl}" --iters 2 2>&1 \
+      | grep -v '^==PROF==\|^\s*$\|Warning' >> "$OUT/ncu.log"
+  done
+  grep -E -- '^-- |Duration|Compute \(SM\) Throughput|Memory Throughput|Issued Warp|No Eligible|Warp Cycles Per Issued|Stall|Registers Per' "$OUT/ncu.log" | head -80
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks ($BACKENDS) =="

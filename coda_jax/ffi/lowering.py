@@ -36,6 +36,7 @@ TILE_M = 128
 TILE_K = 64
 MAX_TILE_N = 256
 TILE_N_ENV = "CODA_JAX_CUTEDSL_TILE_N"
+MAX_STAGES_ENV = "CODA_JAX_CUTEDSL_MAX_STAGES"
 
 
 def _round_up(x: int, q: int) -> int:
@@ -50,6 +51,17 @@ def _check_pair_width(epi: Epilogue) -> None:
         raise NotImplementedError(
             f"epilogue {epi.name!r}: pair_block={epi.pair_block} needs a 2*pair_block={w} column tile; the "
             f"CuTeDSL backend supports pair blocks that are multiples of 4 up to {MAX_TILE_N // 2}")
+
+
+def max_stages_request() -> int | None:
+    """``CODA_JAX_CUTEDSL_MAX_STAGES``: caps the operand ring's depth (a tuning knob: the
+    planner otherwise takes as many stages as fit beside the epilogue's SMEM, up to 6)."""
+    raw = os.environ.get(MAX_STAGES_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 2:
+        raise ValueError(f"{MAX_STAGES_ENV} must be an integer >= 2, got {raw!r}")
+    return int(raw)
 
 
 def tile_n_request() -> int | None:
@@ -150,6 +162,7 @@ class CuteDslLowering:
             args.append(v)
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         stages, stage_outputs = plan_smem(epilogue, tn, itemsize, dtypes)
+        stages = min(stages, max_stages_request() or stages)
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
                           sms=sms, stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
                           load_dtypes=load_dtypes, out_dtypes=dtypes)
