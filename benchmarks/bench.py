@@ -45,28 +45,43 @@ VOCAB = 128256
 ATTENTION = "cudnn"  # the blocks' attention; --smoke (CPU) uses XLA's
 
 
-def median_ms(f, *args, iters=20, warmup=3, min_sample_ms=3.0):
-    """Median milliseconds per call of ``f(*args)``.
+def interleaved_median_ms(cases, iters=20, rounds=4, warmup=3, min_sample_ms=3.0):
+    """``{key: median milliseconds per call}`` of each ``cases[key] = (f, args)``.
 
-    Each of the ``iters`` samples dispatches ``reps`` calls back to back and blocks once
+    Each sample dispatches ``reps`` calls back to back and blocks once
     (``jax.block_until_ready``), with ``reps`` chosen so that a sample lasts at least
     ``min_sample_ms``: the host-side sync then costs a small fraction of a sub-millisecond
-    kernel instead of being counted once per call.
+    kernel instead of being counted once per call. The ``iters`` samples of each case are
+    taken in ``rounds`` interleaved rounds (each round visits every case, in a rotating
+    order), so a drift of the GPU's clocks or temperature during the run affects all cases
+    alike rather than whichever was measured last.
     """
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    one = time.perf_counter() - t
-    reps = max(1, min(50, int(min_sample_ms / 1e3 / max(one, 1e-6))))
-    ts = []
-    for _ in range(iters):
+    reps = {}
+    for key, (f, args) in cases.items():
+        for _ in range(warmup):
+            jax.block_until_ready(f(*args))
         t = time.perf_counter()
-        for _ in range(reps):
-            out = f(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / reps)
-    return statistics.median(ts) * 1e3
+        jax.block_until_ready(f(*args))
+        one = time.perf_counter() - t
+        reps[key] = max(1, min(50, int(min_sample_ms / 1e3 / max(one, 1e-6))))
+    keys = list(cases)
+    samples = {key: [] for key in keys}
+    per_round = max(1, -(-iters // rounds))
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            f, args = cases[key]
+            for _ in range(per_round):
+                t = time.perf_counter()
+                for _ in range(reps[key]):
+                    out = f(*args)
+                jax.block_until_ready(out)
+                samples[key].append((time.perf_counter() - t) / reps[key])
+    return {key: statistics.median(v) * 1e3 for key, v in samples.items()}
+
+
+def median_ms(f, *args, iters=20, warmup=3, min_sample_ms=3.0):
+    """Median milliseconds per call of ``f(*args)`` (one case of :func:`interleaved_median_ms`)."""
+    return interleaved_median_ms({0: (f, args)}, iters, 1, warmup, min_sample_ms)[0]
 
 
 def rel(a, b):
@@ -136,25 +151,29 @@ def bench_op(name, fused, ref, args, argnums, backends, iters, check):
         rnd = jax.random.normal(jax.random.key(11), first(out_ref).shape if isinstance(out_ref, tuple) else out_ref.shape)
         scal = lambda fn: (lambda *a: jnp.sum(first(fn(*a)).astype(jnp.float32) * rnd) if rnd.ndim else first(fn(*a)))
         grads_ref = jax.jit(jax.grad(scal(ref), argnums))(*f32)
+    cases = {}
     for b in backends:
         row = {"op": name, "backend": b, "d": args[0].shape[1]}
         try:
-            with backend_variant(b) as base:
+            with backend_variant(b) as base:  # traced and compiled inside the variant's settings
                 fn = fused(base)
                 fwd = jax.jit(fn)
                 scalar = lambda *a: jnp.sum(first(fn(*a)).astype(jnp.float32) * (rnd if rnd is not None else 1.0)) \
                     if first(jax.eval_shape(fn, *args)).ndim else first(fn(*a))
                 fb = jax.jit(jax.value_and_grad(scalar, argnums))
+                out, (_, grads) = fwd(*args), fb(*args)
                 if check:
-                    row["fwd_rel_err"] = rel(first(fwd(*args)), first(out_ref))
-                    _, grads = fb(*args)
+                    row["fwd_rel_err"] = rel(first(out), first(out_ref))
                     row["grad_rel_err"] = max(rel(a, r_) for a, r_ in zip(grads, grads_ref))
-                row["fwd_ms"] = median_ms(fwd, *args, iters=iters)
-                row["fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
+                cases[(b, "fwd_ms")], cases[(b, "fwdbwd_ms")] = (fwd, args), (fb, args)
         except Exception as e:  # record and go on: one failing kernel must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
         rows.append(row)
+    # All backends' timings interleaved (same conditions for every ratio of the table).
+    for (b, key), ms in interleaved_median_ms(cases, iters).items():
+        next(r for r in rows if r["backend"] == b)[key] = ms
+    for row in rows:
         print(json.dumps(row), flush=True)
     return rows
 
@@ -414,17 +433,17 @@ def bench_block(widths, backends, iters):
     for d in widths:
         row = {"op": "block", "d": d}
         fwd, fb, args = baseline_block(d)
-        row["baseline_fwd_ms"] = median_ms(fwd, *args, iters=iters)
-        row["baseline_fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
+        cases = {"baseline_fwd_ms": (fwd, args), "baseline_fwdbwd_ms": (fb, args)}
         for label, b, plain in block_variants(backends):
             try:
                 with backend_variant(b) as base, plain_gemm_route(base, plain):
                     fwd, fb, args = coda_block(d, base)
-                    row[f"{label}_fwd_ms"] = median_ms(fwd, *args, iters=iters)
-                    row[f"{label}_fwdbwd_ms"] = median_ms(fb, *args, iters=iters)
+                    jax.block_until_ready((fwd(*args), fb(*args)))  # compiled with these settings
+                cases[f"{label}_fwd_ms"], cases[f"{label}_fwdbwd_ms"] = (fwd, args), (fb, args)
             except Exception as e:
                 row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 traceback.print_exc()
+        row.update(interleaved_median_ms(cases, iters))  # every variant under the same conditions
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
