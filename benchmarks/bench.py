@@ -259,6 +259,11 @@ def _epilogue_cases(d):
         ("rms_dgrad_res dgrad", programs.rms_dgrad(True), t, 2 * f, d, False, True),
         ("rms_dgrad dgrad", programs.rms_dgrad(False), t, 2 * f, d, False, True),
         ("ce_grad dgrad-chunk", programs.CE_GRAD, t, d, 16384, False, True),
+        # the SwiGLU backward on the down projection's dgrad (K = d, N = f; z and dz are [t, 2f])
+        ("identity dgrad-f", programs.IDENTITY, t, d, f, False, True),
+        ("swiglu_dgrad dgrad-f", programs.SWIGLU_DGRAD, t, d, f, False, True),
+        # the RMSNorm-scaled wgrad (A = x_hat^T, K = tokens), beside "identity wgrad"
+        ("norm_wgrad wgrad", programs.NORM_WGRAD, d, t, 2 * f, True, False),
     ]
 
 

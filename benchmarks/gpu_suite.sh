@@ -45,7 +45,7 @@ if [ -n "${NCU_PROGRAMS:-}" ]; then
   IFS=';' read -ra NCU_LIST <<< "$NCU_PROGRAMS"
   for p in "${NCU_LIST[@]}"; do
     echo "-- $p" | tee -a "$OUT/ncu.log"
-    timeout "${NCU_TIMEOUT:-180}" ncu -k "regex:${NCU_KERNEL:-gemm_kernel}" -c 1 --section SpeedOfLight \
+    timeout "${NCU_TIMEOUT:-180}" ncu -k "regex:${NCU_KERNEL:-coda_}" -c 1 --section SpeedOfLight \
       --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
       python3 benchmarks/kernel_probe.py "$p" --backend "${NCU_BACKEND:-cutedsl}" --iters 2 2>&1 \
       | grep -v '^==PROF==\|^\s*$\|Warning' >> "$OUT/ncu.log"

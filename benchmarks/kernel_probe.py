@@ -1,6 +1,6 @@
 """Runs one forward program's kernel a few times: a target for ``ncu`` (Nsight Compute).
 
-    ncu -k regex:gemm_kernel -c 1 --section SpeedOfLight --section WarpStateStats \\
+    ncu -k regex:coda_ -c 1 --section SpeedOfLight --section WarpStateStats \\
         python3 benchmarks/kernel_probe.py 'rms_dgrad_res dgrad' --backend cutedsl
 
 Programs and shapes are the epilogue benchmark's (``bench.py --parts epilogues``), by label

@@ -6,7 +6,7 @@
 Traces ``--steps`` fwd+bwd steps of the plain XLA block (``baseline``) and of
 ``CodaLlamaBlock`` on each backend with ``jax.profiler`` (CUPTI kernel events), then sums
 the device time of every kernel per step. Kernels are put in classes by name: ``coda``
-(this library's Pallas kernels, named ``coda_<epilogue>``), ``gemm`` (cuBLAS / XLA GEMMs),
+(this library's Pallas and CuTeDSL kernels, named ``coda_<epilogue>...``), ``gemm`` (cuBLAS / XLA GEMMs),
 ``attention`` (cuDNN), ``cutedsl`` and ``other`` (XLA fusions: elementwise passes,
 reductions, transposes, copies). Prints, per variant, the class totals and the top kernels;
 writes ``<out>/profile_<width>.json``. With ``--model``, the same for one training step's
@@ -126,7 +126,7 @@ def main():
         for label, b, plain in bench.block_variants(args.backends.split(",")):
             with bench.plain_gemm_route(b, plain):
                 _, fb, a = bench.coda_block(args.width, b)
-                results[label] = profile(fb, a, args.steps, out / f"hlo_{tag}_{label}.txt")
+                results[label] = profile(fb, a, args.steps, out / f"hlo_{tag}_{label.replace('+', '_')}.txt")
     (out / f"profile_{tag}.json").write_text(json.dumps(results, indent=1))
     for label, r in results.items():
         if not isinstance(r, dict):
