@@ -498,6 +498,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--parts", default="gemm,ops,ce_memory,block")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--ops", default="", help="ops part: only these ops (comma-separated)")
     ap.add_argument("--programs", default="", help="epilogues part: only these case labels (comma-separated)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     args = ap.parse_args()
@@ -527,6 +528,8 @@ def main():
     if "ops" in parts:
         for d in widths:
             for name, fused, ref, a, argnums in op_cases(d):
+                if args.ops and name not in args.ops.split(","):
+                    continue
                 rows += bench_op(name, fused, ref, a, argnums, backends, args.iters, not args.no_check)
                 save()
     if "epilogues" in parts:
