@@ -578,6 +578,21 @@ class TileEpilogue:
                 lo, hi = res[(o.name, 0)], res[(o.name, 1)]
                 if o.kind is OutputKind.TILE:
                     dt = dsl_dtype(dict(plan.out_dtypes)[o.name])
+                    if self.staging is not None and self.thr is not None:
+                        # The staging tile's b-column blocks alternate lo, hi: view the lo
+                        # (hi) blocks as a [TILE_M, tile_n] tile shaped like the accumulator
+                        # and write each with one vectorized copy.
+                        blocks = cute.flat_divide(self.staging[o.name], (TILE_M, self.b))
+                        halves = cute.logical_divide(blocks, (None, None, None, 2))
+                        dsts = [self.thr.partition_C(cute.group_modes(halves[(None, None, 0, (h, None))], 1, 3))
+                                for h in (0, 1)]
+                        frags = [cute.make_fragment_like(d) for d in dsts]
+                        for i, (vl, vh) in enumerate(zip(lo, hi)):  # pack each pair as it is ready
+                            frags[0][i] = vl.to(dt)
+                            frags[1][i] = vh.to(dt)
+                        for frag, dst in zip(frags, dsts):
+                            cute.autovec_copy(frag, dst)
+                        continue
                     if self.staging is not None:  # the tile's output block starts at column 2 * n0
                         t, rows, base = self.staging[o.name], self.rows, cutlass.Int32(2) * self.n0
                     else:
