@@ -17,10 +17,16 @@ Warp-specialized, persistent mainloop (384 threads = three warpgroups):
 * transposed operands (``a`` as ``[K, M]``, ``b`` as ``[N, K]``) are M/N-major SMEM
   layouts chosen from the operand's major mode: no copies.
 
+The tile is 128 x 256 where the program fits it (:func:`choose_tile_n`), else 128 x 128
+(or the pair-block multiple).
+
 Epilogue (see :mod:`coda_jax.ffi.interpret`): each consumer thread knows the tile
 coordinates of its accumulator registers (an identity tensor partitioned like the
-accumulator); the traced body runs on its registers element by element. Row/column/tile
-loads are read from global memory at those coordinates. Tile outputs are written into a
+accumulator); the traced body runs on its registers element by element, a chunk of 16
+column groups at a time for programs without pair mode (:meth:`TileEpilogue._run_chunked`).
+Full-width tile loads are prefetched into registers before the tile's mainloop on tiles
+up to 128 wide (vectorized, laid out like the accumulator); row/column loads are read
+from global memory at the registers' coordinates when the epilogue starts. Tile outputs are written into a
 128B-swizzled SMEM staging tile per output and stored by one TMA bulk store per output and
 tile (``plan.stage_outputs``; when the staging tiles do not fit beside a 3-stage ring, the
 kernel stores each element to global memory instead). Row sums and log-sum-exps reduce
