@@ -1,0 +1,69 @@
+"""The benchmark harness on the CPU: interleaved timing, backend variants, a smoke run.
+
+The numbers in ``benchmarks/RESULTS.md`` come from ``benchmarks/bench.py`` on the H100;
+these tests check the harness's bookkeeping (which cases are sampled how often and in what
+order, which settings a variant applies), not any timing.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench  # noqa: E402
+
+
+def test_interleaved_timing_samples_every_case_in_rotating_rounds():
+    calls = []
+
+    def case(name):
+        def f(x):
+            calls.append(name)
+            return x
+
+        return f, (1,)
+
+    cases = {k: case(k) for k in ("a", "b", "c")}
+    out = bench.interleaved_median_ms(cases, iters=6, rounds=3, warmup=2, min_sample_ms=0.0)
+    assert set(out) == {"a", "b", "c"} and all(v >= 0.0 for v in out.values())
+    warm = calls[:9]  # per case: 2 warm-up calls + 1 timed call that sizes the samples
+    assert warm == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    timed = calls[9:]
+    assert len(timed) == 3 * 6  # 6 samples per case, one call per sample (reps = 1 at min_sample_ms=0)
+    # Round r starts at case r: a a b b c c | b b c c a a | c c a a b b
+    assert timed == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]
+
+
+def test_backend_variant_sets_and_restores_the_cutedsl_knobs(monkeypatch):
+    from coda_jax.ffi.lowering import MAX_STAGES_ENV, TILE_N_ENV
+
+    monkeypatch.delenv(TILE_N_ENV, raising=False)
+    monkeypatch.setenv(MAX_STAGES_ENV, "5")
+    with bench.backend_variant("cutedsl@256s3") as base:
+        assert base == "cutedsl"
+        assert os.environ[TILE_N_ENV] == "256" and os.environ[MAX_STAGES_ENV] == "3"
+    assert TILE_N_ENV not in os.environ and os.environ[MAX_STAGES_ENV] == "5"
+    with bench.backend_variant("cutedsl@s4") as base:
+        assert base == "cutedsl" and TILE_N_ENV not in os.environ and os.environ[MAX_STAGES_ENV] == "4"
+    with bench.backend_variant("pallas") as base:
+        assert base == "pallas" and os.environ[MAX_STAGES_ENV] == "5"
+    with pytest.raises(ValueError, match="only cutedsl@"):
+        with bench.backend_variant("pallas@128"):
+            pass
+
+
+def test_bench_smoke_runs_on_cpu(tmp_path):
+    """``bench.py --smoke`` (tiny shapes, XLA) runs end to end and writes its table."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--smoke", "--backends", "xla",
+                        "--parts", "ops", "--ops", "residual_rms,norm_matmul", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    table = (tmp_path / "table.md").read_text()
+    assert "| residual_rms | 256 | xla |" in table and "| norm_matmul | 256 | xla |" in table
+    assert "norm_swiglu" not in table  # --ops filters
