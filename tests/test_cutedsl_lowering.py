@@ -302,6 +302,13 @@ def test_tile_width_choice(monkeypatch):
         tile_n_request()
     monkeypatch.setenv(TILE_N_ENV, "256")
     assert tile_n_request() == 256
+    from coda_jax.ffi.lowering import MAX_STAGES_ENV, max_stages_request
+
+    monkeypatch.setenv(MAX_STAGES_ENV, "1")
+    with pytest.raises(ValueError, match=MAX_STAGES_ENV):
+        max_stages_request()
+    monkeypatch.setenv(MAX_STAGES_ENV, "4")
+    assert max_stages_request() == 4
 
 
 _SPILL_PROBE = textwrap.dedent("""

@@ -11,6 +11,10 @@ Plain GEMMs (the identity epilogue) go to XLA's GEMM (cuBLAS) by default, as on 
 backend (:func:`coda_jax.lowering.plain_gemm_route`); ``plain_gemm="cutedsl"`` or
 ``CODA_JAX_CUTEDSL_PLAIN_GEMM=cutedsl`` runs them on this backend's kernel.
 
+Tuning knobs, read when a call is traced: ``CODA_JAX_CUTEDSL_TILE_N=128|256`` forces the
+CTA tile width where the program fits it (default: :func:`coda_jax.ffi.kernel.choose_tile_n`),
+``CODA_JAX_CUTEDSL_MAX_STAGES=n`` caps the operand pipeline's depth.
+
 Kernels are built once per (epilogue, padded shapes, layouts, dtypes, tile config) and
 cached here; ``cutlass_call`` then compiles each one once (``compile_key`` skips IR
 regeneration on cache hits), so a training step does not recompile.
