@@ -316,9 +316,10 @@ def _typed_like(ref, value):
     return type(ref)(value) if isinstance(ref, cutlass.Numeric) else cutlass.Float32(value)
 
 
-def _dedup(keys, fetch):
-    """``fetch(i)`` for the first register of each static key (``None``: no key), reused by the rest."""
-    memo: dict[Any, Any] = {}
+def _dedup(keys, fetch, memo: dict | None = None):
+    """``fetch(i)`` for the first register of each static key (``None``: no key), reused by
+    the rest (and by later calls that pass the same ``memo``)."""
+    memo = {} if memo is None else memo
     out = []
     for i, k in enumerate(keys):
         if k is None:
@@ -466,26 +467,6 @@ class TileEpilogue:
             self.scr[r * cutlass.Int32(self.pitch) + c] = v
         self.sync()
 
-    def _reduce_rows_in_registers(self, out, kind, values):
-        """Row partial ``[pid_n, row]`` of the tile from registers: each lane of a quad holds a
-        quarter of the row's columns (whatever the pair block); all 4 lanes store the same
-        value (branch-free)."""
-        F = cutlass.Float32
-        keys = [r for r, _ in self.off]
-        if kind is OutputKind.ROW_SUM:
-            red = self._quad_reduce(values, keys, "sum")
-        else:  # max, then the sum of exp over the row
-            mx = self._quad_reduce(values, keys, "max")
-            # A fully masked row (cannot happen with real columns) would give -inf - -inf.
-            safe = {k: F(cutlass.select_(v == F(-math.inf), F(0.0), v)) for k, v in mx.items()}
-            se = self._quad_reduce([cute.math.exp(v - safe[k], fastmath=True) for v, k in zip(values, keys)], keys, "sum")
-            red = {k: safe[k] + cute.math.log(se[k], fastmath=True) for k in safe}
-        first = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        for k, i in first.items():
-            out[self.pid_n, self.m0 + self.rows[i]] = red[k]
-
     def _reduce_cols_to(self, out):
         F = cutlass.Float32
         for rep in range(-(-self.tn // THREADS)):
@@ -519,9 +500,7 @@ class TileEpilogue:
             vals[("acc", None, None)] = list(acc_vals)
         vals[("col0", None, None)] = [self.n0] * self.count
         grow = [self.m0 + r for r in self.rows]
-
-        def cvt(x):
-            return x.to(F) if x.dtype in (cutlass.BFloat16, cutlass.Float16) else x
+        cvt = _to_f32
 
         # Static keys of the registers' load positions: registers with equal keys read the same
         # element, so it is loaded once (a row load is 2 loads per thread, not one per register).
@@ -598,7 +577,6 @@ class TileEpilogue:
         F = cutlass.Float32
         plan, epi = self.plan, self.epi
         groups = self.count // 4
-        cvt = _to_f32
         # Per-row-key running reductions across chunks (row key = static row offset).
         red_state: dict[str, dict] = {o.name: {} for o in epi.outputs if o.kind is not OutputKind.TILE}
         # Tile loads not prefetched: the accumulator-shaped partition of this tile's block.
@@ -619,25 +597,24 @@ class TileEpilogue:
             for l in epi.loads:
                 t = loads[l.name]
                 if l.kind is LoadKind.SCALAR:
-                    vals[("load", l.name, None)] = [cvt(t[0])] * len(sel)
+                    vals[("load", l.name, None)] = [_to_f32(t[0])] * len(sel)
                 elif l.kind is LoadKind.ROW:  # 2 loads per thread, kept across chunks
-                    vals[("load", l.name, None)] = [
-                        _memo(row_memo, (l.name, self.off[i][0]), lambda i=i, t=t: cvt(t[self.m0 + self.rows[i]]))
-                        for i in sel]
+                    vals[("load", l.name, None)] = _dedup(
+                        [(l.name, self.off[i][0]) for i in sel],
+                        lambda j, t=t: _to_f32(t[self.m0 + self.rows[sel[j]]]), row_memo)
                 elif l.kind is LoadKind.COL:  # one load per column (the two rows share it)
-                    memo: dict[Any, Any] = {}
-                    vals[("load", l.name, None)] = [
-                        _memo(memo, self.off[i][1], lambda i=i, t=t: cvt(t[self.n0 + self.cols[i]])) for i in sel]
+                    vals[("load", l.name, None)] = _dedup(
+                        [self.off[i][1] for i in sel], lambda j, t=t: _to_f32(t[self.n0 + self.cols[sel[j]]]))
                 elif l.name in self.tile_frags:
                     frag = self.tile_frags[l.name]
-                    vals[("load", l.name, None)] = [cvt(frag[i]) for i in sel]
+                    vals[("load", l.name, None)] = [_to_f32(frag[i]) for i in sel]
                 else:  # TILE: vectorized loads of this chunk's column groups
                     got = []
                     for g in gs:
                         src = self._group(tile_src[l.name], g)
                         frag = cute.make_fragment_like(src)
                         cute.autovec_copy(src, frag)
-                        got += [cvt(frag[k]) for k in range(4)]
+                        got += [_to_f32(frag[k]) for k in range(4)]
                     vals[("load", l.name, None)] = got
             res = interpret(self.traced, vals, len(sel), self.ops, self, where=f"epilogue {epi.name!r}")
             for o in epi.outputs:
@@ -667,8 +644,8 @@ class TileEpilogue:
                 self._finish_rows(outs[o.name], o.kind, red_state[o.name])
 
     def _fold_rows(self, kind, state, values, keys):
-        """Folds one chunk's values into the running per-row partials: sums, or the online
-        ``(max, sum of exp)`` of a log-sum-exp."""
+        """Folds one chunk's values (the unchunked epilogue: all registers) into the running
+        per-row partials: sums, or the online ``(max, sum of exp)`` of a log-sum-exp."""
         F = cutlass.Float32
         for k in dict.fromkeys(keys):
             vs = [v for v, kk in zip(values, keys) if kk == k]
@@ -693,8 +670,9 @@ class TileEpilogue:
             state[k] = (mx, se)
 
     def _finish_rows(self, out, kind, state):
-        """Quad reduction of the per-row partials and one store per row (all 4 lanes store
-        the same value)."""
+        """Row partial ``[pid_n, row]`` of the tile: quad reduction of the per-row partials
+        (the 4 lanes of a quad hold the same rows, each a quarter of their columns) and one
+        store per row (all 4 lanes store the same value: branch-free)."""
         F = cutlass.Float32
         first = {}
         for i, (r, _) in enumerate(self.off):
@@ -800,14 +778,9 @@ class TileEpilogue:
                 masked = [F(cutlass.select_(c < cutlass.Int32(plan.n_real), v, fill)) for v, c in zip(mine, gcol)]
             if single_in_pair:  # one value per pair: only the lo-holder contributes
                 masked = [self._pick(lo, v, fill) for v, lo in zip(masked, self.is_lo)]
-            self._reduce_rows_in_registers(outs[o.name], o.kind, masked)
-
-
-def _memo(memo: dict, key, fetch):
-    """``memo[key]``, fetched once."""
-    if key not in memo:
-        memo[key] = fetch()
-    return memo[key]
+            state: dict = {}
+            self._fold_rows(o.kind, state, masked, [r for r, _ in self.off])
+            self._finish_rows(outs[o.name], o.kind, state)
 
 
 def _to_f32(x):
