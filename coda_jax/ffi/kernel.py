@@ -56,7 +56,8 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.ffi.interpret import TracedBody, interpret
 
-SMEM_CAPACITY = 227 * 1024
+SMEM_CAPACITY = 227 * 1024  # the H100's opt-in dynamic SMEM per CTA
+MAX_STAGES = 6
 THREADS = 256  # the consumer threads: two MMA + epilogue warpgroups (tid 0..255)
 CTA_THREADS = 384  # plus the producer warpgroup (tid 256..383)
 PRODUCER_WARP = 8  # the producer warpgroup's first warp issues the TMA loads
@@ -132,9 +133,28 @@ def needs_scratch(epi: Epilogue) -> bool:
     return col_sums or not register_layout_ok(epi)
 
 
-def _stages_that_fit(tile_n: int, itemsize: int, reserved: int) -> int:
-    per_stage = (TILE_M + tile_n) * TILE_K * itemsize
-    return min(6, (SMEM_CAPACITY - reserved - 4096) // per_stage)
+def _align(offset: int, alignment: int) -> int:
+    return -(-offset // alignment) * alignment
+
+
+def smem_bytes(stages: int, tile_n: int, itemsize: int, scratch: int, staged: list[int]) -> int:
+    """Bytes of the kernel's SMEM struct (``build_launcher``'s ``Smem``), field by field:
+    the ring's mbarrier pairs (8 B each), the ``a`` and ``b`` operand rings (1 KiB aligned),
+    the float32 scratch (``scratch`` floats, >= 1, 16 B aligned) and one staging tile per
+    staged output (``staged``: their sizes in bytes, 1 KiB aligned)."""
+    off = 16 * stages
+    for size in ((TILE_M * TILE_K * itemsize * stages), (tile_n * TILE_K * itemsize * stages)):
+        off = _align(off, 1024) + size
+    off = _align(off, 16) + 4 * scratch
+    for size in staged:
+        off = _align(off, 1024) + size
+    return _align(off, 1024)
+
+
+def _stages_that_fit(tile_n: int, itemsize: int, scratch: int, staged: list[int]) -> int:
+    """The deepest operand ring (at most ``MAX_STAGES``) whose SMEM struct fits; 0 if none."""
+    fits = [s for s in range(1, MAX_STAGES + 1) if smem_bytes(s, tile_n, itemsize, scratch, staged) <= SMEM_CAPACITY]
+    return max(fits, default=0)
 
 
 def scratch_floats(tile_n: int, pair_block: int | None) -> int:
@@ -143,20 +163,20 @@ def scratch_floats(tile_n: int, pair_block: int | None) -> int:
     return TILE_M * row_pitch + segments
 
 
-def staging_bytes(epi: Epilogue, tile_n: int, out_dtypes) -> int:
-    """SMEM for one ``[TILE_M, width]`` staging tile per tile output (+1 KiB alignment each)."""
+def staging_sizes(epi: Epilogue, tile_n: int, out_dtypes) -> list[int]:
+    """Bytes of each tile output's ``[TILE_M, width]`` SMEM staging tile."""
     dts = dict(out_dtypes)
-    return sum(TILE_M * epi.width(tile_n, o.half) * np.dtype(dts[o.name]).itemsize + 1024
-               for o in epi.outputs if o.kind is OutputKind.TILE)
+    return [TILE_M * epi.width(tile_n, o.half) * np.dtype(dts[o.name]).itemsize
+            for o in epi.outputs if o.kind is OutputKind.TILE]
 
 
 def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes) -> tuple[int, bool]:
     """``(stages, stage_outputs)``: stage tile outputs in SMEM when a 3-stage ring still fits."""
-    scratch = 4 * scratch_floats(tile_n, epi.pair_block) + 1024 if needs_scratch(epi) else 0
-    staged = _stages_that_fit(tile_n, itemsize, scratch + staging_bytes(epi, tile_n, out_dtypes))
+    scratch = scratch_floats(tile_n, epi.pair_block) if needs_scratch(epi) else 1
+    staged = _stages_that_fit(tile_n, itemsize, scratch, staging_sizes(epi, tile_n, out_dtypes))
     if staged >= MIN_STAGED_STAGES:
         return staged, True
-    return max(2, _stages_that_fit(tile_n, itemsize, scratch)), False
+    return max(2, _stages_that_fit(tile_n, itemsize, scratch, [])), False
 
 
 WIDE_TILE_N = 256
