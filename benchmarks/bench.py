@@ -268,12 +268,42 @@ def _epilogue_cases(d):
 
 
 def bench_epilogues(widths, backends, iters, labels=None):
-    """Time of each forward program's GEMM vs the identity-epilogue GEMM of the same shape
-    (``labels``: only the cases with these labels)."""
+    """Time of each forward program's GEMM on every kernel backend (and variant, e.g.
+    ``cutedsl@s4``) vs the identity-epilogue GEMM of the same shape (``labels``: only the
+    cases with these labels). Each case's backends are compiled under their own settings,
+    then timed in interleaved rounds (and XLA's dot beside the identity cases)."""
     rows = []
-    for name in [b for b in backends if b != "xla"]:
-        with backend_variant(name) as base:
-            rows += _bench_epilogues_of(name, _kernel_lowering(base), widths, iters, labels)
+    kernels = [b for b in backends if b != "xla"]
+    for d in widths:
+        for label, epi, m, k, n, ta, tb in _epilogue_cases(d):
+            if labels and label not in labels:
+                continue
+            a, b, loads = epilogue_inputs(epi, m, k, n, ta, tb)
+            cases, case_rows = {}, {}
+            for name in kernels:
+                row = {"op": "epilogue", "backend": name, "d": d, "program": label, "m": m, "k": k, "n": n}
+                case_rows[name] = row
+                try:
+                    with backend_variant(name) as base:
+                        low = _kernel_lowering(base)
+                        fn = jax.jit(lambda a, b, loads, epi=epi, ta=ta, tb=tb, low=low: low.gemm(
+                            epi, a, b, loads, transpose_a=ta, transpose_b=tb))
+                        jax.block_until_ready(fn(a, b, loads))  # compiled under the variant's settings
+                    cases[name] = (fn, (a, b, loads))
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    traceback.print_exc()
+            if epi is programs.IDENTITY:
+                cases["xla_dot"] = (jax.jit(lambda a, b, ta=ta, tb=tb: jnp.dot(a.T if ta else a, b.T if tb else b)),
+                                    (a, b))
+            times = interleaved_median_ms(cases, iters) if cases else {}
+            for name, row in case_rows.items():
+                if name in times:
+                    row["ms"] = times[name]
+                    row["tflops"] = 2 * m * k * n / row["ms"] / 1e9
+                row["xla_dot_ms"] = times.get("xla_dot")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -296,29 +326,6 @@ def epilogue_inputs(epi, m, k, n, ta, tb):
         else:
             loads[l.name] = r.normal((m, width))
     return a, b, loads
-
-
-def _bench_epilogues_of(name, low, widths, iters, labels):
-    rows = []
-    for d in widths:
-        for label, epi, m, k, n, ta, tb in _epilogue_cases(d):
-            if labels and label not in labels:
-                continue
-            a, b, loads = epilogue_inputs(epi, m, k, n, ta, tb)
-            fn = jax.jit(lambda a, b, loads, epi=epi, ta=ta, tb=tb: low.gemm(epi, a, b, loads, transpose_a=ta,
-                                                                               transpose_b=tb))
-            row = {"op": "epilogue", "backend": name, "d": d, "program": label, "m": m, "k": k, "n": n}
-            try:
-                row["ms"] = median_ms(fn, a, b, loads, iters=iters)
-                dot = jax.jit(lambda a, b, ta=ta, tb=tb: jnp.dot(a.T if ta else a, b.T if tb else b))
-                row["xla_dot_ms"] = median_ms(dot, a, b, iters=iters) if epi is programs.IDENTITY else None
-                row["tflops"] = 2 * m * k * n / row["ms"] / 1e9
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
 
 
 def ce_memory(backends):

@@ -57,7 +57,9 @@ from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.ffi.interpret import TracedBody, interpret
 
 SMEM_CAPACITY = 227 * 1024  # the H100's opt-in dynamic SMEM per CTA
-MAX_STAGES = 6
+# Deepest operand ring: ce_grad (128-wide, one staged output) ran 1.045 ms with 6 stages and
+# 0.959 ms with 5 in one interleaved run (benchmarks/RESULTS.md, run 56).
+MAX_STAGES = 5
 THREADS = 256  # the consumer threads: two MMA + epilogue warpgroups (tid 0..255)
 CTA_THREADS = 384  # plus the producer warpgroup (tid 256..383)
 PRODUCER_WARP = 8  # the producer warpgroup's first warp issues the TMA loads
