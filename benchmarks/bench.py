@@ -417,24 +417,19 @@ def plain_gemm_route(backend, plain):
 
 @contextlib.contextmanager
 def backend_variant(label):
-    """``label`` is a backend or ``"cutedsl@[<tile_n>][s<max stages>][l<lookahead>]"`` (e.g.
-    ``cutedsl@128``: the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at
-    most 4 operand stages; ``cutedsl@l0``: no mainloop lookahead), to compare kernel
-    configurations in one run. Within, yields the backend's name."""
-    import re
-
+    """``label`` is a backend or ``"cutedsl@[<tile_n>][s<max stages>]"`` (e.g. ``cutedsl@128``:
+    the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at most 4 operand
+    stages), to compare kernel configurations in one run. Within, yields the backend's name."""
     base, _, variant = label.partition("@")
-    parsed = re.fullmatch(r"(\d+)?(?:s(\d+))?(?:l(\d+))?", variant)
-    if variant and (base != "cutedsl" or parsed is None):
-        raise ValueError(f"backend variant {label!r}: only cutedsl@[<tile_n>][s<max stages>][l<lookahead>] "
-                         "is defined")
+    if variant and base != "cutedsl":
+        raise ValueError(f"backend variant {label!r}: only cutedsl@<tile_n>[s<max stages>] is defined")
     if not variant:
         yield base
         return
-    from coda_jax.ffi.lowering import LOOKAHEAD_ENV, MAX_STAGES_ENV, TILE_N_ENV
+    from coda_jax.ffi.lowering import MAX_STAGES_ENV, TILE_N_ENV
 
-    tile, stages, lookahead = parsed.groups()
-    with _env(TILE_N_ENV, tile), _env(MAX_STAGES_ENV, stages), _env(LOOKAHEAD_ENV, lookahead):
+    tile, _, stages = variant.partition("s")
+    with _env(TILE_N_ENV, tile or None), _env(MAX_STAGES_ENV, stages or None):
         yield base
 
 

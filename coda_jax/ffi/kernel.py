@@ -108,9 +108,6 @@ class KernelPlan:
     operand_dtype: Any
     load_dtypes: tuple[tuple[str, Any], ...]
     out_dtypes: tuple[tuple[str, Any], ...]
-    # K-tiles of the next output tile whose wgmmas are issued, into a second accumulator,
-    # before the current tile's epilogue runs (0: none; see :func:`choose_lookahead`).
-    lookahead: int = 0
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -253,23 +250,6 @@ def choose_tile_n(epi: Epilogue, m: int, n: int, itemsize: int, out_dtypes, sms:
         return -(-tiles // sms) * tn / speed
 
     return wide if cost(wide, WIDE_TILE_SPEEDUP) <= cost(narrow, 1.0) else narrow
-
-
-def choose_lookahead(epi: Epilogue, tile_n: int, stages: int, k_tiles: int) -> int:
-    """K-tiles of the next output tile to put in flight on the tensor cores before an
-    epilogue (the epilogue then overlaps them instead of leaving the tensor cores idle).
-
-    The next tile accumulates into the accumulator registers while the epilogue works on a
-    copy of the finished tile's values: two accumulators' worth of registers, which fits
-    beside an epilogue only on 128-wide tiles (64 registers each; a 256-wide tile's 128 leave
-    no room), and only if the epilogue's tile loads are not held in registers through the
-    mainloop: they are then read in the epilogue, chunk by chunk (a pair-mode epilogue with
-    tile loads, which reads them all at once, spills: no lookahead). The lookahead's operand
-    stages stay taken until the epilogue ends, so two stages are left to the producer."""
-    tile_loads = any(l.kind is LoadKind.TILE for l in epi.loads)
-    if tile_n > 128 or (tile_loads and not chunked_epilogue(epi)):
-        return 0
-    return max(0, min(stages - 2, k_tiles - 1))
 
 
 # --------------------------------------------------------------- element ops --------
@@ -836,14 +816,13 @@ def chunked_epilogue(epi: Epilogue) -> bool:
             and not any(l.kind is LoadKind.ROW_BLOCK for l in epi.loads))
 
 
-def prefetched_tile_loads(epi: Epilogue, tile_n: int = 128, lookahead: int = 0) -> list[str]:
+def prefetched_tile_loads(epi: Epilogue, tile_n: int = 128) -> list[str]:
     """Tile loads read into registers before the tile's mainloop (so their latency hides
     behind it): full-width loads whose elements line up with the accumulator registers
     (no pair mode, pair blocks in registers, or ``half_acc``'s (lo, hi) columns; not the
     half-width loads of pair mode), on tiles up to 128 wide (at 256 columns the
-    accumulator leaves no room: a chunked epilogue loads them chunk by chunk instead) and
-    without a lookahead (whose second accumulator takes their registers)."""
-    if not register_layout_ok(epi) or tile_n > 128 or lookahead > 0:
+    accumulator leaves no room: a chunked epilogue loads them chunk by chunk instead)."""
+    if not register_layout_ok(epi) or tile_n > 128:
         return []
     return [l.name for l in epi.loads if l.kind is LoadKind.TILE and not l.half]
 
@@ -857,11 +836,10 @@ def _load_fragment(thr, view):
     return frag
 
 
-def prefetch_tile_loads(epi: Epilogue, thr, loads: dict[str, Any], tile_n: int, pid_m, pid_n,
-                        lookahead: int = 0) -> dict[str, Any]:
+def prefetch_tile_loads(epi: Epilogue, thr, loads: dict[str, Any], tile_n: int, pid_m, pid_n) -> dict[str, Any]:
     """``{name: fragment}`` (``half_acc``: ``{name: (lo, hi)}``) of each prefetched tile load."""
     frags = {}
-    for name in prefetched_tile_loads(epi, tile_n, lookahead):
+    for name in prefetched_tile_loads(epi, tile_n):
         if not epi.half_acc:
             frags[name] = _load_fragment(thr, cute.local_tile(loads[name], (TILE_M, tile_n), (pid_m, pid_n)))
             continue
@@ -906,7 +884,6 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     grid_m, grid_n = plan.grid
     num_tiles = grid_m * grid_n
     stages = plan.stages
-    lookahead = plan.lookahead
     use_scratch = needs_scratch(epi)
     n_scratch = scratch_floats(tn, epi.pair_block) if use_scratch else 1
     ab_dtype = dsl_dtype(plan.operand_dtype)
@@ -986,17 +963,6 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                         ring.producer_commit(produce)
                         produce.advance()
                     tile += plan.ctas
-                # The consumers put the first ``lookahead`` K-tiles of a "next" tile in flight
-                # after their last one too: feed them (tile 0's, never used) so that the
-                # consumer code stays branch-free.
-                for kt in cutlass.range_constexpr(lookahead):
-                    ring.producer_acquire(produce)
-                    cute.copy(tma_a, ta_g[(None, 0, kt)], ta_s[(None, produce.index)],
-                              tma_bar_ptr=ring.producer_get_barrier(produce))
-                    cute.copy(tma_b, tb_g[(None, 0, kt)], tb_s[(None, produce.index)],
-                              tma_bar_ptr=ring.producer_get_barrier(produce))
-                    ring.producer_commit(produce)
-                    produce.advance()
                 ring.producer_tail(produce)
         else:
             # ---------------- consumers: wgmma mainloop + epilogue, one tile at a time.
@@ -1030,47 +996,22 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     cute.group_modes(cute.local_tile(g, (tm, w), (None, None)), 0, 2)))
 
             tile = cutlass.Int32(bid)
-            if cutlass.const_expr(lookahead > 0):
-                # The first tile's first K-tiles (later tiles': before the previous epilogue).
-                # K-tile 0 starts the accumulation (ACCUMULATE=False on its first wgmma): the
-                # flag is a compile-time fact, never a loop-carried value.
-                for kt in cutlass.range_constexpr(lookahead):
-                    ring.consumer_wait(consume)
-                    cute.nvgpu.warpgroup.fence()
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        if cutlass.const_expr(kt == 0 and kb == 0):
-                            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                        cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)],
-                                  frag_b[(None, None, kb, consume.index)], acc)
-                        mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                    consume.advance()
             while tile < num_tiles:
                 pm, pn = _tile_of(tile, grid_m, grid_n)
                 # The epilogue's tile loads stream into registers during the mainloop.
-                frags = prefetch_tile_loads(epi, thr, loads, tn, pm, pn, lookahead)
-                first_k = lookahead
-                if cutlass.const_expr(lookahead == 0):
-                    for kt in cutlass.range_constexpr(1):
-                        ring.consumer_wait(consume)
-                        cute.nvgpu.warpgroup.fence()
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            if cutlass.const_expr(kt == 0 and kb == 0):
-                                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                            cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)],
-                                      frag_b[(None, None, kb, consume.index)], acc)
-                            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                        cute.nvgpu.warpgroup.commit_group()
-                        consume.advance()
-                    first_k = 1
-                else:
-                    # The lookahead K-tiles (issued before the previous epilogue) are done: free
-                    # their stages but the last, so the release state trails by one batch.
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    for _ in cutlass.range_constexpr(lookahead - 1):
-                        ring.consumer_release(release)
-                        release.advance()
-                for kt in cutlass.range(first_k, k_tiles, 1, unroll=1):
+                frags = prefetch_tile_loads(epi, thr, loads, tn, pm, pn)
+                # K-tile 0 is peeled: it starts the accumulation (ACCUMULATE=False on its first
+                # wgmma), so the flag is a compile-time fact and never a loop-carried value.
+                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                ring.consumer_wait(consume)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)],
+                              frag_b[(None, None, kb, consume.index)], acc)
+                    mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                consume.advance()
+                for kt in cutlass.range(1, k_tiles, 1, unroll=1):
                     ring.consumer_wait(consume)
                     cute.nvgpu.warpgroup.fence()
                     for kb in cutlass.range_constexpr(k_blocks):
@@ -1085,21 +1026,6 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                 cute.nvgpu.warpgroup.wait_group(0)
                 ring.consumer_release(release)
                 release.advance()
-                acc_vals = [acc[i] for i in range(count)]
-                if cutlass.const_expr(lookahead > 0):
-                    # The next tile (past the last: the producer's spare K-tiles) starts on the
-                    # tensor cores while this tile's epilogue runs on its values.
-                    for kt in cutlass.range_constexpr(lookahead):
-                        ring.consumer_wait(consume)
-                        cute.nvgpu.warpgroup.fence()
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            if cutlass.const_expr(kt == 0 and kb == 0):
-                                mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                            cute.gemm(mma, acc, frag_a[(None, None, kb, consume.index)],
-                                      frag_b[(None, None, kb, consume.index)], acc)
-                            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                        cute.nvgpu.warpgroup.commit_group()
-                        consume.advance()
 
                 # Epilogue. The staging tiles are free once the previous tile's TMA stores
                 # have read them.
@@ -1107,6 +1033,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     if tidx == 0:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                     TileEpilogue.sync()
+                acc_vals = [acc[i] for i in range(count)]
                 ep = TileEpilogue(epi, traced, plan, scratch, cutlass.Int32(tidx), base, offsets,
                                   pm * cutlass.Int32(tm), pn * cutlass.Int32(tn), pm, pn, staging, thr, frags)
                 ep.run(acc_vals, loads, outs)
@@ -1119,11 +1046,6 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                             cute.copy(atom, st_s, st_g[(None, pm, pn)])
                         cute.arch.cp_async_bulk_commit_group()
                 tile += plan.ctas
-            if cutlass.const_expr(lookahead > 0):
-                cute.nvgpu.warpgroup.wait_group(0)
-                for _ in cutlass.range_constexpr(lookahead):
-                    ring.consumer_release(release)
-                    release.advance()
             if cutlass.const_expr(len(staged) > 0):
                 if tidx == 0:
                     cute.arch.cp_async_bulk_wait_group(0)

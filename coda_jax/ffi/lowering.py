@@ -13,10 +13,7 @@ backend (:func:`coda_jax.lowering.plain_gemm_route`); ``plain_gemm="cutedsl"`` o
 
 Tuning knobs, read when a call is traced: ``CODA_JAX_CUTEDSL_TILE_N=128|256`` forces the
 CTA tile width where the program fits it (default: :func:`coda_jax.ffi.kernel.choose_tile_n`),
-``CODA_JAX_CUTEDSL_MAX_STAGES=n`` caps the operand pipeline's depth,
-``CODA_JAX_CUTEDSL_LOOKAHEAD=n`` sets how many K-tiles of the next output tile go on the
-tensor cores before an epilogue (default :func:`coda_jax.ffi.kernel.choose_lookahead`; 0
-turns the overlap off).
+``CODA_JAX_CUTEDSL_MAX_STAGES=n`` caps the operand pipeline's depth.
 
 Kernels are built once per (epilogue, padded shapes, layouts, dtypes, tile config) and
 cached here; ``cutlass_call`` then compiles each one once (``compile_key`` skips IR
@@ -44,7 +41,6 @@ TILE_K = 64
 MAX_TILE_N = 256
 TILE_N_ENV = "CODA_JAX_CUTEDSL_TILE_N"
 MAX_STAGES_ENV = "CODA_JAX_CUTEDSL_MAX_STAGES"
-LOOKAHEAD_ENV = "CODA_JAX_CUTEDSL_LOOKAHEAD"
 
 
 def _round_up(x: int, q: int) -> int:
@@ -69,18 +65,6 @@ def max_stages_request() -> int | None:
         return None
     if not raw.isdigit() or int(raw) < 2:
         raise ValueError(f"{MAX_STAGES_ENV} must be an integer >= 2, got {raw!r}")
-    return int(raw)
-
-
-def lookahead_request() -> int | None:
-    """``CODA_JAX_CUTEDSL_LOOKAHEAD``: K-tiles of the next output tile issued before an
-    epilogue (a tuning knob; it is capped by what fits: no overlap on 256-wide tiles, and at
-    most ``stages - 1`` and ``k_tiles - 1``)."""
-    raw = os.environ.get(LOOKAHEAD_ENV, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise ValueError(f"{LOOKAHEAD_ENV} must be an integer >= 0, got {raw!r}")
     return int(raw)
 
 
@@ -135,7 +119,7 @@ class CuteDslLowering:
     ) -> dict[str, jax.Array]:
         from cutlass.jax import TensorSpec
 
-        from coda_jax.ffi.kernel import KernelPlan, choose_lookahead, choose_tile_n, plan_smem
+        from coda_jax.ffi.kernel import KernelPlan, choose_tile_n, plan_smem
 
         m, n, k = check_kernel_gemm("CuTeDSL", epilogue, a, b, loads, transpose_a, transpose_b)
         if epilogue is programs.IDENTITY and plain_gemm_route(self.name, self.plain_gemm) == "xla":
@@ -183,13 +167,9 @@ class CuteDslLowering:
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         stages, stage_outputs = plan_smem(epilogue, tn, itemsize, dtypes)
         stages = min(stages, max_stages_request() or stages)
-        lookahead = choose_lookahead(epilogue, tn, stages, kp // TILE_K)
-        request = lookahead_request()
-        if request is not None and tn <= 128:
-            lookahead = min(request, stages - 1, kp // TILE_K - 1)
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
                           sms=sms, stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
-                          load_dtypes=load_dtypes, out_dtypes=dtypes, lookahead=lookahead)
+                          load_dtypes=load_dtypes, out_dtypes=dtypes)
         launch = _build(epilogue, plan)
         out_types = []
         for o in epilogue.outputs:
