@@ -286,6 +286,7 @@ def test_tile_width_choice(monkeypatch):
     assert pick(P.NORM_WGRAD, 2048, 16384) == 256  # chunked epilogue: tile load, output, row sum
     assert pick(P.RESIDUAL, 8192, 2048) == 256
     assert pick(P.CE_GRAD, 8192, 16384) == 128  # NARROW_PROGRAMS: spills at 256
+    assert pick(P.rms_dgrad(True), 8192, 2048) == 256  # two outputs, staged a sub-tile at a time
     assert pick(P.RMS_LSE, 8192, 128256) == 256
     assert pick(P.rms_swiglu(False), 8192, 16384) == 256  # two (gate, up) pair segments per tile
     assert pick(P.IDENTITY, 256, 512) == 128  # 2 x 2 wide tiles would leave 128 SMs idle

@@ -70,7 +70,9 @@ TILE_M = 128
 TILE_K = 64
 GROUP_M = 8  # tile rows per raster group
 MIN_STAGED_STAGES = 3  # stage tile outputs in SMEM only if this many operand stages still fit
-CHUNK_GROUPS = 16  # column groups (4 accumulator registers each) per chunk of a chunked epilogue
+CHUNK_GROUPS = 8  # column groups (4 accumulator registers each) per chunk of a chunked epilogue
+SUBTILE_N = 8 * CHUNK_GROUPS  # columns of one chunk: its outputs' SMEM staging sub-tile
+SUBTILE_BUFFERS = 2  # staging sub-tiles per output (a chunk fills one while the last one's store runs)
 
 _DSL = {
     np.dtype(np.float32): cutlass.Float32,
@@ -165,11 +167,24 @@ def scratch_floats(tile_n: int, pair_block: int | None) -> int:
     return TILE_M * row_pitch + segments
 
 
+def staging_width(epi: Epilogue, tile_n: int, half: bool) -> tuple[int, int]:
+    """``(width, buffers)`` of one tile output's SMEM staging: a chunked epilogue stages each
+    chunk's ``[TILE_M, SUBTILE_N]`` sub-tile in a ring of ``SUBTILE_BUFFERS`` (one TMA store
+    per chunk); the others stage the whole ``[TILE_M, width]`` output tile once."""
+    if chunked_epilogue(epi):
+        return SUBTILE_N, SUBTILE_BUFFERS
+    return epi.width(tile_n, half), 1
+
+
 def staging_sizes(epi: Epilogue, tile_n: int, out_dtypes) -> list[int]:
-    """Bytes of each tile output's ``[TILE_M, width]`` SMEM staging tile."""
+    """Bytes of each tile output's SMEM staging (:func:`staging_width`)."""
     dts = dict(out_dtypes)
-    return [TILE_M * epi.width(tile_n, o.half) * np.dtype(dts[o.name]).itemsize
-            for o in epi.outputs if o.kind is OutputKind.TILE]
+    sizes = []
+    for o in epi.outputs:
+        if o.kind is OutputKind.TILE:
+            width, buffers = staging_width(epi, tile_n, o.half)
+            sizes.append(TILE_M * width * buffers * np.dtype(dts[o.name]).itemsize)
+    return sizes
 
 
 def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes) -> tuple[int, bool]:
@@ -189,8 +204,8 @@ WIDE_TILE_SPEEDUP = 1.1
 
 
 # Programs kept on 128-wide tiles although the rule admits 256: ce_grad's chunked epilogue
-# still spills 72 bytes at 256 columns (ptxas hoists all 128 of its exps ahead of the
-# chunks' stores). Checked by the spill test with the rest.
+# still spills (88 bytes at an 8192^3 GEMM: ptxas hoists its exps ahead of the chunks'
+# stores). Checked by the spill test with the rest.
 NARROW_PROGRAMS = frozenset({"ce_grad"})
 
 
@@ -359,13 +374,17 @@ class TileEpilogue:
 
     def __init__(self, epi: Epilogue, traced: TracedBody, plan: KernelPlan, scratch, tidx, base, offsets, m0, n0,
                  pid_m, pid_n, staging: dict[str, Any] | None = None, thr=None,
-                 tile_frags: dict[str, Any] | None = None):
+                 tile_frags: dict[str, Any] | None = None, subtile_stores: list | None = None):
         """``base``: this thread's first accumulator coordinate ``(row, col)`` (dynamic);
         ``offsets``: every accumulator register's static ``(row, col)`` offset from it (the
         wgmma fragment layout: a thread holds 2 rows x ``tile_n / 4`` columns, and the 4
         lanes of a quad hold the same rows). ``thr``: this thread's slice of the tiled MMA
         (partitions a ``[TILE_M, tile_n]`` tile like the accumulator: vectorized staging
-        stores); ``tile_frags``: tile loads already in registers (:func:`prefetch_tile_loads`)."""
+        stores); ``tile_frags``: tile loads already in registers (:func:`prefetch_tile_loads`).
+        ``subtile_stores``: for a chunked epilogue with staged outputs, ``(tma_atom, smem
+        sub-tiles, global sub-tiles)`` per output; ``staging`` then holds ``[TILE_M, tile_n]``
+        views whose column blocks of ``SUBTILE_N`` alternate over the sub-tile ring."""
+        self.subtile_stores = subtile_stores
         self.thr = thr
         self.tile_frags = tile_frags or {}
         self.active = None  # the registers of the chunk being evaluated (None: all)
@@ -612,6 +631,7 @@ class TileEpilogue:
                          for o in epi.outputs if o.kind is OutputKind.TILE}
         for g0 in range(0, groups, CHUNK_GROUPS):
             gs = list(range(g0, min(groups, g0 + CHUNK_GROUPS)))
+            chunk = g0 // CHUNK_GROUPS
             sel = [4 * g + k for g in gs for k in range(4)]
             self.active = sel
             vals = {("acc", None, None): [acc_vals[i] for i in sel],
@@ -639,6 +659,12 @@ class TileEpilogue:
                         got += [_to_f32(frag[k]) for k in range(4)]
                     vals[("load", l.name, None)] = got
             res = interpret(self.traced, vals, len(sel), self.ops, self, where=f"epilogue {epi.name!r}")
+            if dst_parts:
+                # This chunk's staging sub-tile was last read by the TMA store issued two chunks
+                # ago: at most one store group (the last chunk's) may still be reading.
+                # (Only the issuing thread has bulk groups; the wait is a no-op in the others.)
+                cute.arch.cp_async_bulk_wait_group(SUBTILE_BUFFERS - 1, read=True)
+                self.sync()
             for o in epi.outputs:
                 mine = res[(o.name, None)]
                 if o.kind is OutputKind.TILE:
@@ -660,10 +686,23 @@ class TileEpilogue:
                     mine = [F(cutlass.select_(self.n0 + self.cols[i] < cutlass.Int32(plan.n_real), v, fill))
                             for i, v in zip(sel, mine)]
                 self._fold_rows(o.kind, red_state[o.name], mine, [self.off[i][0] for i in sel])
+            if dst_parts:
+                self._store_subtile(chunk)
         self.active = None
         for o in epi.outputs:
             if o.kind is not OutputKind.TILE:
                 self._finish_rows(outs[o.name], o.kind, red_state[o.name])
+
+    def _store_subtile(self, chunk: int):
+        """One TMA store per output of this chunk's staged ``[TILE_M, SUBTILE_N]`` sub-tile
+        (issued by thread 0, committed as one bulk group)."""
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> TMA
+        self.sync()
+        col_block = self.pid_n * cutlass.Int32(self.tn // SUBTILE_N) + cutlass.Int32(chunk)
+        with _thread0(self.tidx):
+            for atom, st_s, st_g in self.subtile_stores:
+                cute.copy(atom, st_s[(None, chunk % SUBTILE_BUFFERS)], st_g[(None, self.pid_m, col_block)])
+            cute.arch.cp_async_bulk_commit_group()
 
     def _fold_rows(self, kind, state, values, keys):
         """Folds one chunk's values (the unchunked epilogue: all registers) into the running
@@ -805,6 +844,14 @@ class TileEpilogue:
             self._finish_rows(outs[o.name], o.kind, state)
 
 
+def _thread0(tidx):
+    """Context manager: its block runs on consumer thread 0 only (an ``scf.if`` region)."""
+    from cutlass._mlir.dialects import scf
+    from cutlass.cute.arch.elect import IfOpRegion
+
+    return IfOpRegion(scf.IfOp((tidx == cutlass.Int32(0)).ir_value()).then_block)
+
+
 def _to_f32(x):
     return x.to(cutlass.Float32) if x.dtype in (cutlass.BFloat16, cutlass.Float16) else x
 
@@ -870,9 +917,23 @@ def _symbol(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _staging_layout(dtype, width: int):
-    """128B-swizzled SMEM layout of one ``[TILE_M, width]`` row-major output tile."""
-    return cute.slice_(sm90.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, (TILE_M, width), 1), (None, None, 0))
+def _staging_layout(dtype, width: int, buffers: int = 1):
+    """128B-swizzled SMEM layout of one ``[TILE_M, width]`` row-major output tile
+    (``buffers > 1``: ``[TILE_M, width, buffers]``, a ring of them)."""
+    lay = sm90.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, (TILE_M, width), buffers)
+    return lay if buffers > 1 else cute.slice_(lay, (None, None, 0))
+
+
+def _subtile_view(ring, tile_n: int):
+    """``[TILE_M, tile_n]`` view of a ``[TILE_M, SUBTILE_N, SUBTILE_BUFFERS]`` staging ring:
+    column block ``j`` (of ``SUBTILE_N``) is sub-tile ``j % SUBTILE_BUFFERS`` (a stride-0
+    mode repeats the ring), so the accumulator-shaped partition of the whole tile writes each
+    chunk into its sub-tile."""
+    reps = tile_n // (SUBTILE_N * SUBTILE_BUFFERS)
+    # Linear index into the ring's (row, col, buffer) domain, column-major.
+    idx = cute.make_layout((TILE_M, (SUBTILE_N, SUBTILE_BUFFERS, reps)),
+                           stride=(1, (TILE_M, TILE_M * SUBTILE_N, 0)))
+    return cute.composition(ring, idx)
 
 
 def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
@@ -891,9 +952,14 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     b_layout = LayoutEnum.ROW_MAJOR if plan.transpose_b else LayoutEnum.COL_MAJOR  # K-major / N-major
     tile_mnk = (tm, tn, tk)
     out_dts = dict(plan.out_dtypes)
-    # Staged tile outputs: (position in io, name, DSL dtype, staging width).
-    staged = [(n_loads + i, o.name, dsl_dtype(out_dts[o.name]), epi.width(tn, o.half))
+    # Staged tile outputs: (position in io, name, DSL dtype, staging width, buffers).
+    staged = [(n_loads + i, o.name, dsl_dtype(out_dts[o.name])) + staging_width(epi, tn, o.half)
               for i, o in enumerate(epi.outputs) if o.kind is OutputKind.TILE and plan.stage_outputs]
+    # Chunked epilogues store each chunk's sub-tile themselves; the others one tile per output.
+    subtiled = bool(staged) and chunked_epilogue(epi)
+    if subtiled and tn % (SUBTILE_N * SUBTILE_BUFFERS):
+        raise ValueError(f"tile_n={tn} is not a multiple of {SUBTILE_N * SUBTILE_BUFFERS} (staging sub-tiles)")
+    whole_tile_stores = bool(staged) and not subtiled
 
     @cute.kernel
     def gemm_kernel(tma_a: cute.CopyAtom, g_a: cute.Tensor, tma_b: cute.CopyAtom, g_b: cute.Tensor,
@@ -906,14 +972,14 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
-        stage_layouts = [_staging_layout(dt, w) for (_, _, dt, w) in staged]
+        stage_layouts = [_staging_layout(dt, w, nbuf) for (_, _, dt, w, nbuf) in staged]
         fields = {
             "bars": cute.struct.MemRange[cutlass.Int64, stages * 2],
             "sa": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sa_layout)], 1024],
             "sb": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sb_layout)], 1024],
             "scratch": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_scratch], 16],
         }
-        for i, ((_, _, dt, _), lay) in enumerate(zip(staged, stage_layouts)):
+        for i, ((_, _, dt, _, _), lay) in enumerate(zip(staged, stage_layouts)):
             fields[f"out{i}"] = cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay)], 1024]
         Smem = cute.struct(type("Smem", (), {"__annotations__": fields}))
 
@@ -985,15 +1051,20 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             offsets = [c0[i] for i in range(count)]
             loads = dict(zip(load_names, io[:n_loads]))
             outs = dict(zip(out_names, io[n_loads:]))
-            # TMA store views: (TMA, tiles_m, tiles_n) per staged output.
+            # TMA store views: (TMA[, sub-tile]) and (TMA, tiles_m, tiles_n) per staged output
+            # (sub-tiled: tiles of SUBTILE_N columns).
             st_parts = []
             staging = None
-            if cutlass.const_expr(len(staged) > 0):
-                staging = {name: s for (_, name, _, _), s in zip(staged, s_out)}
-            for (_, _, _, w), atom, g, s in zip(staged, tma_out, g_out, s_out):
+            subtile_stores = None
+            for (_, _, _, w, _), atom, g, s in zip(staged, tma_out, g_out, s_out):
                 st_parts.append(cute.nvgpu.cpasync.tma_partition(
                     atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
                     cute.group_modes(cute.local_tile(g, (tm, w), (None, None)), 0, 2)))
+            if cutlass.const_expr(whole_tile_stores):
+                staging = {name: s for (_, name, _, _, _), s in zip(staged, s_out)}
+            if cutlass.const_expr(subtiled):
+                staging = {name: _subtile_view(s, tn) for (_, name, _, _, _), s in zip(staged, s_out)}
+                subtile_stores = [(atom, st_s, st_g) for atom, (st_s, st_g) in zip(tma_out, st_parts)]
 
             tile = cutlass.Int32(bid)
             while tile < num_tiles:
@@ -1029,15 +1100,16 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
 
                 # Epilogue. The staging tiles are free once the previous tile's TMA stores
                 # have read them.
-                if cutlass.const_expr(len(staged) > 0):
+                if cutlass.const_expr(whole_tile_stores):
                     if tidx == 0:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                     TileEpilogue.sync()
                 acc_vals = [acc[i] for i in range(count)]
                 ep = TileEpilogue(epi, traced, plan, scratch, cutlass.Int32(tidx), base, offsets,
-                                  pm * cutlass.Int32(tm), pn * cutlass.Int32(tn), pm, pn, staging, thr, frags)
+                                  pm * cutlass.Int32(tm), pn * cutlass.Int32(tn), pm, pn, staging, thr, frags,
+                                  subtile_stores)
                 ep.run(acc_vals, loads, outs)
-                if cutlass.const_expr(len(staged) > 0):
+                if cutlass.const_expr(whole_tile_stores):
                     # Generic-proxy SMEM writes -> visible to the TMA (async proxy), then one store each.
                     cute.arch.fence_proxy("async.shared", space="cta")
                     TileEpilogue.sync()
@@ -1066,7 +1138,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
         tma_b, tma_gb = cute.nvgpu.cpasync.make_tiled_tma_atom(op, g_b, cute.slice_(sb_layout, (None, None, 0)),
                                                                (tn, tk))
         tma_out, g_out = [], []
-        for pos, _, dt, w in staged:
+        for pos, _, dt, w, _ in staged:
             atom, g = cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), io[pos],
                                                              _staging_layout(dt, w), (tm, w))
             tma_out.append(atom)
