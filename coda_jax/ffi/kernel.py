@@ -22,14 +22,16 @@ The tile is 128 x 256 where the program fits it (:func:`choose_tile_n`), else 12
 
 Epilogue (see :mod:`coda_jax.ffi.interpret`): each consumer thread knows the tile
 coordinates of its accumulator registers (an identity tensor partitioned like the
-accumulator); the traced body runs on its registers element by element, a chunk of 16
-column groups at a time for programs without pair mode (:meth:`TileEpilogue._run_chunked`).
+accumulator); the traced body runs on its registers element by element, a chunk of 8
+column groups (64 columns) at a time for programs without pair mode (:meth:`TileEpilogue._run_chunked`).
 Full-width tile loads are prefetched into registers before the tile's mainloop on tiles
 up to 128 wide (vectorized, laid out like the accumulator); row/column loads are read
-from global memory at the registers' coordinates when the epilogue starts. Tile outputs are written into a
-128B-swizzled SMEM staging tile per output and stored by one TMA bulk store per output and
-tile (``plan.stage_outputs``; when the staging tiles do not fit beside a 3-stage ring, the
-kernel stores each element to global memory instead). Row sums and log-sum-exps reduce
+from global memory at the registers' coordinates when the epilogue starts. Tile outputs are written into
+128B-swizzled SMEM staging and stored by TMA bulk stores (``plan.stage_outputs``): a
+chunked epilogue stages each chunk's ``[128, 64]`` sub-tile in a 2-buffer ring per output
+and stores it right after the chunk; the others stage the whole tile per output and store
+it once. When the staging does not fit beside a 3-stage ring, the kernel stores each
+element to global memory instead. Row sums and log-sum-exps reduce
 in registers, then across the 4 lanes of a quad (which hold the same rows) by shuffles; so
 do the pair-mode lo/hi exchange and ``ctx.row_sum`` when the pair block is a multiple of 8
 (the partner column is then a register of the same thread). Column sums and other pair
