@@ -169,6 +169,12 @@ def scratch_floats(tile_n: int, pair_block: int | None) -> int:
     return TILE_M * row_pitch + segments
 
 
+def scratch_len(epi: Epilogue, tile_n: int) -> int:
+    """Floats of the kernel's SMEM scratch: :func:`scratch_floats` if the epilogue needs it,
+    else 1 (the struct keeps a one-float field)."""
+    return scratch_floats(tile_n, epi.pair_block) if needs_scratch(epi) else 1
+
+
 def staging_width(epi: Epilogue, tile_n: int, half: bool) -> tuple[int, int]:
     """``(width, buffers)`` of one tile output's SMEM staging: a chunked epilogue stages each
     chunk's ``[TILE_M, SUBTILE_N]`` sub-tile in a ring of ``SUBTILE_BUFFERS`` (one TMA store
@@ -191,7 +197,7 @@ def staging_sizes(epi: Epilogue, tile_n: int, out_dtypes) -> list[int]:
 
 def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes) -> tuple[int, bool]:
     """``(stages, stage_outputs)``: stage tile outputs in SMEM when a 3-stage ring still fits."""
-    scratch = scratch_floats(tile_n, epi.pair_block) if needs_scratch(epi) else 1
+    scratch = scratch_len(epi, tile_n)
     staged = _stages_that_fit(tile_n, itemsize, scratch, staging_sizes(epi, tile_n, out_dtypes))
     if staged >= MIN_STAGED_STAGES:
         return staged, True
@@ -696,15 +702,10 @@ class TileEpilogue:
                 self._finish_rows(outs[o.name], o.kind, red_state[o.name])
 
     def _store_subtile(self, chunk: int):
-        """One TMA store per output of this chunk's staged ``[TILE_M, SUBTILE_N]`` sub-tile
-        (issued by thread 0, committed as one bulk group)."""
-        cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> TMA
-        self.sync()
+        """One TMA store per output of this chunk's staged ``[TILE_M, SUBTILE_N]`` sub-tile."""
         col_block = self.pid_n * cutlass.Int32(self.tn // SUBTILE_N) + cutlass.Int32(chunk)
-        with _thread0(self.tidx):
-            for atom, st_s, st_g in self.subtile_stores:
-                cute.copy(atom, st_s[(None, chunk % SUBTILE_BUFFERS)], st_g[(None, self.pid_m, col_block)])
-            cute.arch.cp_async_bulk_commit_group()
+        tma_store_staged(self.tidx, [(atom, st_s[(None, chunk % SUBTILE_BUFFERS)], st_g[(None, self.pid_m, col_block)])
+                                     for atom, st_s, st_g in self.subtile_stores])
 
     def _fold_rows(self, kind, state, values, keys):
         """Folds one chunk's values (the unchunked epilogue: all registers) into the running
@@ -846,6 +847,18 @@ class TileEpilogue:
             self._finish_rows(outs[o.name], o.kind, state)
 
 
+def tma_store_staged(tidx, stores):
+    """Makes the consumers' SMEM staging writes visible to the TMA (generic -> async proxy),
+    waits for all consumers, then thread 0 issues one TMA store per ``(atom, smem, gmem)``
+    and commits them as one bulk group."""
+    cute.arch.fence_proxy("async.shared", space="cta")
+    TileEpilogue.sync()
+    with _thread0(tidx):
+        for atom, src, dst in stores:
+            cute.copy(atom, src, dst)
+        cute.arch.cp_async_bulk_commit_group()
+
+
 def _thread0(tidx):
     """Context manager: its block runs on consumer thread 0 only (an ``scf.if`` region)."""
     from cutlass._mlir.dialects import scf
@@ -947,8 +960,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     grid_m, grid_n = plan.grid
     num_tiles = grid_m * grid_n
     stages = plan.stages
-    use_scratch = needs_scratch(epi)
-    n_scratch = scratch_floats(tn, epi.pair_block) if use_scratch else 1
+    n_scratch = scratch_len(epi, tn)
     ab_dtype = dsl_dtype(plan.operand_dtype)
     a_layout = LayoutEnum.COL_MAJOR if plan.transpose_a else LayoutEnum.ROW_MAJOR  # M-major / K-major
     b_layout = LayoutEnum.ROW_MAJOR if plan.transpose_b else LayoutEnum.COL_MAJOR  # K-major / N-major
@@ -1112,13 +1124,8 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                                   subtile_stores)
                 ep.run(acc_vals, loads, outs)
                 if cutlass.const_expr(whole_tile_stores):
-                    # Generic-proxy SMEM writes -> visible to the TMA (async proxy), then one store each.
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    TileEpilogue.sync()
-                    if tidx == 0:
-                        for atom, (st_s, st_g) in zip(tma_out, st_parts):
-                            cute.copy(atom, st_s, st_g[(None, pm, pn)])
-                        cute.arch.cp_async_bulk_commit_group()
+                    tma_store_staged(cutlass.Int32(tidx), [(atom, st_s, st_g[(None, pm, pn)])
+                                                           for atom, (st_s, st_g) in zip(tma_out, st_parts)])
                 tile += plan.ctas
             if cutlass.const_expr(len(staged) > 0):
                 if tidx == 0:
