@@ -45,7 +45,7 @@ VOCAB = 128256
 ATTENTION = "cudnn"  # the blocks' attention; --smoke (CPU) uses XLA's
 
 
-def interleaved_median_ms(cases, iters=20, rounds=4, warmup=3, min_sample_ms=3.0):
+def interleaved_median_ms(cases, iters=20, rounds=4, warmup=3, min_sample_ms=3.0, per_round=None):
     """``{key: median milliseconds per call}`` of each ``cases[key] = (f, args)``.
 
     Each sample dispatches ``reps`` calls back to back and blocks once
@@ -54,7 +54,9 @@ def interleaved_median_ms(cases, iters=20, rounds=4, warmup=3, min_sample_ms=3.0
     kernel instead of being counted once per call. The ``iters`` samples of each case are
     taken in ``rounds`` interleaved rounds (each round visits every case, in a rotating
     order), so a drift of the GPU's clocks or temperature during the run affects all cases
-    alike rather than whichever was measured last.
+    alike rather than whichever was measured last. ``per_round`` (a dict), if given, receives
+    ``{key: [median ms of each round]}``: ratios between cases round by round show whether a
+    difference is larger than the run's drift.
     """
     reps = {}
     for key, (f, args) in cases.items():
@@ -66,16 +68,20 @@ def interleaved_median_ms(cases, iters=20, rounds=4, warmup=3, min_sample_ms=3.0
         reps[key] = max(1, min(50, int(min_sample_ms / 1e3 / max(one, 1e-6))))
     keys = list(cases)
     samples = {key: [] for key in keys}
-    per_round = max(1, -(-iters // rounds))
+    samples_per_round = max(1, -(-iters // rounds))
     for r in range(rounds):
         for key in keys[r % len(keys):] + keys[:r % len(keys)]:
             f, args = cases[key]
-            for _ in range(per_round):
+            for _ in range(samples_per_round):
                 t = time.perf_counter()
                 for _ in range(reps[key]):
                     out = f(*args)
                 jax.block_until_ready(out)
                 samples[key].append((time.perf_counter() - t) / reps[key])
+    if per_round is not None:
+        for key, v in samples.items():
+            per_round[key] = [statistics.median(v[i:i + samples_per_round]) * 1e3
+                              for i in range(0, len(v), samples_per_round)]
     return {key: statistics.median(v) * 1e3 for key, v in samples.items()}
 
 
@@ -440,7 +446,11 @@ def block_variants(backends):
                                                for b in backends if b.partition("@")[0] in ("pallas", "cutedsl")]
 
 
-def bench_block(widths, backends, iters):
+def bench_block(widths, backends, iters, rounds=4):
+    """Block forward and forward+backward of every backend variant, interleaved in ``rounds``
+    rounds; besides each case's median, ``"<a>/<b>_fwdbwd_rounds"`` holds the fwd+bwd time
+    ratio of the kernel backends round by round (e.g. cutedsl/pallas: below 1 in every round
+    means cutedsl was faster throughout the run, not only in the pooled median)."""
     rows = []
     for d in widths:
         row = {"op": "block", "d": d}
@@ -455,7 +465,14 @@ def bench_block(widths, backends, iters):
             except Exception as e:
                 row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 traceback.print_exc()
-        row.update(interleaved_median_ms(cases, iters))  # every variant under the same conditions
+        by_round = {}
+        row.update(interleaved_median_ms(cases, iters, rounds, per_round=by_round))  # same conditions for all
+        kernels = [label for label, _, _ in block_variants(backends) if label != "xla" and "+" not in label]
+        for i, a in enumerate(kernels):
+            for b in kernels[i + 1:]:
+                ka, kb = f"{a}_fwdbwd_ms", f"{b}_fwdbwd_ms"
+                if ka in by_round and kb in by_round:
+                    row[f"{a}/{b}_fwdbwd_rounds"] = [round(x / y, 4) for x, y in zip(by_round[ka], by_round[kb])]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -492,8 +509,15 @@ def table(rows):
             lines.append(f"epilogue: {r['backend']} d={r['d']} {r['program']} M={r['m']} K={r['k']} N={r['n']} "
                          + (f"{r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s{dot}" if "ms" in r else r.get("error", "")[:120]))
         if r.get("op") in ("block", "ce_memory"):
-            cols = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "op")
+            cols = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                            if k != "op" and not k.endswith("_rounds"))
             lines.append(f"{r['op']}: {cols}")
+            for k, v in r.items():
+                if k.endswith("_fwdbwd_rounds"):
+                    pair = k[:-len("_fwdbwd_rounds")]
+                    lines.append(f"{r['op']} d={r['d']} {pair} fwd+bwd time ratio by round: "
+                                 f"below 1 in {sum(x < 1 for x in v)} of {len(v)}, median {statistics.median(v):.4f}, "
+                                 f"range {min(v):.4f}-{max(v):.4f}")
     return "\n".join(lines)
 
 
@@ -503,6 +527,7 @@ def main():
     ap.add_argument("--widths", default="2048,4096,8192")
     ap.add_argument("--backends", default="xla,pallas")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--block-rounds", type=int, default=4, help="block part: interleaved rounds (iters split over them)")
     ap.add_argument("--parts", default="gemm,ops,ce_memory,block")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--ops", default="", help="ops part: only these ops (comma-separated)")
@@ -547,7 +572,7 @@ def main():
         rows += ce_memory(backends)
         save()
     if "block" in parts:
-        rows += bench_block(widths, backends, args.iters)
+        rows += bench_block(widths, backends, args.iters, args.block_rounds)
     save()
     t = table(rows)
     print("\n" + json.dumps(meta) + "\n" + t, flush=True)

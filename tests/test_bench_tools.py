@@ -39,6 +39,34 @@ def test_interleaved_timing_samples_every_case_in_rotating_rounds():
     assert timed == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]
 
 
+def test_per_round_medians_are_taken_from_each_round():
+    clock = iter(range(10_000))
+    # A fake clock: each perf_counter call advances 1 s, so every sample of one call lasts 1 s;
+    # case "b" makes two extra clock reads per call, so its samples last 3 s.
+    import time as _time
+
+    def tick():
+        return float(next(clock))
+
+    def case(extra):
+        def f(x):
+            for _ in range(extra):
+                tick()
+            return x
+
+        return f, (1,)
+
+    per_round = {}
+    orig = _time.perf_counter
+    try:
+        bench.time.perf_counter = tick
+        bench.interleaved_median_ms({"a": case(0), "b": case(2)}, iters=6, rounds=3, warmup=1,
+                                    min_sample_ms=0.0, per_round=per_round)
+    finally:
+        bench.time.perf_counter = orig
+    assert per_round == {"a": [1000.0] * 3, "b": [3000.0] * 3}
+
+
 def test_backend_variant_sets_and_restores_the_cutedsl_knobs(monkeypatch):
     from coda_jax.ffi.lowering import MAX_STAGES_ENV, TILE_N_ENV
 
