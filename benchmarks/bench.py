@@ -528,6 +528,7 @@ def main():
     ap.add_argument("--backends", default="xla,pallas")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--block-rounds", type=int, default=4, help="block part: interleaved rounds (iters split over them)")
+    ap.add_argument("--block-backends", default="", help="block part: these backends instead of --backends")
     ap.add_argument("--parts", default="gemm,ops,ce_memory,block")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--ops", default="", help="ops part: only these ops (comma-separated)")
@@ -572,7 +573,8 @@ def main():
         rows += ce_memory(backends)
         save()
     if "block" in parts:
-        rows += bench_block(widths, backends, args.iters, args.block_rounds)
+        rows += bench_block(widths, args.block_backends.split(",") if args.block_backends else backends,
+                            args.iters, args.block_rounds)
     save()
     t = table(rows)
     print("\n" + json.dumps(meta) + "\n" + t, flush=True)

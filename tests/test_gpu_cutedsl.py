@@ -96,6 +96,17 @@ def test_ragged_shapes_on_gpu(tile_n, monkeypatch):
     _compare(programs.RMS_LSE, 777, 5000, 256, transpose_b=True)
     _compare(programs.rms_dgrad(True), 1000, 900, 333, transpose_b=True)
     _compare(programs.rms_swiglu(True), 1000, 1024, 200)
+    _compare(programs.SWIGLU_DGRAD, 1000, 640, 333, transpose_b=True)
+
+
+@pytest.mark.parametrize("tile_n", ["128", "256"])
+def test_swiglu_dgrad_tiles_on_gpu(tile_n, monkeypatch):
+    """The chunked half_acc epilogue (lo and hi sub-tile rings) with the tile load prefetched
+    into registers (128 wide) and loaded chunk by chunk (256 wide)."""
+    from coda_jax.ffi.lowering import TILE_N_ENV
+
+    monkeypatch.setenv(TILE_N_ENV, tile_n)
+    _compare(programs.SWIGLU_DGRAD, 2048, 2048, 1024, transpose_b=True, seed=3)
 
 
 # ------------------------------------------------------------------ ops ------------

@@ -75,6 +75,7 @@ MIN_STAGED_STAGES = 3  # stage tile outputs in SMEM only if this many operand st
 CHUNK_GROUPS = 8  # column groups (4 accumulator registers each) per chunk of a chunked epilogue
 SUBTILE_N = 8 * CHUNK_GROUPS  # columns of one chunk: its outputs' SMEM staging sub-tile
 SUBTILE_BUFFERS = 2  # staging sub-tiles per output (a chunk fills one while the last one's store runs)
+HALF_ACC_BODY_GROUPS = 4  # column groups per body evaluation of a chunked half_acc epilogue
 
 _DSL = {
     np.dtype(np.float32): cutlass.Float32,
@@ -184,15 +185,26 @@ def staging_width(epi: Epilogue, tile_n: int, half: bool) -> tuple[int, int]:
     return epi.width(tile_n, half), 1
 
 
+def staging_parts(epi: Epilogue, half: bool) -> tuple[int | None, ...]:
+    """The staged parts of one tile output: ``(0, 1)`` (its lo and hi sub-tiles, one ring
+    each) for a full-width output of a chunked ``half_acc`` epilogue, whose chunk of
+    accumulator columns maps to one run of lo columns and one of hi columns; else ``(None,)``."""
+    return (0, 1) if chunked_epilogue(epi) and epi.half_acc and not half else (None,)
+
+
+def staged_outputs(epi: Epilogue, tile_n: int) -> list[tuple[int, str, int | None, int, int]]:
+    """``(output index, name, part, width, buffers)`` of each SMEM staging ring or tile, in
+    the kernel's struct order (:func:`staging_width`, :func:`staging_parts`)."""
+    return [(i, o.name, part) + staging_width(epi, tile_n, o.half)
+            for i, o in enumerate(epi.outputs) if o.kind is OutputKind.TILE
+            for part in staging_parts(epi, o.half)]
+
+
 def staging_sizes(epi: Epilogue, tile_n: int, out_dtypes) -> list[int]:
-    """Bytes of each tile output's SMEM staging (:func:`staging_width`)."""
+    """Bytes of each SMEM staging ring or tile (:func:`staged_outputs`)."""
     dts = dict(out_dtypes)
-    sizes = []
-    for o in epi.outputs:
-        if o.kind is OutputKind.TILE:
-            width, buffers = staging_width(epi, tile_n, o.half)
-            sizes.append(TILE_M * width * buffers * np.dtype(dts[o.name]).itemsize)
-    return sizes
+    return [TILE_M * width * buffers * np.dtype(dts[name]).itemsize
+            for _, name, _, width, buffers in staged_outputs(epi, tile_n)]
 
 
 def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes) -> tuple[int, bool]:
@@ -390,8 +402,9 @@ class TileEpilogue:
         (partitions a ``[TILE_M, tile_n]`` tile like the accumulator: vectorized staging
         stores); ``tile_frags``: tile loads already in registers (:func:`prefetch_tile_loads`).
         ``subtile_stores``: for a chunked epilogue with staged outputs, ``(tma_atom, smem
-        sub-tiles, global sub-tiles)`` per output; ``staging`` then holds ``[TILE_M, tile_n]``
-        views whose column blocks of ``SUBTILE_N`` alternate over the sub-tile ring."""
+        sub-tiles, global sub-tiles, part)`` per staging ring (:func:`staged_outputs`);
+        ``staging`` then maps ``(output, part)`` to ``[TILE_M, tile_n]`` views whose column
+        blocks of ``SUBTILE_N`` alternate over the sub-tile ring."""
         self.subtile_stores = subtile_stores
         self.thr = thr
         self.tile_frags = tile_frags or {}
@@ -622,24 +635,40 @@ class TileEpilogue:
         """The body over ``CHUNK_GROUPS`` column groups (``4 * CHUNK_GROUPS`` registers) at a
         time: each chunk's loads, body, tile-output stores and row-reduction partials are
         done before the next chunk's start, so at most one chunk of intermediate values is
-        live beside the accumulator (128 x 256 tiles hold 128 accumulator registers)."""
+        live beside the accumulator (128 x 256 tiles hold 128 accumulator registers).
+
+        With ``half_acc`` a full-width load or output has a lo and a hi value per register
+        (part 0 and 1): tile loads read them through :func:`half_acc_views`, tile outputs
+        stage them in one sub-tile ring per part (:func:`staging_parts`)."""
         F = cutlass.Float32
         plan, epi = self.plan, self.epi
+        halves = epi.half_acc
         groups = self.count // 4
         # Per-row-key running reductions across chunks (row key = static row offset).
         red_state: dict[str, dict] = {o.name: {} for o in epi.outputs if o.kind is not OutputKind.TILE}
-        # Tile loads not prefetched: the accumulator-shaped partition of this tile's block.
-        tile_src = {l.name: self.thr.partition_C(cute.local_tile(loads[l.name], (TILE_M, self.tn),
-                                                                 (self.pid_m, self.pid_n)))
-                    for l in epi.loads if l.kind is LoadKind.TILE and l.name not in self.tile_frags}
+        # Tile loads not prefetched: the accumulator-shaped partition of this tile's block,
+        # {part: partition} (part None, or 0 / 1 for a full-width load with half_acc).
+        tile_src = {}
+        for l in epi.loads:
+            if l.kind is not LoadKind.TILE or l.name in self.tile_frags:
+                continue
+            if halves and not l.half:
+                views = half_acc_views(epi, loads[l.name], self.tn, self.pid_m, self.pid_n)
+                tile_src[l.name] = {p: self.thr.partition_C(v) for p, v in enumerate(views)}
+            else:
+                tile_src[l.name] = {None: self.thr.partition_C(
+                    cute.local_tile(loads[l.name], (TILE_M, self.tn), (self.pid_m, self.pid_n)))}
         row_memo: dict[Any, Any] = {}
         dst_parts = {}
         if self.staging is not None:
-            dst_parts = {o.name: self.thr.partition_C(self.staging[o.name])
-                         for o in epi.outputs if o.kind is OutputKind.TILE}
-        for g0 in range(0, groups, CHUNK_GROUPS):
-            gs = list(range(g0, min(groups, g0 + CHUNK_GROUPS)))
-            chunk = g0 // CHUNK_GROUPS
+            dst_parts = {key: self.thr.partition_C(view) for key, view in self.staging.items()}
+        # A chunk's body runs in pieces of `step` groups (half_acc: 4, each with twice the
+        # loads and outputs of a plain register; 8 groups at once spill at 128 x 256).
+        step = HALF_ACC_BODY_GROUPS if halves else CHUNK_GROUPS
+        pieces = [(g0 // CHUNK_GROUPS, s0 == g0, s0 + step >= min(groups, g0 + CHUNK_GROUPS),
+                   list(range(s0, min(groups, s0 + step, g0 + CHUNK_GROUPS))))
+                  for g0 in range(0, groups, CHUNK_GROUPS) for s0 in range(g0, min(groups, g0 + CHUNK_GROUPS), step)]
+        for chunk, first_piece, last_piece, gs in pieces:
             sel = [4 * g + k for g in gs for k in range(4)]
             self.active = sel
             vals = {("acc", None, None): [acc_vals[i] for i in sel],
@@ -652,49 +681,63 @@ class TileEpilogue:
                     vals[("load", l.name, None)] = _dedup(
                         [(l.name, self.off[i][0]) for i in sel],
                         lambda j, t=t: _to_f32(t[self.m0 + self.rows[sel[j]]]), row_memo)
+                elif l.kind is LoadKind.COL and halves and not l.half:  # lo and hi columns
+                    for part, cols in ((0, self.wide_lo), (1, self.wide_hi)):
+                        vals[("load", l.name, part)] = _dedup(
+                            [self.off[i][1] for i in sel], lambda j, t=t, cols=cols: _to_f32(t[cols[sel[j]]]))
                 elif l.kind is LoadKind.COL:  # one load per column (the two rows share it)
                     vals[("load", l.name, None)] = _dedup(
                         [self.off[i][1] for i in sel], lambda j, t=t: _to_f32(t[self.n0 + self.cols[sel[j]]]))
                 elif l.name in self.tile_frags:
                     frag = self.tile_frags[l.name]
-                    vals[("load", l.name, None)] = [_to_f32(frag[i]) for i in sel]
+                    if isinstance(frag, tuple):  # half_acc: (lo, hi) fragments
+                        for part, f in enumerate(frag):
+                            vals[("load", l.name, part)] = [_to_f32(f[i]) for i in sel]
+                    else:
+                        vals[("load", l.name, None)] = [_to_f32(frag[i]) for i in sel]
                 else:  # TILE: vectorized loads of this chunk's column groups
-                    got = []
-                    for g in gs:
-                        src = self._group(tile_src[l.name], g)
-                        frag = cute.make_fragment_like(src)
-                        cute.autovec_copy(src, frag)
-                        got += [_to_f32(frag[k]) for k in range(4)]
-                    vals[("load", l.name, None)] = got
+                    for part, src_part in tile_src[l.name].items():
+                        got = []
+                        for g in gs:
+                            src = self._group(src_part, g)
+                            frag = cute.make_fragment_like(src)
+                            cute.autovec_copy(src, frag)
+                            got += [_to_f32(frag[k]) for k in range(4)]
+                        vals[("load", l.name, part)] = got
             res = interpret(self.traced, vals, len(sel), self.ops, self, where=f"epilogue {epi.name!r}")
-            if dst_parts:
+            if dst_parts and first_piece:
                 # This chunk's staging sub-tile was last read by the TMA store issued two chunks
                 # ago: at most one store group (the last chunk's) may still be reading.
                 # (Only the issuing thread has bulk groups; the wait is a no-op in the others.)
                 cute.arch.cp_async_bulk_wait_group(SUBTILE_BUFFERS - 1, read=True)
                 self.sync()
             for o in epi.outputs:
-                mine = res[(o.name, None)]
+                parts = [p for (name, p) in self.traced.outputs if name == o.name]
                 if o.kind is OutputKind.TILE:
                     dt = dsl_dtype(dict(plan.out_dtypes)[o.name])
-                    if o.name in dst_parts:
-                        for j, g in enumerate(gs):
-                            dst = self._group(dst_parts[o.name], g)
-                            frag = cute.make_fragment_like(dst)
-                            for k in range(4):
-                                frag[k] = mine[4 * j + k].to(dt)
-                            cute.autovec_copy(frag, dst)
-                    else:
+                    for part in parts:
+                        mine = res[(o.name, part)]
+                        if (o.name, part) in dst_parts:
+                            for j, g in enumerate(gs):
+                                dst = self._group(dst_parts[(o.name, part)], g)
+                                frag = cute.make_fragment_like(dst)
+                                for k in range(4):
+                                    frag[k] = mine[4 * j + k].to(dt)
+                                cute.autovec_copy(frag, dst)
+                            continue
                         t = outs[o.name]
+                        cols = (self.wide_lo, self.wide_hi)[part] if part is not None else [self.n0 + c for c in self.cols]
                         for i, v in zip(sel, mine):
-                            t[self.m0 + self.rows[i], self.n0 + self.cols[i]] = v.to(dt)
+                            t[self.m0 + self.rows[i], cols[i]] = v.to(dt)
                     continue
+                # A row sum of a (lo, hi) value adds both halves.
+                mine = res[(o.name, None)] if parts == [None] else [a + b_ for a, b_ in zip(res[(o.name, 0)], res[(o.name, 1)])]
                 fill = F(0.0) if o.kind is OutputKind.ROW_SUM else F(-math.inf)
                 if plan.n_real < plan.n:  # padded columns: masked out
                     mine = [F(cutlass.select_(self.n0 + self.cols[i] < cutlass.Int32(plan.n_real), v, fill))
                             for i, v in zip(sel, mine)]
                 self._fold_rows(o.kind, red_state[o.name], mine, [self.off[i][0] for i in sel])
-            if dst_parts:
+            if dst_parts and last_piece:
                 self._store_subtile(chunk)
         self.active = None
         for o in epi.outputs:
@@ -702,10 +745,21 @@ class TileEpilogue:
                 self._finish_rows(outs[o.name], o.kind, red_state[o.name])
 
     def _store_subtile(self, chunk: int):
-        """One TMA store per output of this chunk's staged ``[TILE_M, SUBTILE_N]`` sub-tile."""
+        """One TMA store per staging ring (:func:`staged_outputs`) of this chunk's
+        ``[TILE_M, SUBTILE_N]`` sub-tile."""
         col_block = self.pid_n * cutlass.Int32(self.tn // SUBTILE_N) + cutlass.Int32(chunk)
-        tma_store_staged(self.tidx, [(atom, st_s[(None, chunk % SUBTILE_BUFFERS)], st_g[(None, self.pid_m, col_block)])
-                                     for atom, st_s, st_g in self.subtile_stores])
+        stores = []
+        for atom, st_s, st_g, part in self.subtile_stores:
+            block = col_block
+            if part is not None:
+                # half_acc: accumulator column G (a multiple of SUBTILE_N) of pair block G // b
+                # is full-width column (G // b) * 2b + G % b (lo), + b (hi); in sub-tiles:
+                b = self.b // SUBTILE_N
+                block = (col_block // cutlass.Int32(b)) * cutlass.Int32(2 * b) + col_block % cutlass.Int32(b)
+                if part == 1:
+                    block = block + cutlass.Int32(b)
+            stores.append((atom, st_s[(None, chunk % SUBTILE_BUFFERS)], st_g[(None, self.pid_m, block)]))
+        tma_store_staged(self.tidx, stores)
 
     def _fold_rows(self, kind, state, values, keys):
         """Folds one chunk's values (the unchunked epilogue: all registers) into the running
@@ -873,8 +927,11 @@ def _to_f32(x):
 
 def chunked_epilogue(epi: Epilogue) -> bool:
     """Whether the epilogue runs a chunk of column groups at a time (:meth:`TileEpilogue._run_chunked`):
-    no pair mode, no column sums, no row-block loads."""
-    return (epi.pair_block is None and not any(o.kind is OutputKind.COL_SUM for o in epi.outputs)
+    no column sums, no row-block loads, and no pair mode, or ``half_acc`` with pair blocks a
+    multiple of ``SUBTILE_N`` (a chunk's accumulator columns then sit in one pair block: their
+    lo and hi columns are two runs of ``SUBTILE_N``)."""
+    pairs_ok = epi.pair_block is None or (epi.half_acc and epi.pair_block % SUBTILE_N == 0)
+    return (pairs_ok and not any(o.kind is OutputKind.COL_SUM for o in epi.outputs)
             and not any(l.kind is LoadKind.ROW_BLOCK for l in epi.loads))
 
 
@@ -905,13 +962,19 @@ def prefetch_tile_loads(epi: Epilogue, thr, loads: dict[str, Any], tile_n: int, 
         if not epi.half_acc:
             frags[name] = _load_fragment(thr, cute.local_tile(loads[name], (TILE_M, tile_n), (pid_m, pid_n)))
             continue
-        # Accumulator column c = c1 + b * c2 (c1 < b) reads the full-width block's columns
-        # c1 + 2b * c2 (lo) and that + b (hi): two strided [TILE_M, (b, tile_n / b)] views.
-        b = epi.pair_block
-        blk = cute.local_tile(loads[name], (TILE_M, 2 * tile_n), (pid_m, pid_n))
-        lay = cute.make_layout((TILE_M, (b, tile_n // b)), stride=(blk.layout.stride[0], (1, 2 * b)))
-        frags[name] = tuple(_load_fragment(thr, cute.make_tensor(blk.iterator + off, lay)) for off in (0, b))
+        frags[name] = tuple(_load_fragment(thr, v) for v in half_acc_views(epi, loads[name], tile_n, pid_m, pid_n))
     return frags
+
+
+def half_acc_views(epi: Epilogue, t, tile_n: int, pid_m, pid_n):
+    """``(lo, hi)``: ``[TILE_M, tile_n]`` views of the full-width ``[M, 2N]`` array ``t`` at
+    the ``(pid_m, pid_n)`` tile of a ``half_acc`` accumulator. Accumulator column
+    ``c = c1 + b * c2`` (``c1 < b``) reads the full-width block's columns ``c1 + 2b * c2``
+    (lo) and that ``+ b`` (hi): two strided ``[TILE_M, (b, tile_n / b)]`` views."""
+    b = epi.pair_block
+    blk = cute.local_tile(t, (TILE_M, 2 * tile_n), (pid_m, pid_n))
+    lay = cute.make_layout((TILE_M, (b, tile_n // b)), stride=(blk.layout.stride[0], (1, 2 * b)))
+    return tuple(cute.make_tensor(blk.iterator + off, lay) for off in (0, b))
 
 
 # ------------------------------------------------------------------ builder ---------
@@ -966,9 +1029,9 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     b_layout = LayoutEnum.ROW_MAJOR if plan.transpose_b else LayoutEnum.COL_MAJOR  # K-major / N-major
     tile_mnk = (tm, tn, tk)
     out_dts = dict(plan.out_dtypes)
-    # Staged tile outputs: (position in io, name, DSL dtype, staging width, buffers).
-    staged = [(n_loads + i, o.name, dsl_dtype(out_dts[o.name])) + staging_width(epi, tn, o.half)
-              for i, o in enumerate(epi.outputs) if o.kind is OutputKind.TILE and plan.stage_outputs]
+    # SMEM staging of the tile outputs: (position in io, (name, part), DSL dtype, width, buffers).
+    staged = [(n_loads + i, (name, part), dsl_dtype(out_dts[name]), w, nbuf)
+              for i, name, part, w, nbuf in staged_outputs(epi, tn) if plan.stage_outputs]
     # Chunked epilogues store each chunk's sub-tile themselves; the others one tile per output.
     subtiled = bool(staged) and chunked_epilogue(epi)
     if subtiled and tn % (SUBTILE_N * SUBTILE_BUFFERS):
@@ -1075,10 +1138,11 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
                     cute.group_modes(cute.local_tile(g, (tm, w), (None, None)), 0, 2)))
             if cutlass.const_expr(whole_tile_stores):
-                staging = {name: s for (_, name, _, _, _), s in zip(staged, s_out)}
+                staging = {key[0]: s for (_, key, _, _, _), s in zip(staged, s_out)}
             if cutlass.const_expr(subtiled):
-                staging = {name: _subtile_view(s, tn) for (_, name, _, _, _), s in zip(staged, s_out)}
-                subtile_stores = [(atom, st_s, st_g) for atom, (st_s, st_g) in zip(tma_out, st_parts)]
+                staging = {key: _subtile_view(s, tn) for (_, key, _, _, _), s in zip(staged, s_out)}
+                subtile_stores = [(atom, st_s, st_g, key[1])
+                                  for atom, (st_s, st_g), (_, key, _, _, _) in zip(tma_out, st_parts, staged)]
 
             tile = cutlass.Int32(bid)
             while tile < num_tiles:
