@@ -20,6 +20,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -267,6 +268,7 @@ def _epilogue_cases(d):
         ("ce_grad dgrad-chunk", programs.CE_GRAD, t, d, 16384, False, True),
         # the SwiGLU backward on the down projection's dgrad (K = d, N = f; z and dz are [t, 2f])
         ("identity dgrad-f", programs.IDENTITY, t, d, f, False, True),
+        ("identity fwd-f", programs.IDENTITY, t, d, f, False, False),  # the same GEMM, B not transposed
         ("swiglu_dgrad dgrad-f", programs.SWIGLU_DGRAD, t, d, f, False, True),
         # the RMSNorm-scaled wgrad (A = x_hat^T, K = tokens), beside "identity wgrad"
         ("norm_wgrad wgrad", programs.NORM_WGRAD, d, t, 2 * f, True, False),
@@ -423,19 +425,21 @@ def plain_gemm_route(backend, plain):
 
 @contextlib.contextmanager
 def backend_variant(label):
-    """``label`` is a backend or ``"cutedsl@[<tile_n>][s<max stages>]"`` (e.g. ``cutedsl@128``:
-    the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at most 4 operand
-    stages), to compare kernel configurations in one run. Within, yields the backend's name."""
+    """``label`` is a backend or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>]"`` (e.g.
+    ``cutedsl@128``: the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at
+    most 4 operand stages; ``cutedsl@256g16``: 256-wide tiles walked in raster groups of 16
+    tile rows), to compare kernel configurations in one run. Within, yields the backend's name."""
     base, _, variant = label.partition("@")
-    if variant and base != "cutedsl":
-        raise ValueError(f"backend variant {label!r}: only cutedsl@<tile_n>[s<max stages>] is defined")
+    parsed = re.fullmatch(r"(\d+)?(?:s(\d+))?(?:g(\d+))?", variant)
+    if variant and (base != "cutedsl" or not parsed):
+        raise ValueError(f"backend variant {label!r}: only cutedsl@[<tile_n>][s<max stages>][g<group_m>] is defined")
     if not variant:
         yield base
         return
-    from coda_jax.ffi.lowering import MAX_STAGES_ENV, TILE_N_ENV
+    from coda_jax.ffi.lowering import GROUP_M_ENV, MAX_STAGES_ENV, TILE_N_ENV
 
-    tile, _, stages = variant.partition("s")
-    with _env(TILE_N_ENV, tile or None), _env(MAX_STAGES_ENV, stages or None):
+    tile, stages, group = parsed.groups()
+    with _env(TILE_N_ENV, tile), _env(MAX_STAGES_ENV, stages), _env(GROUP_M_ENV, group):
         yield base
 
 

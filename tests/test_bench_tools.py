@@ -80,9 +80,17 @@ def test_backend_variant_sets_and_restores_the_cutedsl_knobs(monkeypatch):
         assert base == "cutedsl" and TILE_N_ENV not in os.environ and os.environ[MAX_STAGES_ENV] == "4"
     with bench.backend_variant("pallas") as base:
         assert base == "pallas" and os.environ[MAX_STAGES_ENV] == "5"
-    with pytest.raises(ValueError, match="only cutedsl@"):
-        with bench.backend_variant("pallas@128"):
-            pass
+    from coda_jax.ffi.lowering import GROUP_M_ENV
+
+    monkeypatch.delenv(GROUP_M_ENV, raising=False)
+    with bench.backend_variant("cutedsl@256g16") as base:
+        assert os.environ[TILE_N_ENV] == "256" and os.environ[GROUP_M_ENV] == "16"
+        assert os.environ[MAX_STAGES_ENV] == "5"  # unchanged
+    assert GROUP_M_ENV not in os.environ
+    for bad in ("pallas@128", "cutedsl@x4", "cutedsl@g"):
+        with pytest.raises(ValueError, match="only cutedsl@"):
+            with bench.backend_variant(bad):
+                pass
 
 
 def test_bench_smoke_runs_on_cpu(tmp_path):

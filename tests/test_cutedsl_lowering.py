@@ -311,6 +311,13 @@ def test_tile_width_choice(monkeypatch):
         max_stages_request()
     monkeypatch.setenv(MAX_STAGES_ENV, "4")
     assert max_stages_request() == 4
+    from coda_jax.ffi.lowering import GROUP_M_ENV, group_m_request
+
+    monkeypatch.setenv(GROUP_M_ENV, "0")
+    with pytest.raises(ValueError, match=GROUP_M_ENV):
+        group_m_request()
+    monkeypatch.setenv(GROUP_M_ENV, "16")
+    assert group_m_request() == 16
 
 
 _SPILL_PROBE = textwrap.dedent("""

@@ -113,6 +113,7 @@ class KernelPlan:
     operand_dtype: Any
     load_dtypes: tuple[tuple[str, Any], ...]
     out_dtypes: tuple[tuple[str, Any], ...]
+    group_m: int = GROUP_M  # tile rows per raster group (:func:`_tile_of`)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -978,15 +979,15 @@ def half_acc_views(epi: Epilogue, t, tile_n: int, pid_m, pid_n):
 
 
 # ------------------------------------------------------------------ builder ---------
-def _tile_of(t, grid_m: int, grid_n: int):
-    """Linear tile index -> ``(pid_m, pid_n)``, in groups of ``GROUP_M`` tile rows.
+def _tile_of(t, grid_m: int, grid_n: int, group_m: int = GROUP_M):
+    """Linear tile index -> ``(pid_m, pid_n)``, in groups of ``group_m`` tile rows.
 
     Consecutive CTAs take neighbouring rows of one group at the same column block, so a
     wave of CTAs reads few distinct ``b`` column blocks and ``a`` row blocks (L2 reuse).
     """
-    per_group = cutlass.Int32(GROUP_M * grid_n)
-    first_m = (t // per_group) * cutlass.Int32(GROUP_M)
-    size_m = cutlass.min(cutlass.Int32(grid_m) - first_m, cutlass.Int32(GROUP_M))
+    per_group = cutlass.Int32(group_m * grid_n)
+    first_m = (t // per_group) * cutlass.Int32(group_m)
+    size_m = cutlass.min(cutlass.Int32(grid_m) - first_m, cutlass.Int32(group_m))
     r = t % per_group
     return first_m + r % size_m, r // size_m
 
@@ -1096,7 +1097,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                 produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 tile = cutlass.Int32(bid)
                 while tile < num_tiles:
-                    pm, pn = _tile_of(tile, grid_m, grid_n)
+                    pm, pn = _tile_of(tile, grid_m, grid_n, plan.group_m)
                     for kt in cutlass.range(k_tiles, unroll=1):
                         ring.producer_acquire(produce)
                         cute.copy(tma_a, ta_g[(None, pm, kt)], ta_s[(None, produce.index)],
@@ -1146,7 +1147,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
 
             tile = cutlass.Int32(bid)
             while tile < num_tiles:
-                pm, pn = _tile_of(tile, grid_m, grid_n)
+                pm, pn = _tile_of(tile, grid_m, grid_n, plan.group_m)
                 # The epilogue's tile loads stream into registers during the mainloop.
                 frags = prefetch_tile_loads(epi, thr, loads, tn, pm, pn)
                 # K-tile 0 is peeled: it starts the accumulation (ACCUMULATE=False on its first

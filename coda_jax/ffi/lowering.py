@@ -41,6 +41,7 @@ TILE_K = 64
 MAX_TILE_N = 256
 TILE_N_ENV = "CODA_JAX_CUTEDSL_TILE_N"
 MAX_STAGES_ENV = "CODA_JAX_CUTEDSL_MAX_STAGES"
+GROUP_M_ENV = "CODA_JAX_CUTEDSL_GROUP_M"
 
 
 def _round_up(x: int, q: int) -> int:
@@ -65,6 +66,17 @@ def max_stages_request() -> int | None:
         return None
     if not raw.isdigit() or int(raw) < 2:
         raise ValueError(f"{MAX_STAGES_ENV} must be an integer >= 2, got {raw!r}")
+    return int(raw)
+
+
+def group_m_request() -> int | None:
+    """``CODA_JAX_CUTEDSL_GROUP_M``: tile rows per raster group of the persistent tile walk
+    (a tuning knob; default :data:`coda_jax.ffi.kernel.GROUP_M`)."""
+    raw = os.environ.get(GROUP_M_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{GROUP_M_ENV} must be an integer >= 1, got {raw!r}")
     return int(raw)
 
 
@@ -169,7 +181,8 @@ class CuteDslLowering:
         stages = min(stages, max_stages_request() or stages)
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
                           sms=sms, stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
-                          load_dtypes=load_dtypes, out_dtypes=dtypes)
+                          load_dtypes=load_dtypes, out_dtypes=dtypes,
+                          **({"group_m": group_m_request()} if group_m_request() else {}))
         launch = _build(epilogue, plan)
         out_types = []
         for o in epilogue.outputs:
