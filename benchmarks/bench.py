@@ -425,21 +425,23 @@ def plain_gemm_route(backend, plain):
 
 @contextlib.contextmanager
 def backend_variant(label):
-    """``label`` is a backend or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>]"`` (e.g.
+    """``label`` is a backend or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
     ``cutedsl@128``: the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at
     most 4 operand stages; ``cutedsl@256g16``: 256-wide tiles walked in raster groups of 16
-    tile rows), to compare kernel configurations in one run. Within, yields the backend's name."""
+    tile rows; ``cutedsl@p`` / ``cutedsl@c``: the ping-pong / cooperative schedule), to
+    compare kernel configurations in one run. Within, yields the backend's name."""
     base, _, variant = label.partition("@")
-    parsed = re.fullmatch(r"(\d+)?(?:s(\d+))?(?:g(\d+))?", variant)
+    parsed = re.fullmatch(r"(\d+)?(?:s(\d+))?(?:g(\d+))?([pc])?", variant)
     if variant and (base != "cutedsl" or not parsed):
-        raise ValueError(f"backend variant {label!r}: only cutedsl@[<tile_n>][s<max stages>][g<group_m>] is defined")
+        raise ValueError(f"backend variant {label!r}: only cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c] is defined")
     if not variant:
         yield base
         return
-    from coda_jax.ffi.lowering import GROUP_M_ENV, MAX_STAGES_ENV, TILE_N_ENV
+    from coda_jax.ffi.lowering import GROUP_M_ENV, MAX_STAGES_ENV, SCHEDULE_ENV, TILE_N_ENV
 
-    tile, stages, group = parsed.groups()
-    with _env(TILE_N_ENV, tile), _env(MAX_STAGES_ENV, stages), _env(GROUP_M_ENV, group):
+    tile, stages, group, schedule = parsed.groups()
+    schedule = {"p": "pingpong", "c": "cooperative"}.get(schedule)
+    with _env(TILE_N_ENV, tile), _env(MAX_STAGES_ENV, stages), _env(GROUP_M_ENV, group), _env(SCHEDULE_ENV, schedule):
         yield base
 
 

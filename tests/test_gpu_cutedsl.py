@@ -99,6 +99,25 @@ def test_ragged_shapes_on_gpu(tile_n, monkeypatch):
     _compare(programs.SWIGLU_DGRAD, 1000, 640, 333, transpose_b=True)
 
 
+def _chunked_cases():
+    from coda_jax.ffi.kernel import chunked_epilogue
+
+    return [c for c in CASES if chunked_epilogue(c[0])]
+
+
+@pytest.mark.parametrize("epi,kw", _chunked_cases(), ids=[c[0].name for c in _chunked_cases()])
+def test_pingpong_schedule_on_gpu(epi, kw, monkeypatch):
+    """The ping-pong schedule (each consumer warpgroup on every other 128-wide tile): 4 tiles
+    per CTA at 4096 x 2048 (both warpgroups, several ring laps), one short-K GEMM (1 K-tile,
+    fewer K-tiles than stages) and a ragged shape."""
+    from coda_jax.ffi.lowering import SCHEDULE_ENV
+
+    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
+    _compare(epi, 4096, 2048, 1024, **kw, seed=5)
+    _compare(epi, 1024, 1024, 64, **kw, seed=6)
+    _compare(epi, 1000, 1280 if epi.pair_block else 1500, 520, **kw, seed=7)
+
+
 @pytest.mark.parametrize("tile_n", ["128", "256"])
 def test_swiglu_dgrad_tiles_on_gpu(tile_n, monkeypatch):
     """The chunked half_acc epilogue (lo and hi sub-tile rings) with the tile load prefetched

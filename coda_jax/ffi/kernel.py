@@ -68,6 +68,8 @@ PRODUCER_WARP = 8  # the producer warpgroup's first warp issues the TMA loads
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232  # 128 * 40 + 256 * 232 <= 64K registers per SM
 EPILOGUE_BARRIER = 1  # named barrier over the consumer threads (0 is __syncthreads)
+PINGPONG_EPILOGUE_BARRIER = 2  # ping-pong: + warpgroup, over one warpgroup's threads
+PINGPONG_ORDER_BARRIER = 4  # ping-pong: + warpgroup, "this warpgroup's mainloop may start"
 TILE_M = 128
 TILE_K = 64
 GROUP_M = 8  # tile rows per raster group
@@ -114,6 +116,7 @@ class KernelPlan:
     load_dtypes: tuple[tuple[str, Any], ...]
     out_dtypes: tuple[tuple[str, Any], ...]
     group_m: int = GROUP_M  # tile rows per raster group (:func:`_tile_of`)
+    pingpong: bool = False  # the ping-pong schedule (:func:`pingpong_ok`)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -201,17 +204,25 @@ def staged_outputs(epi: Epilogue, tile_n: int) -> list[tuple[int, str, int | Non
             for part in staging_parts(epi, o.half)]
 
 
-def staging_sizes(epi: Epilogue, tile_n: int, out_dtypes) -> list[int]:
-    """Bytes of each SMEM staging ring or tile (:func:`staged_outputs`)."""
+def staging_sizes(epi: Epilogue, tile_n: int, out_dtypes, pingpong: bool = False) -> list[int]:
+    """Bytes of each SMEM staging ring or tile (:func:`staged_outputs`); the ping-pong
+    schedule gives each consumer warpgroup its own sub-tiles (twice the ring)."""
     dts = dict(out_dtypes)
-    return [TILE_M * width * buffers * np.dtype(dts[name]).itemsize
+    return [TILE_M * width * buffers * (2 if pingpong else 1) * np.dtype(dts[name]).itemsize
             for _, name, _, width, buffers in staged_outputs(epi, tile_n)]
 
 
-def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes) -> tuple[int, bool]:
+def pingpong_ok(epi: Epilogue, tile_n: int) -> bool:
+    """Whether the ping-pong schedule can run the program: a chunked epilogue (no SMEM
+    scratch, staged a sub-tile at a time) on 128-wide tiles (a warpgroup then holds a whole
+    ``[128, 128]`` accumulator: 128 registers per thread)."""
+    return chunked_epilogue(epi) and tile_n == 128
+
+
+def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes, pingpong: bool = False) -> tuple[int, bool]:
     """``(stages, stage_outputs)``: stage tile outputs in SMEM when a 3-stage ring still fits."""
     scratch = scratch_len(epi, tile_n)
-    staged = _stages_that_fit(tile_n, itemsize, scratch, staging_sizes(epi, tile_n, out_dtypes))
+    staged = _stages_that_fit(tile_n, itemsize, scratch, staging_sizes(epi, tile_n, out_dtypes, pingpong))
     if staged >= MIN_STAGED_STAGES:
         return staged, True
     return max(2, _stages_that_fit(tile_n, itemsize, scratch, [])), False
@@ -247,6 +258,17 @@ def wide_registers_ok(epi: Epilogue) -> bool:
     reductions = any(o.kind is not OutputKind.TILE for o in epi.outputs)
     tile_loads = any(l.kind is LoadKind.TILE for l in epi.loads)
     return not tile_loads and not (tile_outs and reductions)
+
+
+def choose_schedule(epi: Epilogue, m: int, n: int, k: int, request: str = "auto") -> bool:
+    """Whether to run the ping-pong schedule (True) or the cooperative one. ``request``:
+    ``"cooperative"``, ``"pingpong"`` (where :func:`pingpong_ok` at 128 wide, else
+    cooperative) or ``"auto"``."""
+    if request == "cooperative" or not pingpong_ok(epi, 128):
+        return False
+    if request == "pingpong":
+        return True
+    return False
 
 
 def narrow_tile_n(epi: Epilogue) -> int:
@@ -395,7 +417,8 @@ class TileEpilogue:
 
     def __init__(self, epi: Epilogue, traced: TracedBody, plan: KernelPlan, scratch, tidx, base, offsets, m0, n0,
                  pid_m, pid_n, staging: dict[str, Any] | None = None, thr=None,
-                 tile_frags: dict[str, Any] | None = None, subtile_stores: list | None = None):
+                 tile_frags: dict[str, Any] | None = None, subtile_stores: list | None = None,
+                 barrier: tuple[Any, int] = (1, 256), leader: int = 0, buf0=0):
         """``base``: this thread's first accumulator coordinate ``(row, col)`` (dynamic);
         ``offsets``: every accumulator register's static ``(row, col)`` offset from it (the
         wgmma fragment layout: a thread holds 2 rows x ``tile_n / 4`` columns, and the 4
@@ -405,8 +428,12 @@ class TileEpilogue:
         ``subtile_stores``: for a chunked epilogue with staged outputs, ``(tma_atom, smem
         sub-tiles, global sub-tiles, part)`` per staging ring (:func:`staged_outputs`);
         ``staging`` then maps ``(output, part)`` to ``[TILE_M, tile_n]`` views whose column
-        blocks of ``SUBTILE_N`` alternate over the sub-tile ring."""
+        blocks of ``SUBTILE_N`` alternate over the sub-tile ring. ``barrier``: the named
+        barrier ``(id, threads)`` over the threads that share this tile (both consumer
+        warpgroups, or one in the ping-pong schedule); ``leader``: the thread among them that
+        issues the TMA stores."""
         self.subtile_stores = subtile_stores
+        self.barrier, self.leader, self.buf0 = barrier, leader, buf0
         self.thr = thr
         self.tile_frags = tile_frags or {}
         self.active = None  # the registers of the chunk being evaluated (None: all)
@@ -519,10 +546,9 @@ class TileEpilogue:
                 for r, c in zip(self.rows, self.cols)]
 
     # -- scratch helpers --
-    @staticmethod
-    def sync():
-        """Barrier over the consumer threads (the producer warpgroup does not take part)."""
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=THREADS)
+    def sync(self):
+        """Barrier over the threads sharing this tile (the producer warpgroup does not take part)."""
+        cute.arch.barrier(barrier_id=self.barrier[0], number_of_threads=self.barrier[1])
 
     def _store_tile(self, values):
         self.sync()  # earlier readers of the scratch are done
@@ -628,9 +654,12 @@ class TileEpilogue:
 
     # -- the chunked epilogue (no pair mode) --
     def _group(self, part, g):
-        """Column group ``g`` (4 registers: 2 adjacent columns x 2 rows) of an
-        accumulator-shaped partition ``((2, 2, tile_n / 8), 1, 1)``."""
-        return part[((None, None, g), 0, 0)]
+        """Register group ``g`` (4 registers: 2 adjacent columns x 2 rows) of an
+        accumulator-shaped partition ``((2, 2, tile_n / 8), m_reps, 1)``: column group
+        ``g % (tile_n / 8)`` of M-repeat ``g // (tile_n / 8)`` (a warpgroup that owns all 128
+        rows holds two 64-row wgmma fragments)."""
+        per_rep = self.tn // 8
+        return part[((None, None, g % per_rep), g // per_rep, 0)]
 
     def _run_chunked(self, acc_vals, loads: dict[str, Any], outs: dict[str, Any]):
         """The body over ``CHUNK_GROUPS`` column groups (``4 * CHUNK_GROUPS`` registers) at a
@@ -644,7 +673,8 @@ class TileEpilogue:
         F = cutlass.Float32
         plan, epi = self.plan, self.epi
         halves = epi.half_acc
-        groups = self.count // 4
+        per_rep = self.tn // 8  # column groups per M-repeat
+        m_reps = self.count // (4 * per_rep)
         # Per-row-key running reductions across chunks (row key = static row offset).
         red_state: dict[str, dict] = {o.name: {} for o in epi.outputs if o.kind is not OutputKind.TILE}
         # Tile loads not prefetched: the accumulator-shaped partition of this tile's block,
@@ -665,10 +695,13 @@ class TileEpilogue:
             dst_parts = {key: self.thr.partition_C(view) for key, view in self.staging.items()}
         # A chunk's body runs in pieces of `step` groups (half_acc: 4, each with twice the
         # loads and outputs of a plain register; 8 groups at once spill at 128 x 256).
+        # A chunk is CHUNK_GROUPS column groups of every M-repeat (one [TILE_M, SUBTILE_N] sub-tile).
         step = HALF_ACC_BODY_GROUPS if halves else CHUNK_GROUPS
-        pieces = [(g0 // CHUNK_GROUPS, s0 == g0, s0 + step >= min(groups, g0 + CHUNK_GROUPS),
-                   list(range(s0, min(groups, s0 + step, g0 + CHUNK_GROUPS))))
-                  for g0 in range(0, groups, CHUNK_GROUPS) for s0 in range(g0, min(groups, g0 + CHUNK_GROUPS), step)]
+        pieces = []
+        for chunk, g0 in enumerate(range(0, per_rep, CHUNK_GROUPS)):
+            in_chunk = [g + per_rep * r for r in range(m_reps) for g in range(g0, min(per_rep, g0 + CHUNK_GROUPS))]
+            for i in range(0, len(in_chunk), step):
+                pieces.append((chunk, i == 0, i + step >= len(in_chunk), in_chunk[i:i + step]))
         for chunk, first_piece, last_piece, gs in pieces:
             sel = [4 * g + k for g in gs for k in range(4)]
             self.active = sel
@@ -759,8 +792,9 @@ class TileEpilogue:
                 block = (col_block // cutlass.Int32(b)) * cutlass.Int32(2 * b) + col_block % cutlass.Int32(b)
                 if part == 1:
                     block = block + cutlass.Int32(b)
-            stores.append((atom, st_s[(None, chunk % SUBTILE_BUFFERS)], st_g[(None, self.pid_m, block)]))
-        tma_store_staged(self.tidx, stores)
+            buf = chunk % SUBTILE_BUFFERS if isinstance(self.buf0, int) else self.buf0 + cutlass.Int32(chunk % SUBTILE_BUFFERS)
+            stores.append((atom, st_s[(None, buf)], st_g[(None, self.pid_m, block)]))
+        tma_store_staged(self, stores)
 
     def _fold_rows(self, kind, state, values, keys):
         """Folds one chunk's values (the unchunked epilogue: all registers) into the running
@@ -902,24 +936,24 @@ class TileEpilogue:
             self._finish_rows(outs[o.name], o.kind, state)
 
 
-def tma_store_staged(tidx, stores):
-    """Makes the consumers' SMEM staging writes visible to the TMA (generic -> async proxy),
-    waits for all consumers, then thread 0 issues one TMA store per ``(atom, smem, gmem)``
-    and commits them as one bulk group."""
+def tma_store_staged(ep: "TileEpilogue", stores):
+    """Makes the tile's threads' SMEM staging writes visible to the TMA (generic -> async
+    proxy), waits for all of them (``ep.sync``), then the leader thread issues one TMA store
+    per ``(atom, smem, gmem)`` and commits them as one bulk group."""
     cute.arch.fence_proxy("async.shared", space="cta")
-    TileEpilogue.sync()
-    with _thread0(tidx):
+    ep.sync()
+    with _thread_only(ep.tidx, ep.leader):
         for atom, src, dst in stores:
             cute.copy(atom, src, dst)
         cute.arch.cp_async_bulk_commit_group()
 
 
-def _thread0(tidx):
-    """Context manager: its block runs on consumer thread 0 only (an ``scf.if`` region)."""
+def _thread_only(tidx, thread: int):
+    """Context manager: its block runs on thread ``thread`` only (an ``scf.if`` region)."""
     from cutlass._mlir.dialects import scf
     from cutlass.cute.arch.elect import IfOpRegion
 
-    return IfOpRegion(scf.IfOp((tidx == cutlass.Int32(0)).ir_value()).then_block)
+    return IfOpRegion(scf.IfOp((tidx == cutlass.Int32(thread)).ir_value()).then_block)
 
 
 def _to_f32(x):
@@ -1038,6 +1072,14 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     if subtiled and tn % (SUBTILE_N * SUBTILE_BUFFERS):
         raise ValueError(f"tile_n={tn} is not a multiple of {SUBTILE_N * SUBTILE_BUFFERS} (staging sub-tiles)")
     whole_tile_stores = bool(staged) and not subtiled
+    pingpong = plan.pingpong
+    if pingpong and (not pingpong_ok(epi, tn) or whole_tile_stores):
+        raise ValueError(f"epilogue {epi.name!r}: the ping-pong schedule needs a chunked epilogue on 128-wide tiles")
+    # Ping-pong: each consumer warpgroup owns every other tile of the CTA (its own 128 x tn
+    # accumulator and staging sub-tiles); the consumer ring's stages are released by one
+    # warpgroup's 4 warps instead of both's 8.
+    copies = 2 if pingpong else 1
+    tile_threads = THREADS // copies
 
     @cute.kernel
     def gemm_kernel(tma_a: cute.CopyAtom, g_a: cute.Tensor, tma_b: cute.CopyAtom, g_b: cute.Tensor,
@@ -1050,7 +1092,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
-        stage_layouts = [_staging_layout(dt, w, nbuf) for (_, _, dt, w, nbuf) in staged]
+        stage_layouts = [_staging_layout(dt, w, nbuf * copies) for (_, _, dt, w, nbuf) in staged]
         fields = {
             "bars": cute.struct.MemRange[cutlass.Int64, stages * 2],
             "sa": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sa_layout)], 1024],
@@ -1074,7 +1116,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             barrier_storage=storage.bars.data_ptr(),
             num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, tile_threads // 32),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
@@ -1111,16 +1153,29 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
         else:
             # ---------------- consumers: wgmma mainloop + epilogue, one tile at a time.
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            wg_mma = mma.get_slice(wg * 128)
+            # Ping-pong: thread index within the warpgroup (the tiled MMA spans one warpgroup).
+            ltid = tidx % 128 if cutlass.const_expr(pingpong) else tidx
+            wg_mma = mma.get_slice(0 if cutlass.const_expr(pingpong) else wg * 128)
             frag_a = mma.make_fragment_A(wg_mma.partition_A(s_a))
             frag_b = mma.make_fragment_B(wg_mma.partition_B(s_b))
             acc = cute.make_rmem_tensor(wg_mma.partition_shape_C((tm, tn)), cutlass.Float32)
             k_blocks = cute.size(frag_a, mode=[2])
-            consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            if cutlass.const_expr(pingpong):
+                # Warpgroup 1 starts at the CTA's second tile: its ring position skips the
+                # first tile's k_tiles stages.
+                skip = cutlass.Int32(k_tiles) * wg
+                consume = pipeline.PipelineState(stages, skip, skip % cutlass.Int32(stages),
+                                                 (skip // cutlass.Int32(stages)) % cutlass.Int32(2))
+                release = pipeline.PipelineState(stages, skip, skip % cutlass.Int32(stages),
+                                                 (skip // cutlass.Int32(stages)) % cutlass.Int32(2))
+                first_tile = cutlass.Int32(bid) + cutlass.Int32(plan.ctas) * wg
+            else:
+                consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+                first_tile = cutlass.Int32(bid)
 
             # Tile coordinates of this thread's accumulator registers (the same for every tile).
-            thr = mma.get_slice(tidx)
+            thr = mma.get_slice(ltid)
             coords_t = thr.partition_C(cute.make_identity_tensor((tm, tn)))
             count = cute.size(acc)
             base = coords_t[0]
@@ -1140,16 +1195,44 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     cute.group_modes(cute.local_tile(g, (tm, w), (None, None)), 0, 2)))
             if cutlass.const_expr(whole_tile_stores):
                 staging = {key[0]: s for (_, key, _, _, _), s in zip(staged, s_out)}
+            buf0 = cutlass.Int32(0)  # this warpgroup's first sub-tile of each ring
             if cutlass.const_expr(subtiled):
-                staging = {key: _subtile_view(s, tn) for (_, key, _, _, _), s in zip(staged, s_out)}
+                if cutlass.const_expr(pingpong):
+                    buf0 = wg * cutlass.Int32(SUBTILE_BUFFERS)
+                    # This warpgroup's half of each ring, as a plain pointer + the swizzled
+                    # layout: the swizzle then applies to static offsets (one dynamic base
+                    # register per ring; a swizzled pointer with a dynamic offset makes every
+                    # element address a runtime computation, and the kernel spills).
+                    s_own = []
+                    for i, (_, _, dt, w, nbuf) in enumerate(staged):
+                        own = _staging_layout(dt, w, nbuf)
+                        ptr = getattr(storage, f"out{i}").data_ptr() + wg * cutlass.Int32(cute.cosize(own))
+                        s_own.append(cute.make_tensor(ptr, own))
+                else:
+                    s_own = s_out
+                staging = {key: _subtile_view(s, tn) for (_, key, _, _, _), s in zip(staged, s_own)}
                 subtile_stores = [(atom, st_s, st_g, key[1])
                                   for atom, (st_s, st_g), (_, key, _, _, _) in zip(tma_out, st_parts, staged)]
+            if cutlass.const_expr(pingpong):
+                # Named barriers: the tile's threads (one warpgroup), and the order of the two
+                # warpgroups' mainloops (each waits for the other's to be issued in full, so
+                # its ring waits are never more than one phase ahead of the slot's state).
+                tile_barrier = (cutlass.Int32(PINGPONG_EPILOGUE_BARRIER) + wg, tile_threads)
+                my_turn = cutlass.Int32(PINGPONG_ORDER_BARRIER) + wg
+                your_turn = cutlass.Int32(PINGPONG_ORDER_BARRIER + 1) - wg
+                tile_step = 2 * plan.ctas
+            else:
+                tile_barrier = (EPILOGUE_BARRIER, THREADS)
+                tile_step = plan.ctas
 
-            tile = cutlass.Int32(bid)
+            tile = first_tile
             while tile < num_tiles:
                 pm, pn = _tile_of(tile, grid_m, grid_n, plan.group_m)
                 # The epilogue's tile loads stream into registers during the mainloop.
-                frags = prefetch_tile_loads(epi, thr, loads, tn, pm, pn)
+                frags = {} if cutlass.const_expr(pingpong) else prefetch_tile_loads(epi, thr, loads, tn, pm, pn)
+                if cutlass.const_expr(pingpong):
+                    if tile != cutlass.Int32(bid):  # not the CTA's first tile: wait for the other's mainloop
+                        cute.arch.barrier(barrier_id=my_turn, number_of_threads=THREADS)
                 # K-tile 0 is peeled: it starts the accumulation (ACCUMULATE=False on its first
                 # wgmma), so the flag is a compile-time fact and never a loop-carried value.
                 mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
@@ -1173,27 +1256,35 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     cute.nvgpu.warpgroup.wait_group(1)
                     ring.consumer_release(release)
                     release.advance()
+                if cutlass.const_expr(pingpong):
+                    # The other warpgroup may start its next tile's mainloop (if there is one),
+                    # then both skip each other's tile in the ring.
+                    if tile + cutlass.Int32(plan.ctas) < cutlass.Int32(num_tiles):
+                        cute.arch.barrier_arrive(barrier_id=your_turn, number_of_threads=THREADS)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ring.consumer_release(release)
                 release.advance()
+                if cutlass.const_expr(pingpong):
+                    consume.advance(k_tiles)
+                    release.advance(k_tiles)
 
                 # Epilogue. The staging tiles are free once the previous tile's TMA stores
                 # have read them.
+                ep = TileEpilogue(epi, traced, plan, scratch, cutlass.Int32(ltid), base, offsets,
+                                  pm * cutlass.Int32(tm), pn * cutlass.Int32(tn), pm, pn, staging, thr, frags,
+                                  subtile_stores, tile_barrier, 0, buf0)
                 if cutlass.const_expr(whole_tile_stores):
                     if tidx == 0:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    TileEpilogue.sync()
+                    ep.sync()
                 acc_vals = [acc[i] for i in range(count)]
-                ep = TileEpilogue(epi, traced, plan, scratch, cutlass.Int32(tidx), base, offsets,
-                                  pm * cutlass.Int32(tm), pn * cutlass.Int32(tn), pm, pn, staging, thr, frags,
-                                  subtile_stores)
                 ep.run(acc_vals, loads, outs)
                 if cutlass.const_expr(whole_tile_stores):
-                    tma_store_staged(cutlass.Int32(tidx), [(atom, st_s, st_g[(None, pm, pn)])
-                                                           for atom, (st_s, st_g) in zip(tma_out, st_parts)])
-                tile += plan.ctas
+                    tma_store_staged(ep, [(atom, st_s, st_g[(None, pm, pn)])
+                                          for atom, (st_s, st_g) in zip(tma_out, st_parts)])
+                tile += tile_step
             if cutlass.const_expr(len(staged) > 0):
-                if tidx == 0:
+                if ltid == 0:
                     cute.arch.cp_async_bulk_wait_group(0)
 
     # The kernel's symbol starts with its program's name (profiles, ncu -k regex:coda_<program>).
@@ -1202,7 +1293,8 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     @cute.jit
     def launch(stream, g_a: cute.Tensor, g_b: cute.Tensor, *io):
         mma = sm90.make_trivial_tiled_mma(ab_dtype, ab_dtype, a_layout.sm90_mma_major_mode(),
-                                          b_layout.sm90_mma_major_mode(), cutlass.Float32, (2, 1, 1),
+                                          b_layout.sm90_mma_major_mode(), cutlass.Float32,
+                                          (1, 1, 1) if pingpong else (2, 1, 1),
                                           tiler_mn=(64, tn))
         sa_layout = sm90.make_smem_layout_a(a_layout, tile_mnk, ab_dtype, stages)
         sb_layout = sm90.make_smem_layout_b(b_layout, tile_mnk, ab_dtype, stages)

@@ -42,6 +42,8 @@ MAX_TILE_N = 256
 TILE_N_ENV = "CODA_JAX_CUTEDSL_TILE_N"
 MAX_STAGES_ENV = "CODA_JAX_CUTEDSL_MAX_STAGES"
 GROUP_M_ENV = "CODA_JAX_CUTEDSL_GROUP_M"
+SCHEDULE_ENV = "CODA_JAX_CUTEDSL_SCHEDULE"
+SCHEDULES = ("auto", "cooperative", "pingpong")
 
 
 def _round_up(x: int, q: int) -> int:
@@ -78,6 +80,17 @@ def group_m_request() -> int | None:
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{GROUP_M_ENV} must be an integer >= 1, got {raw!r}")
     return int(raw)
+
+
+def schedule_request() -> str:
+    """``CODA_JAX_CUTEDSL_SCHEDULE``: ``cooperative`` (both consumer warpgroups on one tile),
+    ``pingpong`` (each warpgroup on its own 128-wide tiles, one's epilogue beside the other's
+    mainloop; programs it cannot run fall back to cooperative) or ``auto`` (the default:
+    :func:`coda_jax.ffi.kernel.choose_schedule`)."""
+    raw = os.environ.get(SCHEDULE_ENV, "auto").strip().lower() or "auto"
+    if raw not in SCHEDULES:
+        raise ValueError(f"{SCHEDULE_ENV} must be one of {', '.join(SCHEDULES)}, got {raw!r}")
+    return raw
 
 
 def tile_n_request() -> int | None:
@@ -131,7 +144,7 @@ class CuteDslLowering:
     ) -> dict[str, jax.Array]:
         from cutlass.jax import TensorSpec
 
-        from coda_jax.ffi.kernel import KernelPlan, choose_tile_n, plan_smem
+        from coda_jax.ffi.kernel import KernelPlan, choose_schedule, choose_tile_n, plan_smem
 
         m, n, k = check_kernel_gemm("CuTeDSL", epilogue, a, b, loads, transpose_a, transpose_b)
         if epilogue is programs.IDENTITY and plain_gemm_route(self.name, self.plain_gemm) == "xla":
@@ -146,7 +159,8 @@ class CuteDslLowering:
         op_dt = jnp.dtype(a.dtype)
         itemsize = op_dt.itemsize
         sms = gpu_sm_count()
-        tn = choose_tile_n(epilogue, m, n, itemsize, dtypes, sms, tile_n_request())
+        pingpong = choose_schedule(epilogue, m, n, k, schedule_request())
+        tn = 128 if pingpong else choose_tile_n(epilogue, m, n, itemsize, dtypes, sms, tile_n_request())
         mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, TILE_K)
 
         def pad2(x, rows, cols):
@@ -177,12 +191,12 @@ class CuteDslLowering:
                 raise TypeError(f"epilogue {epilogue.name!r}: load {l.name!r} has unsupported dtype {v.dtype}")
             args.append(v)
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
-        stages, stage_outputs = plan_smem(epilogue, tn, itemsize, dtypes)
+        stages, stage_outputs = plan_smem(epilogue, tn, itemsize, dtypes, pingpong)
         stages = min(stages, max_stages_request() or stages)
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
                           sms=sms, stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
                           load_dtypes=load_dtypes, out_dtypes=dtypes,
-                          **({"group_m": group_m_request()} if group_m_request() else {}))
+                          pingpong=pingpong, **({"group_m": group_m_request()} if group_m_request() else {}))
         launch = _build(epilogue, plan)
         out_types = []
         for o in epilogue.outputs:
