@@ -282,6 +282,34 @@ def test_schedule_choice(monkeypatch):
     assert schedule_request() == "pingpong"
 
 
+def test_element_swizzle_matches_the_tma_swizzle():
+    """The ping-pong schedule writes its half of a staging ring through a plain pointer, so
+    the swizzle sits in the layout and acts on element offsets: every element must land
+    where the 128B TMA swizzle (on byte addresses) puts it, for bf16 and f32 outputs."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from coda_jax.ffi.kernel import _element_swizzled, _staging_layout
+
+    found = {}
+
+    @cute.jit
+    def check():
+        for dt in (cutlass.BFloat16, cutlass.Float32):
+            ring, nb = _staging_layout(dt, 64, 2), dt.width // 8
+            own = _element_swizzled(ring, dt)
+            bad = 0
+            for r in cutlass.range_constexpr(16):
+                for c in cutlass.range_constexpr(0, 64, 4):
+                    byte = int(str(ring.outer((r, c, 1)))) * nb
+                    want = (byte ^ (((byte >> 7) & 7) << 4)) // nb
+                    bad += int(int(str(own((r, c, 1)))) != want)
+            found[dt.width] = bad
+
+    check()
+    assert found == {16: 0, 32: 0}
+
+
 def test_odd_pair_block_lowers():
     """pair_block % 8 != 0: a pair's halves sit in different lanes, so the exchange and the
     body's row sum go through the SMEM scratch instead of registers."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -1037,6 +1038,21 @@ def _staging_layout(dtype, width: int, buffers: int = 1):
     return lay if buffers > 1 else cute.slice_(lay, (None, None, 0))
 
 
+def _element_swizzled(layout, dtype):
+    """``layout`` (a swizzled SMEM layout whose swizzle is meant for the pointer, i.e. acts on
+    byte addresses, as TMA and wgmma see them) with its swizzle moved to element offsets, for
+    a tensor on a plain pointer: ``S<b, m, s>`` on bytes is ``S<b, m - log2(bytes), s>`` on
+    elements. (Composing the byte swizzle with element offsets permutes the wrong bits.)"""
+    found = re.fullmatch(r"S<(\d+),(\d+),(\d+)>", str(layout.inner).replace(" ", ""))
+    if found is None:
+        raise ValueError(f"expected a swizzle S<b,m,s>, got {layout.inner}")
+    b, m, s = map(int, found.groups())
+    shift = (dtype.width // 8).bit_length() - 1
+    if dtype.width % 8 or m < shift:
+        raise ValueError(f"swizzle {layout.inner} cannot act on {dtype} elements")
+    return cute.make_composed_layout(cute.make_swizzle(b, m - shift, s), 0, layout.outer)
+
+
 def _subtile_view(ring, tile_n: int):
     """``[TILE_M, tile_n]`` view of a ``[TILE_M, SUBTILE_N, SUBTILE_BUFFERS]`` staging ring:
     column block ``j`` (of ``SUBTILE_N``) is sub-tile ``j % SUBTILE_BUFFERS`` (a stride-0
@@ -1199,13 +1215,14 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             if cutlass.const_expr(subtiled):
                 if cutlass.const_expr(pingpong):
                     buf0 = wg * cutlass.Int32(SUBTILE_BUFFERS)
-                    # This warpgroup's half of each ring, as a plain pointer + the swizzled
-                    # layout: the swizzle then applies to static offsets (one dynamic base
-                    # register per ring; a swizzled pointer with a dynamic offset makes every
-                    # element address a runtime computation, and the kernel spills).
+                    # This warpgroup's half of each ring, as a plain pointer + the swizzle in
+                    # the layout (in element units, :func:`_element_swizzled`): the swizzle then
+                    # applies to static offsets (one dynamic base register per ring; a swizzled
+                    # pointer with a dynamic offset makes every element address a runtime
+                    # computation, and the kernel spills).
                     s_own = []
                     for i, (_, _, dt, w, nbuf) in enumerate(staged):
-                        own = _staging_layout(dt, w, nbuf)
+                        own = _element_swizzled(_staging_layout(dt, w, nbuf), dt)
                         ptr = getattr(storage, f"out{i}").data_ptr() + wg * cutlass.Int32(cute.cosize(own))
                         s_own.append(cute.make_tensor(ptr, own))
                 else:
