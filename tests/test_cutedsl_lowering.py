@@ -272,9 +272,12 @@ def test_schedule_choice(monkeypatch):
     from coda_jax.ffi.kernel import choose_schedule
     from coda_jax.ffi.lowering import SCHEDULE_ENV, schedule_request
 
-    assert not choose_schedule(P.rms_swiglu(True), 8192, 8192, 2048, "pingpong")  # pair mode: cooperative
-    assert choose_schedule(P.RESIDUAL_RMS, 8192, 2048, 2048, "pingpong")
-    assert not choose_schedule(P.RESIDUAL_RMS, 8192, 2048, 2048, "cooperative")
+    assert not choose_schedule(P.rms_swiglu(True), "pingpong")  # pair mode: cooperative
+    assert choose_schedule(P.RESIDUAL_RMS, "pingpong")
+    assert not choose_schedule(P.RESIDUAL_RMS, "cooperative")
+    # auto: ping-pong only where the epilogue writes no tile (row reductions only)
+    assert {e.name for e, _ in _PROGRAMS if choose_schedule(e)} == {"rms_lse"}
+    assert not choose_schedule(P.RMS_LSE, "cooperative")
     monkeypatch.setenv(SCHEDULE_ENV, "zigzag")
     with pytest.raises(ValueError, match=SCHEDULE_ENV):
         schedule_request()

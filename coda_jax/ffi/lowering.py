@@ -159,7 +159,7 @@ class CuteDslLowering:
         op_dt = jnp.dtype(a.dtype)
         itemsize = op_dt.itemsize
         sms = gpu_sm_count()
-        pingpong = choose_schedule(epilogue, m, n, k, schedule_request())
+        pingpong = choose_schedule(epilogue, schedule_request())
         tn = 128 if pingpong else choose_tile_n(epilogue, m, n, itemsize, dtypes, sms, tile_n_request())
         mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, TILE_K)
 
