@@ -427,7 +427,7 @@ class TileEpilogue:
     def __init__(self, epi: Epilogue, traced: TracedBody, plan: KernelPlan, scratch, tidx, base, offsets, m0, n0,
                  pid_m, pid_n, staging: dict[str, Any] | None = None, thr=None,
                  tile_frags: dict[str, Any] | None = None, subtile_stores: list | None = None,
-                 barrier: tuple[Any, int] = (1, 256), leader: int = 0, buf0=0):
+                 barrier: tuple[Any, int] = (EPILOGUE_BARRIER, THREADS), leader: int = 0, buf0=0):
         """``base``: this thread's first accumulator coordinate ``(row, col)`` (dynamic);
         ``offsets``: every accumulator register's static ``(row, col)`` offset from it (the
         wgmma fragment layout: a thread holds 2 rows x ``tile_n / 4`` columns, and the 4
@@ -957,6 +957,13 @@ def tma_store_staged(ep: "TileEpilogue", stores):
         cute.arch.cp_async_bulk_commit_group()
 
 
+def _ring_position(stages: int, count):
+    """A consumer's state of a ``stages``-deep pipeline ring after ``count`` stages (index
+    ``count % stages``, phase ``(count // stages) % 2``)."""
+    s = cutlass.Int32(stages)
+    return pipeline.PipelineState(stages, count, count % s, (count // s) % cutlass.Int32(2))
+
+
 def _thread_only(tidx, thread: int):
     """Context manager: its block runs on thread ``thread`` only (an ``scf.if`` region)."""
     from cutlass._mlir.dialects import scf
@@ -1187,11 +1194,8 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             if cutlass.const_expr(pingpong):
                 # Warpgroup 1 starts at the CTA's second tile: its ring position skips the
                 # first tile's k_tiles stages.
-                skip = cutlass.Int32(k_tiles) * wg
-                consume = pipeline.PipelineState(stages, skip, skip % cutlass.Int32(stages),
-                                                 (skip // cutlass.Int32(stages)) % cutlass.Int32(2))
-                release = pipeline.PipelineState(stages, skip, skip % cutlass.Int32(stages),
-                                                 (skip // cutlass.Int32(stages)) % cutlass.Int32(2))
+                consume = _ring_position(stages, cutlass.Int32(k_tiles) * wg)
+                release = _ring_position(stages, cutlass.Int32(k_tiles) * wg)
                 first_tile = cutlass.Int32(bid) + cutlass.Int32(plan.ctas) * wg
             else:
                 consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
