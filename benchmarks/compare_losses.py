@@ -34,7 +34,9 @@ def compare(dirs: list[Path]) -> list[dict]:
         later = rel[2:] or rel  # skip the first 50 steps (warm-up transients)
         val = hist["val_loss"][-1] if hist["val_loss"] else float("nan")
         ref_val = ref_hist["val_loss"][-1] if ref_hist["val_loss"] else float("nan")
-        rows.append({"run": str(d), "backend": summ.get("backend"), "steps": len(hist["loss"]),
+        # gpu_suite.sh names run directories train_<backend or variant spec>
+        label = d.name.removeprefix("train_") if d.name.startswith("train_") else summ.get("backend")
+        rows.append({"run": str(d), "label": label, "backend": summ.get("backend"), "steps": len(hist["loss"]),
                      "last_window_loss": w[n - 1] if n else float("nan"),
                      "max_window_rel_diff": max(later) if later else float("nan"),
                      "last_window_rel_diff": rel[-1] if rel else float("nan"),
@@ -49,13 +51,13 @@ def main(argv: list[str]) -> None:
     dirs = [Path(a) for a in argv]
     rows = compare(dirs)
     (dirs[0] / "loss_compare.json").write_text(json.dumps(rows, indent=1))
-    print(f"| backend | steps | loss (last {WINDOW}) | max rel diff (windows of {WINDOW}, after 50) | "
+    print(f"| run | steps | loss (last window of <= {WINDOW}) | max rel diff (windows of {WINDOW}, after 50) | "
           "last rel diff | val loss | val rel diff | tokens/s | MFU |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "-"
-        print(f"| {r['backend']} | {r['steps']} | {r['last_window_loss']:.4f} | {r['max_window_rel_diff']:.2%} | "
+        print(f"| {r['label']} | {r['steps']} | {r['last_window_loss']:.4f} | {r['max_window_rel_diff']:.2%} | "
               f"{r['last_window_rel_diff']:.2%} | {r['val_loss']:.4f} | {r['val_rel_diff']:.2%} | {tps} | {mfu} |")
 
 

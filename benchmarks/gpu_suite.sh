@@ -4,7 +4,9 @@
 # Sections (env): SKIP_TESTS=1 (GPU_TESTS="files" to choose), SKIP_BENCH=1; TUNE=1 runs the
 # Pallas config sweep (benchmarks/tune.py, TUNE_ARGS); TRAIN_STEPS=N (default 0: skip) trains
 # examples/train_llama.py on every backend (TRAIN_ARGS, default the 1b preset) and compares
-# the loss curves (benchmarks/compare_losses.py). PROFILE=1 profiles the block's fwd+bwd per
+# the loss curves (benchmarks/compare_losses.py; the first run is the reference).
+# TRAIN_BACKENDS="xla cutedsl cutedsl:CODA_JAX_CUTEDSL_SCHEDULE=pingpong" picks the runs: an
+# entry "backend:VAR=VALUE[,VAR=VALUE]" trains under those environment settings (a variant). PROFILE=1 profiles the block's fwd+bwd per
 # kernel (benchmarks/profile_block.py, PROFILE_ARGS; "--model 1b --layers 4" profiles a training step).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
@@ -59,11 +61,14 @@ fi
 if [ "${TRAIN_STEPS:-0}" -gt 0 ]; then
   echo "== training =="
   RUNS=()
-  for b in ${TRAIN_BACKENDS:-${BACKENDS//,/ }}; do
-    timeout "${TRAIN_TIMEOUT:-300}" python3 examples/train_llama.py --backend "$b" --steps "$TRAIN_STEPS" \
+  for spec in ${TRAIN_BACKENDS:-${BACKENDS//,/ }}; do
+    b="${spec%%:*}"; settings=(); [[ $spec == *:* ]] && IFS=',' read -ra settings <<< "${spec#*:}"
+    label="$(printf '%s' "$spec" | tr -c 'A-Za-z0-9_.-' '_')"
+    env ${settings[@]+"${settings[@]}"} timeout "${TRAIN_TIMEOUT:-300}" python3 examples/train_llama.py --backend "$b" --steps "$TRAIN_STEPS" \
       ${TRAIN_ARGS:---preset 1b --batch 8 --seq 1024 --lr 3e-4 --warmup 30} --ckpt-every 0 --no-resume \
-      --out "$OUT/train_$b" 2>&1 | tr '\r' '\n' | grep -v '^ *[0-9]*%\|it/s\]$' | tail -n 5 | tee "$OUT/train_$b.log"
-    [ -f "$OUT/train_$b/history.json" ] && RUNS+=("$OUT/train_$b")
+      --out "$OUT/train_$label" 2>&1 | tr '\r' '\n' | grep -v '^ *[0-9]*%\|it/s\]$' | tail -n 5 | tee "$OUT/train_$label.log"
+    rm -rf "$OUT/train_$label/checkpoints"
+    [ -f "$OUT/train_$label/history.json" ] && RUNS+=("$OUT/train_$label")
   done
   [ "${#RUNS[@]}" -gt 1 ] && python3 benchmarks/compare_losses.py "${RUNS[@]}" | tee "$OUT/train_compare.md"
 fi

@@ -47,9 +47,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/tiny", help="checkpoint, loss curve and log directory")
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint period in steps (0: never)")
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=50, help="evaluation period in steps (0: after the last step only)")
     p.add_argument("--no-resume", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("eval_every", "ckpt_every"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    return args
 
 
 def make_config(args, vocab_size: int) -> LlamaConfig:
@@ -129,7 +133,7 @@ def main(argv=None) -> dict:
         bar.update(step + 1, f"loss {loss:.3f}  {tps:,.0f} tok/s{extra}")
         if step == start:  # the first step compiles: restart the clock
             t_last, n_since = time.perf_counter(), 0
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
             vi, vt = text_data.validation_batch(val_tokens, args.batch, args.seq)
             history["val_step"].append(step + 1)
             history["val_loss"].append(float(eval_step(model, jnp.asarray(vi), jnp.asarray(vt))))

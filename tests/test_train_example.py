@@ -28,3 +28,17 @@ def test_short_training_run_learns_and_resumes(tmp_path):
     hist = json.loads((out / "history.json").read_text())
     assert hist["step"] == list(range(90))
     assert s2["last_loss"] < s1["first_loss"] - 1.3
+
+
+def test_eval_every_zero_evaluates_after_the_last_step_only(tmp_path):
+    out = tmp_path / "run"
+    train_llama.main(["--batch", "2", "--seq", "32", "--layers", "1", "--vocab", "512", "--steps", "3",
+                      "--eval-every", "0", "--ckpt-every", "0", "--no-resume", "--out", str(out)])
+    assert json.loads((out / "history.json").read_text())["val_step"] == [3]
+
+
+@pytest.mark.parametrize("flag", ["--eval-every", "--ckpt-every"])
+def test_negative_periods_are_rejected(flag, capsys):
+    with pytest.raises(SystemExit):
+        train_llama.parse_args([flag, "-1"])
+    assert f"{flag} must be >= 0" in capsys.readouterr().err
