@@ -13,7 +13,10 @@ backend (:func:`coda_jax.lowering.plain_gemm_route`); ``plain_gemm="cutedsl"`` o
 
 Tuning knobs, read when a call is traced: ``CODA_JAX_CUTEDSL_TILE_N=128|256`` forces the
 CTA tile width where the program fits it (default: :func:`coda_jax.ffi.kernel.choose_tile_n`),
-``CODA_JAX_CUTEDSL_MAX_STAGES=n`` caps the operand pipeline's depth.
+``CODA_JAX_CUTEDSL_MAX_STAGES=n`` caps the operand pipeline's depth,
+``CODA_JAX_CUTEDSL_GROUP_M=n`` sets the raster group (tile rows), and
+``CODA_JAX_CUTEDSL_SCHEDULE=cooperative|pingpong|auto`` picks the consumer schedule
+(default ``auto``: :func:`coda_jax.ffi.kernel.choose_schedule`, cooperative for now).
 
 Kernels are built once per (epilogue, padded shapes, layouts, dtypes, tile config) and
 cached here; ``cutlass_call`` then compiles each one once (``compile_key`` skips IR
