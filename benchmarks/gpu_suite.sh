@@ -67,7 +67,6 @@ if [ "${TRAIN_STEPS:-0}" -gt 0 ]; then
     env ${settings[@]+"${settings[@]}"} timeout "${TRAIN_TIMEOUT:-300}" python3 examples/train_llama.py --backend "$b" --steps "$TRAIN_STEPS" \
       ${TRAIN_ARGS:---preset 1b --batch 8 --seq 1024 --lr 3e-4 --warmup 30} --ckpt-every 0 --no-resume \
       --out "$OUT/train_$label" 2>&1 | tr '\r' '\n' | grep -v '^ *[0-9]*%\|it/s\]$' | tail -n 5 | tee "$OUT/train_$label.log"
-    rm -rf "$OUT/train_$label/checkpoints"
     [ -f "$OUT/train_$label/history.json" ] && RUNS+=("$OUT/train_$label")
   done
   [ "${#RUNS[@]}" -gt 1 ] && python3 benchmarks/compare_losses.py "${RUNS[@]}" | tee "$OUT/train_compare.md"

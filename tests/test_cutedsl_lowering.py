@@ -252,7 +252,7 @@ def test_program_lowers(epi, kw, tile_n, monkeypatch):
                          ids=[f"{e.name}-{'-'.join(k) or 'nn'}" for e, k in _PROGRAMS if _chunked(e)])
 def test_pingpong_schedule_lowers(epi, kw, monkeypatch):
     """Every chunked program lowers with the ping-pong schedule (128-wide tiles, one
-    warpgroup per tile); the others fall back to the cooperative one."""
+    warpgroup per tile); the fallback of the others is in ``test_schedule_choice``."""
     from coda_jax.ffi import kernel as K
     from coda_jax.ffi.lowering import SCHEDULE_ENV, CuteDslLowering
 

@@ -34,6 +34,15 @@ TOL = 1e-2
 BF = jnp.bfloat16
 
 
+def _reduced(kind, x):
+    """An output as the op sees it: reduction partials combined over their first axis."""
+    if kind in (OutputKind.ROW_SUM, OutputKind.COL_SUM):
+        return x.sum(0)
+    if kind is OutputKind.ROW_LOGSUMEXP:
+        return jax.nn.logsumexp(x, axis=0)
+    return x
+
+
 def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0):
     from coda_jax.ffi.lowering import CuteDslLowering
 
@@ -49,12 +58,8 @@ def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0):
     got = jax.jit(lambda a, b, l: kernel.gemm(epi, a, b, l, **kw))(a, b, loads)
     assert set(got) == set(want)
     for o in epi.outputs:
-        g, w = got[o.name], want[o.name]
-        if o.kind in (OutputKind.ROW_SUM, OutputKind.COL_SUM):
-            g, w = g.sum(0), w.sum(0)
-        elif o.kind is OutputKind.ROW_LOGSUMEXP:
-            g, w = jax.nn.logsumexp(g, axis=0), jax.nn.logsumexp(w, axis=0)
-        else:
+        g, w = _reduced(o.kind, got[o.name]), _reduced(o.kind, want[o.name])
+        if o.kind is OutputKind.TILE:
             assert g.shape == w.shape and g.dtype == w.dtype, (o.name, g.shape, w.shape, g.dtype, w.dtype)
         e = rel_err(g, w)
         assert e <= TOL, f"{epi.name}.{o.name}: rel err {e:.3g}"
@@ -153,12 +158,10 @@ def _errors(epi, got, ref):
 
     errs = {}
     for o in epi.outputs:
-        g, w = np.asarray(got[o.name], np.float32), np.asarray(ref[o.name], np.float32)
+        g, w = (np.asarray(_reduced(o.kind, x[o.name].astype(jnp.float32))) for x in (got, ref))
         if o.kind is OutputKind.ROW_LOGSUMEXP:
-            g, w = np.asarray(jax.nn.logsumexp(g, axis=0)), np.asarray(jax.nn.logsumexp(w, axis=0))
             errs[o.name] = float(np.abs(g - w).max())
         elif o.kind is OutputKind.ROW_SUM:
-            g, w = g.sum(0), w.sum(0)
             errs[o.name] = float(np.abs(g - w).max() / np.sqrt((w ** 2).mean()))
         else:
             errs[o.name] = float(np.linalg.norm(g - w) / np.linalg.norm(w))

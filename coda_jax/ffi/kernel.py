@@ -801,7 +801,7 @@ class TileEpilogue:
                 block = (col_block // cutlass.Int32(b)) * cutlass.Int32(2 * b) + col_block % cutlass.Int32(b)
                 if part == 1:
                     block = block + cutlass.Int32(b)
-            buf = chunk % SUBTILE_BUFFERS if isinstance(self.buf0, int) else self.buf0 + cutlass.Int32(chunk % SUBTILE_BUFFERS)
+            buf = self.buf0 + chunk % SUBTILE_BUFFERS
             stores.append((atom, st_s[(None, buf)], st_g[(None, self.pid_m, block)]))
         tma_store_staged(self, stores)
 
@@ -1223,7 +1223,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     cute.group_modes(cute.local_tile(g, (tm, w), (None, None)), 0, 2)))
             if cutlass.const_expr(whole_tile_stores):
                 staging = {key[0]: s for (_, key, _, _, _), s in zip(staged, s_out)}
-            buf0 = cutlass.Int32(0)  # this warpgroup's first sub-tile of each ring
+            buf0 = 0  # this warpgroup's first sub-tile of each ring (static when cooperative)
             if cutlass.const_expr(subtiled):
                 if cutlass.const_expr(pingpong):
                     buf0 = wg * cutlass.Int32(SUBTILE_BUFFERS)
