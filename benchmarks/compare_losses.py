@@ -1,28 +1,41 @@
 """Compare the loss curves of training runs on different backends (same seed and data).
 
-    python benchmarks/compare_losses.py runs/xla runs/pallas [runs/cutedsl]
+    python benchmarks/compare_losses.py [--curves FILE] runs/xla runs/pallas [runs/cutedsl ...]
 
 Reads ``history.json`` and ``summary.json`` of each run directory (written by
-``examples/train_llama.py``); the first run is the reference. Prints, per backend, the
-relative difference of the training loss averaged over windows of 25 steps (the largest
-window after the first 50 steps, and the last window), of the final validation loss, and
-the steady-state tokens/s and MFU. Writes ``loss_compare.json`` beside the first run.
+``examples/train_llama.py``); the first run is the reference. Prints, per run, the relative
+difference of the training loss averaged over windows of 25 steps (the largest window after
+the first 50 steps, and the last window), the largest per-step difference over the first
+``EARLY`` steps (before a loss spike can amplify rounding differences), the final validation
+loss, and the steady-state tokens/s and MFU. Writes ``loss_compare.json`` beside the first
+run and, with ``--curves``, every run's per-step losses in one JSON file.
+
+A rerun of the same backend (``xla xla`` in ``TRAIN_BACKENDS``) or the reference under other
+GEMM algorithms (``xla:XLA_FLAGS=--xla_gpu_autotune_level=0``) measures how far two equally
+exact runs drift apart: the noise floor a backend's difference is judged against.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 WINDOW = 25
+EARLY = 6
 
 
 def _windows(losses: list[float]) -> list[float]:
     return [sum(losses[i:i + WINDOW]) / len(losses[i:i + WINDOW]) for i in range(0, len(losses), WINDOW)]
 
 
+def _label(d: Path, summ: dict) -> str:
+    # gpu_suite.sh names run directories train_<backend or variant spec>
+    return d.name.removeprefix("train_") if d.name.startswith("train_") else str(summ.get("backend"))
+
+
 def compare(dirs: list[Path]) -> list[dict]:
+    """One row per run directory: its loss curve against the first directory's."""
     runs = [(json.loads((d / "history.json").read_text()), json.loads((d / "summary.json").read_text())) for d in dirs]
     ref_hist, _ = runs[0]
     ref_w = _windows(ref_hist["loss"])
@@ -32,34 +45,57 @@ def compare(dirs: list[Path]) -> list[dict]:
         n = min(len(w), len(ref_w))
         rel = [abs(w[i] - ref_w[i]) / abs(ref_w[i]) for i in range(n)]
         later = rel[2:] or rel  # skip the first 50 steps (warm-up transients)
+        early = [abs(a - b) / abs(b) for a, b in zip(hist["loss"][:EARLY], ref_hist["loss"][:EARLY])]
         val = hist["val_loss"][-1] if hist["val_loss"] else float("nan")
         ref_val = ref_hist["val_loss"][-1] if ref_hist["val_loss"] else float("nan")
-        # gpu_suite.sh names run directories train_<backend or variant spec>
-        label = d.name.removeprefix("train_") if d.name.startswith("train_") else summ.get("backend")
-        rows.append({"run": str(d), "label": label, "backend": summ.get("backend"), "steps": len(hist["loss"]),
+        rows.append({"run": str(d), "label": _label(d, summ), "backend": summ.get("backend"),
+                     "steps": len(hist["loss"]),
                      "last_window_loss": w[n - 1] if n else float("nan"),
                      "max_window_rel_diff": max(later) if later else float("nan"),
-                     "last_window_rel_diff": rel[-1] if rel else float("nan"),
-                     "val_loss": val, "val_rel_diff": abs(val - ref_val) / abs(ref_val),
+                     "last_window_rel_diff": (w[n - 1] - ref_w[n - 1]) / abs(ref_w[n - 1]) if n else float("nan"),
+                     "early_max_rel_diff": max(early) if early else float("nan"),
+                     "val_loss": val, "val_rel_diff": (val - ref_val) / abs(ref_val),
                      "tokens_per_s": summ.get("tokens_per_s"), "mfu": summ.get("mfu")})
     return rows
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) < 2:
-        raise SystemExit("usage: compare_losses.py REF_RUN_DIR OTHER_RUN_DIR [...]")
-    dirs = [Path(a) for a in argv]
-    rows = compare(dirs)
-    (dirs[0] / "loss_compare.json").write_text(json.dumps(rows, indent=1))
-    print(f"| run | steps | loss (last window of <= {WINDOW}) | max rel diff (windows of {WINDOW}, after 50) | "
-          "last rel diff | val loss | val rel diff | tokens/s | MFU |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def curves(dirs: list[Path]) -> dict[str, dict]:
+    """Every run's per-step training losses and validation losses, keyed by run label."""
+    out = {}
+    for d in dirs:
+        hist = json.loads((d / "history.json").read_text())
+        summ = json.loads((d / "summary.json").read_text())
+        out[_label(d, summ)] = {"loss": hist["loss"], "val_step": hist["val_step"], "val_loss": hist["val_loss"],
+                                "summary": summ}
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"| run | steps | loss (last window of <= {WINDOW}) | max abs rel diff (windows of {WINDOW}, after 50) | "
+             f"last window rel diff | max rel diff steps 0-{EARLY - 1} | val loss | val rel diff | tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "-"
-        print(f"| {r['label']} | {r['steps']} | {r['last_window_loss']:.4f} | {r['max_window_rel_diff']:.2%} | "
-              f"{r['last_window_rel_diff']:.2%} | {r['val_loss']:.4f} | {r['val_rel_diff']:.2%} | {tps} | {mfu} |")
+        lines.append(f"| {r['label']} | {r['steps']} | {r['last_window_loss']:.4f} | {r['max_window_rel_diff']:.2%} | "
+                     f"{r['last_window_rel_diff']:+.2%} | {r['early_max_rel_diff']:.4%} | {r['val_loss']:.4f} | "
+                     f"{r['val_rel_diff']:+.2%} | {tps} | {mfu} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run directories; the first is the reference")
+    p.add_argument("--curves", type=Path, default=None, help="write every run's per-step losses here (JSON)")
+    args = p.parse_args(argv)
+    if len(args.runs) < 2:
+        p.error("runs: give the reference run directory and at least one other")
+    rows = compare(args.runs)
+    (args.runs[0] / "loss_compare.json").write_text(json.dumps(rows, indent=1))
+    if args.curves is not None:
+        args.curves.write_text(json.dumps(curves(args.runs)))
+    print(table(rows))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -5,8 +5,9 @@
 # Pallas config sweep (benchmarks/tune.py, TUNE_ARGS); TRAIN_STEPS=N (default 0: skip) trains
 # examples/train_llama.py on every backend (TRAIN_ARGS, default the 1b preset) and compares
 # the loss curves (benchmarks/compare_losses.py; the first run is the reference).
-# TRAIN_BACKENDS="xla cutedsl cutedsl:CODA_JAX_CUTEDSL_SCHEDULE=pingpong" picks the runs: an
-# entry "backend:VAR=VALUE[,VAR=VALUE]" trains under those environment settings (a variant). PROFILE=1 profiles the block's fwd+bwd per
+# TRAIN_BACKENDS="xla xla cutedsl cutedsl:CODA_JAX_CUTEDSL_SCHEDULE=pingpong" picks the runs: an
+# entry "backend:VAR=VALUE[,VAR=VALUE]" trains under those environment settings (a variant); a
+# repeated entry is a rerun (label <spec>_run2), which measures run-to-run noise. PROFILE=1 profiles the block's fwd+bwd per
 # kernel (benchmarks/profile_block.py, PROFILE_ARGS; "--model 1b --layers 4" profiles a training step).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
@@ -59,17 +60,22 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench.py --out "$OUT" --backends "$BACKENDS" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -n 60
 fi
 if [ "${TRAIN_STEPS:-0}" -gt 0 ]; then
-  echo "== training =="
+  # Run directories stay outside $OUT (the device returns at most 8 files): $OUT gets one log,
+  # the comparison table and every run's per-step losses (train_curves.json).
+  echo "== training ==" | tee "$OUT/train.log"
+  TRAIN_DIR="${TRAIN_DIR:-/tmp/coda_train}"; rm -rf "$TRAIN_DIR"; mkdir -p "$TRAIN_DIR"
   RUNS=()
   for spec in ${TRAIN_BACKENDS:-${BACKENDS//,/ }}; do
     b="${spec%%:*}"; settings=(); [[ $spec == *:* ]] && IFS=',' read -ra settings <<< "${spec#*:}"
-    label="$(printf '%s' "$spec" | tr -c 'A-Za-z0-9_.-' '_')"
+    label="$(printf '%s' "$spec" | tr -c 'A-Za-z0-9_.-' '_')"; i=2; base="$label"
+    while [ -e "$TRAIN_DIR/train_$label" ]; do label="${base}_run$i"; i=$((i + 1)); done  # a rerun of one spec
+    echo "-- $label" | tee -a "$OUT/train.log"
     env ${settings[@]+"${settings[@]}"} timeout "${TRAIN_TIMEOUT:-300}" python3 examples/train_llama.py --backend "$b" --steps "$TRAIN_STEPS" \
       ${TRAIN_ARGS:---preset 1b --batch 8 --seq 1024 --lr 3e-4 --warmup 30} --ckpt-every 0 --no-resume \
-      --out "$OUT/train_$label" 2>&1 | tr '\r' '\n' | grep -v '^ *[0-9]*%\|it/s\]$' | tail -n 5 | tee "$OUT/train_$label.log"
-    [ -f "$OUT/train_$label/history.json" ] && RUNS+=("$OUT/train_$label")
+      --out "$TRAIN_DIR/train_$label" 2>&1 | tr '\r' '\n' | grep -v '^ *[0-9]*%\|it/s\]$' | tail -n 5 | tee -a "$OUT/train.log"
+    [ -f "$TRAIN_DIR/train_$label/history.json" ] && RUNS+=("$TRAIN_DIR/train_$label")
   done
-  [ "${#RUNS[@]}" -gt 1 ] && python3 benchmarks/compare_losses.py "${RUNS[@]}" | tee "$OUT/train_compare.md"
+  [ "${#RUNS[@]}" -gt 1 ] && python3 benchmarks/compare_losses.py --curves "$OUT/train_curves.json" "${RUNS[@]}" | tee "$OUT/train_compare.md"
 fi
 echo "== summary =="
 grep '^BEST\|^SWEEP\|^MAINLOOP\|^PLAIN' "$OUT/tune.log" 2>/dev/null
