@@ -9,6 +9,8 @@
 # entry "backend:VAR=VALUE[,VAR=VALUE]" trains under those environment settings (a variant); a
 # repeated entry is a rerun (label <spec>_run2), which measures run-to-run noise. PROFILE=1 profiles the block's fwd+bwd per
 # kernel (benchmarks/profile_block.py, PROFILE_ARGS; "--model 1b --layers 4" profiles a training step).
+# REPEAT_PROBE="cutedsl cutedsl xla xla" runs one training step per entry, each in its own process,
+# and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
@@ -55,6 +57,19 @@ if [ -n "${NCU_PROGRAMS:-}" ]; then
   done
   grep -E -- '^-- |Duration|Compute \(SM\) Throughput|Memory Throughput|Issued Warp|No Eligible|Warp Cycles Per Issued|Stall|Registers Per' "$OUT/ncu.log" | head -80
 fi
+if [ -n "${REPEAT_PROBE:-}" ]; then
+  # One training step's digests per process (benchmarks/repeat_probe.py), e.g.
+  # REPEAT_PROBE="cutedsl cutedsl xla xla": which block or gradient differs between processes.
+  echo "== repeatability probe ==" | tee "$OUT/repeat.log"
+  PROBE_DIR=/tmp/coda_repeat; rm -rf "$PROBE_DIR"; mkdir -p "$PROBE_DIR"; n=0
+  for spec in $REPEAT_PROBE; do
+    b="${spec%%:*}"; settings=(); [[ $spec == *:* ]] && IFS=',' read -ra settings <<< "${spec#*:}"
+    n=$((n + 1)); echo "-- $n $spec" | tee -a "$OUT/repeat.log"
+    env ${settings[@]+"${settings[@]}"} timeout "${REPEAT_TIMEOUT:-150}" python3 benchmarks/repeat_probe.py --backend "$b" \
+      ${REPEAT_ARGS:-} --out "$PROBE_DIR/p$n.json" 2>&1 | tail -n 3 | tee -a "$OUT/repeat.log"
+  done
+  ls "$PROBE_DIR"/p*.json >/dev/null 2>&1 && python3 benchmarks/repeat_probe.py --compare "$PROBE_DIR"/p*.json | tee "$OUT/repeat.md"
+fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks ($BACKENDS) =="
   timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench.py --out "$OUT" --backends "$BACKENDS" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -n 60
@@ -81,4 +96,5 @@ echo "== summary =="
 grep '^BEST\|^SWEEP\|^MAINLOOP\|^PLAIN' "$OUT/tune.log" 2>/dev/null
 tail -n 3 "$OUT/tests.log"
 cat "$OUT/table.md" 2>/dev/null
+cat "$OUT/repeat.md" 2>/dev/null
 cat "$OUT/train_compare.md" 2>/dev/null

@@ -103,3 +103,66 @@ def test_bench_smoke_runs_on_cpu(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert "| residual_rms | 256 | xla |" in table and "| norm_matmul | 256 | xla |" in table
     assert "norm_swiglu" not in table  # --ops filters
+
+
+def test_repeat_probe_digest_sees_one_bit_and_one_swap():
+    import jax.numpy as jnp
+    import numpy as np
+
+    import repeat_probe
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 48)), jnp.bfloat16)
+    d = int(repeat_probe.digest(x))
+    assert int(repeat_probe.digest(x)) == d
+    bits = np.asarray(x).view(np.uint16).copy()
+    bits[17, 5] ^= 1  # the last mantissa bit of one element
+    assert int(repeat_probe.digest(jnp.asarray(bits.view(jnp.bfloat16)))) != d
+    swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])  # same values, other positions
+    assert int(repeat_probe.digest(swapped)) != d
+    assert int(repeat_probe.digest(x.astype(jnp.float32))) != d
+    with pytest.raises(ValueError, match="16 or 32 bits"):
+        repeat_probe.digest(jnp.zeros(3, jnp.int8))
+
+
+def test_repeat_probe_compare_names_the_first_differing_step(tmp_path):
+    import json
+
+    import repeat_probe
+
+    base = {"fwd/block00/x": 1, "fwd/block01/x": 2, "fwd/loss": 3, "bwd/loss": 4, "grad/embed": 5,
+            "grad/lm_head": 6, "grad/blocks/0/w": 7, "grad/blocks/1/w": 8, "loss_value": 1.5}
+    files = []
+    for i, changed in enumerate([{}, {"fwd/block01/x": 9, "grad/blocks/0/w": 9, "grad/embed": 9}, {}]):
+        f = tmp_path / f"p{i}.json"
+        f.write_text(json.dumps({"backend": "cutedsl", "in_process_repeatable": True, "in_process_differs": [],
+                                 "digests": base | changed}))
+        files.append(f)
+    (tmp_path / "x.json").write_text(json.dumps({"backend": "xla", "in_process_repeatable": True,
+                                                 "in_process_differs": [], "digests": base}))
+    table = repeat_probe.compare(files + [tmp_path / "x.json"])
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert "3 of 8" in rows["cutedsl"] and "fwd/block01/x grad/blocks/0/w grad/embed" in rows["cutedsl"]
+    assert "0 of 8" in rows["xla"]
+    order = sorted(base.keys() - {"loss_value"}, key=repeat_probe.step_order)
+    assert order == ["fwd/block00/x", "fwd/block01/x", "fwd/loss", "bwd/loss", "grad/lm_head",
+                     "grad/blocks/1/w", "grad/blocks/0/w", "grad/embed"]
+
+
+def test_compare_losses_reports_signed_differences_and_curves(tmp_path):
+    import json
+
+    import compare_losses
+
+    dirs = []
+    for name, loss in (("train_xla", [10.0] * 60), ("train_cutedsl", [10.0] * 6 + [9.9] * 54)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "history.json").write_text(json.dumps({"step": list(range(60)), "loss": loss, "val_step": [60],
+                                                    "val_loss": [loss[-1]]}))
+        (d / "summary.json").write_text(json.dumps({"backend": name[6:], "tokens_per_s": 1.0, "mfu": None}))
+        dirs.append(d)
+    rows = compare_losses.compare(dirs)
+    assert rows[1]["label"] == "cutedsl" and rows[1]["early_max_rel_diff"] == 0.0
+    assert rows[1]["last_window_rel_diff"] == pytest.approx(-0.01) and rows[1]["val_rel_diff"] == pytest.approx(-0.01)
+    compare_losses.main([str(d) for d in dirs] + ["--curves", str(tmp_path / "c.json")])
+    assert json.loads((tmp_path / "c.json").read_text())["cutedsl"]["loss"][6] == 9.9

@@ -1,0 +1,159 @@
+"""Is one training step bit-repeatable, within a process and across processes?
+
+    python benchmarks/repeat_probe.py --backend cutedsl --out run_a.json   # one process
+    python benchmarks/repeat_probe.py --backend cutedsl --out run_b.json   # another
+    python benchmarks/repeat_probe.py --compare run_a.json run_b.json ...
+
+Builds ``CodaLlama`` (``--preset``, ``--layers``; seed 0) and takes the first training batch
+of ``examples/train_llama.py``. On the device it computes a digest (a position-weighted
+wrapping sum of the raw bits) of the residual stream and norm partials after every block,
+of the loss, and of every parameter gradient, ``--repeats`` times. A process writes its
+digests and whether its repeats agreed; ``--compare`` groups the files by backend and prints,
+per backend, which digests differ between processes, in forward-then-backward order. The
+first differing forward digest names the block whose output is not repeatable; with a
+repeatable forward, the gradients that differ show where the backward is not.
+
+Training curves of two runs on one backend drift apart after a loss spike when any bit
+differs (examples/train_llama.py, benchmarks/compare_losses.py); this names the op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+
+def digest(x: jax.Array) -> jax.Array:
+    """A uint32 digest of ``x``'s bits: sum of bits * (odd position weights), wrapping."""
+    x = jnp.asarray(x).reshape(-1)
+    width = x.dtype.itemsize * 8
+    if width == 32:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif width == 16:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    else:
+        raise ValueError(f"digest: dtype {x.dtype} is not 16 or 32 bits wide")
+    w = jnp.arange(x.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.sum(bits * w, dtype=jnp.uint32)
+
+
+def probe(args) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import text_data
+    from flax import nnx
+
+    from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
+    from coda_jax.ops import linear_cross_entropy
+
+    corpus = text_data.load_corpus()
+    tok = text_data.build_tokenizer([corpus], vocab_size=4096)
+    train_tokens, _ = text_data.split_tokens(text_data.encode(tok, corpus))
+    cfg = LlamaConfig.tiny(vocab_size=tok.get_vocab_size()) if args.preset == "tiny" else PRESETS[args.preset]()
+    if args.layers is not None:
+        cfg = cfg.replace(num_layers=args.layers)
+    model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=args.backend)
+    inputs, targets = next(text_data.batches(train_tokens, args.batch, args.seq, seed=0, start_step=0))
+    inputs, targets = jnp.asarray(inputs), jnp.asarray(targets)
+
+    @nnx.jit
+    def forward(model, tokens, targets):
+        # CodaLlama.hidden_states + loss, with a digest after every block.
+        out = {}
+        b, s = tokens.shape
+        x = jnp.take(model.embed[...], tokens, axis=0).astype(cfg.dtype)
+        carry, n = None, len(model.blocks)
+        for i, block in enumerate(model.blocks):
+            next_norm = model.blocks[i + 1].attn_norm[...] if i + 1 < n else model.final_norm[...]
+            x, carry = block(x, None, carry=carry, next_norm=next_norm)
+            out[f"fwd/block{i:02d}/x"] = digest(x)
+            if carry is not None:
+                out[f"fwd/block{i:02d}/sumsq"] = digest(carry.sumsq)
+        loss = linear_cross_entropy(x.reshape(b * s, -1), model.final_norm[...], model.vocab_weight(),
+                                    targets.reshape(-1), carry=carry, eps=cfg.rms_norm_eps, backend=model.backend)
+        out["fwd/loss"] = digest(loss)
+        return out, loss
+
+    @nnx.jit
+    def backward(model, tokens, targets):
+        loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens, targets))(model)
+        flat = nnx.to_flat_state(nnx.state(grads))
+        out = {"bwd/loss": digest(loss)}
+        for path, v in flat:
+            out["grad/" + "/".join(str(p) for p in path)] = digest(v[...] if hasattr(v, "__getitem__") else v.value)
+        return out, loss
+
+    runs = []
+    for _ in range(args.repeats):
+        f, loss = forward(model, inputs, targets)
+        g, _ = backward(model, inputs, targets)
+        runs.append({k: int(v) for k, v in {**f, **g}.items()} | {"loss_value": float(loss)})
+    same = all(r == runs[0] for r in runs[1:])
+    return {"backend": args.backend, "preset": args.preset, "layers": cfg.num_layers, "repeats": args.repeats,
+            "in_process_repeatable": same, "digests": runs[0],
+            "in_process_differs": sorted({k for r in runs[1:] for k in r if r[k] != runs[0][k]})}
+
+
+def step_order(key: str) -> tuple:
+    """Sort key: forward digests block by block, the loss, then gradients in backprop order
+    (LM head, final norm, blocks from the last, embedding)."""
+    parts = key.split("/")
+    if parts[0] == "fwd":
+        return (0, parts[1] == "loss", parts[1:])
+    if parts[0] == "bwd":
+        return (1,)
+    rest = parts[1:]
+    if rest[0] == "blocks":
+        return (2, 2, -int(rest[1]), rest[2:])
+    return (2, {"lm_head": 0, "final_norm": 1, "embed": 3}.get(rest[0], 4), 0, rest)
+
+
+def compare(files: list[Path]) -> str:
+    """A markdown table: per backend, the digests that differ between processes."""
+    by_backend = defaultdict(list)
+    for f in files:
+        r = json.loads(f.read_text())
+        by_backend[r["backend"]].append((f.name, r))
+    lines = ["| backend | processes | repeatable in each process | loss values | keys differing across processes | first differing keys |",
+             "|---|---|---|---|---|---|"]
+    for backend, rs in by_backend.items():
+        keys = sorted((k for k in rs[0][1]["digests"] if k != "loss_value"), key=step_order)
+        differ = [k for k in keys if len({r["digests"].get(k) for _, r in rs}) > 1]
+        losses = ", ".join(f"{r['digests']['loss_value']:.9g}" for _, r in rs)
+        inproc = ", ".join("yes" if r["in_process_repeatable"] else "no: " + " ".join(r["in_process_differs"][:3])
+                           for _, r in rs)
+        lines.append(f"| {backend} | {len(rs)} | {inproc} | {losses} | {len(differ)} of {len(keys)} | "
+                     f"{' '.join(differ[:6]) or '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="xla", choices=["xla", "pallas", "cutedsl"])
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None, help="write this process's digests here (JSON)")
+    p.add_argument("--compare", nargs="+", type=Path, default=None, help="digest files of several processes")
+    args = p.parse_args(argv)
+    if args.compare:
+        print(compare(args.compare))
+        return
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    result = probe(args)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "digests"}))
+
+
+if __name__ == "__main__":
+    main()
