@@ -58,6 +58,8 @@ def probe(args) -> dict:
     cfg = LlamaConfig.tiny(vocab_size=tok.get_vocab_size()) if args.preset == "tiny" else PRESETS[args.preset]()
     if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
+    if args.attention is not None:  # "xla": no cuDNN attention, whose backward is not bit-repeatable
+        cfg = cfg.replace(attention_implementation=None if args.attention == "xla" else args.attention)
     model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=args.backend)
     inputs, targets = next(text_data.batches(train_tokens, args.batch, args.seq, seed=0, start_step=0))
     inputs, targets = jnp.asarray(inputs), jnp.asarray(targets)
@@ -83,21 +85,34 @@ def probe(args) -> dict:
     @nnx.jit
     def backward(model, tokens, targets):
         loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens, targets))(model)
-        flat = nnx.to_flat_state(nnx.state(grads))
-        out = {"bwd/loss": digest(loss)}
-        for path, v in flat:
-            out["grad/" + "/".join(str(p) for p in path)] = digest(v[...] if hasattr(v, "__getitem__") else v.value)
-        return out, loss
+        out, values = {"bwd/loss": digest(loss)}, {}
+        for path, v in nnx.to_flat_state(nnx.state(grads)):
+            key = "grad/" + "/".join(str(p) for p in path)
+            values[key] = v[...]
+            out[key] = digest(values[key])
+        return out, loss, values
 
-    runs = []
+    @jax.jit
+    def rel_diffs(a, b):  # ||a - b|| / ||b|| per gradient
+        return {k: jnp.linalg.norm((a[k] - b[k]).astype(jnp.float32)) / jnp.linalg.norm(b[k].astype(jnp.float32))
+                for k in a}
+
+    runs, first, worst = [], None, {}
     for _ in range(args.repeats):
         f, loss = forward(model, inputs, targets)
-        g, _ = backward(model, inputs, targets)
+        g, _, values = backward(model, inputs, targets)
         runs.append({k: int(v) for k, v in {**f, **g}.items()} | {"loss_value": float(loss)})
+        if first is None:
+            first = values
+        else:  # how far a repeat's gradients are from the first: rounding-sized, or a race?
+            for k, v in rel_diffs(values, first).items():
+                worst[k] = max(worst.get(k, 0.0), float(v))
     same = all(r == runs[0] for r in runs[1:])
     return {"backend": args.backend, "preset": args.preset, "layers": cfg.num_layers, "repeats": args.repeats,
-            "in_process_repeatable": same, "digests": runs[0],
-            "in_process_differs": sorted({k for r in runs[1:] for k in r if r[k] != runs[0][k]})}
+            "attention": args.attention or "auto", "in_process_repeatable": same, "digests": runs[0],
+            "in_process_differs": sorted({k for r in runs[1:] for k in r if r[k] != runs[0][k]}),
+            "in_process_max_rel_diff": max(worst.values(), default=0.0),
+            "in_process_worst_grad": max(worst, key=worst.get) if worst else None}
 
 
 def step_order(key: str) -> tuple:
@@ -126,8 +141,9 @@ def compare(files: list[Path]) -> str:
         keys = sorted((k for k in rs[0][1]["digests"] if k != "loss_value"), key=step_order)
         differ = [k for k in keys if len({r["digests"].get(k) for _, r in rs}) > 1]
         losses = ", ".join(f"{r['digests']['loss_value']:.9g}" for _, r in rs)
-        inproc = ", ".join("yes" if r["in_process_repeatable"] else "no: " + " ".join(r["in_process_differs"][:3])
-                           for _, r in rs)
+        inproc = ", ".join("yes" if r["in_process_repeatable"] else
+                           f"no ({len(r['in_process_differs'])} keys; worst grad {r.get('in_process_worst_grad')} "
+                           f"rel diff {r.get('in_process_max_rel_diff', float('nan')):.2g})" for _, r in rs)
         lines.append(f"| {backend} | {len(rs)} | {inproc} | {losses} | {len(differ)} of {len(keys)} | "
                      f"{' '.join(differ[:6]) or '-'} |")
     return "\n".join(lines)
@@ -141,6 +157,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention", default=None, choices=["xla", "cudnn"],
+                   help="attention implementation (default: the config's, cuDNN on a GPU)")
     p.add_argument("--out", type=Path, default=None, help="write this process's digests here (JSON)")
     p.add_argument("--compare", nargs="+", type=Path, default=None, help="digest files of several processes")
     args = p.parse_args(argv)
@@ -152,7 +170,7 @@ def main(argv=None) -> None:
     result = probe(args)
     if args.out is not None:
         args.out.write_text(json.dumps(result))
-    print(json.dumps({k: v for k, v in result.items() if k != "digests"}))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("digests", "in_process_differs")}))
 
 
 if __name__ == "__main__":
