@@ -8,7 +8,9 @@ difference of the training loss averaged over windows of 25 steps (the largest w
 the first 50 steps, and the last window), the largest per-step difference over the first
 ``EARLY`` steps (before a loss spike can amplify rounding differences), the final validation
 loss, and the steady-state tokens/s and MFU. Writes ``loss_compare.json`` beside the first
-run and, with ``--curves``, every run's per-step losses in one JSON file.
+run and, with ``--curves``, every run's per-step losses in one JSON file. ``--pool`` reads
+such files from several device calls and prints each backend's mean and spread over all
+its runs (``benchmarks/curves/`` keeps those behind RESULTS.md).
 
 A rerun of the same backend (``xla xla`` in ``TRAIN_BACKENDS``) or the reference under other
 GEMM algorithms (``xla:XLA_FLAGS=--xla_gpu_autotune_level=0``) measures how far two equally
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 WINDOW = 25
@@ -83,11 +86,50 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pooled(curve_files: list[Path]) -> list[dict]:
+    """Per backend (run labels with their ``_runN`` suffix dropped), over every run in the
+    ``--curves`` files of several device calls: mean, standard deviation, min and max of the
+    mean training loss over steps 25-49 and 50-59 and of the final validation loss."""
+    import statistics
+
+    groups: dict[str, list[dict]] = {}
+    for f in curve_files:
+        for label, run in json.loads(f.read_text()).items():
+            groups.setdefault(re.sub(r"_run\d+$", "", label), []).append(run)
+    rows = []
+    for label, runs in groups.items():
+        row = {"label": label, "runs": len(runs)}
+        for name, values in (("loss_25_49", [statistics.fmean(r["loss"][25:50]) for r in runs]),
+                             ("loss_50_59", [statistics.fmean(r["loss"][50:60]) for r in runs]),
+                             ("val_loss", [r["val_loss"][-1] for r in runs])):
+            row[name] = {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                         "min": min(values), "max": max(values)}
+        rows.append(row)
+    return rows
+
+
+def pooled_table(rows: list[dict]) -> str:
+    ref = rows[0]
+    lines = ["| backend | runs | loss steps 25-49: mean (sd) | loss steps 50-59: mean (sd) [min, max] | "
+             "vs first, 50-59 | val loss: mean (sd) | vs first, val |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a, b, v = r["loss_25_49"], r["loss_50_59"], r["val_loss"]
+        lines.append(f"| {r['label']} | {r['runs']} | {a['mean']:.4f} ({a['sd']:.4f}) | {b['mean']:.4f} ({b['sd']:.4f}) "
+                     f"[{b['min']:.4f}, {b['max']:.4f}] | {b['mean'] / ref['loss_50_59']['mean'] - 1:+.2%} | "
+                     f"{v['mean']:.4f} ({v['sd']:.4f}) | {v['mean'] / ref['val_loss']['mean'] - 1:+.2%} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", type=Path, help="run directories; the first is the reference")
+    p.add_argument("runs", nargs="*", type=Path, help="run directories; the first is the reference")
     p.add_argument("--curves", type=Path, default=None, help="write every run's per-step losses here (JSON)")
+    p.add_argument("--pool", nargs="+", type=Path, default=None,
+                   help="instead: --curves files of several calls; mean and spread per backend over all their runs")
     args = p.parse_args(argv)
+    if args.pool:
+        print(pooled_table(pooled(args.pool)))
+        return
     if len(args.runs) < 2:
         p.error("runs: give the reference run directory and at least one other")
     rows = compare(args.runs)

@@ -166,3 +166,22 @@ def test_compare_losses_reports_signed_differences_and_curves(tmp_path):
     assert rows[1]["last_window_rel_diff"] == pytest.approx(-0.01) and rows[1]["val_rel_diff"] == pytest.approx(-0.01)
     compare_losses.main([str(d) for d in dirs] + ["--curves", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text())["cutedsl"]["loss"][6] == 9.9
+
+
+def test_compare_losses_pools_reruns_across_calls(tmp_path, capsys):
+    import json
+
+    import compare_losses
+
+    def run(level):
+        return {"loss": [level] * 60, "val_step": [60], "val_loss": [level - 0.5], "summary": {}}
+
+    (tmp_path / "a.json").write_text(json.dumps({"xla": run(6.0), "cutedsl": run(6.3), "xla_run2": run(6.2)}))
+    (tmp_path / "b.json").write_text(json.dumps({"xla": run(6.1), "cutedsl_run2_x_run3": run(6.6)}))
+    rows = {r["label"]: r for r in compare_losses.pooled([tmp_path / "a.json", tmp_path / "b.json"])}
+    assert rows["xla"]["runs"] == 3 and rows["xla"]["loss_50_59"]["mean"] == pytest.approx(6.1)
+    assert rows["xla"]["loss_50_59"]["sd"] == pytest.approx(0.1) and rows["xla"]["val_loss"]["min"] == pytest.approx(5.5)
+    assert rows["cutedsl"]["runs"] == 1 and rows["cutedsl_run2_x"]["runs"] == 1  # only a trailing _runN is a rerun
+    compare_losses.main(["--pool", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    out = capsys.readouterr().out
+    assert "| cutedsl | 1 |" in out and "+3.28%" in out  # 6.3 vs the xla mean 6.1
