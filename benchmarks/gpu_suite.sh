@@ -11,6 +11,8 @@
 # kernel (benchmarks/profile_block.py, PROFILE_ARGS; "--model 1b --layers 4" profiles a training step).
 # REPEAT_PROBE="cutedsl cutedsl xla xla" runs one training step per entry, each in its own process,
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
+# GRAD_PROBE=1 prints each backend's error per gradient of one training step against float32
+# math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
@@ -70,6 +72,13 @@ if [ -n "${REPEAT_PROBE:-}" ]; then
   done
   ls "$PROBE_DIR"/p*.json >/dev/null 2>&1 && python3 benchmarks/repeat_probe.py --compare "$PROBE_DIR"/p*.json | tee "$OUT/repeat.md"
 fi
+if [ -n "${GRAD_PROBE:-}" ]; then
+  # One training step's error per gradient against float32 math, per backend
+  # (benchmarks/grad_error_probe.py; GRAD_PROBE_ARGS, default every backend, 4 layers of the 1b preset).
+  echo "== gradient error probe ==" | tee "$OUT/grad_errors.md"
+  timeout "${GRAD_PROBE_TIMEOUT:-300}" python3 benchmarks/grad_error_probe.py ${GRAD_PROBE_ARGS:---backends $BACKENDS --layers 4} \
+    2>&1 | tail -n 20 | tee -a "$OUT/grad_errors.md"
+fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks ($BACKENDS) =="
   timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench.py --out "$OUT" --backends "$BACKENDS" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -n 60
@@ -97,4 +106,5 @@ grep '^BEST\|^SWEEP\|^MAINLOOP\|^PLAIN' "$OUT/tune.log" 2>/dev/null
 tail -n 3 "$OUT/tests.log"
 cat "$OUT/table.md" 2>/dev/null
 cat "$OUT/repeat.md" 2>/dev/null
+cat "$OUT/grad_errors.md" 2>/dev/null
 cat "$OUT/train_compare.md" 2>/dev/null

@@ -185,3 +185,25 @@ def test_compare_losses_pools_reruns_across_calls(tmp_path, capsys):
     compare_losses.main(["--pool", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     out = capsys.readouterr().out
     assert "| cutedsl | 1 |" in out and "+3.28%" in out  # 6.3 vs the xla mean 6.1
+
+
+def test_grad_error_probe_measures_the_bf16_rounding_of_a_training_step(capsys):
+    """float32 compute on the xla backend is the reference up to summation order; bf16
+    compute is off by its rounding (~1e-2): the probe's numbers separate the two."""
+    import json
+
+    import grad_error_probe
+
+    assert grad_error_probe.gradient_kind("blocks/12/w_gu") == "w_gu"
+    assert grad_error_probe.gradient_kind("final_norm") == "final_norm"
+    common = ["--preset", "tiny", "--layers", "1", "--batch", "1", "--seq", "32", "--backends", "xla"]
+    f32 = grad_error_probe.probe(grad_error_probe.parse_args(common + ["--dtype", "float32"]))
+    bf16 = grad_error_probe.probe(grad_error_probe.parse_args(common + ["--dtype", "bfloat16"]))
+    e32, e16 = f32["backends"]["xla"]["grad_rel_err"], bf16["backends"]["xla"]["grad_rel_err"]
+    assert set(e16) >= {"w_qkv", "w_o", "w_gu", "w_down", "attn_norm", "mlp_norm", "embed", "final_norm"}
+    assert all(v < 1e-4 for v in e32.values()), e32
+    assert all(2e-3 < v < 5e-2 for v in e16.values()), e16
+    bf16["backends"]["again"] = bf16["backends"]["xla"]
+    out = grad_error_probe.table(json.loads(json.dumps(bf16)))
+    assert "| gradient | xla | again | again / xla |" in out and "| w_gu |" in out and "| 1.000 |" in out
+

@@ -1,0 +1,139 @@
+"""Each backend's error in one training step, per gradient, against float32 math.
+
+    python benchmarks/grad_error_probe.py --backends xla,pallas,cutedsl --layers 4 --out probe.json
+
+Builds ``CodaLlama`` (``--preset``, ``--layers``; seed 0, so every backend gets the same
+parameters) and takes the first training batch of ``examples/train_llama.py``. The
+reference is the same model in float32 on the ``xla`` backend with XLA's attention and
+``highest`` matmul precision. Each backend in ``--backends`` computes the step in the
+preset's compute dtype (bf16). The probe prints, per parameter kind (``w_qkv``, ``w_o``,
+``w_gu``, ``w_down``, the two block norms (each averaged over the blocks), ``embed``,
+``final_norm``, ``lm_head``), the relative error ``||g - g_ref|| / ||g_ref||`` of every
+backend and the ratio of each to the first backend's error.
+
+Why: a backend can pass every op test (error under 1e-2 against XLA) and still round
+differently somewhere, which shows in training as a different sensitivity of the loss
+curve. Equal errors per gradient rule that out; a larger one names the parameter whose
+backward program to look at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gradient_kind(path: str) -> str:
+    """``blocks/3/w_gu`` -> ``w_gu`` (blocks pooled); other parameters keep their name."""
+    m = re.fullmatch(r"blocks/\d+/(.+)", path)
+    return m.group(1) if m else path
+
+
+def step_gradients(model, tokens, targets) -> tuple[float, dict[str, np.ndarray]]:
+    """Loss and every parameter gradient (float32 NumPy arrays) of one step."""
+    from flax import nnx
+
+    @nnx.jit
+    def step(model, tokens, targets):
+        return nnx.value_and_grad(lambda m: m.loss(tokens, targets))(model)
+
+    loss, grads = step(model, tokens, targets)
+    flat = {"/".join(str(p) for p in path): np.asarray(v[...], np.float32)
+            for path, v in nnx.to_flat_state(nnx.state(grads))}
+    return float(loss), flat
+
+
+def errors(grads: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, float]:
+    """Per gradient kind: ``||g - g_ref|| / ||g_ref||`` averaged over the blocks."""
+    per_kind: dict[str, list[float]] = {}
+    for k, r in ref.items():
+        e = float(np.linalg.norm(grads[k] - r) / max(float(np.linalg.norm(r)), 1e-30))
+        per_kind.setdefault(gradient_kind(k), []).append(e)
+    return {k: float(np.mean(v)) for k, v in per_kind.items()}
+
+
+def probe(args) -> dict:
+    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT))
+    import text_data
+    from flax import nnx
+
+    from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
+
+    corpus = text_data.load_corpus()
+    tok = text_data.build_tokenizer([corpus], vocab_size=4096)
+    train_tokens, _ = text_data.split_tokens(text_data.encode(tok, corpus))
+    cfg = LlamaConfig.tiny(vocab_size=tok.get_vocab_size()) if args.preset == "tiny" else PRESETS[args.preset]()
+    if args.layers is not None:
+        cfg = cfg.replace(num_layers=args.layers)
+    if args.dtype is not None:
+        cfg = cfg.replace(dtype=jnp.dtype(args.dtype))
+    inputs, targets = next(text_data.batches(train_tokens, args.batch, args.seq, seed=0, start_step=0))
+    inputs, targets = jnp.asarray(inputs), jnp.asarray(targets)
+
+    ref_cfg = cfg.replace(dtype=jnp.float32, attention_implementation=None)
+    with jax.default_matmul_precision("highest"):
+        ref_loss, ref = step_gradients(CodaLlama(ref_cfg, rngs=nnx.Rngs(0), backend="xla"), inputs, targets)
+    result = {"preset": args.preset, "layers": cfg.num_layers, "dtype": jnp.dtype(cfg.dtype).name,
+              "reference_loss": ref_loss, "backends": {}}
+    for backend in args.backends:
+        loss, grads = step_gradients(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend), inputs, targets)
+        result["backends"][backend] = {"loss": loss, "loss_abs_err": abs(loss - ref_loss),
+                                       "grad_rel_err": errors(grads, ref)}
+        del grads
+    return result
+
+
+def table(result: dict) -> str:
+    """Markdown: per gradient kind, each backend's error and its ratio to the first's."""
+    backends = list(result["backends"])
+    first = backends[0]
+    cols = backends + [f"{b} / {first}" for b in backends[1:]]
+    lines = ["| gradient | " + " | ".join(cols) + " |", "|---" * (1 + len(cols)) + "|"]
+    rows = [("loss (abs err)", {b: result["backends"][b]["loss_abs_err"] for b in backends})]
+    rows += [(k, {b: result["backends"][b]["grad_rel_err"][k] for b in backends})
+             for k in result["backends"][first]["grad_rel_err"]]
+    for name, errs in rows:
+        cells = [f"{errs[b]:.3e}" for b in backends]
+        cells += [f"{errs[b] / errs[first]:.3f}" if errs[first] else "-" for b in backends[1:]]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backends", default="xla,pallas,cutedsl",
+                   type=lambda s: [b for b in s.split(",") if b],
+                   help="comma-separated; the first is the one the others' errors are divided by")
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--layers", type=int, default=4, help="override the preset's number of layers")
+    p.add_argument("--dtype", default=None, help="compute dtype of the backends (default: the preset's)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--out", type=Path, default=None, help="write the errors here (JSON)")
+    args = p.parse_args(argv)
+    unknown = [b for b in args.backends if b not in ("xla", "pallas", "cutedsl")]
+    if not args.backends or unknown:
+        p.error(f"--backends must name xla, pallas or cutedsl, got {args.backends}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    result = probe(args)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
