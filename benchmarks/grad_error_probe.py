@@ -22,14 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def gradient_kind(path: str) -> str:
@@ -62,23 +59,14 @@ def errors(grads: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str
 
 
 def probe(args) -> dict:
-    sys.path.insert(0, str(ROOT / "examples"))
-    sys.path.insert(0, str(ROOT))
-    import text_data
+    from first_step import config_and_first_batch  # puts the repo root and examples/ on sys.path
     from flax import nnx
 
-    from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
+    from coda_jax.layers import CodaLlama
 
-    corpus = text_data.load_corpus()
-    tok = text_data.build_tokenizer([corpus], vocab_size=4096)
-    train_tokens, _ = text_data.split_tokens(text_data.encode(tok, corpus))
-    cfg = LlamaConfig.tiny(vocab_size=tok.get_vocab_size()) if args.preset == "tiny" else PRESETS[args.preset]()
-    if args.layers is not None:
-        cfg = cfg.replace(num_layers=args.layers)
+    cfg, inputs, targets = config_and_first_batch(args.preset, args.layers, args.batch, args.seq)
     if args.dtype is not None:
         cfg = cfg.replace(dtype=jnp.dtype(args.dtype))
-    inputs, targets = next(text_data.batches(train_tokens, args.batch, args.seq, seed=0, start_step=0))
-    inputs, targets = jnp.asarray(inputs), jnp.asarray(targets)
 
     ref_cfg = cfg.replace(dtype=jnp.float32, attention_implementation=None)
     with jax.default_matmul_precision("highest"):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -44,25 +43,16 @@ def digest(x: jax.Array) -> jax.Array:
 
 
 def probe(args) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import text_data
+    from first_step import config_and_first_batch  # puts the repo root and examples/ on sys.path
     from flax import nnx
 
-    from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
+    from coda_jax.layers import CodaLlama
     from coda_jax.ops import linear_cross_entropy
 
-    corpus = text_data.load_corpus()
-    tok = text_data.build_tokenizer([corpus], vocab_size=4096)
-    train_tokens, _ = text_data.split_tokens(text_data.encode(tok, corpus))
-    cfg = LlamaConfig.tiny(vocab_size=tok.get_vocab_size()) if args.preset == "tiny" else PRESETS[args.preset]()
-    if args.layers is not None:
-        cfg = cfg.replace(num_layers=args.layers)
+    cfg, inputs, targets = config_and_first_batch(args.preset, args.layers, args.batch, args.seq)
     if args.attention is not None:  # "xla": no cuDNN attention, whose backward is not bit-repeatable
         cfg = cfg.replace(attention_implementation=None if args.attention == "xla" else args.attention)
     model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=args.backend)
-    inputs, targets = next(text_data.batches(train_tokens, args.batch, args.seq, seed=0, start_step=0))
-    inputs, targets = jnp.asarray(inputs), jnp.asarray(targets)
 
     @nnx.jit
     def forward(model, tokens, targets):
