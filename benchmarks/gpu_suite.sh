@@ -23,6 +23,8 @@ OUT="${OUT:-$ROOT/gpu_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 BACKENDS="xla,pallas"
+# A run spec "backend[:VAR=VALUE[,VAR=VALUE]]" (TRAIN_BACKENDS, REPEAT_PROBE) -> $b and ${settings[@]}.
+split_spec() { b="${1%%:*}"; settings=(); [[ $1 == *:* ]] && IFS=',' read -ra settings <<< "${1#*:}"; }
 if [ -s .whl/cutlass_dsl.tar.zst ]; then
   mkdir -p /tmp/site && (cd /tmp/site && "$ROOT/.whl/zstd" -dc --long=28 "$ROOT/.whl/cutlass_dsl.tar.zst" | tar xf -)
   export PYTHONPATH="$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
@@ -65,7 +67,7 @@ if [ -n "${REPEAT_PROBE:-}" ]; then
   echo "== repeatability probe ==" | tee "$OUT/repeat.log"
   PROBE_DIR=/tmp/coda_repeat; rm -rf "$PROBE_DIR"; mkdir -p "$PROBE_DIR"; n=0
   for spec in $REPEAT_PROBE; do
-    b="${spec%%:*}"; settings=(); [[ $spec == *:* ]] && IFS=',' read -ra settings <<< "${spec#*:}"
+    split_spec "$spec"
     n=$((n + 1)); echo "-- $n $spec" | tee -a "$OUT/repeat.log"
     env ${settings[@]+"${settings[@]}"} timeout "${REPEAT_TIMEOUT:-150}" python3 benchmarks/repeat_probe.py --backend "$b" \
       ${REPEAT_ARGS:-} --out "$PROBE_DIR/p$n.json" 2>&1 | tail -n 3 | tee -a "$OUT/repeat.log"
@@ -90,7 +92,7 @@ if [ "${TRAIN_STEPS:-0}" -gt 0 ]; then
   TRAIN_DIR="${TRAIN_DIR:-/tmp/coda_train}"; rm -rf "$TRAIN_DIR"; mkdir -p "$TRAIN_DIR"
   RUNS=()
   for spec in ${TRAIN_BACKENDS:-${BACKENDS//,/ }}; do
-    b="${spec%%:*}"; settings=(); [[ $spec == *:* ]] && IFS=',' read -ra settings <<< "${spec#*:}"
+    split_spec "$spec"
     label="$(printf '%s' "$spec" | tr -c 'A-Za-z0-9_.-' '_')"; i=2; base="$label"
     while [ -e "$TRAIN_DIR/train_$label" ]; do label="${base}_run$i"; i=$((i + 1)); done  # a rerun of one spec
     echo "-- $label" | tee -a "$OUT/train.log"

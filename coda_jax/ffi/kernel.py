@@ -269,12 +269,12 @@ def choose_schedule(epi: Epilogue, request: str = "auto") -> bool:
     Measured on the H100 (runs 61, 62): ping-pong is faster only for programs that write no
     tile (``rms_lse``, the LM head's forward: 6.02-6.29 ms vs 6.61-6.70 cooperative at
     8192 x 128256 x 2048); every program with tile outputs ran slower (128-wide tiles against
-    the cooperative 256; e.g. ``rms_dgrad_res`` 1.18 vs 0.87 ms). ``auto`` would take it for
-    ``rms_lse``, but a 1B training run with that rule (run 63) ended 1.2 % below XLA's loss
-    where Pallas ended 0.1 % off and the cooperative kernels 0.07 % (run 60), and the cause
-    is not yet isolated (ping-pong ``rms_lse`` or the chunked ``swiglu_dgrad``; both match
-    Pallas's error at training shapes in isolation, run 65): until a training run clears
-    it, ping-pong is opt-in."""
+    the cooperative 256; e.g. ``rms_dgrad_res`` 1.18 vs 0.87 ms). ``auto`` could take it for
+    ``rms_lse``. It was made opt-in after a 1B training run with that rule (run 63) ended
+    1.2 % below XLA's loss. Runs 68-72 later showed that gap to be run-to-run noise: cuDNN
+    attention's backward is not bit-repeatable, and a ping-pong run landed 0.30 % from XLA.
+    Switching ``auto`` to ping-pong for ``rms_lse`` is a separate change that needs its own
+    GPU run, so ping-pong stays opt-in for now."""
     if request == "cooperative" or not pingpong_ok(epi, 128):
         return False
     return request == "pingpong"

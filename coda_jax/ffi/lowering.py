@@ -199,7 +199,7 @@ class CuteDslLowering:
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
                           sms=sms, stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b, operand_dtype=op_dt,
                           load_dtypes=load_dtypes, out_dtypes=dtypes,
-                          pingpong=pingpong, **({"group_m": group_m_request()} if group_m_request() else {}))
+                          pingpong=pingpong, **({"group_m": group_m} if (group_m := group_m_request()) else {}))
         launch = _build(epilogue, plan)
         out_types = []
         for o in epilogue.outputs:
