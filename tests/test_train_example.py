@@ -42,3 +42,22 @@ def test_negative_periods_are_rejected(flag, capsys):
     with pytest.raises(SystemExit):
         train_llama.parse_args([flag, "-1"])
     assert f"{flag} must be >= 0" in capsys.readouterr().err
+
+
+def test_log_every_only_changes_when_the_host_waits(tmp_path):
+    """Losses stay on the device between synchronizations: every step's loss still reaches the
+    history, the same as with a synchronization after every step."""
+    common = ["--batch", "2", "--seq", "32", "--layers", "1", "--vocab", "512", "--steps", "9",
+              "--eval-every", "0", "--ckpt-every", "0", "--no-resume"]
+    train_llama.main(common + ["--log-every", "1", "--out", str(tmp_path / "a")])
+    s = train_llama.main(common + ["--log-every", "4", "--out", str(tmp_path / "b")])
+    a, b = (json.loads((tmp_path / r / "history.json").read_text()) for r in "ab")
+    assert b["step"] == list(range(9))
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    assert s["first_step_s"] > 0 and s["tokens_per_s"] > 0
+
+
+def test_log_every_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        train_llama.parse_args(["--log-every", "0"])
+    assert "--log-every must be >= 1" in capsys.readouterr().err
