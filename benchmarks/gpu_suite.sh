@@ -11,6 +11,8 @@
 # kernel (benchmarks/profile_block.py, PROFILE_ARGS; "--model 1b --layers 4" profiles a training step).
 # REPEAT_PROBE="cutedsl cutedsl xla xla" runs one training step per entry, each in its own process,
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
+# STEP_BENCH="1b:8:1024 8b-4:4:1024" times the train step of CodaLlama per backend against the
+# plain JAX Llama in one process per configuration (benchmarks/train_step_bench.py, STEP_RUNS).
 # GRAD_PROBE=1 prints each backend's error per gradient of one training step against float32
 # math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
@@ -81,6 +83,21 @@ if [ -n "${GRAD_PROBE:-}" ]; then
   timeout "${GRAD_PROBE_TIMEOUT:-300}" python3 benchmarks/grad_error_probe.py ${GRAD_PROBE_ARGS:---backends $BACKENDS --layers 4} \
     2>&1 | tail -n 20 | tee -a "$OUT/grad_errors.md"
 fi
+if [ -n "${STEP_BENCH:-}" ]; then
+  # Train-step tokens/s of CodaLlama per backend against the plain JAX Llama, in one process per
+  # configuration (benchmarks/train_step_bench.py). STEP_BENCH="1b:8:1024 8b-4:4:1024" lists
+  # preset[-layers]:batch:seq; STEP_RUNS the runs (default: plain, every backend, Pallas with the
+  # cross-entropy recomputing its logits, plain again to show the drift).
+  echo "== train step vs plain JAX ==" | tee "$OUT/train_step.log"
+  RUNS_DEFAULT="plain,${BACKENDS},pallas:CODA_JAX_CE_SAVE_LOGITS=0,plain"
+  for cfg in $STEP_BENCH; do
+    IFS=':' read -r preset_layers sb_batch sb_seq <<< "$cfg"
+    sb_preset="${preset_layers%%-*}"; sb_layers=(); [[ $preset_layers == *-* ]] && sb_layers=(--layers "${preset_layers#*-}")
+    timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/train_step_bench.py --preset "$sb_preset" "${sb_layers[@]}" \
+      --batch "$sb_batch" --seq "$sb_seq" --runs "${STEP_RUNS:-$RUNS_DEFAULT}" --out "$OUT" 2>&1 \
+      | grep -v '^{' | tee -a "$OUT/train_step.log" | tail -n 14
+  done
+fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks ($BACKENDS) =="
   timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench.py --out "$OUT" --backends "$BACKENDS" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -n 60
@@ -107,6 +124,7 @@ echo "== summary =="
 grep '^BEST\|^SWEEP\|^MAINLOOP\|^PLAIN' "$OUT/tune.log" 2>/dev/null
 tail -n 3 "$OUT/tests.log"
 cat "$OUT/table.md" 2>/dev/null
+cat "$OUT/train_step.md" 2>/dev/null
 cat "$OUT/repeat.md" 2>/dev/null
 cat "$OUT/grad_errors.md" 2>/dev/null
 cat "$OUT/train_compare.md" 2>/dev/null

@@ -159,6 +159,24 @@ RMS_LSE = E.Epilogue(
 """LM head: logits = rstd * (h @ W_vocab^T); online row LSE and the target's logit."""
 
 
+def _rms_lse_logits_body(acc, ctx, rstd, target):
+    out = _rms_lse_body(acc, ctx, rstd, target)
+    out["logits"] = out["lse"]
+    return out
+
+
+RMS_LSE_LOGITS = E.Epilogue(
+    name="rms_lse_logits",
+    loads=(E.row("rstd"), E.row("target")),
+    outputs=(E.row_logsumexp("lse"), E.row_sum("target_logit"), E.tile_out("logits")),
+    body=_rms_lse_logits_body,
+    uses_col_index=True,
+)
+"""LM head when the logits fit in memory: :data:`RMS_LSE` that also writes the logits tile, so
+the backward reads them instead of recomputing the GEMM (:func:`ce_grad_from_logits`)."""
+
+
+
 # ---------------------------------------------------------------- backward ---------
 @functools.cache
 def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
@@ -236,11 +254,16 @@ saved pre-activation ``z [M, 2f]`` (gate/up pairs), writes ``dz [M, 2f]`` and th
 partials of ``sum(z * dz)``; ``dy`` itself never reaches HBM."""
 
 
+def _dlogits(logits, col_index, target, lse, gscale, zcoef):
+    """Cross-entropy gradient of float32 logits: ``(softmax * zcoef - onehot) * gscale``."""
+    p = jnp.exp(logits - lse)
+    onehot = (col_index == target).astype(jnp.float32)
+    return (p * zcoef - onehot) * gscale  # zcoef = 1 + 2 * z_loss * lse
+
+
 def _ce_grad_body(acc, ctx, rstd, lse, target, gscale, zcoef):
     logits = acc * rstd
-    p = jnp.exp(logits - lse)
-    onehot = (ctx.col_index() == target).astype(jnp.float32)
-    dlogits = (p * zcoef - onehot) * gscale  # zcoef = 1 + 2 * z_loss * lse
+    dlogits = _dlogits(logits, ctx.col_index(), target, lse, gscale, zcoef)
     # zdz: the final norm's row term sum_V(logits * dlogits), reduced per vocab tile.
     return {"dlogits": dlogits, "zdz": logits * dlogits}
 
@@ -254,6 +277,18 @@ CE_GRAD = E.Epilogue(
 )
 """Cross-entropy backward on the recomputed logits GEMM, one vocab chunk at a time:
 dlogits = (softmax * (1 + 2 z lse) - onehot) * dloss_row, from the saved LSE."""
+
+
+def ce_grad_from_logits(logits, col_index, target, lse, gscale, zcoef):
+    """``dlogits`` and the final norm's row term from saved logits, elementwise (float32).
+
+    The math of :data:`CE_GRAD`'s epilogue, on logits that were kept instead of recomputed:
+    ``dlogits = (softmax * zcoef - onehot) * gscale`` and ``zdz = sum_V(logits * dlogits)``.
+    Shapes: ``logits [M, V]``, ``col_index [1, V]`` int, row vectors ``[M, 1]``.
+    """
+    lf = logits.astype(jnp.float32)
+    dlogits = _dlogits(lf, col_index, target, lse, gscale, zcoef)
+    return dlogits, jnp.sum(lf * dlogits, axis=-1)
 
 
 def _accumulate_body(acc, ctx, prev):

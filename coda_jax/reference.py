@@ -121,7 +121,8 @@ class ReferenceLowering:
         n = b.shape[0] if transpose_b else b.shape[1]
         epilogue.validate_loads(loads, m, n)
         dtypes = {o.name: (out_dtypes or {}).get(o.name, o.dtype) or a.dtype for o in epilogue.outputs}
-        if any(o.kind is OutputKind.ROW_LOGSUMEXP for o in epilogue.outputs) and n > LSE_CHUNK:
+        if (any(o.kind is OutputKind.ROW_LOGSUMEXP for o in epilogue.outputs) and n > LSE_CHUNK
+                and not any(o.kind is OutputKind.TILE for o in epilogue.outputs)):  # [M, N] is written anyway
             return self._chunked_rows(epilogue, a, b, loads, transpose_a, transpose_b, m, n)
         acc = _dot(a, b, transpose_a, transpose_b)
         res = self._run_body(epilogue, acc, _prepare_loads(epilogue, loads), n, 0)

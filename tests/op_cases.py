@@ -188,12 +188,12 @@ def case_residual_chain(backend, m, k, d, n, dtype, seed=0):
     check_fwd_grad(fused, ref, (y, w1, res, g, w2), dtype, (0, 1, 2, 3, 4))
 
 
-def case_cross_entropy(backend, m, d, v, dtype, reduction="mean", z_loss=0.0, seed=0):
+def case_cross_entropy(backend, m, d, v, dtype, reduction="mean", z_loss=0.0, seed=0, **op_kw):
     r = Inputs(jax.random.key(seed))
     x, g, w = r.normal((m, d), dtype), r.normal((d,), dtype, 0.1, 1.0), r.normal((v, d), dtype, d ** -0.5 * 2)
     t = r.ints((m,), v).at[1].set(-100)
     kw = dict(reduction=reduction, z_loss=z_loss)
-    fused = lambda x, g, w: cj.linear_cross_entropy(x, g, w, t, backend=backend, **kw)
+    fused = lambda x, g, w: cj.linear_cross_entropy(x, g, w, t, backend=backend, **kw, **op_kw)
     ref = lambda x, g, w: naive.linear_cross_entropy(x, g, w, t, **kw)
     if reduction == "none":
         check_fwd_grad(fused, ref, (x, g, w), dtype, (0, 1, 2))

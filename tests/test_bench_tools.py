@@ -207,3 +207,22 @@ def test_grad_error_probe_measures_the_bf16_rounding_of_a_training_step(capsys):
     out = grad_error_probe.table(json.loads(json.dumps(bf16)))
     assert "| gradient | xla | again | again / xla |" in out and "| w_gu |" in out and "| 1.000 |" in out
 
+
+
+def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_path, monkeypatch):
+    import json
+
+    import train_step_bench as tsb
+
+    monkeypatch.delenv("CODA_JAX_CE_SAVE_LOGITS", raising=False)
+    rows = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
+                     "--rounds", "1", "--runs", "plain,xla:CODA_JAX_CE_SAVE_LOGITS=0", "--out", str(tmp_path)])
+    assert [r["run"] for r in rows] == ["plain", "xla:CODA_JAX_CE_SAVE_LOGITS=0"]
+    assert all(r["tokens_per_s"] > 0 and r["first_loss"] > 0 for r in rows)
+    assert "CODA_JAX_CE_SAVE_LOGITS" not in os.environ
+    assert list(json.loads((tmp_path / "train_step.json").read_text())) == ["tiny-1L 2x16"]
+    assert "| xla:CODA_JAX_CE_SAVE_LOGITS=0 |" in (tmp_path / "train_step.md").read_text()
+    with pytest.raises(ValueError, match="plain, xla, pallas or cutedsl"):
+        tsb.parse_run("torch")
+    with pytest.raises(ValueError, match="VAR=VALUE"):
+        tsb.parse_run("xla:FOO")

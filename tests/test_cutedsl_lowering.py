@@ -186,7 +186,8 @@ def _interpret_whole(epi, acc, loads, col0=0):
     return {k[0]: np.asarray(v, np.float32).reshape(mt, nt) for k, v in res.items()}
 
 
-@pytest.mark.parametrize("epi", [P.RESIDUAL_RMS, P.ROW_SCALE, P.CE_GRAD, P.rms_dgrad(True), P.RMS_LSE, P.NORM_WGRAD],
+@pytest.mark.parametrize("epi", [P.RESIDUAL_RMS, P.ROW_SCALE, P.CE_GRAD, P.rms_dgrad(True), P.RMS_LSE, P.RMS_LSE_LOGITS,
+                                 P.NORM_WGRAD],
                          ids=lambda e: e.name)
 def test_interpreter_matches_reference_body(epi):
     from coda_jax.reference import _WholeArrayContext, _prepare_loads
@@ -224,7 +225,8 @@ def _spy(fn, seen):
 _PROGRAMS = [
     (P.IDENTITY, {}), (P.RESIDUAL, {}), (P.RESIDUAL_RMS, {}), (P.ROW_SCALE, {}), (P.rms_swiglu(False), {}),
     (P.rms_swiglu(True), {}), (P.rms_rope(64, None, False), {}), (P.rms_rope(64, 1e-6, True), {}),
-    (P.rms_rope(32, None, False), {}), (P.RMS_LSE, {"transpose_b": True}), (P.rms_dgrad(False), {"transpose_b": True}),
+    (P.rms_rope(32, None, False), {}), (P.RMS_LSE, {"transpose_b": True}),
+    (P.RMS_LSE_LOGITS, {"transpose_b": True}), (P.rms_dgrad(False), {"transpose_b": True}),
     (P.rms_dgrad(True), {"transpose_b": True}), (P.CE_GRAD, {"transpose_b": True}), (P.ACCUMULATE, {}),
     (P.NORM_WGRAD, {"transpose_a": True}), (P.SWIGLU_DGRAD, {"transpose_b": True}), (P.IDENTITY, {"transpose_a": True}), (P.IDENTITY, {"transpose_a": True, "transpose_b": True}),
 ]

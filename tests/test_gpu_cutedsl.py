@@ -99,6 +99,7 @@ def test_ragged_shapes_on_gpu(tile_n, monkeypatch):
     monkeypatch.setenv(TILE_N_ENV, tile_n)
     _compare(programs.RESIDUAL_RMS, 1000, 1500, 520)
     _compare(programs.RMS_LSE, 777, 5000, 256, transpose_b=True)
+    _compare(programs.RMS_LSE_LOGITS, 777, 5000, 256, transpose_b=True)
     _compare(programs.rms_dgrad(True), 1000, 900, 333, transpose_b=True)
     _compare(programs.rms_swiglu(True), 1000, 1024, 200)
     _compare(programs.SWIGLU_DGRAD, 1000, 640, 333, transpose_b=True)

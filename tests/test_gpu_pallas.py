@@ -41,6 +41,7 @@ def test_ragged_shapes_on_gpu(cfg):
     poison_allocator([(1024, 5000)] * 8)
     _compare(programs.RESIDUAL_RMS, 1000, 1500, 520, config=CONFIGS[cfg])
     _compare(programs.RMS_LSE, 777, 5000, 256, transpose_b=True, config=CONFIGS[cfg])
+    _compare(programs.RMS_LSE_LOGITS, 777, 5000, 256, transpose_b=True, config=CONFIGS[cfg])
     _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg])
     _compare(programs.IDENTITY, 1000, 1500, 520, transpose_a=True, config=CONFIGS[cfg])
 

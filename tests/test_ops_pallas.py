@@ -41,8 +41,9 @@ def test_residual_chain():
     C.case_residual_chain("pallas", 64, 128, 128, 128, BF)
 
 
-def test_cross_entropy():
-    C.case_cross_entropy("pallas", 64, 128, 300, BF, z_loss=1e-3)
+@pytest.mark.parametrize("save_logits", [False, True])
+def test_cross_entropy(save_logits):
+    C.case_cross_entropy("pallas", 64, 128, 300, BF, z_loss=1e-3, save_logits=save_logits)
 
 
 def test_float32_is_refused_with_a_pointer_to_xla():

@@ -3,11 +3,15 @@
 Shapes include token counts and widths that are not multiples of 128.
 """
 
+import importlib
+
+import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import coda_jax as cj
 import op_cases as C
 
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -44,23 +48,66 @@ def test_residual_chain(m, k, d, n, dtype):
     C.case_residual_chain("xla", m, k, d, n, dtype)
 
 
+@pytest.mark.parametrize("save_logits", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_cross_entropy(reduction, dtype):
-    C.case_cross_entropy("xla", 100, 96, 1000, dtype, reduction=reduction, z_loss=1e-3)
+def test_cross_entropy(reduction, dtype, save_logits):
+    C.case_cross_entropy("xla", 100, 96, 1000, dtype, reduction=reduction, z_loss=1e-3, save_logits=save_logits)
+
+
+def test_cross_entropy_bf16_saved_logits():
+    """Saved bf16 logits: the gradient carries their rounding, within the bf16 tolerance."""
+    C.case_cross_entropy("xla", 100, 96, 1000, jnp.bfloat16, z_loss=1e-3, save_logits=True,
+                         logits_dtype=jnp.bfloat16)
+
+
+def test_save_logits_choice(monkeypatch):
+    """save_logits=None: the environment override, else the memory budget decides."""
+    lce = importlib.import_module("coda_jax.ops.linear_cross_entropy")
+    monkeypatch.delenv(lce.SAVE_LOGITS_ENV, raising=False)
+    monkeypatch.setenv(lce.LOGITS_BUDGET_ENV, "1")  # 1 MiB: 1024 x 256 float32 fits, one more row does not
+    assert lce.resolve_save_logits(None, 1024, 256, jnp.float32)
+    assert not lce.resolve_save_logits(None, 1025, 256, jnp.float32)
+    assert lce.resolve_save_logits(None, 2048, 256, jnp.bfloat16)
+    assert lce.resolve_save_logits(True, 10 ** 6, 10 ** 6, jnp.float32)
+    monkeypatch.setenv(lce.SAVE_LOGITS_ENV, "0")
+    assert not lce.resolve_save_logits(None, 8, 8, jnp.float32)
+    monkeypatch.setenv(lce.SAVE_LOGITS_ENV, "yes")
+    with pytest.raises(ValueError, match="CODA_JAX_CE_SAVE_LOGITS must be 0 or 1"):
+        lce.resolve_save_logits(None, 8, 8, jnp.float32)
+    monkeypatch.delenv(lce.SAVE_LOGITS_ENV)
+    monkeypatch.setenv(lce.LOGITS_BUDGET_ENV, "lots")
+    with pytest.raises(ValueError, match="CODA_JAX_CE_LOGITS_BUDGET_MB must be a number"):
+        lce.resolve_save_logits(None, 8, 8, jnp.float32)
+    with pytest.raises(ValueError, match="logits_dtype must be float32 or bfloat16"):
+        C.case_cross_entropy("xla", 8, 16, 32, jnp.float32, logits_dtype=jnp.float16)
+
+
+def test_saved_logits_stay_out_of_evaluation(monkeypatch):
+    """Only a differentiated loss runs the program that writes the logits."""
+    from coda_jax import programs, reference
+
+    used, gemm = [], reference.ReferenceLowering.gemm
+    monkeypatch.setattr(reference.ReferenceLowering, "gemm",
+                        lambda self, epi, *a, **k: used.append(epi.name) or gemm(self, epi, *a, **k))
+    x, g, w = jnp.ones((64, 32)), jnp.ones((32,)), jnp.ones((1000, 32))
+    loss = lambda x: cj.linear_cross_entropy(x, g, w, jnp.zeros((64,), jnp.int32), save_logits=True, backend="xla")
+    jax.make_jaxpr(loss)(x)
+    assert programs.RMS_LSE.name in used and programs.RMS_LSE_LOGITS.name not in used
+    used.clear()
+    jax.make_jaxpr(jax.grad(loss))(x)
+    assert programs.RMS_LSE_LOGITS.name in used and programs.CE_GRAD.name not in used
 
 
 def test_cross_entropy_chunked_vocab(monkeypatch):
     """Vocab larger than the reference's LSE chunk and the backward's vocab chunk."""
-    import importlib
-
     from coda_jax import reference
 
     lce = importlib.import_module("coda_jax.ops.linear_cross_entropy")
 
     monkeypatch.setattr(reference, "LSE_CHUNK", 256)
     monkeypatch.setattr(lce, "VOCAB_CHUNK", 300)
-    C.case_cross_entropy("xla", 64, 64, 1000, jnp.float32, z_loss=1e-4)
+    C.case_cross_entropy("xla", 64, 64, 1000, jnp.float32, z_loss=1e-4, save_logits=False)
 
 
 @settings(max_examples=6, deadline=None)

@@ -101,6 +101,7 @@ CASES = [
     (programs.rms_rope(64, 1e-6, True), {}),
     (programs.rms_rope(32, None, False), {}),
     (programs.RMS_LSE, {"transpose_b": True}),
+    (programs.RMS_LSE_LOGITS, {"transpose_b": True}),
     (programs.rms_dgrad(False), {"transpose_b": True}),
     (programs.rms_dgrad(True), {"transpose_b": True}),
     (programs.CE_GRAD, {"transpose_b": True}),

@@ -11,11 +11,18 @@ recomputed and its epilogue writes ``dlogits = (softmax * (1 + 2 z lse) - onehot
 (from the saved LSE) and the final norm's row term ``sum_V(logits * dlogits)``; then
 ``g_h += dlogits @ W_c`` and ``dW_c = dlogits^T @ (x_hat * gamma)``. The final RMSNorm
 backward ``dx = dres + rstd*(gamma*g_h - x_hat*zdz)`` closes it.
+
+When the logits fit a memory budget (``save_logits``, automatic by default) the forward's
+epilogue also writes them (:data:`~coda_jax.programs.RMS_LSE_LOGITS`), and the backward is
+one elementwise pass (``dlogits`` and ``zdz`` from the saved logits, fused by XLA) and two
+plain GEMMs, with no second LM-head GEMM: the recompute path trades that GEMM (a third of
+the op's FLOPs) for memory, which pays only when memory is short.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +37,60 @@ from coda_jax.ops.norm_carry import NormCarry, resolve_carry, rstd_from_partials
 REDUCTIONS = ("mean", "sum", "none")
 # Vocab columns per backward chunk: the largest dlogits block alive is [M, VOCAB_CHUNK].
 VOCAB_CHUNK = 16384
+# Saved logits allowed by default: this fraction of the device's memory, or
+# DEFAULT_LOGITS_BUDGET bytes where the device does not report its memory (CPU).
+LOGITS_BUDGET_FRACTION = 1 / 8
+DEFAULT_LOGITS_BUDGET = 2 << 30
+LOGITS_BUDGET_ENV = "CODA_JAX_CE_LOGITS_BUDGET_MB"
+SAVE_LOGITS_ENV = "CODA_JAX_CE_SAVE_LOGITS"
 
 
-def _forward(lowering, eps, z_loss, x, gamma, w, h, sumsq, targets):
+def logits_budget_bytes() -> int:
+    """Bytes of saved logits that ``save_logits=None`` allows.
+
+    ``$CODA_JAX_CE_LOGITS_BUDGET_MB`` if set, else 1/8 of the default device's memory
+    (``memory_stats()["bytes_limit"]``: 7.5 GiB on an 80 GB H100 with JAX's default 75 %
+    preallocation; the 1B model's 8192 x 128256 float32 logits are 3.9 GiB), else 2 GiB.
+    """
+    env = os.environ.get(LOGITS_BUDGET_ENV)
+    if env is not None:
+        try:
+            mb = float(env)
+        except ValueError:
+            raise ValueError(f"{LOGITS_BUDGET_ENV} must be a number of MiB, got {env!r}") from None
+        if mb < 0:
+            raise ValueError(f"{LOGITS_BUDGET_ENV} must be >= 0, got {env!r}")
+        return int(mb * (1 << 20))
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001  (backends without memory statistics)
+        stats = {}
+    limit = stats.get("bytes_limit")
+    return int(limit * LOGITS_BUDGET_FRACTION) if limit else DEFAULT_LOGITS_BUDGET
+
+
+def resolve_save_logits(save_logits: bool | None, m: int, v: int, logits_dtype) -> bool:
+    """Whether the forward keeps the ``[m, v]`` logits: the argument, else
+    ``$CODA_JAX_CE_SAVE_LOGITS`` (``1``/``0``), else whether they fit
+    :func:`logits_budget_bytes`."""
+    if save_logits is not None:
+        return bool(save_logits)
+    env = os.environ.get(SAVE_LOGITS_ENV)
+    if env is not None:
+        if env not in ("0", "1"):
+            raise ValueError(f"{SAVE_LOGITS_ENV} must be 0 or 1, got {env!r}")
+        return env == "1"
+    return m * v * jnp.dtype(logits_dtype).itemsize <= logits_budget_bytes()
+
+
+def _forward(lowering, eps, z_loss, save, logits_dtype, x, gamma, w, h, sumsq, targets):
     rstd = rstd_from_partials(sumsq, x.shape[1], eps)
-    outs = lowering.gemm(programs.RMS_LSE, h, w, {"rstd": rstd, "target": targets}, transpose_b=True)
+    loads = {"rstd": rstd, "target": targets}
+    if save:
+        outs = lowering.gemm(programs.RMS_LSE_LOGITS, h, w, loads, transpose_b=True,
+                             out_dtypes={"logits": logits_dtype})
+    else:
+        outs = lowering.gemm(programs.RMS_LSE, h, w, loads, transpose_b=True)
     lse = jax.nn.logsumexp(outs["lse"], axis=0)
     target_logit = jnp.sum(outs["target_logit"], axis=0)
     valid = targets >= 0
@@ -42,27 +98,59 @@ def _forward(lowering, eps, z_loss, x, gamma, w, h, sumsq, targets):
     # A target outside [0, V) that is not ignore_index cannot be reported under jit: its
     # row's loss is NaN, so the error shows instead of a silently wrong loss.
     losses = jnp.where(targets >= w.shape[0], jnp.nan, losses)
-    return losses, rstd, lse
+    return losses, rstd, lse, outs.get("logits")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _row_losses(lowering: GemmLowering, eps: float, z_loss: float, x, gamma, w, h, sumsq, targets):
-    return _forward(lowering, eps, z_loss, x, gamma, w, h, sumsq, targets)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _row_losses(lowering: GemmLowering, eps: float, z_loss: float, save: bool, logits_dtype,
+                x, gamma, w, h, sumsq, targets):
+    # Not differentiated (evaluation): nothing to save.
+    return _forward(lowering, eps, z_loss, False, logits_dtype, x, gamma, w, h, sumsq, targets)[0]
 
 
-def _row_losses_fwd(lowering, eps, z_loss, x, gamma, w, h, sumsq, targets):
-    losses, rstd, lse = _forward(lowering, eps, z_loss, x, gamma, w, h, sumsq, targets)
-    return losses, (x, gamma, w, h, sumsq, targets, rstd, lse)
+def _row_losses_fwd(lowering, eps, z_loss, save, logits_dtype, x, gamma, w, h, sumsq, targets):
+    losses, rstd, lse, logits = _forward(lowering, eps, z_loss, save, logits_dtype, x, gamma, w, h, sumsq, targets)
+    return losses, (x, gamma, w, h, sumsq, targets, rstd, lse, logits)
 
 
-def _row_losses_bwd(lowering, eps, z_loss, res, dloss):
-    x, gamma, w, h, sumsq, targets, rstd, lse = res
+def _row_losses_bwd(lowering, eps, z_loss, save, logits_dtype, res, dloss):
+    x, gamma, w, h, sumsq, targets, rstd, lse, logits = res
     m, d = x.shape
     v = w.shape[0]
     valid = (targets >= 0) & (targets < v)
     loads = {"rstd": rstd, "lse": lse, "gscale": jnp.where(valid, dloss, 0.0).astype(jnp.float32),
              "zcoef": 1.0 + 2.0 * z_loss * lse}
     xg = (x.astype(jnp.float32) * rstd[:, None] * gamma.astype(jnp.float32)).astype(w.dtype)  # x_hat * gamma
+    if save:
+        g_h, zdz, dw = _grads_from_logits(lowering, logits, w, xg, targets, loads)
+    else:
+        g_h, zdz, dw = _grads_by_recompute(lowering, h, w, xg, targets, loads)
+    # Final RMSNorm backward (zdz = sum_V(logits * dlogits) / d), elementwise over [M, d].
+    xf = x.astype(jnp.float32)
+    xh = xf * rstd[:, None]
+    gf = gamma.astype(jnp.float32)
+    dx = rstd[:, None] * (gf * g_h - xh * (zdz / d)[:, None])
+    dgamma = jnp.sum(g_h * xh, axis=0)
+    return (dx.astype(x.dtype), dgamma.astype(gamma.dtype), dw, jnp.zeros_like(h), jnp.zeros_like(sumsq),
+            None)
+
+
+def _grads_from_logits(lowering, logits, w, xg, targets, loads):
+    """``(g_h [M, d] f32, zdz [M] f32, dW [V, d])`` from the saved ``[M, V]`` logits."""
+    col = jnp.arange(w.shape[0], dtype=jnp.int32)[None, :]
+    dlog, zdz = programs.ce_grad_from_logits(logits, col, targets[:, None], loads["lse"][:, None],
+                                             loads["gscale"][:, None], loads["zcoef"][:, None])
+    dlog = dlog.astype(w.dtype)
+    g_h = lowering.gemm(programs.IDENTITY, dlog, w, {}, out_dtypes={"out": jnp.float32})["out"]
+    dw = lowering.gemm(programs.IDENTITY, dlog, xg, {}, transpose_a=True, out_dtypes={"out": w.dtype})["out"]
+    return g_h, zdz, dw
+
+
+def _grads_by_recompute(lowering, h, w, xg, targets, loads):
+    """``(g_h [M, d] f32, zdz [M] f32, dW [V, d])``, recomputing the logits GEMM one vocab
+    chunk at a time (only ``[M, VOCAB_CHUNK]`` alive)."""
+    m, d = h.shape
+    v = w.shape[0]
     g_h = jnp.zeros((m, d), jnp.float32)
     zdz = jnp.zeros((m,), jnp.float32)
     dw_chunks = []
@@ -77,14 +165,7 @@ def _row_losses_bwd(lowering, eps, z_loss, res, dloss):
         dw_chunks.append(lowering.gemm(programs.IDENTITY, dlog, xg, {}, transpose_a=True,
                                        out_dtypes={"out": w.dtype})["out"])
     dw = jnp.concatenate(dw_chunks, axis=0) if len(dw_chunks) > 1 else dw_chunks[0]
-    # Final RMSNorm backward (zdz = sum_V(logits * dlogits) / d), elementwise over [M, d].
-    xf = x.astype(jnp.float32)
-    xh = xf * rstd[:, None]
-    gf = gamma.astype(jnp.float32)
-    dx = rstd[:, None] * (gf * g_h - xh * (zdz / d)[:, None])
-    dgamma = jnp.sum(g_h * xh, axis=0)
-    return (dx.astype(x.dtype), dgamma.astype(gamma.dtype), dw, jnp.zeros_like(h), jnp.zeros_like(sumsq),
-            None)
+    return g_h, zdz, dw
 
 
 _row_losses.defvjp(_row_losses_fwd, _row_losses_bwd)
@@ -101,6 +182,8 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     z_loss: float = 0.0,
+    save_logits: bool | None = None,
+    logits_dtype=jnp.float32,
     backend: str | None = None,
 ) -> jax.Array:
     """Cross-entropy of ``RMSNorm(x; gamma) @ w_vocab^T`` against ``targets``.
@@ -116,6 +199,16 @@ def linear_cross_entropy(
       ignore_index: rows whose target equals it contribute no loss and no gradient.
       reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"`` (``[M]``).
       z_loss: coefficient of the auxiliary ``lse^2`` term (PaLM's z-loss); 0 disables it.
+      save_logits: keep the ``[M, V]`` logits from the forward for the backward (no second
+        LM-head GEMM; ``M * V`` elements of ``logits_dtype`` alive between the passes) or
+        recompute them chunk by chunk in the backward (``[M, 16384]`` alive). ``None``
+        (default): ``$CODA_JAX_CE_SAVE_LOGITS`` (``1``/``0``) if set, else save when they
+        fit :func:`logits_budget_bytes` (1/8 of device memory;
+        ``$CODA_JAX_CE_LOGITS_BUDGET_MB`` overrides). The forward is the same GEMM either way.
+      logits_dtype: storage dtype of saved logits: float32 (default; the gradient is the
+        recompute path's up to float32 rounding) or bfloat16 (half the memory and traffic;
+        the gradient then carries bf16 rounding of the logits, ~1e-2 relative at logit
+        scales of a trained model, as in a plain JAX loss on bf16 logits).
       backend: see :mod:`coda_jax.backend`.
 
     Returns:
@@ -133,13 +226,17 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if z_loss < 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if jnp.dtype(logits_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"logits_dtype must be float32 or bfloat16, got {jnp.dtype(logits_dtype)}")
     carry = resolve_carry(x, gamma, carry)
     lowering = lowering_for(LINEAR_CROSS_ENTROPY, backend)
     # Ignored rows get target -1: no column matches, and the loss masks them. Other
     # out-of-range targets become V: the forward marks their loss NaN.
     v = w_vocab.shape[0]
     t = jnp.where(targets == ignore_index, -1, jnp.where((targets < 0) | (targets >= v), v, targets)).astype(jnp.int32)
-    losses = _row_losses(lowering, float(eps), float(z_loss), x, gamma, w_vocab, carry.h, carry.sumsq, t)
+    save = resolve_save_logits(save_logits, x.shape[0], v, logits_dtype)
+    losses = _row_losses(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), x, gamma, w_vocab,
+                         carry.h, carry.sumsq, t)
     if reduction == "none":
         return losses
     total = jnp.sum(losses)

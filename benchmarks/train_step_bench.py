@@ -1,0 +1,176 @@
+"""Train-step throughput of CodaLlama per backend against the plain JAX Llama, in one process.
+
+    python benchmarks/train_step_bench.py --preset 1b --batch 8 --seq 1024 \
+        --runs plain,xla,pallas,cutedsl,pallas:CODA_JAX_CE_SAVE_LOGITS=0,plain --out $OUT
+
+Every run is the same step: ``examples/train_llama.py``'s optimizer (AdamW after global-norm
+clipping) and functional jitted step with donated state (:func:`train_llama.make_steps`), on
+one fixed batch of random tokens. ``plain`` is :class:`plain_llama.PlainLlama`, the baseline
+of record; ``backend[:VAR=VALUE,...]`` is ``CodaLlama`` on that backend with those environment
+settings while it is traced (e.g. ``CODA_JAX_CE_SAVE_LOGITS=0``: the cross-entropy recomputes
+its logits). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
+``--steps`` steps dispatched back to back and closed by one ``jax.block_until_ready`` (the
+device queue stays full; the host is not in the step time); the median round gives ms/step
+and tokens/s. Runs go one after another (a 1B model with its AdamW state is ~15 GB; several
+would not fit together): list ``plain`` first and last, and the table reports the drift
+between them. The compiled step's temp memory (XLA's memory analysis) is reported too.
+Results: ``<out>/train_step.json`` and a table, ratios against the mean of the plain runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT / "examples", ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import train_llama  # noqa: E402
+from plain_llama import PlainLlama  # noqa: E402
+
+from coda_jax.layers import PRESETS, CodaLlama  # noqa: E402
+
+
+def parse_run(spec: str) -> tuple[str, dict[str, str]]:
+    """``"pallas:A=1,B=2"`` -> ``("pallas", {"A": "1", "B": "2"})``."""
+    name, _, rest = spec.partition(":")
+    env = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"run {spec!r}: settings are VAR=VALUE, got {item!r}")
+        env[key] = value
+    if name not in ("plain", "xla", "pallas", "cutedsl"):
+        raise ValueError(f"run {spec!r}: the model must be plain, xla, pallas or cutedsl")
+    return name, env
+
+
+@contextlib.contextmanager
+def environment(settings: dict[str, str]):
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4) -> dict:
+    """One run: build, compile, time. ``tokens [B, S+1]`` int32."""
+    name, settings = parse_run(spec)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with environment(settings):
+        model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
+        opt = nnx.Optimizer(model, train_llama.make_tx(lr, 10, 1000), wrt=nnx.Param)
+        train_step, _, _ = train_llama.make_steps(model, opt)
+        state = nnx.state((model, opt))
+        del model, opt
+        t0 = time.perf_counter()
+        compiled = train_step.lower(state, inputs, targets).compile()
+        compile_s = time.perf_counter() - t0
+        state, loss = compiled(state, inputs, targets)
+        first_loss = float(loss)
+        first_step_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    for _ in range(2):  # warm-up
+        state, loss = compiled(state, inputs, targets)
+    jax.block_until_ready(loss)
+    per_round = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            state, loss = compiled(state, inputs, targets)
+        jax.block_until_ready(loss)
+        per_round.append((time.perf_counter() - t) / steps * 1e3)
+    ms = statistics.median(per_round)
+    n_tok = inputs.shape[0] * inputs.shape[1]
+    del state, compiled, train_step
+    gc.collect()
+    return {"run": spec, "ms_per_step": ms, "rounds_ms": per_round, "tokens_per_s": n_tok / ms * 1e3,
+            "compile_s": compile_s, "first_step_s": first_step_s, "first_loss": first_loss,
+            "last_loss": float(loss), "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30}
+
+
+def table(rows: list[dict], title: str) -> str:
+    plain = [r["tokens_per_s"] for r in rows if r["run"] == "plain"]
+    base = statistics.mean(plain) if plain else None
+    lines = [f"### {title}", ""]
+    if len(plain) > 1:
+        lines += [f"plain runs: {', '.join(f'{p:,.0f}' for p in plain)} tokens/s "
+                  f"(spread {100 * (max(plain) - min(plain)) / base:.1f} %)", ""]
+    lines += ["| run | ms/step | tokens/s | vs plain JAX | compile s | compile + first step s | temp GiB | loss step 1 |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        x = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+        lines.append(f"| {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {x} | {r['compile_s']:.1f} | "
+                     f"{r['first_step_s']:.1f} | {r['temp_gib']:.1f} | {r['first_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--runs", default="plain,xla,pallas,plain")
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tag", default=None, help="name of this configuration in train_step.json")
+    args = ap.parse_args(argv)
+    for flag in ("batch", "seq", "steps", "rounds"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    specs = [s for s in args.runs.split(",") if s]
+    for s in specs:
+        try:
+            parse_run(s)
+        except ValueError as e:
+            ap.error(str(e))
+    cfg = PRESETS[args.preset]()
+    if args.layers is not None:
+        cfg = cfg.replace(num_layers=args.layers)
+    tokens = jax.random.randint(jax.random.key(5), (args.batch, args.seq + 1), 0, cfg.vocab_size, jnp.int32)
+    tag = args.tag or f"{args.preset}{'' if args.layers is None else f'-{args.layers}L'} {args.batch}x{args.seq}"
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {tag}", flush=True)
+    rows = []
+    for spec in specs:
+        try:
+            rows.append(measure(spec, cfg, tokens, args.steps, args.rounds))
+            print(json.dumps(rows[-1]), flush=True)
+        except Exception as e:  # noqa: BLE001  (one failing run must not hide the others)
+            print(f"RUN FAILED {spec}: {type(e).__name__}: {e}", flush=True)
+    md = table(rows, f"train step, {tag}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "train_step.json"
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[tag] = rows
+        path.write_text(json.dumps(data, indent=1))
+        with open(out / "train_step.md", "a") as f:
+            f.write(md + "\n\n")
+    print(md, flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
