@@ -1,0 +1,176 @@
+"""The "current numbers" of ``benchmarks/RESULTS.md``: one short table and one chart.
+
+    python benchmarks/summarize.py RESULT_DIR [RESULT_DIR ...] --label "run 74, H100, <commit>" \
+        [--update benchmarks/RESULTS.md]
+
+Reads what ``gpu_suite.sh`` left in each directory (``train_step.json`` from
+``train_step_bench.py``, ``bench.json`` from ``bench.py``; later directories win on the same
+key) and writes ``current.md`` and ``current.png`` into the first one: each backend against
+plain JAX, for the train step (tokens/s over the plain JAX Llama's, same process), the block
+(fwd+bwd time of the plain XLA Llama block over ``CodaLlamaBlock``'s) and each fused op
+(fwd+bwd of the ``xla`` reference over the backend's). With ``--update``, the section between
+``<!-- current:begin -->`` and ``<!-- current:end -->`` of that file is replaced and the chart
+is copied beside it as ``results.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+BEGIN, END = "<!-- current:begin -->", "<!-- current:end -->"
+
+
+def load(dirs: list[Path]) -> tuple[dict, list[dict]]:
+    """``({config tag: [train-step rows]}, [bench.py rows])`` merged over ``dirs``."""
+    steps, rows = {}, []
+    for d in dirs:
+        if (d / "train_step.json").exists():
+            steps.update(json.loads((d / "train_step.json").read_text()))
+        if (d / "bench.json").exists():
+            rows += json.loads((d / "bench.json").read_text())["rows"]
+    return steps, rows
+
+
+def step_ratios(steps: dict) -> dict[str, dict[str, float]]:
+    """``{config: {run: tokens/s over the mean of that config's plain runs}}``."""
+    out = {}
+    for tag, runs in steps.items():
+        plain = [r["tokens_per_s"] for r in runs if r["run"] == "plain"]
+        if not plain:
+            continue
+        base = statistics.mean(plain)
+        out[tag] = {r["run"]: r["tokens_per_s"] / base for r in runs if r["run"] != "plain"}
+    return out
+
+
+def block_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """``{"block d=2048": {backend: plain block fwd+bwd ms / backend's}}``."""
+    out = {}
+    for r in rows:
+        if r.get("op") != "block" or "baseline_fwdbwd_ms" not in r:
+            continue
+        out[f"block d={r['d']}"] = {k[:-len("_fwdbwd_ms")]: r["baseline_fwdbwd_ms"] / v for k, v in r.items()
+                                    if k.endswith("_fwdbwd_ms") and not k.startswith("baseline")}
+    return out
+
+
+def op_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """``{"<op> d=<d>": {backend: xla fwd+bwd ms / backend's}}`` (kernel backends only)."""
+    ref = {(r["op"], r["d"]): r["fwdbwd_ms"] for r in rows if r.get("backend") == "xla" and "fwdbwd_ms" in r}
+    out = {}
+    for r in rows:
+        if r.get("backend") in (None, "xla") or "fwdbwd_ms" not in r or (r["op"], r["d"]) not in ref:
+            continue
+        out.setdefault(f"{r['op']} d={r['d']}", {})[r["backend"]] = ref[(r["op"], r["d"])] / r["fwdbwd_ms"]
+    return out
+
+
+def markdown(steps: dict, rows: list[dict], label: str) -> str:
+    lines = [f"Current numbers ({label}); chart: `benchmarks/results.png`. Ratios above 1 mean faster than the "
+             "baseline named in the heading.", ""]
+    if steps:
+        lines += ["**Train step** (tokens/s; baseline: the plain JAX Llama, `benchmarks/plain_llama.py`, same "
+                  "process, same config, optimizer and batch)", "",
+                  "| config | run | ms/step | tokens/s | vs plain JAX | compile + first step s |", "|---|---|---|---|---|---|"]
+        for tag, runs in steps.items():
+            plain = [r["tokens_per_s"] for r in runs if r["run"] == "plain"]
+            base = statistics.mean(plain) if plain else None
+            seen_plain = False
+            for r in runs:
+                if r["run"] == "plain":
+                    if seen_plain:
+                        continue
+                    seen_plain = True
+                    r = dict(r, tokens_per_s=base, ms_per_step=statistics.mean(
+                        x["ms_per_step"] for x in runs if x["run"] == "plain"))
+                x = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+                lines.append(f"| {tag} | {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {x} | "
+                             f"{r['first_step_s']:.1f} |")
+        lines.append("")
+    blocks = block_ratios(rows)
+    if blocks:
+        lines += ["**Block fwd+bwd** (baseline: the plain XLA Llama block, `benchmarks/xla_llama_block.py`)", "",
+                  "| width | " + " | ".join(sorted({b for v in blocks.values() for b in v})) + " |"]
+        cols = sorted({b for v in blocks.values() for b in v})
+        lines.append("|---|" + "---|" * len(cols))
+        for k, v in blocks.items():
+            lines.append(f"| {k} | " + " | ".join(f"{v[c]:.3f}x" if c in v else "-" for c in cols) + " |")
+        lines.append("")
+    ops = op_ratios(rows)
+    if ops:
+        cols = sorted({b for v in ops.values() for b in v})
+        lines += ["**Fused ops fwd+bwd** (baseline: the same op on the `xla` backend)", "",
+                  "| op | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        for k, v in ops.items():
+            lines.append(f"| {k} | " + " | ".join(f"{v[c]:.3f}x" if c in v else "-" for c in cols) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(steps: dict, rows: list[dict], path: Path, label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(f"train step vs plain JAX", step_ratios(steps)), ("block fwd+bwd vs plain XLA block", block_ratios(rows)),
+              ("fused op fwd+bwd vs xla backend", op_ratios(rows))]
+    panels = [(t, d) for t, d in panels if d]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * max(len(panels), 1)), squeeze=False)
+    for ax, (title, data) in zip(axes[:, 0], panels):
+        groups = list(data)
+        runs = sorted({r for v in data.values() for r in v})
+        width = 0.8 / max(len(runs), 1)
+        for i, run in enumerate(runs):
+            xs = [g + (i - (len(runs) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, [data[g].get(run, 0.0) for g in groups], width, label=run)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(range(len(groups)), groups, fontsize=7)
+        ax.set_ylabel("speed-up")
+        ax.set_title(title, fontsize=9)
+        lo = min([v for d in data.values() for v in d.values()] + [1.0])
+        ax.set_ylim(max(0.0, lo - 0.15), None)
+        ax.legend(fontsize=6, ncol=4)
+    fig.suptitle(label, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def update(results_md: Path, section: str, png: Path) -> None:
+    text = results_md.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{results_md} has no {BEGIN} ... {END} section")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    results_md.write_text(f"{head}{BEGIN}\n{section}\n{END}{tail}")
+    shutil.copyfile(png, results_md.parent / "results.png")
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dirs", nargs="+", type=Path)
+    ap.add_argument("--label", required=True, help="run number, device, date and commit")
+    ap.add_argument("--out", type=Path, default=None, help="where current.md/png go (default: the first dir)")
+    ap.add_argument("--update", type=Path, default=None, help="RESULTS.md whose current section is replaced")
+    args = ap.parse_args(argv)
+    steps, rows = load(args.dirs)
+    if not steps and not rows:
+        ap.error(f"no train_step.json or bench.json in {', '.join(map(str, args.dirs))}")
+    out = args.out or args.dirs[0]
+    out.mkdir(parents=True, exist_ok=True)
+    md = markdown(steps, rows, args.label)
+    (out / "current.md").write_text(md + "\n")
+    chart(steps, rows, out / "current.png", args.label)
+    if args.update:
+        update(args.update, md, out / "current.png")
+    print(md)
+    return md
+
+
+if __name__ == "__main__":
+    main()
