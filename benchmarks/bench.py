@@ -400,6 +400,23 @@ def coda_model(preset, backend, batch, seq, layers=None):
     return jax.jit(jax.value_and_grad(loss)), (state, tokens)
 
 
+def plain_model(preset, batch, seq, layers=None):
+    """The plain JAX Llama (``plain_llama.PlainLlama``) of a preset: (jitted fwd+bwd of the
+    mean next-token loss, args) on random tokens, as :func:`coda_model`."""
+    from flax import nnx
+    from plain_llama import PlainLlama
+
+    from coda_jax.layers import PRESETS
+
+    cfg = PRESETS[preset]()
+    if layers is not None:
+        cfg = cfg.replace(num_layers=layers)
+    gdef, state = nnx.split(PlainLlama(cfg, rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(5), (batch, seq + 1), 0, cfg.vocab_size)
+    loss = lambda s, t: nnx.merge(gdef, s).loss(t[:, :-1], t[:, 1:])  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss)), (state, tokens)
+
+
 @contextlib.contextmanager
 def _env(var, value):
     """Within: environment variable ``var`` is ``value`` (None: unchanged)."""

@@ -10,8 +10,8 @@ the device time of every kernel per step. Kernels are put in classes by name: ``
 ``attention`` (cuDNN), ``cutedsl`` and ``other`` (XLA fusions: elementwise passes,
 reductions, transposes, copies). Prints, per variant, the class totals and the top kernels;
 writes ``<out>/profile_<width>.json``. With ``--model``, the same for one training step's
-fwd+bwd (no optimizer update) of ``CodaLlama`` on each backend (no plain-XLA baseline model
-exists), to find where an end-to-end difference between backends comes from; writes
+fwd+bwd (no optimizer update) of ``CodaLlama`` on each backend and of the plain JAX Llama
+(``--backends plain,xla,pallas``), to find where an end-to-end difference comes from; writes
 ``<out>/profile_<model>.json``.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -116,8 +117,9 @@ def main():
     if args.model:
         tag = args.model
         results.update(model=args.model, layers=args.layers, batch=args.batch, seq=args.seq)
-        for b in args.backends.split(","):
-            fb, a = bench.coda_model(args.model, b, args.batch, args.seq, args.layers)
+        for b in args.backends.split(","):  # "plain": the plain JAX Llama (benchmarks/plain_llama.py)
+            model = bench.plain_model if b == "plain" else functools.partial(bench.coda_model, backend=b)
+            fb, a = model(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
             results[b] = profile(fb, a, args.steps, out / f"hlo_{tag}_{b}.txt")
     else:
         tag = str(args.width)
