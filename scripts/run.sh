@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # coda-jax developer entry point. Creates .venv with Python >= 3.12 on first use.
 #   bash scripts/run.sh train [train_llama.py args...]   train a small Llama (CPU-friendly default)
-#   bash scripts/run.sh test  [pytest args...]           run the test suite (CPU; kernels in GPU interpret mode)
+#   bash scripts/run.sh test  [pytest args...]           run the test suite (CPU; kernels in GPU interpret mode;
+#                                                        one pytest-xdist worker per core, CODA_JAX_TEST_WORKERS=N to change)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -40,6 +41,6 @@ fi
 cmd="${1:-}"; shift || true
 case "$cmd" in
   train) exec "$VENV/bin/python" examples/train_llama.py "$@" ;;
-  test)  exec "$VENV/bin/python" -m pytest tests "$@" ;;
+  test)  exec "$VENV/bin/python" -m pytest -n "${CODA_JAX_TEST_WORKERS:-auto}" tests "$@" ;;  # xdist: one worker a core
   *) echo "usage: bash scripts/run.sh {train|test} [args...]" >&2; exit 2 ;;
 esac
