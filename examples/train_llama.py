@@ -59,12 +59,80 @@ def parse_args(argv=None):
                    help="steps between host synchronizations (loss fetch, NaN check, progress bar)")
     p.add_argument("--no-resume", action="store_true")
     args = p.parse_args(argv)
-    for name in ("eval_every", "ckpt_every"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.log_every < 1:
-        p.error(f"--log-every must be >= 1, got {args.log_every}")
+    for msg in flag_errors(args):
+        p.error(msg)
     return args
+
+
+# Smallest value of each integer flag (the tokenizer needs 256 bytes + specials).
+FLAG_MINIMUMS = {"layers": 1, "steps": 1, "batch": 1, "seq": 1, "warmup": 0, "vocab": 260, "ckpt_every": 0,
+                 "eval_every": 0, "log_every": 1}
+
+
+def flag_errors(args) -> list[str]:
+    """Rules each flag must meet on its own, as messages naming the flag (empty: all met)."""
+    errs = []
+    for name, lo in FLAG_MINIMUMS.items():
+        v = getattr(args, name)
+        if v is not None and v < lo:
+            errs.append(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
+    if not (args.lr > 0 and np.isfinite(args.lr)):
+        errs.append(f"--lr must be a finite number > 0, got {args.lr}")
+    return errs
+
+
+def run_errors(args, cfg: LlamaConfig, train_tokens: int, val_tokens: int, memory_bytes: int | None,
+               platform: str, compute_capability: str | None = None) -> list[str]:
+    """Rules the flags must meet together with the corpus and the machine (empty: all met).
+
+    ``--seq`` needs ``seq + 2`` tokens in each split; the step's memory, counted from below
+    (float32 parameters, gradients and two AdamW moments; one layer's ``[B, H, S, S]``
+    float32 attention scores when XLA's attention runs; each layer's saved ``[B*S, ...]``
+    activations) must fit the device's ``memory_bytes``.
+    """
+    errs = []
+    for split, n in (("training", train_tokens), ("validation", val_tokens)):
+        if args.seq + 2 > n:
+            errs.append(f"--seq must be <= {n - 2} (the corpus's {split} split has {n} tokens at --vocab "
+                        f"{args.vocab}), got {args.seq}")
+    if memory_bytes:
+        need = estimate_step_bytes(cfg, args.batch, args.seq, platform, compute_capability)
+        if need > memory_bytes:
+            errs.append(f"--batch {args.batch} x --seq {args.seq} needs at least {need / 2**30:,.1f} GiB for one "
+                        f"training step of this model, more than the device's {memory_bytes / 2**30:,.1f} GiB: "
+                        f"lower --seq or --batch")
+    return errs
+
+
+def estimate_step_bytes(cfg: LlamaConfig, batch: int, seq: int, platform: str,
+                        compute_capability: str | None = None) -> int:
+    """A lower bound on one training step's memory (bytes); see :func:`run_errors`."""
+    from coda_jax.layers.attention import plan_attention
+
+    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    params = L * (d * cfg.qkv_size + cfg.num_heads * cfg.head_dim * d + 3 * d * f) + cfg.vocab_size * d
+    act = jnp.dtype(cfg.dtype).itemsize
+    m = batch * seq
+    total = 16 * params + L * m * (cfg.qkv_size + 4 * d + 2 * f) * act
+    plan = plan_attention(cfg.attention_implementation, dtype=cfg.dtype, seq_len=seq, head_dim=cfg.head_dim,
+                          platform=platform, compute_capability=compute_capability)
+    if plan.implementation != "cudnn":
+        total += batch * cfg.num_heads * seq * seq * 4
+    return total
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of the first device: the GPU's allocator limit, or the host's RAM on CPU."""
+    import os
+
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    stats = dev.memory_stats() or {}
+    return stats.get("bytes_limit")
 
 
 def make_config(args, vocab_size: int) -> LlamaConfig:
@@ -129,6 +197,10 @@ def main(argv=None) -> dict:
     tok = text_data.build_tokenizer([corpus], vocab_size=args.vocab)
     train_tokens, val_tokens = text_data.split_tokens(text_data.encode(tok, corpus))
     cfg = make_config(args, tok.get_vocab_size())
+    dev = jax.devices()[0]
+    for msg in run_errors(args, cfg, len(train_tokens), len(val_tokens), device_memory_bytes(), dev.platform,
+                          getattr(dev, "compute_capability", None)):
+        raise SystemExit(f"train_llama.py: error: {msg}")
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend}; preset={args.preset} "
           f"(d={cfg.hidden_size}, layers={cfg.num_layers}, vocab={cfg.vocab_size}); "
           f"{len(train_tokens):,} train tokens", flush=True)

@@ -11,6 +11,7 @@ allocator and fails ``rel_err``'s finiteness check.
 
 import dataclasses
 
+import jax.numpy as jnp
 import pytest
 
 from coda_jax import programs
@@ -44,6 +45,17 @@ def test_ragged_shapes_on_gpu(cfg):
     _compare(programs.RMS_LSE_LOGITS, 777, 5000, 256, transpose_b=True, config=CONFIGS[cfg])
     _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg])
     _compare(programs.IDENTITY, 1000, 1500, 520, transpose_a=True, config=CONFIGS[cfg])
+
+
+def test_vocab_leaving_a_consumer_tile_of_padding_on_gpu():
+    # Issue 20, item 1: V = 50257 pads to 50432 on the default [128, 256] CTA tile; the second
+    # consumer of the last tile sees padding only, and its partial LSE was NaN.
+    from op_cases import case_cross_entropy
+
+    poison_allocator([(1024, 50432)] * 4)
+    _compare(programs.RMS_LSE, 1000, 50257, 1536, transpose_b=True, config=CONFIG_TABLE["default"])
+    _compare(programs.RMS_LSE, 999, 32003, 512, transpose_b=True, config=CONFIG_TABLE["default"])
+    case_cross_entropy("pallas", 1000, 1536, 50257, jnp.bfloat16)
 
 
 def test_ops_under_remat_and_vmap_on_gpu():

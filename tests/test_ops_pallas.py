@@ -46,6 +46,19 @@ def test_cross_entropy(save_logits):
     C.case_cross_entropy("pallas", 64, 128, 300, BF, z_loss=1e-3, save_logits=save_logits)
 
 
+def test_cross_entropy_vocab_leaving_a_tile_of_padding(monkeypatch):
+    # The warp-specialized [64, 256] CTA tile on V = 257 (padded to 512): the LSE partial of
+    # the all-padding consumer tile was NaN, and with it the loss and every gradient.
+    import dataclasses
+
+    from coda_jax.pallas import lowering
+    from coda_jax.pallas.tuning import TuningConfig
+
+    cfg = TuningConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, warp_specialized=True, wg_dimension="n")
+    monkeypatch.setattr(lowering, "choose_config", lambda m, n, k: dataclasses.replace(cfg))
+    C.case_cross_entropy("pallas", 100, 64, 257, BF)
+
+
 def test_float32_is_refused_with_a_pointer_to_xla():
     with pytest.raises(TypeError, match="backend='xla'"):
         C.case_rms_norm_matmul("pallas", 64, 64, 64, jnp.float32)
@@ -92,12 +105,29 @@ def _remat_vmap_case(backend, check_remat=True):
         remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2))(x[0], g, w)
         for a, b in zip(plain, remat):
             assert rel_err(a, b) < 1e-6
+    # vmap runs the op on the flattened batch (M = 128, not 64): XLA and cuBLAS may pick other
+    # float32 accumulation orders for the other shape, so the promise is one bfloat16
+    # rounding step per element, not bitwise equality (the GPU showed rel err 4.3e-6).
     fwd = jax.vmap(lambda x: cj.rms_norm_matmul_swiglu(x, g, w, backend=backend))(x)
     for i in range(2):
-        assert rel_err(fwd[i], cj.rms_norm_matmul_swiglu(x[i], g, w, backend=backend)) < 1e-6
+        assert_within_one_rounding_step(fwd[i], cj.rms_norm_matmul_swiglu(x[i], g, w, backend=backend))
     dx = jax.vmap(jax.grad(loss), in_axes=(0, None, None))(x, g, w)
     for i in range(2):
-        assert rel_err(dx[i], jax.grad(loss)(x[i], g, w)) < 1e-6
+        assert_within_one_rounding_step(dx[i], jax.grad(loss)(x[i], g, w))
+
+
+def assert_within_one_rounding_step(got, want):
+    """Every element of ``got`` equals ``want``'s or is its neighbour in ``want``'s dtype
+    (one rounding step of a float32 value that differs in its last bits)."""
+    import numpy as np
+
+    assert got.dtype == want.dtype and got.shape == want.shape
+    mant = jnp.finfo(want.dtype).nmant  # bfloat16: 7 stored bits; a step is <= 2^-7 * |x|
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(g).all() and np.isfinite(w).all()
+    step = np.maximum(np.abs(g), np.abs(w)) * 2.0 ** -mant
+    bad = np.abs(g - w) > step
+    assert not bad.any(), f"{bad.sum()} of {bad.size} elements differ by more than one rounding step"
 
 
 def test_gradients_under_remat_and_vmap_xla():

@@ -232,6 +232,14 @@ def test_shapes_that_are_not_tile_multiples():
     _compare(programs.rms_swiglu(True), 50, 256, 64, seed=5)
 
 
+def test_logsumexp_of_a_consumer_tile_that_is_all_padding():
+    # N = 257 pads to 512 for the [64, 256] CTA tile: the second consumer of the last CTA
+    # tile sees padding columns only (vocab 50257 on the default [128, 256] tile: 50432).
+    # Its partial LSE must be -inf (ignored by the logsumexp of the partials), not NaN.
+    _compare(programs.RMS_LSE, 100, 257, 64, transpose_b=True, config=WS_N, seed=3)
+    _compare(programs.RMS_LSE, 37, 64, 64, transpose_b=True, config=WS_N, seed=4)  # 1 CTA tile
+
+
 def test_default_config():
     _compare(programs.ROW_SCALE, 128, 128, 256, config=TuningConfig())
 

@@ -61,3 +61,34 @@ def test_log_every_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         train_llama.parse_args(["--log-every", "0"])
     assert "--log-every must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value,rule", [("--batch", "0", "--batch must be >= 1"),
+                                             ("--seq", "0", "--seq must be >= 1"),
+                                             ("--steps", "0", "--steps must be >= 1"),
+                                             ("--layers", "0", "--layers must be >= 1"),
+                                             ("--vocab", "100", "--vocab must be >= 260"),
+                                             ("--lr", "0", "--lr must be a finite number > 0"),
+                                             ("--lr", "nan", "--lr must be a finite number > 0")])
+def test_flags_are_validated_up_front(flag, value, rule, capsys):
+    with pytest.raises(SystemExit):
+        train_llama.parse_args([flag, value])
+    assert rule in capsys.readouterr().err
+
+
+def test_sequence_and_memory_checked_against_corpus_and_device():
+    from coda_jax.layers import LlamaConfig
+
+    args = train_llama.parse_args(["--seq", "100000"])
+    cfg = LlamaConfig.tiny(vocab_size=4096)
+    errs = train_llama.run_errors(args, cfg, train_tokens=10**6, val_tokens=50_000, memory_bytes=24 * 2**30,
+                                  platform="cpu")
+    assert "--seq must be <= 49998" in errs[0] and "validation split" in errs[0]
+    assert "--batch 16 x --seq 100000 needs at least" in errs[1] and "lower --seq or --batch" in errs[1]
+    ok = train_llama.parse_args(["--seq", "128"])
+    assert train_llama.run_errors(ok, cfg, 10**6, 50_000, 24 * 2**30, "cpu") == []
+    # cuDNN's attention keeps no [B, H, S, S] scores: the 1B model at 8 x 4096 fits an H100.
+    one_b = LlamaConfig.llama_3_2_1b()
+    gpu = train_llama.estimate_step_bytes(one_b, 8, 4096, "gpu", "9.0")
+    assert gpu < 80 * 2**30
+    assert train_llama.estimate_step_bytes(one_b, 8, 4096, "cpu") - gpu == 8 * 32 * 4096 * 4096 * 4

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from coda_jax.layers.attention import causal_attention
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.ops.matmul_residual_rms import matmul_residual_rms
 from coda_jax.ops.norm_carry import NormCarry
@@ -16,13 +17,6 @@ from coda_jax.ops.rope_frequencies import rope_inv_freq
 
 def _normal(rngs: nnx.Rngs, shape, std, dtype):
     return jax.random.normal(rngs.params(), shape, dtype) * std
-
-
-def attention_implementation(cfg: LlamaConfig) -> str | None:
-    if cfg.attention_implementation != "auto":
-        return cfg.attention_implementation
-    on_gpu = jax.devices()[0].platform == "gpu"
-    return "cudnn" if on_gpu and jnp.dtype(cfg.dtype).itemsize == 2 else None
 
 
 class CodaLlamaBlock(nnx.Module):
@@ -92,7 +86,7 @@ class CodaLlamaBlock(nnx.Module):
         q = qkv[:, : nh * hd].reshape(b, s, nh, hd)
         k = qkv[:, nh * hd: (nh + nkv) * hd].reshape(b, s, nkv, hd)
         v = qkv[:, (nh + nkv) * hd:].reshape(b, s, nkv, hd)
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(c))
+        o = causal_attention(q, k, v, c.attention_implementation)  # cuDNN where it supports the shape
         x1, carry1 = matmul_residual_rms(o.reshape(m, nh * hd), self.w_o[...].astype(dt), x2, self.mlp_norm[...],
                                          backend=self.backend)
         out, carry2 = swiglu_mlp(x1, self.mlp_norm[...], self.w_gu[...].astype(dt), self.w_down[...].astype(dt),

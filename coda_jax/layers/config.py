@@ -24,7 +24,8 @@ class LlamaConfig:
       dtype: compute dtype of activations and GEMM operands.
       param_dtype: storage dtype of parameters.
       attention_implementation: passed to ``jax.nn.dot_product_attention``; ``"auto"``
-        picks ``"cudnn"`` on a GPU for 16-bit dtypes, else XLA.
+        picks ``"cudnn"`` on a GPU for 16-bit dtypes where it supports the shape, else XLA
+        (:mod:`coda_jax.layers.attention`; odd lengths are padded by one for cuDNN).
     """
 
     vocab_size: int = 128256

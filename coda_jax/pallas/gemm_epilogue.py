@@ -47,6 +47,8 @@ from coda_jax.pallas.tuning import TuningConfig
 _WG = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
+# The most negative finite float32: the online log-sum-exp's shift where a row's max is -inf.
+_FINITE_FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,13 +385,16 @@ class _EpilogueEmitter:
                     if shape.n_real < shape.n:
                         x = jnp.where(_col_ids(shape_c, col0) < shape.n_real, x, -jnp.inf)
                     cm = x.max(axis=1)
-                    if o.name in row_state:  # online (max, sum-exp) across chunks
-                        mx, se = row_state[o.name]
-                        nm = jnp.maximum(mx, cm)
-                        se = se * jnp.exp(mx - nm) + jnp.exp(x - lax.broadcast_in_dim(nm, shape_c, [0])).sum(axis=1)
-                        row_state[o.name] = (nm, se)
-                    else:
-                        row_state[o.name] = (cm, jnp.exp(x - lax.broadcast_in_dim(cm, shape_c, [0])).sum(axis=1))
+                    mx, se = row_state.get(o.name, (None, None))
+                    nm = cm if mx is None else jnp.maximum(mx, cm)  # online (max, sum-exp) across chunks
+                    # A chunk, or a whole consumer tile, of padding columns has max -inf (N padded
+                    # to the CTA tile can leave 2nd consumer's tile all padding: vocab 50257 ->
+                    # 50432). Shifting by -inf would give exp(-inf + inf) = NaN; a finite shift
+                    # gives exp(-inf) = 0, and the tile's LSE log(0) = -inf, which the partials'
+                    # logsumexp ignores.
+                    shift = jnp.maximum(nm, _FINITE_FLOOR)
+                    ex = jnp.exp(x - lax.broadcast_in_dim(shift, shape_c, [0])).sum(axis=1)
+                    row_state[o.name] = (nm, ex if mx is None else se * jnp.exp(mx - shift) + ex)
                 else:  # COL_SUM
                     col_half[o.name] = b is not None and not isinstance(v, tuple)
                     for p, part in enumerate(vs):
