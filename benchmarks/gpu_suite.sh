@@ -13,6 +13,8 @@
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
 # STEP_BENCH="1b:8:1024 8b-4:4:1024" times the train step of CodaLlama per backend against the
 # plain JAX Llama in one process per configuration (benchmarks/train_step_bench.py, STEP_RUNS).
+# COMPILE_CACHE="1b:8:1024" compiles that train step in two fresh processes sharing JAX's persistent
+# compilation cache (cold, then warm) and prints each run's compile time.
 # GRAD_PROBE=1 prints each backend's error per gradient of one training step against float32
 # math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
@@ -98,6 +100,22 @@ if [ -n "${STEP_BENCH:-}" ]; then
       | grep -v '^{' | tee -a "$OUT/train_step.log" | tail -n 14
   done
 fi
+if [ -n "${COMPILE_CACHE:-}" ]; then
+  # JAX's persistent compilation cache across processes: the same train step compiled by two
+  # fresh processes sharing JAX_COMPILATION_CACHE_DIR; the second should skip the compile.
+  # COMPILE_CACHE="1b:8:1024" (preset[-layers]:batch:seq), CACHE_RUNS (default plain,<backends>).
+  echo "== persistent compilation cache ==" | tee "$OUT/compile_cache.log"
+  IFS=':' read -r preset_layers cc_batch cc_seq <<< "$COMPILE_CACHE"
+  cc_preset="${preset_layers%%-*}"; cc_layers=(); [[ $preset_layers == *-* ]] && cc_layers=(--layers "${preset_layers#*-}")
+  CACHE_DIR=/tmp/coda_jax_cache; rm -rf "$CACHE_DIR"
+  for attempt in cold warm; do
+    echo "-- $attempt" | tee -a "$OUT/compile_cache.log"
+    JAX_COMPILATION_CACHE_DIR="$CACHE_DIR" timeout "${CACHE_TIMEOUT:-240}" python3 benchmarks/train_step_bench.py \
+      --preset "$cc_preset" "${cc_layers[@]}" --batch "$cc_batch" --seq "$cc_seq" --steps 1 --rounds 1 \
+      --runs "${CACHE_RUNS:-plain,$BACKENDS}" 2>&1 | grep '^| \|RUN FAILED' | tee -a "$OUT/compile_cache.log"
+  done
+  du -sh "$CACHE_DIR" | tee -a "$OUT/compile_cache.log"
+fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks ($BACKENDS) =="
   timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench.py --out "$OUT" --backends "$BACKENDS" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -n 60
@@ -125,6 +143,7 @@ grep '^BEST\|^SWEEP\|^MAINLOOP\|^PLAIN' "$OUT/tune.log" 2>/dev/null
 tail -n 3 "$OUT/tests.log"
 cat "$OUT/table.md" 2>/dev/null
 cat "$OUT/train_step.md" 2>/dev/null
+cat "$OUT/compile_cache.log" 2>/dev/null
 cat "$OUT/repeat.md" 2>/dev/null
 cat "$OUT/grad_errors.md" 2>/dev/null
 cat "$OUT/train_compare.md" 2>/dev/null
