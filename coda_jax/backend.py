@@ -207,7 +207,11 @@ def lowering_for(op: str, backend: str | None = None) -> GemmLowering:
     name = resolve_backend(backend)
     _ensure_registered(name)
     if op in _ops[name]:
-        return _lowerings[name]()
+        if name == "xla":  # ordinary XLA ops: the SPMD partitioner splits them itself
+            return _lowerings[name]()
+        from coda_jax.partitioning import PartitionedLowering
+
+        return PartitionedLowering(_lowerings[name]())
     if not _fallback_allowed():
         raise BackendOpMissingError(
             f"op {op!r} is not implemented by backend {name!r} (it has: {sorted(_ops[name])}); "

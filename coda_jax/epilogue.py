@@ -141,6 +141,10 @@ class Epilogue:
       pair_block: ``None``, or ``b``: the accumulator columns form blocks of ``2*b``
         and the body receives ``(lo, hi)`` halves of every block.
       uses_col_index: the body calls ``ctx.col_index()``.
+      linear: every output is linear in ``acc`` (``body(acc1 + acc2) = body(acc1) +
+        body(acc2)`` for fixed loads): the GEMM may run on partial sums over a sharded
+        contraction axis and its outputs be added across devices
+        (:mod:`coda_jax.partitioning`). ``tests/test_partitioning.py`` checks the claim.
       half_acc: pair mode with a half-width accumulator (see the module docstring): the
         GEMM's ``N`` columns are one per pair, full-width loads/outputs ``[M, 2N]``.
     """
@@ -152,6 +156,7 @@ class Epilogue:
     pair_block: int | None = None
     uses_col_index: bool = False
     half_acc: bool = False
+    linear: bool = False
 
     def __post_init__(self):
         names = [l.name for l in self.loads] + [o.name for o in self.outputs]

@@ -62,7 +62,7 @@ def _identity_body(acc, ctx):
     return {"out": acc}
 
 
-IDENTITY = E.Epilogue(name="identity", loads=(), outputs=(E.tile_out("out"),), body=_identity_body)
+IDENTITY = E.Epilogue(name="identity", loads=(), outputs=(E.tile_out("out"),), body=_identity_body, linear=True)
 """Plain GEMM (wgrad/dgrad GEMMs without an epilogue)."""
 
 
@@ -220,6 +220,7 @@ NORM_WGRAD = E.Epilogue(
     loads=(E.row("gamma"), E.tile("w")),
     outputs=(E.tile_out("dw"), E.row_sum("dgamma")),
     body=_norm_wgrad_body,
+    linear=True,
 )
 """wgrad of an RMSNorm-scaled GEMM: ``dW = gamma * (x_hat^T @ dz)`` and d_gamma partials."""
 

@@ -28,8 +28,22 @@ def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> ja
     cb = 1 if transpose_b else 0
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return lax.dot_general(
-        a, b, (((ca,), (cb,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        a, b, (((ca,), (cb,)), ((), ())), precision=precision, preferred_element_type=jnp.float32,
+        out_sharding=_contracted_out_sharding(a, b, ca, cb),
     )
+
+
+def _contracted_out_sharding(a: jax.Array, b: jax.Array, ca: int, cb: int):
+    """Under an Explicit-mode mesh, a GEMM that contracts a sharded axis (a wgrad over
+    sharded tokens) must name its output sharding: the operands' free axes keep theirs
+    (the partial sums are reduced across the contracted axis's devices). ``None`` otherwise."""
+    sa, sb = (getattr(jax.typeof(v), "sharding", None) for v in (a, b))
+    if sa is None or sb is None or sa.mesh.empty or not sa.mesh.are_all_axes_explicit:
+        return None
+    spec_a, spec_b = tuple(sa.spec) + (None,) * 2, tuple(sb.spec) + (None,) * 2
+    if spec_a[ca] is None and spec_b[cb] is None:
+        return None
+    return jax.sharding.NamedSharding(sa.mesh, jax.sharding.PartitionSpec(spec_a[1 - ca], spec_b[1 - cb]))
 
 
 def _as_compute(v: jax.Array) -> jax.Array:

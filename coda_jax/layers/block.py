@@ -13,6 +13,7 @@ from coda_jax.ops.norm_carry import NormCarry
 from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
 from coda_jax.ops.swiglu_mlp import swiglu_mlp
 from coda_jax.ops.rope_frequencies import rope_inv_freq
+from coda_jax.sharding import gathered, reshape_tokens
 
 
 def _normal(rngs: nnx.Rngs, shape, std, dtype):
@@ -76,19 +77,19 @@ class CodaLlamaBlock(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         dt = c.dtype
         m = b * s
-        x2 = x.reshape(m, d).astype(dt)
-        qk = dict(q_norm=self.q_norm[...], k_norm=self.k_norm[...], qk_norm_eps=c.qk_norm_eps) if c.qk_norm else {}
+        x2 = reshape_tokens(x, (m, d)).astype(dt)
+        qk = dict(q_norm=gathered(self.q_norm[...]), k_norm=gathered(self.k_norm[...]), qk_norm_eps=c.qk_norm_eps) if c.qk_norm else {}
         qkv, x2 = rms_norm_matmul_rope(
-            x2, self.attn_norm[...], self.w_qkv[...].astype(dt), positions.reshape(m), self.inv_freq[...],
+            x2, gathered(self.attn_norm[...]), gathered(self.w_qkv[...].astype(dt)), reshape_tokens(positions, (m,)), gathered(self.inv_freq[...]),
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, carry=carry, eps=c.rms_norm_eps,
             return_residual=True, backend=self.backend, **qk)
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        q = qkv[:, : nh * hd].reshape(b, s, nh, hd)
-        k = qkv[:, nh * hd: (nh + nkv) * hd].reshape(b, s, nkv, hd)
-        v = qkv[:, (nh + nkv) * hd:].reshape(b, s, nkv, hd)
+        q = reshape_tokens(qkv[:, : nh * hd], (b, s, nh, hd))
+        k = reshape_tokens(qkv[:, nh * hd: (nh + nkv) * hd], (b, s, nkv, hd))
+        v = reshape_tokens(qkv[:, (nh + nkv) * hd:], (b, s, nkv, hd))
         o = causal_attention(q, k, v, c.attention_implementation)  # cuDNN where it supports the shape
-        x1, carry1 = matmul_residual_rms(o.reshape(m, nh * hd), self.w_o[...].astype(dt), x2, self.mlp_norm[...],
+        x1, carry1 = matmul_residual_rms(reshape_tokens(o, (m, nh * hd)), gathered(self.w_o[...].astype(dt)), x2, gathered(self.mlp_norm[...]),
                                          backend=self.backend)
-        out, carry2 = swiglu_mlp(x1, self.mlp_norm[...], self.w_gu[...].astype(dt), self.w_down[...].astype(dt),
+        out, carry2 = swiglu_mlp(x1, gathered(self.mlp_norm[...]), gathered(self.w_gu[...].astype(dt)), gathered(self.w_down[...].astype(dt)),
                                  next_norm, carry=carry1, eps=c.rms_norm_eps, backend=self.backend)
-        return out.reshape(b, s, d), carry2
+        return reshape_tokens(out, (b, s, d)), carry2

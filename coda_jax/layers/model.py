@@ -10,6 +10,22 @@ from coda_jax.layers.block import CodaLlamaBlock
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
+from coda_jax.sharding import gathered, reshape_tokens
+
+
+def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``table [V, d]`` rows at ``tokens [B, S]`` -> ``[B, S, d]``.
+
+    Under an Explicit-mode mesh the gather's output sharding must be named: it follows the
+    tokens' (batch split as the tokens are, ``d`` unsplit), and a sharded table (FSDP) is
+    gathered first.
+    """
+    sh = getattr(jax.typeof(tokens), "sharding", None)
+    if sh is None or sh.mesh.empty or not sh.mesh.are_all_axes_explicit:
+        return jnp.take(table, tokens, axis=0)
+    spec = tuple(sh.spec) + (None,) * (tokens.ndim - len(sh.spec))
+    table = jax.sharding.reshard(table, jax.sharding.PartitionSpec())
+    return table.at[tokens].get(out_sharding=jax.sharding.PartitionSpec(*spec, None))
 
 
 class CodaLlama(nnx.Module):
@@ -37,7 +53,7 @@ class CodaLlama(nnx.Module):
     def vocab_weight(self) -> jax.Array:
         """``[V, d]`` LM-head weight in the compute dtype."""
         w = self.embed[...] if self.config.tie_word_embeddings else self.lm_head[...]
-        return w.astype(self.config.dtype)
+        return gathered(w.astype(self.config.dtype))
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None):
         """``tokens [B, S]`` -> final residual stream ``[B*S, d]`` and its norm carry."""
@@ -45,26 +61,26 @@ class CodaLlama(nnx.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq] integers, got shape {tokens.shape}")
         b, s = tokens.shape
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
+        x = embedding_lookup(gathered(self.embed[...]), tokens).astype(c.dtype)
         carry = None
         n = len(self.blocks)
         for i, block in enumerate(self.blocks):
-            next_norm = self.blocks[i + 1].attn_norm[...] if i + 1 < n else self.final_norm[...]
+            next_norm = gathered(self.blocks[i + 1].attn_norm[...]) if i + 1 < n else gathered(self.final_norm[...])
             x, carry = block(x, positions, carry=carry, next_norm=next_norm)
-        return x.reshape(b * s, c.hidden_size), carry
+        return reshape_tokens(x, (b * s, c.hidden_size)), carry
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Full logits ``[B, S, V]`` float32 (for evaluation / parity; training uses :meth:`loss`)."""
         b, s = tokens.shape
         x, carry = self.hidden_states(tokens, positions)
-        logits = rms_norm_matmul(x, self.final_norm[...], self.vocab_weight().T, carry=carry,
+        logits = rms_norm_matmul(x, gathered(self.final_norm[...]), self.vocab_weight().T, carry=carry,
                                  eps=self.config.rms_norm_eps, backend=self.backend)
-        return logits.astype(jnp.float32).reshape(b, s, -1)
+        return reshape_tokens(logits.astype(jnp.float32), (b, s, logits.shape[-1]))
 
     def loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None = None, *,
              ignore_index: int = -100, z_loss: float = 0.0) -> jax.Array:
         """Mean next-token cross-entropy, without materializing the ``[B*S, V]`` logits."""
         x, carry = self.hidden_states(tokens, positions)
-        return linear_cross_entropy(x, self.final_norm[...], self.vocab_weight(), targets.reshape(-1),
+        return linear_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(), reshape_tokens(targets, (targets.size,)),
                                     carry=carry, eps=self.config.rms_norm_eps, ignore_index=ignore_index,
                                     z_loss=z_loss, backend=self.backend)

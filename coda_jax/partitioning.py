@@ -1,0 +1,138 @@
+"""SPMD partitioning of GEMM-epilogue programs: the kernel calls under a device mesh.
+
+A kernel backend's GEMM is one opaque custom call (a Mosaic GPU kernel, a CuTeDSL FFI call):
+XLA's SPMD partitioner cannot split it, so without rules it gathers every operand and each
+device computes the whole problem. :class:`PartitionedLowering` wraps a kernel backend's
+:class:`~coda_jax.lowering.GemmLowering` at the one seam every op goes through and runs the
+kernel under :func:`jax.shard_map` over the context mesh (``jax.set_mesh``), with
+shardings derived from the epilogue declaration:
+
+* **Tokens are rows** (``a [M, K]``, ``M`` = tokens): ``a``, row loads ``[M]``, row-block
+  loads ``[M, b]`` and tile loads / outputs ``[M, N]`` are split over the token axes; column
+  loads ``[N]`` and the weight ``b`` are replicated (under FSDP the partitioner gathers the
+  weight before the call: ZeRO-3's per-layer gather). Row reductions (``row_sum``,
+  ``row_logsumexp``, ``[P, M]`` partials) stay split along ``M``; column sums (``[P, N]``
+  partials, one row per M-tile) from every shard are concatenated along ``P``, so the op's
+  ``sum(axis=0)`` adds the shards' partials: nothing is reduced across devices inside the call.
+* **Tokens are contracted** (``transpose_a``: ``a [K, M]`` with ``K`` = tokens, the wgrad
+  GEMMs): each shard's accumulator is a partial sum over its tokens. An epilogue declared
+  ``linear`` (its outputs are linear in ``acc``: ``body(acc1 + acc2) = body(acc1) +
+  body(acc2)``, e.g. ``dW = gamma * acc``) runs on the partial accumulator and its outputs are
+  summed across shards (``psum``, in float32). Any other epilogue is not partitioned: the
+  partitioner gathers its operands (correct, not fast).
+
+Which mesh axes shard tokens: :data:`TOKEN_AXES` (``("data", "fsdp")``), those present in
+the context mesh with size > 1; :func:`set_token_axes` changes them. Without a context mesh,
+or when the token count is not a multiple of the token axes' size, the kernel runs
+unpartitioned (logged once). The ``"xla"`` backend needs none of this: its GEMMs and
+epilogues are ordinary XLA ops that the partitioner splits itself. ``docs/multi_gpu.md``
+has the rules per op.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from coda_jax import programs
+from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.lowering import GemmLowering, plain_gemm_route
+
+logger = logging.getLogger("coda_jax")
+
+TOKEN_AXES: tuple[str, ...] = ("data", "fsdp")
+_warned: set[str] = set()
+
+
+def set_token_axes(axes: tuple[str, ...]) -> None:
+    """The mesh axes over which activations' token (row) dimension is sharded."""
+    global TOKEN_AXES
+    if not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"token axes must be mesh axis names (str), got {axes!r}")
+    TOKEN_AXES = tuple(axes)
+
+
+def context_mesh():
+    """The mesh set by ``jax.set_mesh`` / ``jax.sharding.use_mesh``, or ``None``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def token_axes(mesh) -> tuple[str, ...]:
+    """:data:`TOKEN_AXES` present in ``mesh`` with more than one device."""
+    if mesh is None:
+        return ()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg)
+
+
+def _row_specs(epi: Epilogue, tok) -> tuple[dict[str, P], dict[str, P]]:
+    """(load specs, output specs) when rows (M) are tokens split over ``tok``."""
+    load = {LoadKind.ROW: P(tok), LoadKind.ROW_BLOCK: P(tok, None), LoadKind.TILE: P(tok, None),
+            LoadKind.COL: P(None), LoadKind.SCALAR: P()}
+    out = {OutputKind.TILE: P(tok, None), OutputKind.ROW_SUM: P(None, tok),
+           OutputKind.ROW_LOGSUMEXP: P(None, tok), OutputKind.COL_SUM: P(tok, None)}
+    return ({l.name: load[l.kind] for l in epi.loads}, {o.name: out[o.kind] for o in epi.outputs})
+
+
+class PartitionedLowering:
+    """A kernel backend's :class:`GemmLowering`, partitioned over the context mesh."""
+
+    def __init__(self, inner: GemmLowering):
+        self.inner = inner
+        self.name = inner.name
+
+    def gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array], *,
+             transpose_a: bool = False, transpose_b: bool = False,
+             out_dtypes: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes)
+        mesh = context_mesh()
+        axes = token_axes(mesh)
+        plain_on_xla = (epilogue is programs.IDENTITY
+                        and plain_gemm_route(self.inner.name, getattr(self.inner, "plain_gemm", None)) == "xla")
+        if not axes or plain_on_xla:  # no mesh; or a jnp.dot, which the partitioner splits itself
+            return self.inner.gemm(epilogue, a, b, loads, **kw)
+        shards = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[x] for x in axes)
+        tok = axes if len(axes) > 1 else axes[0]
+        if a.shape[0] % shards:  # tokens are a's first dimension in both layouts
+            _warn_once(f"ragged:{epilogue.name}",
+                       f"coda-jax: {a.shape[0]} tokens do not split evenly over mesh axes {axes} "
+                       f"({shards} shards): epilogue {epilogue.name!r} runs unpartitioned (operands gathered)")
+            return self.inner.gemm(epilogue, a, b, loads, **kw)
+        loads = dict(loads)
+        if not transpose_a:
+            load_specs, out_specs = _row_specs(epilogue, tok)
+            body = lambda a, b, l: self.inner.gemm(epilogue, a, b, l, **kw)  # noqa: E731
+            in_specs = (P(tok, None), P(None, None), load_specs)
+        else:
+            if not epilogue.linear:
+                _warn_once(f"contract:{epilogue.name}",
+                           f"coda-jax: epilogue {epilogue.name!r} contracts the sharded token axis and is not "
+                           "declared linear in acc: it runs unpartitioned (operands gathered)")
+                return self.inner.gemm(epilogue, a, b, loads, **kw)
+            dtypes = {o.name: jnp.dtype((out_dtypes or {}).get(o.name) or o.dtype or a.dtype) for o in epilogue.outputs}
+            f32 = {name: jnp.float32 for name in dtypes}
+
+            def body(a, b, l):  # partial sums over this shard's tokens, added across shards in float32
+                outs = self.inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b, out_dtypes=f32)
+                return {k: jax.lax.psum(v.astype(jnp.float32), axes).astype(dtypes[k]) for k, v in outs.items()}
+
+            in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),
+                        {name: P() for name in loads})
+            out_specs = {o.name: P() for o in epilogue.outputs}
+        args = (a, b, loads)
+        if mesh.are_all_axes_explicit:  # shard_map takes arrays already split as in_specs say
+            args = jax.tree.map(jax.sharding.reshard, args, in_specs)
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

@@ -1,0 +1,176 @@
+"""Multi-device checks, run by ``tests/test_partitioning.py`` in a subprocess with 8 CPU devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/multi_device_cases.py CASE
+
+A kernel backend's GEMM is opaque to the SPMD partitioner. On the CPU the Pallas kernels run
+in the GPU interpreter, which is ordinary HLO (the partitioner would split it anyway) and
+whose shared state is not safe with 8 devices executing at once, so these checks stand in a
+**test kernel backend**: the reference epilogue math inside ``jax.pure_callback`` (opaque to
+the partitioner, like a custom call), registered as ``"pallas"`` so that the ops, the
+layers and :class:`coda_jax.partitioning.PartitionedLowering` run exactly as on the GPU.
+Each case prints ``OK <case>`` or raises.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import numpy as np
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    raise SystemExit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import coda_jax as cj  # noqa: E402
+from coda_jax import backend as B  # noqa: E402
+from coda_jax import partitioning, programs  # noqa: E402
+from coda_jax.reference import REFERENCE  # noqa: E402
+
+
+class OpaqueKernel:
+    """The reference lowering's results, computed in a host callback: an opaque call. Plain
+    GEMMs (the identity epilogue) go to XLA's dot, as the kernel backends route them."""
+
+    name = "pallas"
+    plain_gemm = None
+
+    def gemm(self, epilogue, a, b, loads, *, transpose_a=False, transpose_b=False, out_dtypes=None):
+        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes)
+        if epilogue is programs.IDENTITY:
+            return REFERENCE.gemm(epilogue, a, b, loads, **kw)
+        shapes = jax.eval_shape(lambda a, b, l: REFERENCE.gemm(epilogue, a, b, l, **kw), a, b, loads)
+        host = jax.jit(lambda a, b, l: REFERENCE.gemm(epilogue, a, b, l, **kw))
+
+        def cb(a, b, l):
+            with jax.default_device(jax.devices("cpu")[0]):
+                return jax.tree.map(np.asarray, host(a, b, l))
+
+        return jax.pure_callback(cb, shapes, a, b, loads, vmap_method="sequential")
+
+
+def install_opaque_kernel() -> None:
+    B._ensure_registered("xla")
+    B._lowerings["pallas"] = lambda: OpaqueKernel()
+    B._ops["pallas"] = set(B._ops["xla"])
+    B.backend_unavailable_reason = lambda name: None
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _op_loss(backend):
+    def loss(x, g, w_qkv, w_o, w_gu, w_down, gf, w_vocab, t, pos, inv):
+        qkv, x2 = cj.rms_norm_matmul_rope(x, g, w_qkv, pos, inv, num_heads=2, num_kv_heads=1,
+                                          return_residual=True, backend=backend)
+        x1, c1 = cj.matmul_residual_rms(qkv[:, :128], w_o, x2, g, backend=backend)
+        x3, c2 = cj.swiglu_mlp(x1, g, w_gu, w_down, gf, carry=c1, backend=backend)
+        return cj.linear_cross_entropy(x3, gf, w_vocab, t, carry=c2, backend=backend)
+    return loss
+
+
+def _op_inputs(m=512, d=64, f=128, v=200):
+    ks = iter(jax.random.split(jax.random.key(0), 12))
+    bf = jnp.bfloat16
+    nrm = lambda s, sc=1.0: (jax.random.normal(next(ks), s) * sc).astype(bf)  # noqa: E731
+    return (nrm((m, d)), (1 + 0.1 * jax.random.normal(next(ks), (d,))).astype(bf), nrm((d, 256), d ** -0.5),
+            nrm((128, d), 128 ** -0.5), nrm((d, 2 * f), d ** -0.5), nrm((f, d), f ** -0.5),
+            (1 + 0.1 * jax.random.normal(next(ks), (d,))).astype(bf), nrm((v, d), d ** -0.5),
+            jax.random.randint(next(ks), (m,), 0, v), jnp.arange(m) % 128,
+            jnp.asarray(cj.rope_inv_freq(64, 10000.0)))
+
+
+def _all_gathers(hlo: str, min_elems: int) -> list[str]:
+    """All-gather instructions whose result has at least ``min_elems`` elements."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]*)\][^ ]* all-gather(-start)?\(", line)
+        if m and int(np.prod([int(x) for x in m.group(1).split(",") if x] or [1])) >= min_elems:
+            out.append(line.strip()[:160])
+    return out
+
+
+def case_ops_data_parallel(mode: str) -> None:
+    """Every op, loss and gradients, tokens split 8 ways: equal to one device, and no
+    activation-sized all-gather around a kernel call."""
+    install_opaque_kernel()
+    args = _op_inputs()
+    argnums = tuple(range(8))
+    fn = jax.jit(jax.value_and_grad(_op_loss("pallas"), argnums=argnums))
+    want = jax.jit(jax.value_and_grad(_op_loss("xla"), argnums=argnums))(*args)
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    with jax.set_mesh(mesh):
+        tok = NamedSharding(mesh, P("data"))
+        sharded = list(args)
+        sharded[0] = jax.device_put(args[0], NamedSharding(mesh, P("data", None)))
+        sharded[8], sharded[9] = jax.device_put(args[8], tok), jax.device_put(args[9], tok)
+        got = fn(*sharded)
+        hlo = fn.lower(*sharded).compile().as_text()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        e = rel(a, b)
+        assert e < 2e-2, f"sharded result differs from one device: rel err {e:.3g} for shape {np.shape(a)}"
+    gathers = _all_gathers(hlo, 512 * 64)  # [tokens, d] activations or larger
+    assert not gathers, "activation-sized all-gathers in the data-parallel step:\n" + "\n".join(gathers)
+    # Without the partitioning rules, the same step gathers: the check above can fail.
+    axes = partitioning.TOKEN_AXES
+    partitioning.set_token_axes(())
+    try:
+        with jax.set_mesh(mesh):
+            hlo0 = jax.jit(jax.value_and_grad(_op_loss("pallas"), argnums=argnums)).lower(*sharded).compile().as_text()
+    finally:
+        partitioning.set_token_axes(axes)
+    assert _all_gathers(hlo0, 512 * 64), "expected all-gathers without partitioning rules"
+    print(f"OK ops_data_parallel_{mode}")
+
+
+def case_model(backend: str, shape: tuple[int, ...], mode: str) -> None:
+    """CodaLlama's loss and every gradient on a ("data", "fsdp") mesh (FSDP-sharded state)
+    equal one device's."""
+    from flax import nnx
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.sharding import batch_sharding, shard_state
+
+    if backend == "pallas":
+        install_opaque_kernel()
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=32, dtype=jnp.bfloat16)
+    gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend))
+    tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.vocab_size)
+
+    def loss(state, tokens):
+        return nnx.merge(gdef, state).loss(tokens[:, :-1], tokens[:, 1:])
+
+    step = jax.jit(jax.value_and_grad(loss))
+    want = step(state, tokens)
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    names = ("data", "fsdp")[:len(shape)]
+    mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+    with jax.set_mesh(mesh):
+        s_state = shard_state(state, mesh)
+        s_tokens = jax.device_put(tokens, batch_sharding(mesh))
+        got = step(s_state, s_tokens)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        e = rel(a, b)
+        assert e < 2e-2, f"{backend} {shape} {mode}: {jax.tree_util.keystr(path)} rel err {e:.3g}"
+    print(f"OK model_{backend}_{'x'.join(map(str, shape))}_{mode}")
+
+
+CASES = {
+    **{f"model_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model(b, s, m))
+       for b in ("xla", "pallas") for s in ((8,), (2, 4)) for m in ("auto", "explicit")},
+    "ops_dp_auto": lambda: case_ops_data_parallel("auto"),
+    "ops_dp_explicit": lambda: case_ops_data_parallel("explicit"),
+}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        CASES[name]()
