@@ -87,15 +87,16 @@ if [ -n "${GRAD_PROBE:-}" ]; then
 fi
 if [ -n "${STEP_BENCH:-}" ]; then
   # Train-step tokens/s of CodaLlama per backend against the plain JAX Llama, in one process per
-  # configuration (benchmarks/train_step_bench.py). STEP_BENCH="1b:8:1024 8b-4:4:1024" lists
-  # preset[-layers]:batch:seq; STEP_RUNS the runs (default: plain, every backend, Pallas with the
+  # configuration (benchmarks/train_step_bench.py). STEP_BENCH="1b:8:1024 8b-4:4:1024 1b:16:1024:fsdp=2" lists
+  # preset[-layers]:batch:seq[:mesh] (mesh: data=N,fsdp=M over all GPUs; batch is global); STEP_RUNS the runs (default: plain, every backend, Pallas with the
   # cross-entropy recomputing its logits, plain again to show the drift).
   echo "== train step vs plain JAX ==" | tee "$OUT/train_step.log"
   RUNS_DEFAULT="plain,${BACKENDS},pallas:CODA_JAX_CE_SAVE_LOGITS=0,plain"
   for cfg in $STEP_BENCH; do
-    IFS=':' read -r preset_layers sb_batch sb_seq <<< "$cfg"
+    IFS=':' read -r preset_layers sb_batch sb_seq sb_mesh <<< "$cfg"
     sb_preset="${preset_layers%%-*}"; sb_layers=(); [[ $preset_layers == *-* ]] && sb_layers=(--layers "${preset_layers#*-}")
-    timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/train_step_bench.py --preset "$sb_preset" "${sb_layers[@]}" \
+    sb_mesh_arg=(); [ -n "${sb_mesh:-}" ] && sb_mesh_arg=(--mesh "$sb_mesh")
+    timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/train_step_bench.py --preset "$sb_preset" "${sb_layers[@]}" "${sb_mesh_arg[@]}" \
       --batch "$sb_batch" --seq "$sb_seq" --runs "${STEP_RUNS:-$RUNS_DEFAULT}" --out "$OUT" 2>&1 \
       | grep -v '^{' | tee -a "$OUT/train_step.log" | tail -n 14
   done

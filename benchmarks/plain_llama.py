@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from coda_jax.layers import CodaLlama, LlamaConfig
-from coda_jax.layers.block import attention_implementation
+from coda_jax.layers.attention import causal_attention
 from coda_jax.ops.rope_frequencies import rope_inv_freq
 from coda_jax.ops.swiglu_layout import split_gate_up
 
@@ -68,7 +68,7 @@ class PlainLlamaBlock(nnx.Module):
         q = rope((h @ self.wq[...].astype(dt)).reshape(b, s, c.num_heads, hd), cos, sin)
         k = rope((h @ self.wk[...].astype(dt)).reshape(b, s, c.num_kv_heads, hd), cos, sin)
         v = (h @ self.wv[...].astype(dt)).reshape(b, s, c.num_kv_heads, hd)
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(c))
+        o = causal_attention(q, k, v, c.attention_implementation)  # the choice CodaLlamaBlock makes
         x = x + o.reshape(b, s, -1) @ self.wo[...].astype(dt)
         h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps)
         y = jax.nn.silu(h @ self.w_gate[...].astype(dt)) * (h @ self.w_up[...].astype(dt))

@@ -42,6 +42,39 @@ import train_llama  # noqa: E402
 from plain_llama import PlainLlama  # noqa: E402
 
 from coda_jax.layers import PRESETS, CodaLlama  # noqa: E402
+from coda_jax.sharding import batch_sharding, shard_state  # noqa: E402
+
+
+def parse_mesh(spec: str | None):
+    """``"data=2,fsdp=4"`` -> a mesh of those axes (Auto axis types), ``None`` for no mesh."""
+    if not spec:
+        return None
+    names, sizes = [], []
+    for item in spec.split(","):
+        name, eq, size = item.partition("=")
+        if not eq or not size.isdigit() or int(size) < 1 or name not in ("data", "fsdp"):
+            raise ValueError(f"--mesh entries are data=N or fsdp=N with N >= 1, got {item!r}")
+        names.append(name)
+        sizes.append(int(size))
+    n = 1
+    for x in sizes:
+        n *= x
+    if n != len(jax.devices()):
+        raise ValueError(f"--mesh {spec} has {n} devices, this host has {len(jax.devices())}")
+    return jax.make_mesh(tuple(sizes), tuple(names), axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def activation_all_gathers(hlo: str, batch: int, seq: int) -> int:
+    """All-gathers in compiled HLO text whose result is shaped like an activation
+    (``[batch*seq, ...]`` or ``[batch, seq, ...]``): a kernel's operands gathered. Weight
+    gathers (FSDP) are not counted."""
+    import re
+
+    n = 0
+    for m in re.finditer(r"= \w+\[([\d,]*)\][^ ]* all-gather(-start)?\(", hlo):
+        dims = [int(x) for x in m.group(1).split(",") if x]
+        n += bool(dims) and (dims[0] == batch * seq or dims[:2] == [batch, seq])
+    return n
 
 
 def parse_run(spec: str) -> tuple[str, dict[str, str]]:
@@ -72,16 +105,20 @@ def environment(settings: dict[str, str]):
                 os.environ[k] = v
 
 
-def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4) -> dict:
-    """One run: build, compile, time. ``tokens [B, S+1]`` int32."""
+def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, mesh=None) -> dict:
+    """One run: build, compile, time. ``tokens [B, S+1]`` int32. With ``mesh``: the state
+    FSDP-split over its "fsdp" axis (replicated over "data"), the batch over both."""
     name, settings = parse_run(spec)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    with environment(settings):
+    with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
         model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
         opt = nnx.Optimizer(model, train_llama.make_tx(lr, 10, 1000), wrt=nnx.Param)
         train_step, _, _ = train_llama.make_steps(model, opt)
         state = nnx.state((model, opt))
         del model, opt
+        if mesh is not None:
+            state = shard_state(state, mesh)
+            inputs, targets = (jax.device_put(x, batch_sharding(mesh)) for x in (inputs, targets))
         t0 = time.perf_counter()
         compiled = train_step.lower(state, inputs, targets).compile()
         compile_s = time.perf_counter() - t0
@@ -89,6 +126,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4) -
         first_loss = float(loss)
         first_step_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    gathers = activation_all_gathers(compiled.as_text(), *inputs.shape) if mesh is not None else 0
     for _ in range(2):  # warm-up
         state, loss = compiled(state, inputs, targets)
     jax.block_until_ready(loss)
@@ -105,7 +143,8 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4) -
     gc.collect()
     return {"run": spec, "ms_per_step": ms, "rounds_ms": per_round, "tokens_per_s": n_tok / ms * 1e3,
             "compile_s": compile_s, "first_step_s": first_step_s, "first_loss": first_loss,
-            "last_loss": float(loss), "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30}
+            "last_loss": float(loss), "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
+            "devices": len(jax.devices()) if mesh is not None else 1, "activation_all_gathers": gathers}
 
 
 def table(rows: list[dict], title: str) -> str:
@@ -115,12 +154,14 @@ def table(rows: list[dict], title: str) -> str:
     if len(plain) > 1:
         lines += [f"plain runs: {', '.join(f'{p:,.0f}' for p in plain)} tokens/s "
                   f"(spread {100 * (max(plain) - min(plain)) / base:.1f} %)", ""]
-    lines += ["| run | ms/step | tokens/s | vs plain JAX | compile s | compile + first step s | temp GiB | loss step 1 |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| run | ms/step | tokens/s | tokens/s per device | vs plain JAX | compile s | compile + first step s | "
+              "temp GiB | activation all-gathers | loss step 1 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         x = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
-        lines.append(f"| {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {x} | {r['compile_s']:.1f} | "
-                     f"{r['first_step_s']:.1f} | {r['temp_gib']:.1f} | {r['first_loss']:.4f} |")
+        nd = r.get("devices", 1)
+        lines.append(f"| {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / nd:,.0f} | "
+                     f"{x} | {r['compile_s']:.1f} | {r['first_step_s']:.1f} | {r['temp_gib']:.1f} | "
+                     f"{r.get('activation_all_gathers', 0)} | {r['first_loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -135,6 +176,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default=None, help="name of this configuration in train_step.json")
+    ap.add_argument("--mesh", default=None, help="e.g. data=2 or fsdp=2 or data=2,fsdp=4 (all devices of the host)")
     args = ap.parse_args(argv)
     for flag in ("batch", "seq", "steps", "rounds"):
         if getattr(args, flag) < 1:
@@ -145,16 +187,21 @@ def main(argv=None) -> list[dict]:
             parse_run(s)
         except ValueError as e:
             ap.error(str(e))
+    try:
+        mesh = parse_mesh(args.mesh)
+    except ValueError as e:
+        ap.error(str(e))
     cfg = PRESETS[args.preset]()
     if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
     tokens = jax.random.randint(jax.random.key(5), (args.batch, args.seq + 1), 0, cfg.vocab_size, jnp.int32)
-    tag = args.tag or f"{args.preset}{'' if args.layers is None else f'-{args.layers}L'} {args.batch}x{args.seq}"
+    tag = args.tag or (f"{args.preset}{'' if args.layers is None else f'-{args.layers}L'} {args.batch}x{args.seq}"
+                       + (f" mesh {args.mesh}" if args.mesh else ""))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {tag}", flush=True)
     rows = []
     for spec in specs:
         try:
-            rows.append(measure(spec, cfg, tokens, args.steps, args.rounds))
+            rows.append(measure(spec, cfg, tokens, args.steps, args.rounds, mesh=mesh))
             print(json.dumps(rows[-1]), flush=True)
         except Exception as e:  # noqa: BLE001  (one failing run must not hide the others)
             print(f"RUN FAILED {spec}: {type(e).__name__}: {e}", flush=True)
