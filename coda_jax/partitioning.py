@@ -17,9 +17,11 @@ shardings derived from the epilogue declaration:
 * **Tokens are contracted** (``transpose_a``: ``a [K, M]`` with ``K`` = tokens, the wgrad
   GEMMs): each shard's accumulator is a partial sum over its tokens. An epilogue declared
   ``linear`` (its outputs are linear in ``acc``: ``body(acc1 + acc2) = body(acc1) +
-  body(acc2)``, e.g. ``dW = gamma * acc``) runs on the partial accumulator and its outputs are
-  summed across shards (``psum``, in float32). Any other epilogue is not partitioned: the
-  partitioner gathers its operands (correct, not fast).
+  body(acc2)``, e.g. ``dW = gamma * acc``) runs on the partial accumulator; the shards'
+  float32 outputs leave the ``shard_map`` stacked along a shard axis and are summed outside
+  it, so XLA picks the collective (all-reduce, or reduce-scatter into an FSDP-split
+  gradient) and schedules it with the other gradients'. Any other epilogue is not
+  partitioned: the partitioner gathers its operands (correct, not fast).
 
 Which mesh axes shard tokens: :data:`TOKEN_AXES` (``("data", "fsdp")``), those present in
 the context mesh with size > 1; :func:`set_token_axes` changes them. Without a context mesh,
@@ -125,14 +127,21 @@ class PartitionedLowering:
             dtypes = {o.name: jnp.dtype((out_dtypes or {}).get(o.name) or o.dtype or a.dtype) for o in epilogue.outputs}
             f32 = {name: jnp.float32 for name in dtypes}
 
-            def body(a, b, l):  # partial sums over this shard's tokens, added across shards in float32
+            def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis
                 outs = self.inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b, out_dtypes=f32)
-                return {k: jax.lax.psum(v.astype(jnp.float32), axes).astype(dtypes[k]) for k, v in outs.items()}
+                return {k: v[None] for k, v in outs.items()}
 
             in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),
                         {name: P() for name in loads})
-            out_specs = {o.name: P() for o in epilogue.outputs}
-        args = (a, b, loads)
+            out_specs = {o.name: P(tok, None, None) for o in epilogue.outputs}
+            partials = self._shard_map(mesh, body, in_specs, out_specs, a, b, loads)
+            # The sum over shards is left to XLA (an all-reduce, or a reduce-scatter where the
+            # gradient is FSDP-split), which it can schedule and combine with the other gradients'.
+            return {k: jnp.sum(v, axis=0).astype(dtypes[k]) for k, v in partials.items()}
+        return self._shard_map(mesh, body, in_specs, out_specs, a, b, loads)
+
+    @staticmethod
+    def _shard_map(mesh, body, in_specs, out_specs, *args):
         if mesh.are_all_axes_explicit:  # shard_map takes arrays already split as in_specs say
             args = jax.tree.map(jax.sharding.reshard, args, in_specs)
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

@@ -22,7 +22,7 @@ from coda_jax.sharding import fsdp_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
-    "ops": ["ops_dp_auto", "ops_dp_explicit"],
+    "ops": ["ops_dp_auto", "ops_dp_explicit", "cutedsl_lowers"],
     "model_auto": ["model_xla_8_auto", "model_xla_2x4_auto", "model_pallas_8_auto", "model_pallas_2x4_auto"],
     "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_8_explicit",
                        "model_pallas_2x4_explicit"],
@@ -37,7 +37,9 @@ def test_on_eight_devices(group):
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     for case in GROUPS[group]:
-        assert f"OK {case}".replace("ops_dp_", "ops_data_parallel_") in r.stdout, r.stdout
+        want = {"ops_dp_auto": "ops_data_parallel_auto", "ops_dp_explicit": "ops_data_parallel_explicit",
+                "cutedsl_lowers": "cutedsl_lowers_under_mesh"}.get(case, case)
+        assert f"OK {want}" in r.stdout, r.stdout
 
 
 LINEAR = [epi for epi in (programs.IDENTITY, programs.NORM_WGRAD, programs.ACCUMULATE, programs.ROW_SCALE,

@@ -186,7 +186,8 @@ _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "max": "max",
            "pow": "pow", "and": "and", "or": "or", "rem": "rem"}
 _COMPARE = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
 # Shape-only primitives: identities in the per-element representation.
-_IDENTITY = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p",
+_IDENTITY = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p", "reshard", "mesh_cast",
+             "sharding_constraint",
              "stop_gradient", "optimization_barrier", "reduce_precision"}
 _CALLS = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
           "custom_vjp_call_jaxpr", "remat", "checkpoint"}
