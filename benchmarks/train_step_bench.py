@@ -42,26 +42,13 @@ import train_llama  # noqa: E402
 from plain_llama import PlainLlama  # noqa: E402
 
 from coda_jax.layers import PRESETS, CodaLlama  # noqa: E402
-from coda_jax.sharding import batch_sharding, shard_state  # noqa: E402
+from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state  # noqa: E402
 
 
 def parse_mesh(spec: str | None):
-    """``"data=2,fsdp=4"`` -> a mesh of those axes (Auto axis types), ``None`` for no mesh."""
-    if not spec:
-        return None
-    names, sizes = [], []
-    for item in spec.split(","):
-        name, eq, size = item.partition("=")
-        if not eq or not size.isdigit() or int(size) < 1 or name not in ("data", "fsdp"):
-            raise ValueError(f"--mesh entries are data=N or fsdp=N with N >= 1, got {item!r}")
-        names.append(name)
-        sizes.append(int(size))
-    n = 1
-    for x in sizes:
-        n *= x
-    if n != len(jax.devices()):
-        raise ValueError(f"--mesh {spec} has {n} devices, this host has {len(jax.devices())}")
-    return jax.make_mesh(tuple(sizes), tuple(names), axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    """``"data=2,fsdp=4"`` -> a mesh over all devices (:func:`coda_jax.sharding.mesh_from_spec`);
+    no spec: no mesh (one device)."""
+    return mesh_from_spec(spec) if spec else None
 
 
 def activation_all_gathers(hlo: str, batch: int, seq: int) -> int:

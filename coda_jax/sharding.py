@@ -78,3 +78,41 @@ def gathered(w: jax.Array) -> jax.Array:
     if sh is None or sh.mesh.empty or not sh.mesh.are_all_axes_explicit or all(a is None for a in sh.spec):
         return w
     return jax.sharding.reshard(w, P())
+
+
+MESH_AXES = ("data", "fsdp")
+
+
+def mesh_from_spec(spec: str | None, devices=None):
+    """``"data=2,fsdp=4"`` -> a mesh over ``devices`` (default: all) with those axes (Auto
+    axis types); ``None`` or ``""`` -> data parallel over all devices (``None`` if only one).
+    The sizes must multiply to the number of devices."""
+    devices = list(devices if devices is not None else jax.devices())
+    if not spec:
+        return None if len(devices) == 1 else jax.make_mesh((len(devices),), ("data",),
+                                                            axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+    names, sizes = [], []
+    for item in spec.split(","):
+        name, eq, size = item.partition("=")
+        if not eq or not size.isdigit() or int(size) < 1 or name not in MESH_AXES or name in names:
+            raise ValueError(f"mesh entries are {' or '.join(a + '=N' for a in MESH_AXES)} (N >= 1, each axis "
+                             f"once), got {item!r}")
+        names.append(name)
+        sizes.append(int(size))
+    n = 1
+    for x in sizes:
+        n *= x
+    if n != len(devices):
+        raise ValueError(f"mesh {spec!r} has {n} devices; there are {len(devices)}")
+    return jax.make_mesh(tuple(sizes), tuple(names), axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+                         devices=devices)
+
+
+def token_shards(mesh) -> int:
+    """How many ways the mesh splits the batch (the product of its token axes' sizes)."""
+    if mesh is None:
+        return 1
+    n = 1
+    for a in partitioning.TOKEN_AXES:
+        n *= _axis_size(mesh, a)
+    return n
