@@ -12,7 +12,8 @@
 # REPEAT_PROBE="cutedsl cutedsl xla xla" runs one training step per entry, each in its own process,
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
 # GRAD_PROBE=1 prints each backend's error per gradient of one training step against float32
-# math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS).
+# math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS). FUZZ=1 runs the GPU shape fuzz
+# (tests/test_gpu_shape_fuzz.py: FUZZ_SEED, FUZZ_OPS, FUZZ_MODELS, FUZZ_BACKENDS).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
@@ -80,6 +81,13 @@ if [ -n "${GRAD_PROBE:-}" ]; then
   echo "== gradient error probe ==" | tee "$OUT/grad_errors.md"
   timeout "${GRAD_PROBE_TIMEOUT:-300}" python3 benchmarks/grad_error_probe.py ${GRAD_PROBE_ARGS:---backends $BACKENDS --layers 4} \
     2>&1 | tail -n 20 | tee -a "$OUT/grad_errors.md"
+fi
+if [ -n "${FUZZ:-}" ]; then
+  # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math
+  # (tests/test_gpu_shape_fuzz.py; FUZZ_SEED, FUZZ_OPS, FUZZ_MODELS, FUZZ_BACKENDS).
+  echo "== shape fuzz (seed ${FUZZ_SEED:-0}) ==" | tee "$OUT/fuzz.log"
+  FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -q -s -m gpu \
+    tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -n 60 | tee -a "$OUT/fuzz.log"
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks ($BACKENDS) =="
