@@ -41,6 +41,10 @@ class GemmLowering(Protocol):
       b: ``[K, N]`` (``[N, K]`` if ``transpose_b``), same dtype as ``a``.
       loads: arrays named as in ``epilogue.loads``.
       out_dtypes: per-output storage dtypes overriding the declaration.
+
+    A kernel lowering may also define ``pair_width_rule(width) -> str | None``: why a
+    pair-mode epilogue ``width`` columns wide cannot run on it (None: it can), which ops
+    check up front to name their own argument (e.g. RoPE's head_dim).
     """
 
     name: str

@@ -153,5 +153,9 @@ def rms_norm_matmul_rope(
         qk_eps = float(qk_norm_eps)
     carry = resolve_carry(x, gamma, carry)
     lowering = lowering_for(RMS_NORM_MATMUL_ROPE, backend)
+    rule = getattr(lowering, "pair_width_rule", lambda w: None)(hd)  # the epilogue pairs the halves of a head
+    if rule:
+        raise ValueError(f"head_dim={hd} is not supported by backend {lowering.name!r}: the RoPE epilogue's pair "
+                         f"width (head_dim) {rule}; use backend='xla'")
     return normed_gemm(lowering, RopeVariant(half, qk_eps), float(eps), return_residual,
                        x, gamma, w_qkv, carry.h, carry.sumsq, aux)
