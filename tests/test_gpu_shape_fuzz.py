@@ -2,8 +2,8 @@
 2-layer model, every backend (bf16) against float32 math, forward and gradients, with a
 NaN / Inf scan of every output. Run it with ``FUZZ=1 bash benchmarks/gpu_suite.sh``.
 
-Environment: ``FUZZ_SEED`` (default 0), ``FUZZ_OPS`` (op draws, default 12: each op twice),
-``FUZZ_MODELS`` (model draws, default 2), ``FUZZ_BACKENDS`` (default xla,pallas and cutedsl
+Environment: ``FUZZ_SEED`` (default 0), ``FUZZ_OPS`` (op draws, default 6: each op once),
+``FUZZ_MODELS`` (model draws, default 1), ``FUZZ_BACKENDS`` (default xla,pallas and cutedsl
 where the cutlass package imports).
 """
 
@@ -17,8 +17,8 @@ import shape_fuzz as F
 pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ.get("FUZZ_SEED", "0"))
-OP_DRAWS = F.draw(SEED, int(os.environ.get("FUZZ_OPS", "12")), "gpu")
-MODEL_DRAWS = F.draw(SEED, int(os.environ.get("FUZZ_MODELS", "2")), "gpu", ops=("model",))
+OP_DRAWS = F.draw(SEED, int(os.environ.get("FUZZ_OPS", "6")), "gpu")
+MODEL_DRAWS = F.draw(SEED, int(os.environ.get("FUZZ_MODELS", "1")), "gpu", ops=("model",))
 _default = "xla,pallas" + (",cutedsl" if importlib.util.find_spec("cutlass") else "")
 BACKENDS = [b for b in os.environ.get("FUZZ_BACKENDS", _default).split(",") if b]
 
