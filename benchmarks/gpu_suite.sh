@@ -12,13 +12,12 @@
 # REPEAT_PROBE="cutedsl cutedsl xla xla" runs one training step per entry, each in its own process,
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
 # GRAD_PROBE=1 prints each backend's error per gradient of one training step against float32
-# math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS). FUZZ=1 runs the GPU shape fuzz
-# (tests/test_gpu_shape_fuzz.py: FUZZ_SEED, FUZZ_OPS, FUZZ_MODELS, FUZZ_BACKENDS).
-# COMPILE_TIME=1 times the first train / eval step per backend, twice, with JAX's persistent
-# compilation cache (benchmarks/compile_time.py, COMPILE_TIME_ARGS).
+# math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
+# FUZZ=1 runs the GPU shape fuzz after the GPU tests (tests/test_gpu_shape_fuzz.py: FUZZ_SEED,
+# FUZZ_OPS, FUZZ_MODELS, FUZZ_BACKENDS).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -41,6 +40,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     GPU_TESTS="tests/test_gpu_pallas.py"; [[ $BACKENDS == *cutedsl* ]] && GPU_TESTS="$GPU_TESTS tests/test_gpu_cutedsl.py"
   fi
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
+fi
+if [ -n "${FUZZ:-}" ]; then
+  # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math.
+  echo "== shape fuzz (seed ${FUZZ_SEED:-0}) ==" | tee "$OUT/fuzz.log"
+  FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -q -s -m gpu \
+    tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -n 60 | tee -a "$OUT/fuzz.log"
 fi
 if [ -n "${TUNE:-}" ]; then
   echo "== tuning sweep =="
@@ -83,21 +88,6 @@ if [ -n "${GRAD_PROBE:-}" ]; then
   echo "== gradient error probe ==" | tee "$OUT/grad_errors.md"
   timeout "${GRAD_PROBE_TIMEOUT:-300}" python3 benchmarks/grad_error_probe.py ${GRAD_PROBE_ARGS:---backends $BACKENDS --layers 4} \
     2>&1 | tail -n 20 | tee -a "$OUT/grad_errors.md"
-fi
-if [ -n "${FUZZ:-}" ]; then
-  # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math
-  # (tests/test_gpu_shape_fuzz.py; FUZZ_SEED, FUZZ_OPS, FUZZ_MODELS, FUZZ_BACKENDS).
-  echo "== shape fuzz (seed ${FUZZ_SEED:-0}) ==" | tee "$OUT/fuzz.log"
-  FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -q -s -m gpu \
-    tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -n 60 | tee -a "$OUT/fuzz.log"
-fi
-if [ -n "${COMPILE_TIME:-}" ]; then
-  # First train / eval step per backend in two fresh processes sharing JAX's persistent
-  # compilation cache (benchmarks/compile_time.py; COMPILE_TIME_ARGS, default the 1b preset).
-  echo "== first-step compile time ==" | tee "$OUT/compile_time.log"
-  CACHE="$(mktemp -d /tmp/coda_jax_cache.XXXX)"
-  timeout "${COMPILE_TIME_TIMEOUT:-540}" python3 benchmarks/compile_time.py --backends "$BACKENDS" --cache-dir "$CACHE" \
-    --out "$OUT/compile_time.json" ${COMPILE_TIME_ARGS:---preset 1b --batch 8 --seq 1024} 2>&1 | tail -n 20 | tee -a "$OUT/compile_time.log"
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks ($BACKENDS) =="
