@@ -95,6 +95,18 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
     return m, n, k
 
 
+def pair_width_rule(lowering: GemmLowering, width: int) -> str | None:
+    """Why ``lowering`` cannot run a pair-mode epilogue ``width`` columns wide, or None: its
+    ``pair_width_rule``, looked up through wrappers that hold the kernel lowering as
+    ``inner`` (e.g. a partitioned lowering); lowerings without a rule take any width."""
+    while lowering is not None:
+        rule = getattr(lowering, "pair_width_rule", None)
+        if rule is not None:
+            return rule(width)
+        lowering = getattr(lowering, "inner", None)
+    return None
+
+
 # SM count assumed when lowering for CUDA on a host without a GPU (the H100 SXM's).
 H100_SMS = 132
 

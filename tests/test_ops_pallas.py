@@ -155,3 +155,15 @@ def test_pair_width_rules_of_the_kernel_backends():
     assert PallasLowering(TuningConfig(tile_n=256)).pair_width_rule(256) is None
     assert CuteDslLowering().pair_width_rule(256) is None and CuteDslLowering().pair_width_rule(96) is None
     assert "multiple of 8 and at most 256" in CuteDslLowering().pair_width_rule(512)
+
+
+def test_pair_width_rule_is_found_through_a_wrapping_lowering():
+    from types import SimpleNamespace
+
+    from coda_jax.lowering import pair_width_rule
+    from coda_jax.pallas.lowering import PallasLowering
+    from coda_jax.reference import REFERENCE
+
+    wrapped = SimpleNamespace(name="pallas", inner=PallasLowering())  # e.g. a partitioned lowering
+    assert "128-column tile" in pair_width_rule(wrapped, 256) and pair_width_rule(wrapped, 128) is None
+    assert pair_width_rule(REFERENCE, 256) is None
