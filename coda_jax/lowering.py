@@ -41,6 +41,10 @@ class GemmLowering(Protocol):
       b: ``[K, N]`` (``[N, K]`` if ``transpose_b``), same dtype as ``a``.
       loads: arrays named as in ``epilogue.loads``.
       out_dtypes: per-output storage dtypes overriding the declaration.
+
+    A kernel lowering may also define ``pair_width_rule(width) -> str | None``: why a
+    pair-mode epilogue ``width`` columns wide cannot run on it (None: it can), which ops
+    check up front to name their own argument (e.g. RoPE's head_dim).
     """
 
     name: str
@@ -89,6 +93,18 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
             raise NotImplementedError(f"epilogue {epilogue.name!r}: col_sum / row_logsumexp in pair mode "
                                       f"are not supported by the {backend} backend")
     return m, n, k
+
+
+def pair_width_rule(lowering: GemmLowering, width: int) -> str | None:
+    """Why ``lowering`` cannot run a pair-mode epilogue ``width`` columns wide, or None: its
+    ``pair_width_rule``, looked up through wrappers that hold the kernel lowering as
+    ``inner`` (e.g. a partitioned lowering); lowerings without a rule take any width."""
+    while lowering is not None:
+        rule = getattr(lowering, "pair_width_rule", None)
+        if rule is not None:
+            return rule(width)
+        lowering = getattr(lowering, "inner", None)
+    return None
 
 
 # SM count assumed when lowering for CUDA on a host without a GPU (the H100 SXM's).

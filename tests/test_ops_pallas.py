@@ -138,3 +138,33 @@ def test_vmap_pallas():
     # remat is not checked here: the GPU interpreter's IO callbacks are effects that
     # jax.checkpoint refuses; tests/test_gpu_pallas.py checks remat on the compiled kernels.
     _remat_vmap_case("pallas", check_remat=False)
+
+
+@pytest.mark.parametrize("head_dim", [256, 96])
+def test_rope_head_dims_the_kernel_cannot_pair_are_refused_up_front(head_dim):
+    with pytest.raises(ValueError, match=f"head_dim={head_dim} is not supported by backend 'pallas'.*128-column tile"):
+        C.case_rope("pallas", 16, 64, 1, 1, head_dim, BF)
+
+
+def test_pair_width_rules_of_the_kernel_backends():
+    from coda_jax.ffi.lowering import CuteDslLowering
+    from coda_jax.pallas.lowering import PallasLowering
+    from coda_jax.pallas.tuning import TuningConfig
+
+    assert PallasLowering().pair_width_rule(128) is None and PallasLowering().pair_width_rule(64) is None
+    assert "128-column tile" in PallasLowering().pair_width_rule(256)
+    assert PallasLowering(TuningConfig(tile_n=256)).pair_width_rule(256) is None
+    assert CuteDslLowering().pair_width_rule(256) is None and CuteDslLowering().pair_width_rule(96) is None
+    assert "multiple of 8 and at most 256" in CuteDslLowering().pair_width_rule(512)
+
+
+def test_pair_width_rule_is_found_through_a_wrapping_lowering():
+    from types import SimpleNamespace
+
+    from coda_jax.lowering import pair_width_rule
+    from coda_jax.pallas.lowering import PallasLowering
+    from coda_jax.reference import REFERENCE
+
+    wrapped = SimpleNamespace(name="pallas", inner=PallasLowering())  # e.g. a partitioned lowering
+    assert "128-column tile" in pair_width_rule(wrapped, 256) and pair_width_rule(wrapped, 128) is None
+    assert pair_width_rule(REFERENCE, 256) is None

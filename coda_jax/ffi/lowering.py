@@ -53,11 +53,19 @@ def _round_up(x: int, q: int) -> int:
     return -(-x // q) * q
 
 
+def pair_width_rule(width: int) -> str | None:
+    """Why a pair-mode epilogue ``width = 2 * pair_block`` columns wide cannot run on the
+    CuTeDSL kernel, or None."""
+    if width > MAX_TILE_N or width % 8:
+        return f"must be a multiple of 8 and at most {MAX_TILE_N} (the CuTeDSL kernel's widest tile)"
+    return None
+
+
 def _check_pair_width(epi: Epilogue) -> None:
     if epi.pair_block is None:
         return
     w = 2 * epi.pair_block
-    if w > MAX_TILE_N or w % 8:
+    if pair_width_rule(w):
         raise NotImplementedError(
             f"epilogue {epi.name!r}: pair_block={epi.pair_block} needs a 2*pair_block={w} column tile; the "
             f"CuTeDSL backend supports pair blocks that are multiples of 4 up to {MAX_TILE_N // 2}")
@@ -133,6 +141,10 @@ class CuteDslLowering:
     def __init__(self, plain_gemm: str | None = None):
         check_plain_gemm(self.name, plain_gemm)
         self.plain_gemm = plain_gemm
+
+    def pair_width_rule(self, width: int) -> str | None:
+        """See :func:`pair_width_rule`."""
+        return pair_width_rule(width)
 
     def gemm(
         self,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from coda_jax import programs
 from coda_jax.backend import lowering_for
 from coda_jax.epilogue import join_pairs, split_pairs
+from coda_jax.lowering import pair_width_rule
 from coda_jax.ops.checks import check_vector
 from coda_jax.ops.names import RMS_NORM_MATMUL_ROPE
 from coda_jax.ops.norm_carry import NormCarry, resolve_carry
@@ -153,5 +154,9 @@ def rms_norm_matmul_rope(
         qk_eps = float(qk_norm_eps)
     carry = resolve_carry(x, gamma, carry)
     lowering = lowering_for(RMS_NORM_MATMUL_ROPE, backend)
+    rule = pair_width_rule(lowering, hd)  # the epilogue pairs the two halves of a head
+    if rule:
+        raise ValueError(f"head_dim={hd} is not supported by backend {lowering.name!r}: the RoPE epilogue's pair "
+                         f"width (head_dim) {rule}; use backend='xla'")
     return normed_gemm(lowering, RopeVariant(half, qk_eps), float(eps), return_residual,
                        x, gamma, w_qkv, carry.h, carry.sumsq, aux)

@@ -388,11 +388,11 @@ class _EpilogueEmitter:
                     mx, se = row_state.get(o.name, (None, None))
                     nm = cm if mx is None else jnp.maximum(mx, cm)  # online (max, sum-exp) across chunks
                     # A chunk, or a whole consumer tile, of padding columns has max -inf (N padded
-                    # to the CTA tile can leave 2nd consumer's tile all padding: vocab 50257 ->
-                    # 50432). Shifting by -inf would give exp(-inf + inf) = NaN; a finite shift
-                    # gives exp(-inf) = 0, and the tile's LSE log(0) = -inf, which the partials'
-                    # logsumexp ignores.
-                    shift = jnp.maximum(nm, _FINITE_FLOOR)
+                    # to the CTA tile can leave the second consumer's tile all padding: vocab
+                    # 50257 -> 50432). Shifting by -inf would give exp(-inf + inf) = NaN; a finite
+                    # shift gives exp(-inf) = 0, and the tile's LSE log(0) = -inf, which the
+                    # partials' logsumexp ignores. (Without padding no max is -inf: no guard.)
+                    shift = jnp.maximum(nm, _FINITE_FLOOR) if shape.n_real < shape.n else nm
                     ex = jnp.exp(x - lax.broadcast_in_dim(shift, shape_c, [0])).sum(axis=1)
                     row_state[o.name] = (nm, ex if mx is None else se * jnp.exp(mx - shift) + ex)
                 else:  # COL_SUM

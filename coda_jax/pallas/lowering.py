@@ -28,7 +28,7 @@ from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, plain_gemm_route
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import interpret_enabled
-from coda_jax.pallas.tuning import TuningConfig, choose_config
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config
 from coda_jax.reference import REFERENCE
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
@@ -50,6 +50,10 @@ def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: boo
     return build_kernel(epi, shape, cfg, interpret, load_dtypes)
 
 
+def _pair_rule(tile_n: int) -> str:
+    return f"must divide the Pallas kernel's {tile_n}-column tile"
+
+
 class PallasLowering:
     """Runs GEMM-epilogue programs as Pallas Mosaic-GPU Hopper kernels."""
 
@@ -59,6 +63,14 @@ class PallasLowering:
         check_plain_gemm(self.name, plain_gemm)
         self.config = config
         self.plain_gemm = plain_gemm
+
+    def pair_width_rule(self, width: int) -> str | None:
+        """Why a pair-mode epilogue ``width`` columns wide (RoPE: head_dim; SwiGLU: 128)
+        cannot run here, or None: it must divide the tile width of every configuration
+        this lowering may pick (its ``config``, else the table's)."""
+        tiles = {self.config.tile_n} if self.config else {c.tile_n for c in CONFIG_TABLE.values()}
+        bad = sorted(t for t in tiles if t % width)
+        return _pair_rule(bad[0]) if bad else None
 
     def _plain_gemm(self) -> str:
         return plain_gemm_route(self.name, self.plain_gemm)
@@ -82,8 +94,8 @@ class PallasLowering:
         interpret = interpret_enabled()
         cfg = self.config or choose_config(m, n, k)
         if pb is not None and cfg.tile_n % epilogue.pair_width:
-            raise ValueError(f"tile_n={cfg.tile_n} must be a multiple of the pair block's width "
-                             f"({epilogue.pair_width})")
+            raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
+                             f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")
         m_quantum, n_quantum = cfg.cta_tile()  # padding to the CTA tile; a fallback kernel divides it too
         mp, np_, kp = _round_up(m, m_quantum), _round_up(n, n_quantum), _round_up(k, cfg.tile_k)
 

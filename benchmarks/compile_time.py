@@ -1,0 +1,137 @@
+"""First-step compile time per backend, and whether a second process skips the compile.
+
+    python benchmarks/compile_time.py --backends xla,pallas,cutedsl --preset 1b --layers 16 \\
+        --batch 8 --seq 1024 --cache-dir /tmp/jax_cache --out compile_time.json
+
+For each backend, two fresh processes (``--runs``) each build the model of
+``examples/train_llama.py`` (its config and first batch, ``first_step.py``) and time
+
+* ``train_first_s``: the first call of the jitted train step (trace, lower, compile, run),
+* ``train_next_s``: the second call (run only),
+* ``eval_first_s`` / ``eval_next_s``: the same for the evaluation step (forward loss),
+
+and count JAX's persistent-cache hits and misses (``jax.monitoring`` events). With
+``--cache-dir`` the cache is on (every entry kept: minimum compile time 0, any size), so the
+second process's ``*_first_s`` minus ``*_next_s`` is the compile time the cache saves; the
+CuTeDSL kernels also get ``CUTE_DSL_CACHE_DIR`` under it (the DSL's own file cache: its kernels
+compile while JAX lowers, before JAX's cache is consulted). Prints one JSON line per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
+
+
+def enable_persistent_cache(cache_dir: str) -> None:
+    """JAX's persistent compilation cache in ``cache_dir``, keeping every entry."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def child(args) -> dict:
+    """One process: time the first and second train / eval step of one backend."""
+    if args.cache_dir:
+        enable_persistent_cache(args.cache_dir)
+    import jax
+    import optax
+    from flax import nnx
+
+    sys.path.insert(0, str(HERE))
+    from first_step import config_and_first_batch
+
+    from coda_jax.layers import CodaLlama
+
+    counts = dict.fromkeys(CACHE_EVENTS, 0)
+
+    def on_event(name, **_):
+        if name in counts:
+            counts[name] += 1
+
+    jax.monitoring.register_event_listener(on_event)
+    cfg, inputs, targets = config_and_first_batch(args.preset, args.layers, args.batch, args.seq)
+    model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=args.backend)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, inputs, targets):
+        loss, grads = nnx.value_and_grad(lambda m: m.loss(inputs, targets))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    @nnx.jit
+    def eval_step(model, inputs, targets):
+        return model.loss(inputs, targets)
+
+    res = {"backend": args.backend, "preset": args.preset, "layers": cfg.num_layers, "batch": args.batch,
+           "seq": args.seq, "cache": bool(args.cache_dir)}
+    for name, fn, fargs in (("train", train_step, (model, optimizer)), ("eval", eval_step, (model,))):
+        for which in ("first", "next"):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*fargs, inputs, targets))
+            res[f"{name}_{which}_s"] = round(time.perf_counter() - t, 3)
+    res["cache_hits"], res["cache_misses"] = (counts[e] for e in CACHE_EVENTS)
+    return res
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backends", default="xla,pallas", type=lambda s: [b for b in s.split(",") if b])
+    p.add_argument("--backend", help=argparse.SUPPRESS)  # set in the child processes
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--runs", type=int, default=2, help="processes per backend (the 2nd finds the 1st's cache)")
+    p.add_argument("--cache-dir", default=None, help="turn JAX's persistent compilation cache on, here")
+    p.add_argument("--out", type=Path, default=None, help="write every process's result here (JSON)")
+    args = p.parse_args(argv)
+    for flag in ("batch", "seq", "runs"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    unknown = [b for b in args.backends if b not in ("xla", "pallas", "cutedsl")]
+    if not args.backends or unknown:
+        p.error(f"--backends must name xla, pallas or cutedsl, got {args.backends}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.backend:
+        print(json.dumps(child(args)), flush=True)
+        return []
+    results = []
+    for backend in args.backends:
+        for run in range(args.runs):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--backend", backend, "--preset", args.preset,
+                   "--batch", str(args.batch), "--seq", str(args.seq)]
+            if args.layers is not None:
+                cmd += ["--layers", str(args.layers)]
+            env = dict(os.environ)
+            if args.cache_dir:
+                cmd += ["--cache-dir", args.cache_dir]
+                env.setdefault("CUTE_DSL_CACHE_DIR", str(Path(args.cache_dir) / "cute_dsl"))
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"{backend} run {run} failed:\n{out.stderr[-4000:]}")
+            res = json.loads(out.stdout.strip().splitlines()[-1]) | {"run": run + 1}
+            print(json.dumps(res), flush=True)
+            results.append(res)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
