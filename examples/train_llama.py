@@ -17,6 +17,7 @@ rate between those synchronizations, which leaves the host out of the step time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import text_data  # noqa: E402  (examples/text_data.py)
 
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig  # noqa: E402
+from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state, token_shards  # noqa: E402
 
 # bf16 dense peak of one H100 SXM, for MFU.
 H100_BF16_FLOPS = 989e12
@@ -57,6 +59,10 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=50, help="evaluation period in steps (0: after the last step only)")
     p.add_argument("--log-every", type=int, default=10,
                    help="steps between host synchronizations (loss fetch, NaN check, progress bar)")
+    p.add_argument("--mesh", default=None,
+                   help="device mesh, e.g. data=2 or fsdp=8 or data=2,fsdp=4 (sizes multiply to the device count); "
+                        "default: data parallel over all local devices. --batch is the global batch, split over "
+                        "the mesh (it must divide evenly)")
     p.add_argument("--no-resume", action="store_true")
     args = p.parse_args(argv)
     for msg in flag_errors(args):
@@ -205,9 +211,31 @@ def main(argv=None) -> dict:
           f"(d={cfg.hidden_size}, layers={cfg.num_layers}, vocab={cfg.vocab_size}); "
           f"{len(train_tokens):,} train tokens", flush=True)
 
+    try:
+        mesh = mesh_from_spec(args.mesh)
+    except ValueError as e:
+        raise SystemExit(f"train_llama.py: error: --mesh: {e}") from None
+    shards = token_shards(mesh)
+    if args.batch % shards:
+        raise SystemExit(f"train_llama.py: error: --batch {args.batch} must be a multiple of the mesh's "
+                         f"{shards} data shards ({args.mesh or 'data parallel over all devices'})")
+    n_dev = 1 if mesh is None else mesh.size
+    if mesh is not None:
+        print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}: global batch {args.batch}, "
+              f"{args.batch // shards} sequences per data shard", flush=True)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return _train(args, out, cfg, train_tokens, val_tokens, mesh, n_dev, on_gpu)
+
+
+def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_dev: int, on_gpu: bool) -> dict:
     model = CodaLlama(cfg, rngs=nnx.Rngs(args.seed), backend=args.backend)
     optimizer = nnx.Optimizer(model, make_tx(args.lr, args.warmup, args.steps), wrt=nnx.Param)
+    if mesh is not None:  # parameters and AdamW moments FSDP-split over "fsdp" (replicated over "data")
+        nnx.update((model, optimizer), shard_state(nnx.state((model, optimizer)), mesh))
     train_step, eval_step, graphdef = make_steps(model, optimizer)
+
+    def put(x):  # a [batch, seq] host array -> the device(s), split over the mesh's data shards
+        return jax.device_put(x, batch_sharding(mesh)) if mesh is not None else jnp.asarray(x)
 
     ckpt = _Checkpointer(out / "checkpoints")
     start, history = 0, {"step": [], "loss": [], "val_step": [], "val_loss": []}
@@ -240,7 +268,11 @@ def main(argv=None) -> dict:
             dt = now - window_start
             train_s, timed_steps = train_s + dt, timed_steps + window_steps
             tps = window_steps * tokens_per_step / dt
-            text += f"  {tps:,.0f} tok/s" + (f" MFU {tps * fpt / H100_BF16_FLOPS:5.1%}" if on_gpu else "")
+            text += f"  {tps:,.0f} tok/s"
+            if n_dev > 1:
+                text += f" ({tps / n_dev:,.0f}/device)"
+            if on_gpu:
+                text += f" MFU {tps / n_dev * fpt / H100_BF16_FLOPS:5.1%}" + ("/device" if n_dev > 1 else "")
         bar.update(step_done, text)
         pending.clear()
         window_start, window_steps = time.perf_counter(), 0
@@ -248,7 +280,7 @@ def main(argv=None) -> dict:
     t_first = time.perf_counter()
     for step in range(start, args.steps):
         inputs, targets = next(batches)
-        state, loss = train_step(state, jnp.asarray(inputs), jnp.asarray(targets))
+        state, loss = train_step(state, put(inputs), put(targets))
         pending.append((step, loss))
         window_steps += 1
         last = step + 1 == args.steps
@@ -264,7 +296,7 @@ def main(argv=None) -> dict:
         if do_eval:
             vi, vt = text_data.validation_batch(val_tokens, args.batch, args.seq)
             history["val_step"].append(step + 1)
-            history["val_loss"].append(float(eval_step(state, jnp.asarray(vi), jnp.asarray(vt))))
+            history["val_loss"].append(float(eval_step(state, put(vi), put(vt))))
         if do_ckpt:
             nnx.update((model, optimizer), state)
             ckpt.save(step + 1, model, optimizer, history)
@@ -286,8 +318,9 @@ def main(argv=None) -> dict:
         # whole loop after the first step, evaluation (and its compile) and checkpoints included.
         summary["tokens_per_s"] = timed_steps * tokens_per_step / train_s
         summary["loop_tokens_per_s"] = (args.steps - start - 1) * tokens_per_step / (time.perf_counter() - loop_t0)
+        summary["devices"] = n_dev
         if on_gpu:
-            summary["mfu"] = summary["tokens_per_s"] * fpt / H100_BF16_FLOPS
+            summary["mfu"] = summary["tokens_per_s"] / n_dev * fpt / H100_BF16_FLOPS  # per device
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "history.json").write_text(json.dumps(history))
     print(json.dumps(summary), flush=True)

@@ -179,7 +179,30 @@ def case_cutedsl_lowers_under_mesh() -> None:
     print("OK cutedsl_lowers_under_mesh")
 
 
+def case_train_example_on_meshes() -> None:
+    """examples/train_llama.py on an 8-device data-parallel mesh, checkpointed, resumed on an
+    FSDP mesh: prints both histories (the driver compares them with one device's)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "examples"))
+    import train_llama
+
+    common = ["--batch", "8", "--seq", "32", "--layers", "1", "--vocab", "512", "--eval-every", "0",
+              "--ckpt-every", "4", "--log-every", "2"]
+    with tempfile.TemporaryDirectory() as d:
+        train_llama.main(common + ["--steps", "4", "--mesh", "data=8", "--out", d])
+        s = train_llama.main(common + ["--steps", "6", "--mesh", "fsdp=8", "--out", d])
+        hist = json.loads((Path(d) / "history.json").read_text())
+    assert s["devices"] == 8
+    print("HISTORY " + json.dumps(hist["loss"]))
+    print("OK train_example_on_meshes")
+
+
 CASES = {
+    "train_mesh": case_train_example_on_meshes,
     "cutedsl_lowers": case_cutedsl_lowers_under_mesh,
     **{f"model_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model(b, s, m))
        for b in ("xla", "pallas") for s in ((8,), (2, 4)) for m in ("auto", "explicit")},

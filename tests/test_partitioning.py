@@ -29,17 +29,39 @@ GROUPS = {
 }
 
 
-@pytest.mark.parametrize("group", list(GROUPS))
-def test_on_eight_devices(group):
+def _run_cases(cases):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "multi_device_cases.py"), *GROUPS[group]],
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "multi_device_cases.py"), *cases],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return r.stdout
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_on_eight_devices(group):
+    out = _run_cases(GROUPS[group])
     for case in GROUPS[group]:
         want = {"ops_dp_auto": "ops_data_parallel_auto", "ops_dp_explicit": "ops_data_parallel_explicit",
                 "cutedsl_lowers": "cutedsl_lowers_under_mesh"}.get(case, case)
-        assert f"OK {want}" in r.stdout, r.stdout
+        assert f"OK {want}" in out, out
+
+
+def test_train_example_on_meshes_matches_one_device(tmp_path):
+    """Data parallel over 8 devices, then resumed from its checkpoint on an FSDP mesh: the
+    same losses as one device."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_llama
+
+    out = _run_cases(["train_mesh"])
+    mesh_losses = json.loads(next(l for l in out.splitlines() if l.startswith("HISTORY "))[len("HISTORY "):])
+    train_llama.main(["--batch", "8", "--seq", "32", "--layers", "1", "--vocab", "512", "--eval-every", "0",
+                      "--ckpt-every", "0", "--steps", "6", "--out", str(tmp_path)])
+    one = json.loads((tmp_path / "history.json").read_text())["loss"]
+    assert len(mesh_losses) == 6
+    np.testing.assert_allclose(mesh_losses, one, rtol=2e-5)
 
 
 LINEAR = [epi for epi in (programs.IDENTITY, programs.NORM_WGRAD, programs.ACCUMULATE, programs.ROW_SCALE,
