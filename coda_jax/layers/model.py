@@ -50,6 +50,21 @@ class CodaLlama(nnx.Module):
             self.lm_head = nnx.Param(
                 jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), c.param_dtype) * c.hidden_size ** -0.5)
 
+    @classmethod
+    def from_pretrained(cls, path, **kwargs) -> "CodaLlama":
+        """A model from a Hugging Face checkpoint directory (config.json + safetensors);
+        see :func:`coda_jax.layers.pretrained.from_pretrained` for the arguments."""
+        from coda_jax.layers.pretrained import from_pretrained
+
+        return from_pretrained(path, **kwargs)
+
+    def save_pretrained(self, path, **kwargs):
+        """Writes a Hugging Face checkpoint directory that ``transformers`` loads;
+        see :func:`coda_jax.layers.pretrained.save_pretrained`."""
+        from coda_jax.layers.pretrained import save_pretrained
+
+        return save_pretrained(self, path, **kwargs)
+
     def vocab_weight(self) -> jax.Array:
         """``[V, d]`` LM-head weight in the compute dtype."""
         w = self.embed[...] if self.config.tie_word_embeddings else self.lm_head[...]

@@ -1,0 +1,158 @@
+"""Hugging Face checkpoint directories in and out of :class:`CodaLlama`, without torch.
+
+    model = CodaLlama.from_pretrained("path/to/Llama-3.2-1B", backend="pallas")
+    model.save_pretrained("out/")            # transformers.LlamaForCausalLM.from_pretrained("out/") loads it
+
+A directory holds ``config.json`` and ``model.safetensors``, or several
+``model-0000k-of-0000n.safetensors`` listed in ``model.safetensors.index.json``. Tensors are
+read one at a time with the ``safetensors`` library (its JAX loader: bfloat16 included), so
+the host never holds more than one tensor beyond the model; with a ``mesh`` the loaded state
+is then split over it (:func:`coda_jax.sharding.shard_state`). Names and layouts follow
+:mod:`coda_jax.layers.hf_llama`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from coda_jax.layers.config import LlamaConfig
+from coda_jax.layers.hf_llama import config_from_hf, load_hf_state_dict, to_hf_state_dict
+from coda_jax.layers.model import CodaLlama
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # transformers' default max_shard_size ("5GB")
+
+
+class SafetensorsDirectory(Mapping):
+    """The tensors of a checkpoint directory as a read-on-demand mapping ``name -> array``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if (self.path / INDEX).exists():
+            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+        elif (self.path / SINGLE).exists():
+            weight_map = {name: SINGLE for name in self._keys(self.path / SINGLE)}
+        else:
+            raise FileNotFoundError(f"{self.path}: no {SINGLE} or {INDEX} (a Hugging Face safetensors checkpoint)")
+        missing = {f for f in weight_map.values() if not (self.path / f).exists()}
+        if missing:
+            raise FileNotFoundError(f"{self.path}: {INDEX} lists missing files {sorted(missing)}")
+        self._files = weight_map
+
+    @staticmethod
+    def _keys(file: Path) -> list[str]:
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="flax") as f:
+            return list(f.keys())
+
+    def __getitem__(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self._files:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        with safe_open(str(self.path / self._files[name]), framework="flax") as f:
+            return np.asarray(f.get_tensor(name).astype(jnp.float32))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def from_pretrained(path: str | Path, *, backend: str | None = None, dtype: Any = jnp.bfloat16,
+                    param_dtype: Any = jnp.float32, mesh=None, rngs: nnx.Rngs | None = None,
+                    **config_overrides: Any) -> CodaLlama:
+    """A :class:`CodaLlama` with the weights of the Hugging Face checkpoint directory ``path``.
+
+    Args:
+      path: directory with ``config.json`` and safetensors weights.
+      backend: the model's backend (see :mod:`coda_jax.backend`).
+      dtype: compute dtype (bfloat16 by default, what the kernel backends run).
+      param_dtype: parameter storage dtype (float32 by default, for training).
+      mesh: if given, the parameters are split over it (FSDP along ``"fsdp"``, replicated
+        over the other axes; :func:`coda_jax.sharding.shard_state`).
+      config_overrides: other :class:`LlamaConfig` fields.
+
+    Raises:
+      FileNotFoundError: no config or weights; ValueError / KeyError: an unsupported config
+      (biases, another activation or RoPE type) or a missing / mis-shaped tensor, by name.
+    """
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json (a Hugging Face checkpoint directory)")
+    hf_config = json.loads((path / "config.json").read_text())
+    if hf_config.get("model_type", "llama") != "llama":
+        raise ValueError(f"{path}/config.json: model_type must be 'llama', got {hf_config['model_type']!r}")
+    cfg = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, **config_overrides)
+    model = CodaLlama(cfg, rngs=rngs or nnx.Rngs(0), backend=backend)
+    load_hf_state_dict(model, SafetensorsDirectory(path))
+    if mesh is not None:
+        from coda_jax.sharding import shard_state
+
+        nnx.update(model, shard_state(nnx.state(model), mesh))
+    return model
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    """``config.json`` of a ``transformers`` ``LlamaForCausalLM`` with ``cfg``'s shapes."""
+    if cfg.qk_norm:
+        raise ValueError("a config with qk_norm has no LlamaForCausalLM equivalent; save_pretrained needs qk_norm=False")
+    rope_scaling = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope_scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                        "high_freq_factor": s.high_freq_factor,
+                        "original_max_position_embeddings": s.original_max_position_embeddings}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 131072, "torch_dtype": "float32",
+    }
+
+
+def save_pretrained(model: CodaLlama, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Writes ``model`` as a Hugging Face checkpoint directory (float32 safetensors, split
+    into shards of at most ``max_shard_bytes`` with an index when larger)."""
+    from safetensors.numpy import save_file
+
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
+    tensors = {k: np.ascontiguousarray(v) for k, v in to_hf_state_dict(model).items()}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        n = tensors[name].nbytes
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += n
+    for old in list(path.glob("model*.safetensors")) + [path / INDEX]:
+        old.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SINGLE), metadata={"format": "pt"})
+        return path
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
+    (path / INDEX).write_text(json.dumps(index, indent=1))
+    return path
