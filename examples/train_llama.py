@@ -197,6 +197,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "args.json").write_text(json.dumps(vars(args), indent=1))  # how examples/sample.py rebuilds the model
     on_gpu = jax.devices()[0].platform == "gpu"
 
     corpus = text_data.load_corpus()

@@ -92,3 +92,21 @@ def test_sequence_and_memory_checked_against_corpus_and_device():
     gpu = train_llama.estimate_step_bytes(one_b, 8, 4096, "gpu", "9.0")
     assert gpu < 80 * 2**30
     assert train_llama.estimate_step_bytes(one_b, 8, 4096, "cpu") - gpu == 8 * 32 * 4096 * 4096 * 4
+
+
+def test_sample_from_a_training_run(tmp_path):
+    """examples/sample.py restores a train_llama.py run and continues a prompt, greedy
+    (deterministic) and sampled."""
+    import sample
+
+    out = tmp_path / "run"
+    train_llama.main(["--batch", "4", "--seq", "32", "--layers", "1", "--vocab", "512", "--steps", "3",
+                      "--eval-every", "0", "--ckpt-every", "3", "--out", str(out)])
+    a = sample.main(["--from", str(out), "--prompt", "It was", "--tokens", "5"])
+    b = sample.main(["--from", str(out), "--prompt", "It was", "--tokens", "5"])
+    assert a == b and a[0].startswith("It was") and len(a[0]) > len("It was")
+    c = sample.main(["--from", str(out), "--prompt", "It was", "--tokens", "5", "--temperature", "1.0",
+                     "--top-k", "20", "--samples", "2"])
+    assert len(c) == 2
+    with pytest.raises(SystemExit):
+        sample.parse_args(["--from", str(out), "--top-k", "-1"])
