@@ -63,6 +63,10 @@ def parse_args(argv=None):
                    help="device mesh, e.g. data=2 or fsdp=8 or data=2,fsdp=4 (sizes multiply to the device count); "
                         "default: data parallel over all local devices. --batch is the global batch, split over "
                         "the mesh (it must divide evenly)")
+    p.add_argument("--init-from", default=None,
+                   help="start from these weights (fine-tuning): a Hugging Face checkpoint directory (its config "
+                        "and its tokenizer.json replace --preset/--layers/--vocab) or another "
+                        "train_llama.py --out directory (its model flags replace these)")
     p.add_argument("--no-resume", action="store_true")
     args = p.parse_args(argv)
     for msg in flag_errors(args):
@@ -201,9 +205,10 @@ def main(argv=None) -> dict:
     on_gpu = jax.devices()[0].platform == "gpu"
 
     corpus = text_data.load_corpus()
-    tok = text_data.build_tokenizer([corpus], vocab_size=args.vocab)
+    init = _init_source(args)
+    tok = init.get("tokenizer") or text_data.build_tokenizer([corpus], vocab_size=args.vocab)
     train_tokens, val_tokens = text_data.split_tokens(text_data.encode(tok, corpus))
-    cfg = make_config(args, tok.get_vocab_size())
+    cfg = init.get("config") or make_config(args, tok.get_vocab_size())
     dev = jax.devices()[0]
     for msg in run_errors(args, cfg, len(train_tokens), len(val_tokens), device_memory_bytes(), dev.platform,
                           getattr(dev, "compute_capability", None)):
@@ -225,11 +230,55 @@ def main(argv=None) -> dict:
         print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}: global batch {args.batch}, "
               f"{args.batch // shards} sequences per data shard", flush=True)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        return _train(args, out, cfg, train_tokens, val_tokens, mesh, n_dev, on_gpu)
+        return _train(args, out, cfg, train_tokens, val_tokens, mesh, n_dev, on_gpu, init.get("load"))
 
 
-def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_dev: int, on_gpu: bool) -> dict:
+def _init_source(args) -> dict:
+    """What ``--init-from`` provides: ``config``, ``tokenizer`` (either may be absent) and
+    ``load(model)``, which fills the model's parameters."""
+    if not args.init_from:
+        return {}
+    src = Path(args.init_from)
+    if (src / "config.json").exists():  # a Hugging Face directory
+        from coda_jax.layers.hf_llama import config_from_hf, load_hf_state_dict
+        from coda_jax.layers.pretrained import SafetensorsDirectory
+
+        init = {"config": config_from_hf(json.loads((src / "config.json").read_text()), dtype=jnp.bfloat16),
+                "load": lambda model: load_hf_state_dict(model, SafetensorsDirectory(src))}
+        if not (src / "tokenizer.json").exists():
+            raise SystemExit(f"train_llama.py: error: --init-from {src}: no tokenizer.json; training a Hugging Face "
+                             "checkpoint on the shipped text needs the checkpoint's own tokenizer")
+        from tokenizers import Tokenizer
+
+        init["tokenizer"] = Tokenizer.from_file(str(src / "tokenizer.json"))
+        return init
+    if not (src / "args.json").exists():
+        raise SystemExit(f"train_llama.py: error: --init-from {src}: neither a Hugging Face directory (config.json) "
+                         "nor a train_llama.py run (args.json)")
+    run = argparse.Namespace(**json.loads((src / "args.json").read_text()))
+    for flag in ("preset", "layers", "vocab"):  # the model and tokenizer are the run's
+        setattr(args, flag, getattr(run, flag))
+
+    def load(model):
+        import orbax.checkpoint as ocp
+
+        with ocp.CheckpointManager((src / "checkpoints").resolve()) as mgr:
+            step = mgr.latest_step()
+            if step is None:
+                raise SystemExit(f"train_llama.py: error: --init-from {src}: no checkpoint")
+            opt = nnx.Optimizer(model, make_tx(run.lr, run.warmup, run.steps), wrt=nnx.Param)
+            target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state((model, opt)))
+            got = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        nnx.update((model, opt), got["state"])
+
+    return {"load": load}
+
+
+def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_dev: int, on_gpu: bool,
+           load=None) -> dict:
     model = CodaLlama(cfg, rngs=nnx.Rngs(args.seed), backend=args.backend)
+    if load is not None:
+        load(model)
     optimizer = nnx.Optimizer(model, make_tx(args.lr, args.warmup, args.steps), wrt=nnx.Param)
     if mesh is not None:  # parameters and AdamW moments FSDP-split over "fsdp" (replicated over "data")
         nnx.update((model, optimizer), shard_state(nnx.state((model, optimizer)), mesh))
@@ -243,6 +292,11 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
     if not args.no_resume and ckpt.latest() is not None:
         start, history = ckpt.restore(model, optimizer)
         print(f"resumed from step {start} ({out / 'checkpoints'})", flush=True)
+    elif load is not None:  # fine-tuning: the starting point's validation loss
+        vi, vt = text_data.validation_batch(val_tokens, args.batch, args.seq)
+        history["val_before"] = float(eval_step(nnx.state((model, optimizer)), put(vi), put(vt)))
+        print(f"validation loss before training {history['val_before']:.4f} "
+              f"(perplexity {np.exp(history['val_before']):.1f})", flush=True)
 
     batches = text_data.batches(train_tokens, args.batch, args.seq, seed=args.seed, start_step=start)
     tokens_per_step = args.batch * args.seq
@@ -311,6 +365,11 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
                "last_loss": history["loss"][-1] if history["loss"] else None,
                "val_loss": history["val_loss"][-1] if history["val_loss"] else None, "steps": args.steps,
                "backend": args.backend, "preset": args.preset, "tokens_per_step": tokens_per_step}
+    if "val_before" in history:
+        summary["val_loss_before"] = history["val_before"]
+        summary["val_perplexity_before"] = float(np.exp(history["val_before"]))
+    if summary["val_loss"] is not None:
+        summary["val_perplexity"] = float(np.exp(summary["val_loss"]))
     if args.steps > start:
         summary["first_step_s"] = first_step_s
     if timed_steps:

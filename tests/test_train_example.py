@@ -110,3 +110,17 @@ def test_sample_from_a_training_run(tmp_path):
     assert len(c) == 2
     with pytest.raises(SystemExit):
         sample.parse_args(["--from", str(out), "--top-k", "-1"])
+
+
+def test_finetune_continues_from_a_run_and_reports_perplexity(tmp_path):
+    """examples/finetune_llama.py starts from a run's weights (not from scratch) and lowers
+    the validation perplexity."""
+    import finetune_llama
+
+    base = tmp_path / "base"
+    s0 = train_llama.main(["--batch", "8", "--seq", "32", "--layers", "1", "--vocab", "512", "--steps", "30",
+                           "--eval-every", "0", "--ckpt-every", "30", "--lr", "3e-3", "--out", str(base)])
+    s = finetune_llama.main(["--from", str(base), "--out", str(tmp_path / "ft"), "--steps", "10", "--lr", "1e-3",
+                             "--batch", "8", "--seq", "32", "--eval-every", "0", "--ckpt-every", "0"])
+    assert s["val_loss_before"] == pytest.approx(s0["val_loss"], rel=1e-5)  # the run's weights, evaluated
+    assert s["val_perplexity"] < s["val_perplexity_before"]
