@@ -76,7 +76,7 @@ class CodaLlama(nnx.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq] integers, got shape {tokens.shape}")
         b, s = tokens.shape
-        x = embedding_lookup(gathered(self.embed[...]), tokens).astype(c.dtype)
+        x = embedding_lookup(self.embed[...], tokens).astype(c.dtype)
         carry = None
         n = len(self.blocks)
         for i, block in enumerate(self.blocks):
