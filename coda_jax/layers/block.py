@@ -62,6 +62,12 @@ class CodaLlamaBlock(nnx.Module):
             self.k_norm = nnx.Param(jnp.ones((hd,), pd))
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(hd, c.rope_theta, c.rope_scaling)))
 
+    def _param(self, name: str, dtype=None) -> jax.Array:
+        """Parameter ``name`` as the layer uses it: cast to ``dtype`` (before any gather: half
+        the bytes), then whole on every device (:func:`coda_jax.sharding.gathered`)."""
+        v = getattr(self, name)[...]
+        return gathered(v if dtype is None else v.astype(dtype))
+
     def __call__(
         self,
         x: jax.Array,
@@ -78,9 +84,10 @@ class CodaLlamaBlock(nnx.Module):
         dt = c.dtype
         m = b * s
         x2 = reshape_tokens(x, (m, d)).astype(dt)
-        qk = dict(q_norm=gathered(self.q_norm[...]), k_norm=gathered(self.k_norm[...]), qk_norm_eps=c.qk_norm_eps) if c.qk_norm else {}
+        w = self._param  # a parameter as used: cast, and gathered if FSDP-split under an Explicit mesh
+        qk = dict(q_norm=w("q_norm"), k_norm=w("k_norm"), qk_norm_eps=c.qk_norm_eps) if c.qk_norm else {}
         qkv, x2 = rms_norm_matmul_rope(
-            x2, gathered(self.attn_norm[...]), gathered(self.w_qkv[...].astype(dt)), reshape_tokens(positions, (m,)), gathered(self.inv_freq[...]),
+            x2, w("attn_norm"), w("w_qkv", dt), reshape_tokens(positions, (m,)), w("inv_freq"),
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, carry=carry, eps=c.rms_norm_eps,
             return_residual=True, backend=self.backend, **qk)
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
@@ -88,8 +95,8 @@ class CodaLlamaBlock(nnx.Module):
         k = reshape_tokens(qkv[:, nh * hd: (nh + nkv) * hd], (b, s, nkv, hd))
         v = reshape_tokens(qkv[:, (nh + nkv) * hd:], (b, s, nkv, hd))
         o = causal_attention(q, k, v, c.attention_implementation)  # cuDNN where it supports the shape
-        x1, carry1 = matmul_residual_rms(reshape_tokens(o, (m, nh * hd)), gathered(self.w_o[...].astype(dt)), x2, gathered(self.mlp_norm[...]),
+        x1, carry1 = matmul_residual_rms(reshape_tokens(o, (m, nh * hd)), w("w_o", dt), x2, w("mlp_norm"),
                                          backend=self.backend)
-        out, carry2 = swiglu_mlp(x1, gathered(self.mlp_norm[...]), gathered(self.w_gu[...].astype(dt)), gathered(self.w_down[...].astype(dt)),
+        out, carry2 = swiglu_mlp(x1, w("mlp_norm"), w("w_gu", dt), w("w_down", dt),
                                  next_norm, carry=carry1, eps=c.rms_norm_eps, backend=self.backend)
         return reshape_tokens(out, (b, s, d)), carry2

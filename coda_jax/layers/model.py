@@ -94,8 +94,10 @@ class CodaLlama(nnx.Module):
 
     def loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None = None, *,
              ignore_index: int = -100, z_loss: float = 0.0) -> jax.Array:
-        """Mean next-token cross-entropy, without materializing the ``[B*S, V]`` logits."""
+        """Mean next-token cross-entropy in one fused op (the logits are kept for the backward only
+        when they fit the memory budget: :func:`coda_jax.linear_cross_entropy`)."""
         x, carry = self.hidden_states(tokens, positions)
-        return linear_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(), reshape_tokens(targets, (targets.size,)),
+        return linear_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(),
+                                    reshape_tokens(targets, (targets.size,)),
                                     carry=carry, eps=self.config.rms_norm_eps, ignore_index=ignore_index,
                                     z_loss=z_loss, backend=self.backend)
