@@ -37,8 +37,10 @@ def _contracted_out_sharding(a: jax.Array, b: jax.Array, ca: int, cb: int):
     """Under an Explicit-mode mesh, a GEMM that contracts a sharded axis (a wgrad over
     sharded tokens) must name its output sharding: the operands' free axes keep theirs
     (the partial sums are reduced across the contracted axis's devices). ``None`` otherwise."""
-    sa, sb = (getattr(jax.typeof(v), "sharding", None) for v in (a, b))
-    if sa is None or sb is None or sa.mesh.empty or not sa.mesh.are_all_axes_explicit:
+    from coda_jax.sharding import explicit_sharding  # a layer above the backends: imported at use
+
+    sa, sb = explicit_sharding(a), explicit_sharding(b)
+    if sa is None or sb is None:
         return None
     spec_a, spec_b = tuple(sa.spec) + (None,) * 2, tuple(sb.spec) + (None,) * 2
     if spec_a[ca] is None and spec_b[cb] is None:

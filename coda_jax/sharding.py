@@ -56,14 +56,23 @@ def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(first, *([None] * (ndim - 1))))
 
 
+def explicit_sharding(x: jax.Array):
+    """``x``'s sharding when it is typed under an Explicit-mode mesh (the layers and the
+    reference lowering must then name output shardings themselves), else ``None``."""
+    sh = getattr(jax.typeof(x), "sharding", None)
+    if sh is None or sh.mesh.empty or not sh.mesh.are_all_axes_explicit:
+        return None
+    return sh
+
+
 def reshape_tokens(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``x.reshape(shape)`` where both shapes lead with tokens (``[B, S, ...]`` <-> ``[B*S, ...]``).
 
     Under an Explicit-mode mesh the reshape names its output sharding: the token axes'
     split moves to the new leading dimension, every other dimension is unsplit (the batch
     split of ``[B, S]`` is the row split of ``[B*S]``)."""
-    sh = getattr(jax.typeof(x), "sharding", None)
-    if sh is None or sh.mesh.empty or not sh.mesh.are_all_axes_explicit:
+    sh = explicit_sharding(x)
+    if sh is None:
         return x.reshape(shape)
     lead = tuple(sh.spec)[0] if len(sh.spec) else None
     return jax.lax.reshape(x, shape, out_sharding=P(lead, *([None] * (len(shape) - 1))))
@@ -74,8 +83,8 @@ def gathered(w: jax.Array) -> jax.Array:
     FSDP-split weight is gathered here (ZeRO-3's per-layer gather; its gradient is
     reduce-scattered back by the transpose); elsewhere ``w`` unchanged (the partitioner
     places the gather itself)."""
-    sh = getattr(jax.typeof(w), "sharding", None)
-    if sh is None or sh.mesh.empty or not sh.mesh.are_all_axes_explicit or all(a is None for a in sh.spec):
+    sh = explicit_sharding(w)
+    if sh is None or all(a is None for a in sh.spec):
         return w
     return jax.sharding.reshard(w, P())
 

@@ -10,7 +10,7 @@ from coda_jax.layers.block import CodaLlamaBlock
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
-from coda_jax.sharding import gathered, reshape_tokens
+from coda_jax.sharding import explicit_sharding, gathered, reshape_tokens
 
 
 def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -20,8 +20,8 @@ def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     tokens' (batch split as the tokens are, ``d`` unsplit), and a sharded table (FSDP) is
     gathered first.
     """
-    sh = getattr(jax.typeof(tokens), "sharding", None)
-    if sh is None or sh.mesh.empty or not sh.mesh.are_all_axes_explicit:
+    sh = explicit_sharding(tokens)
+    if sh is None:
         return jnp.take(table, tokens, axis=0)
     spec = tuple(sh.spec) + (None,) * (tokens.ndim - len(sh.spec))
     table = jax.sharding.reshard(table, jax.sharding.PartitionSpec())
