@@ -36,6 +36,7 @@ from coda_jax.ops import (
     rstd_from_partials,
     split_gate_up,
     swiglu_mlp,
+    swiglu_mlp_partial,
 )
 
 __version__ = "0.1.0"
@@ -45,5 +46,5 @@ __all__ = [
     "backend_unavailable_reason", "resolve_backend", "set_backend", "use_backend",
     "Llama3RopeScaling", "NormCarry", "interleave_gate_up", "linear_cross_entropy", "matmul_residual_rms",
     "norm_carry", "rms_norm_matmul", "rms_norm_matmul_rope", "rms_norm_matmul_swiglu", "rope_inv_freq",
-    "rstd_from_partials", "split_gate_up", "swiglu_mlp",
+    "rstd_from_partials", "split_gate_up", "swiglu_mlp", "swiglu_mlp_partial",
 ]

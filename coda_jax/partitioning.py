@@ -67,11 +67,14 @@ def context_mesh():
 
 
 def token_axes(mesh) -> tuple[str, ...]:
-    """:data:`TOKEN_AXES` present in ``mesh`` with more than one device."""
+    """:data:`TOKEN_AXES` present in ``mesh`` with more than one device and not already
+    manual (inside a ``shard_map`` over an axis, e.g. the tensor-parallel block's, the ops
+    see their shard only and must not split it again)."""
     if mesh is None:
         return ()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    return tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    return tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1 and a not in manual)
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -134,14 +137,20 @@ class PartitionedLowering:
             in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),
                         {name: P() for name in loads})
             out_specs = {o.name: P(tok, None, None) for o in epilogue.outputs}
-            partials = self._shard_map(mesh, body, in_specs, out_specs, a, b, loads)
+            partials = shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
             # The sum over shards is left to XLA (an all-reduce, or a reduce-scatter where the
             # gradient is FSDP-split), which it can schedule and combine with the other gradients'.
             return {k: jnp.sum(v, axis=0).astype(dtypes[k]) for k, v in partials.items()}
-        return self._shard_map(mesh, body, in_specs, out_specs, a, b, loads)
+        return shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
 
-    @staticmethod
-    def _shard_map(mesh, body, in_specs, out_specs, *args):
-        if mesh.are_all_axes_explicit:  # shard_map takes arrays already split as in_specs say
-            args = jax.tree.map(jax.sharding.reshard, args, in_specs)
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+def shard_map_over(mesh, body, in_specs, out_specs, *args):
+    """``jax.shard_map(body)(*args)`` over every axis of ``mesh``, in Auto and Explicit mode.
+
+    ``check_vma=False``: the kernels (custom calls) carry no varying-axes types. Its
+    transpose then sums an input's cotangent over the axes its spec does not name (a
+    replicated weight's gradient is the sum of the shards' partials) and divides a
+    replicated output's cotangent by their size, so gradients stay exact."""
+    if mesh.are_all_axes_explicit:  # shard_map takes arrays already split as in_specs say
+        args = jax.tree.map(jax.sharding.reshard, args, in_specs)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

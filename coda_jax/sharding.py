@@ -1,10 +1,11 @@
-"""Sharding a model's state and batch over a device mesh (data parallel and FSDP).
+"""Sharding a model's state and batch over a device mesh (data, FSDP and tensor parallel).
 
 Mesh axes by name: ``"data"`` (data parallel: batch split, parameters replicated),
 ``"fsdp"`` (ZeRO-3: batch split *and* every parameter, with its optimizer moments, split
 along its largest dimension that the axis divides; the partitioner gathers a weight where a
-GEMM needs it and reduce-scatters its gradient), ``"tensor"`` (reserved for tensor
-parallelism; not used by these rules). Tokens are split over ``("data", "fsdp")``, the
+GEMM needs it and reduce-scatters its gradient), ``"tensor"`` (Megatron tensor parallelism,
+:mod:`coda_jax.layers.tensor_parallel`: ``w_gu`` split by columns, ``w_o`` and ``w_down``
+by rows, :data:`TENSOR_SPLIT_DIM`). Tokens are split over ``("data", "fsdp")``, the
 axes :mod:`coda_jax.partitioning` runs the kernels over.
 
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
@@ -24,29 +25,121 @@ from jax.sharding import PartitionSpec as P
 from coda_jax import partitioning
 
 FSDP_AXIS = "fsdp"
+# Logical axis names the layers attach to their parameters (``nnx.Param`` metadata
+# ``out_sharding``, :func:`logical_param`) and the mesh axis each maps to: FSDP splits the
+# model width, tensor parallelism the MLP features and the attention heads (of ``w_o``; the
+# ``qkv`` columns split inside the block, see :data:`TENSOR_SPLIT_DIM`).
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("qkv", None), ("vocab", None),
+    ("norm", None), ("head_dim", None),
+)
+TENSOR_AXIS = "tensor"
+# The dimension each block weight splits along under tensor parallelism, by parameter name
+# (a path's last name, so optimizer moments follow their parameter). ``w_qkv`` is absent: its
+# Q, K and V column groups split separately, inside the block.
+TENSOR_SPLIT_DIM = {"w_gu": 1, "w_o": 0, "w_down": 0}
 
 
 def _axis_size(mesh, name: str) -> int:
     return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(name, 1)
 
 
-def fsdp_spec(shape: tuple[int, ...], mesh, axis: str = FSDP_AXIS) -> P:
-    """``P`` splitting the largest dimension of ``shape`` that ``axis``'s size divides
-    (replicated when none does, or for scalars and the mesh without the axis)."""
+def fsdp_spec(shape: tuple[int, ...], mesh, axis: str = FSDP_AXIS, *, skip: int | None = None) -> P:
+    """``P`` splitting the largest dimension of ``shape`` (other than ``skip``) that
+    ``axis``'s size divides (replicated when none does, or for scalars and the mesh without
+    the axis)."""
     n = _axis_size(mesh, axis)
     if n <= 1 or not shape:
         return P()
-    dims = sorted(range(len(shape)), key=lambda i: -shape[i])
+    dims = sorted((i for i in range(len(shape)) if i != skip), key=lambda i: -shape[i])
     for i in dims:
         if shape[i] % n == 0:
             return P(*(axis if j == i else None for j in range(len(shape))))
     return P()
 
 
+def param_spec(name: str | None, shape: tuple[int, ...], mesh, axis: str = FSDP_AXIS) -> P:
+    """Where a parameter (or its optimizer moment) named ``name`` lives on ``mesh``: its
+    :data:`TENSOR_SPLIT_DIM` over ``"tensor"`` (when the axis divides it), and the largest
+    other dimension over ``axis`` (:func:`fsdp_spec`)."""
+    t = _axis_size(mesh, TENSOR_AXIS)
+    tdim = TENSOR_SPLIT_DIM.get(name) if t > 1 else None
+    if tdim is not None and (len(shape) <= tdim or shape[tdim] % t):
+        tdim = None
+    spec = list(fsdp_spec(shape, mesh, axis, skip=tdim)) + [None] * len(shape)
+    if tdim is not None:
+        spec[tdim] = TENSOR_AXIS
+    return P(*spec[:len(shape)]) if any(spec) else P()
+
+
+def logical_param(value: jax.Array, names: tuple[str, ...]):
+    """``nnx.Param(value)`` carrying logical axis ``names`` (one per dimension) as its
+    ``out_sharding`` metadata, resolved only when sharded (:func:`logical_partition_specs`)."""
+    from flax import nnx
+
+    if len(names) != value.ndim:
+        raise ValueError(f"logical names {names} must name each of the {value.ndim} dimensions")
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def logical_partition_specs(state: Any, mesh, rules=LOGICAL_AXIS_RULES) -> Any:
+    """``nnx.get_partition_spec(state)`` under ``rules``, made valid for ``mesh``: a mesh axis
+    the mesh lacks (or of size 1), or one that does not divide its dimension, becomes
+    ``None``. Variables without logical names get ``P()``. As any Flax model:
+
+        specs = logical_partition_specs(nnx.state(model), mesh)
+        state = jax.device_put(nnx.state(model), jax.tree.map(lambda p: NamedSharding(mesh, p), specs))
+    """
+    from flax import nnx
+    from flax.core import spmd
+
+    with spmd.logical_axis_rules(rules):
+        specs = nnx.get_partition_spec(state)
+
+    def fit(x, spec):
+        spec = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
+        out = [a if a is not None and _axis_size(mesh, a) > 1 and x.shape[i] % _axis_size(mesh, a) == 0
+               and a in mesh.axis_names else None for i, a in enumerate(spec[:x.ndim])]
+        return P(*out) if any(out) else P()
+
+    return jax.tree.map(fit, state, specs)
+
+
+def _leaf_name(path) -> str | None:
+    """The last name in a pytree path (``[...]['w_gu'].value`` -> ``"w_gu"``)."""
+    for key in reversed(path):
+        k = getattr(key, "key", getattr(key, "name", None))
+        if isinstance(k, str) and k not in ("value", "raw_value"):
+            return k
+    return None
+
+
+def _has_logical_names(state: Any) -> bool:
+    from flax import nnx
+
+    found = []
+    jax.tree.map(lambda v: found.append(bool(v.get_metadata().get("out_sharding"))), state,
+                 is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return any(found)
+
+
 def shard_state(state: Any, mesh, axis: str = FSDP_AXIS) -> Any:
-    """``state`` (a pytree of arrays, e.g. ``nnx.state((model, optimizer))``) placed on
-    ``mesh``: split by :func:`fsdp_spec` along ``axis``, replicated over the other axes."""
-    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, fsdp_spec(x.shape, mesh, axis))), state)
+    """``state`` (e.g. ``nnx.state((model, optimizer))``) placed on ``mesh``.
+
+    An ``nnx.State`` whose parameters carry logical axis names (the coda-jax layers'
+    parameters do, and so do their optimizer moments) is placed by
+    :func:`logical_partition_specs` (:data:`LOGICAL_AXIS_RULES`: FSDP over the model width,
+    tensor parallel over MLP features and heads). A plain pytree of arrays is placed by
+    :func:`param_spec` (the largest dimension over ``axis``, the block weights'
+    :data:`TENSOR_SPLIT_DIM` over ``"tensor"``). Everything else is replicated."""
+    if axis == FSDP_AXIS and _has_logical_names(state):
+        specs = logical_partition_specs(state, mesh)
+        return jax.tree.map(lambda x, p: jax.device_put(x, NamedSharding(mesh, p)), state, specs)
+
+    def place(path, x):
+        return jax.device_put(x, NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh, axis)))
+
+    return jax.tree_util.tree_map_with_path(place, state)
 
 
 def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
@@ -89,7 +182,7 @@ def gathered(w: jax.Array) -> jax.Array:
     return jax.sharding.reshard(w, P())
 
 
-MESH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "tensor")
 
 
 def mesh_from_spec(spec: str | None, devices=None):

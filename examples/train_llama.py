@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import text_data  # noqa: E402  (examples/text_data.py)
 
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig  # noqa: E402
+from coda_jax.layers.tensor_parallel import check_tensor_parallel, tensor_parallel_size  # noqa: E402
 from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state, token_shards  # noqa: E402
 
 # bf16 dense peak of one H100 SXM, for MFU.
@@ -60,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10,
                    help="steps between host synchronizations (loss fetch, NaN check, progress bar)")
     p.add_argument("--mesh", default=None,
-                   help="device mesh, e.g. data=2 or fsdp=8 or data=2,fsdp=4 (sizes multiply to the device count); "
+                   help="device mesh, e.g. data=2 or fsdp=8 or data=2,fsdp=4 or data=2,tensor=4 (tensor: Megatron "
+                        "tensor parallel blocks; sizes multiply to the device count); "
                         "default: data parallel over all local devices. --batch is the global batch, split over "
                         "the mesh (it must divide evenly)")
     p.add_argument("--init-from", default=None,
@@ -225,6 +227,11 @@ def main(argv=None) -> dict:
     if args.batch % shards:
         raise SystemExit(f"train_llama.py: error: --batch {args.batch} must be a multiple of the mesh's "
                          f"{shards} data shards ({args.mesh or 'data parallel over all devices'})")
+    if tensor_parallel_size(mesh) > 1:
+        try:
+            check_tensor_parallel(cfg, args.batch, args.seq, mesh)
+        except ValueError as e:
+            raise SystemExit(f"train_llama.py: error: --mesh {args.mesh}: {e}") from None
     n_dev = 1 if mesh is None else mesh.size
     if mesh is not None:
         print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}: global batch {args.batch}, "

@@ -26,6 +26,8 @@ GROUPS = {
     "model_auto": ["model_xla_8_auto", "model_xla_2x4_auto", "model_pallas_8_auto", "model_pallas_2x4_auto"],
     "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_8_explicit",
                        "model_pallas_2x4_explicit"],
+    "tensor_parallel": ["tp_xla_2x2x2_auto_float32", "tp_pallas_2x2x2_explicit_bfloat16",
+                        "tp_pallas_1x2x4_auto_float32", "tp_xla_2x1x4_explicit_float32"],
 }
 
 
@@ -48,8 +50,8 @@ def test_on_eight_devices(group):
 
 
 def test_train_example_on_meshes_matches_one_device(tmp_path):
-    """Data parallel over 8 devices, then resumed from its checkpoint on an FSDP mesh: the
-    same losses as one device."""
+    """Data parallel over 8 devices, resumed from its checkpoint on an FSDP mesh, then on a
+    tensor-parallel mesh: the same losses as one device."""
     import json
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -58,9 +60,9 @@ def test_train_example_on_meshes_matches_one_device(tmp_path):
     out = _run_cases(["train_mesh"])
     mesh_losses = json.loads(next(l for l in out.splitlines() if l.startswith("HISTORY "))[len("HISTORY "):])
     train_llama.main(["--batch", "8", "--seq", "32", "--layers", "1", "--vocab", "512", "--eval-every", "0",
-                      "--ckpt-every", "0", "--steps", "6", "--out", str(tmp_path)])
+                      "--ckpt-every", "0", "--steps", "8", "--out", str(tmp_path)])
     one = json.loads((tmp_path / "history.json").read_text())["loss"]
-    assert len(mesh_losses) == 6
+    assert len(mesh_losses) == 8
     np.testing.assert_allclose(mesh_losses, one, rtol=2e-5)
 
 
@@ -102,3 +104,38 @@ def test_fsdp_spec_splits_the_largest_divisible_dimension():
     assert fsdp_spec((258, 8), mesh) == P(None, "fsdp")
     assert fsdp_spec((), mesh) == P()
     assert fsdp_spec((64, 256), jax.sharding.AbstractMesh((8,), ("data",))) == P()
+
+
+def test_parameters_carry_logical_axis_names_that_shard_like_any_flax_model():
+    """Every CodaLlama parameter (and its AdamW moments) carries logical names; under
+    LOGICAL_AXIS_RULES they give FSDP over the width and Megatron TP over MLP features and
+    heads, dropping mesh axes that are absent or do not divide the dimension."""
+    import optax
+    from flax import nnx
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.sharding import logical_partition_specs
+
+    cfg = LlamaConfig.tiny(vocab_size=250, hidden_size=64, intermediate_size=192, num_layers=1, num_heads=4,
+                           num_kv_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=False)
+    model = CodaLlama(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    names = jax.tree.leaves(jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), params,
+                                         is_leaf=lambda v: isinstance(v, nnx.Variable)),
+                            is_leaf=lambda x: isinstance(x, tuple))
+    assert len(names) == len(jax.tree.leaves(params)) and all(isinstance(n, tuple) for n in names), names
+    mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    specs = logical_partition_specs(nnx.state((model, opt)), mesh)
+    sp = lambda v: v.get_value() if isinstance(v, nnx.Variable) else v  # noqa: E731
+    blk = {k: sp(v) for k, v in specs[0]["blocks"][0].items()}
+    assert blk["w_gu"] == P("fsdp", "tensor") and blk["w_down"] == P("tensor", "fsdp")
+    assert blk["w_o"] == P("tensor", "fsdp") and blk["w_qkv"] == P("fsdp", None)
+    assert blk["attn_norm"] == P() and blk["q_norm"] == P()
+    assert sp(specs[0]["lm_head"]) == P(None, "fsdp")  # vocab 250: not split
+    assert sp(specs[1]["opt_state"][0]["mu"]["blocks"][0]["w_gu"]) == P("fsdp", "tensor")
+    # A tensor axis of 128 divides the 384 gate/up columns but not the 192 rows of w_down.
+    specs8 = logical_partition_specs(nnx.state(model), AbstractMesh((128,), ("tensor",)))
+    assert sp(specs8["blocks"][0]["w_down"]) == P() and sp(specs8["blocks"][0]["w_gu"]) == P(None, "tensor")

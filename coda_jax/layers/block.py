@@ -8,12 +8,14 @@ from flax import nnx
 
 from coda_jax.layers.attention import causal_attention
 from coda_jax.layers.config import LlamaConfig
+from coda_jax.layers.tensor_parallel import tensor_parallel_block, tensor_parallel_size
 from coda_jax.ops.matmul_residual_rms import matmul_residual_rms
 from coda_jax.ops.norm_carry import NormCarry
 from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
 from coda_jax.ops.swiglu_mlp import swiglu_mlp
 from coda_jax.ops.rope_frequencies import rope_inv_freq
-from coda_jax.sharding import gathered, reshape_tokens
+from coda_jax.partitioning import context_mesh
+from coda_jax.sharding import gathered, logical_param, reshape_tokens
 
 
 def _normal(rngs: nnx.Rngs, shape, std, dtype):
@@ -35,7 +37,9 @@ class CodaLlamaBlock(nnx.Module):
     Parameters follow Llama checkpoint names (``input_layernorm`` = ``attn_norm``,
     ``post_attention_layernorm`` = ``mlp_norm``), with Q/K/V fused into ``w_qkv``
     ``[d, (H + 2*KV) * hd]`` and gate/up into ``w_gu`` ``[d, 2f]`` (64-column blocks).
-    Weights are ``[in, out]``.
+    Weights are ``[in, out]``. Each parameter carries logical axis names (``embed``,
+    ``qkv``, ``heads``, ``mlp``, ``norm``, ``head_dim``; :data:`coda_jax.sharding.LOGICAL_AXIS_RULES`
+    maps them to mesh axes), so ``nnx.get_partition_spec`` shards the block like any Flax module.
 
     Call: ``block(x [B, S, d], positions [B, S] int, carry=None, next_norm=None)``
     returns ``(x_out [B, S, d], carry_out)``. ``carry`` is the :class:`NormCarry` of ``x``
@@ -43,6 +47,10 @@ class CodaLlamaBlock(nnx.Module):
     ``next_norm`` the ``[d]`` weight of the norm that reads ``x_out`` (the next block's
     ``attn_norm`` or the final norm): with it, the last GEMM's epilogue writes the next
     carry, so no standalone norm pass runs between blocks.
+
+    Under a context mesh with a ``"tensor"`` axis (``jax.set_mesh``), the block runs tensor
+    parallel (:mod:`coda_jax.layers.tensor_parallel`): heads and MLP features split over the
+    axis, and the carry is not used (``carry_out`` is ``None``).
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, backend: str | None = None):
@@ -51,15 +59,17 @@ class CodaLlamaBlock(nnx.Module):
         self.backend = backend
         d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
         pd = c.param_dtype
-        self.attn_norm = nnx.Param(jnp.ones((d,), pd))
-        self.w_qkv = nnx.Param(_normal(rngs, (d, c.qkv_size), d ** -0.5, pd))
-        self.w_o = nnx.Param(_normal(rngs, (c.num_heads * hd, d), (c.num_heads * hd) ** -0.5 / (2 * c.num_layers) ** 0.5, pd))
-        self.mlp_norm = nnx.Param(jnp.ones((d,), pd))
-        self.w_gu = nnx.Param(_normal(rngs, (d, 2 * f), d ** -0.5, pd))
-        self.w_down = nnx.Param(_normal(rngs, (f, d), f ** -0.5 / (2 * c.num_layers) ** 0.5, pd))
+        p = logical_param  # nnx.Param with logical axis names (coda_jax.sharding.LOGICAL_AXIS_RULES)
+        self.attn_norm = p(jnp.ones((d,), pd), ("norm",))
+        self.w_qkv = p(_normal(rngs, (d, c.qkv_size), d ** -0.5, pd), ("embed", "qkv"))
+        self.w_o = p(_normal(rngs, (c.num_heads * hd, d), (c.num_heads * hd) ** -0.5 / (2 * c.num_layers) ** 0.5, pd),
+                     ("heads", "embed"))
+        self.mlp_norm = p(jnp.ones((d,), pd), ("norm",))
+        self.w_gu = p(_normal(rngs, (d, 2 * f), d ** -0.5, pd), ("embed", "mlp"))
+        self.w_down = p(_normal(rngs, (f, d), f ** -0.5 / (2 * c.num_layers) ** 0.5, pd), ("mlp", "embed"))
         if c.qk_norm:
-            self.q_norm = nnx.Param(jnp.ones((hd,), pd))
-            self.k_norm = nnx.Param(jnp.ones((hd,), pd))
+            self.q_norm = p(jnp.ones((hd,), pd), ("head_dim",))
+            self.k_norm = p(jnp.ones((hd,), pd), ("head_dim",))
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(hd, c.rope_theta, c.rope_scaling)))
 
     def _param(self, name: str, dtype=None) -> jax.Array:
@@ -81,6 +91,8 @@ class CodaLlamaBlock(nnx.Module):
             raise ValueError(f"x must be [batch, seq, {c.hidden_size}], got {x.shape}")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        if tensor_parallel_size(context_mesh()) > 1:  # Megatron TP: coda_jax/layers/tensor_parallel.py
+            return tensor_parallel_block(self, x, positions), None
         dt = c.dtype
         m = b * s
         x2 = reshape_tokens(x, (m, d)).astype(dt)

@@ -63,8 +63,9 @@ class LlamaConfig:
     # ------------------------------------------------------------------ presets ----
     @classmethod
     def tiny(cls, vocab_size: int = 4096, **kw) -> "LlamaConfig":
-        """A few-million-parameter model that trains on a CPU in minutes (float32)."""
-        base = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
+        """A few-million-parameter model that trains on a CPU in minutes (float32); its
+        ``intermediate_size`` (768 = 12 x 64) splits over a tensor axis of up to 4."""
+        base = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
                     num_kv_heads=4, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True,
                     dtype=jnp.float32, param_dtype=jnp.float32)
         return cls(**{**base, **kw})

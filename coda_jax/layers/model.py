@@ -10,7 +10,7 @@ from coda_jax.layers.block import CodaLlamaBlock
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
-from coda_jax.sharding import explicit_sharding, gathered, reshape_tokens
+from coda_jax.sharding import explicit_sharding, gathered, logical_param, reshape_tokens
 
 
 def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -36,19 +36,22 @@ class CodaLlama(nnx.Module):
     final norm), so the only standalone norm pass is the one after the embedding.
 
     Parameters: ``embed [V, d]``, ``blocks``, ``final_norm [d]``, ``lm_head [V, d]``
-    (absent when ``tie_word_embeddings``: the embedding table is the LM head).
+    (absent when ``tie_word_embeddings``: the embedding table is the LM head), each with
+    logical axis names (:func:`coda_jax.sharding.logical_param`).
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, backend: str | None = None):
         c = config
         self.config = c
         self.backend = backend
-        self.embed = nnx.Param(jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), c.param_dtype) * 0.02)
+        self.embed = logical_param(
+            jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), c.param_dtype) * 0.02, ("vocab", "embed"))
         self.blocks = nnx.List([CodaLlamaBlock(c, rngs=rngs, backend=backend) for _ in range(c.num_layers)])
-        self.final_norm = nnx.Param(jnp.ones((c.hidden_size,), c.param_dtype))
+        self.final_norm = logical_param(jnp.ones((c.hidden_size,), c.param_dtype), ("norm",))
         if not c.tie_word_embeddings:
-            self.lm_head = nnx.Param(
-                jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), c.param_dtype) * c.hidden_size ** -0.5)
+            self.lm_head = logical_param(
+                jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), c.param_dtype) * c.hidden_size ** -0.5,
+                ("vocab", "embed"))
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "CodaLlama":

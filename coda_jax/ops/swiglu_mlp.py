@@ -36,8 +36,11 @@ from coda_jax.ops.rms_norm_matmul import check_norm_inputs
 from coda_jax.programs import SWIGLU_BLOCK
 
 
-def _down(lowering: GemmLowering, y, w_down, x, gamma_next):
-    """``x + y @ w_down`` and the next norm's carry (None without ``gamma_next``)."""
+def _down(lowering: GemmLowering, y, w_down, x, gamma_next, residual: bool):
+    """``x + y @ w_down`` and the next norm's carry (None without ``gamma_next``); without
+    ``residual``, the float32 partial product ``y @ w_down`` alone (no carry)."""
+    if not residual:
+        return lowering.gemm(programs.IDENTITY, y, w_down, {}, out_dtypes={"out": jnp.float32})["out"], None
     if gamma_next is None:
         return lowering.gemm(programs.RESIDUAL, y, w_down, {"residual": x}, out_dtypes={"x": x.dtype})["x"], None
     out = lowering.gemm(programs.RESIDUAL_RMS, y, w_down, {"residual": x, "gamma": gamma_next},
@@ -45,22 +48,22 @@ def _down(lowering: GemmLowering, y, w_down, x, gamma_next):
     return out["x"], NormCarry(out["h"], out["sumsq"])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _swiglu_mlp(lowering: GemmLowering, eps: float, x, gamma, w_gu, w_down, gamma_next, h, sumsq):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _swiglu_mlp(lowering: GemmLowering, eps: float, residual: bool, x, gamma, w_gu, w_down, gamma_next, h, sumsq):
     rstd = rstd_from_partials(sumsq, x.shape[1], eps)
     y = lowering.gemm(programs.rms_swiglu(False), h, w_gu, {"rstd": rstd})["y"]
-    return _down(lowering, y, w_down, x, gamma_next)
+    return _down(lowering, y, w_down, x, gamma_next, residual)
 
 
-def _swiglu_mlp_fwd(lowering, eps, x, gamma, w_gu, w_down, gamma_next, h, sumsq):
+def _swiglu_mlp_fwd(lowering, eps, residual, x, gamma, w_gu, w_down, gamma_next, h, sumsq):
     rstd = rstd_from_partials(sumsq, x.shape[1], eps)
     outs = lowering.gemm(programs.rms_swiglu(True), h, w_gu, {"rstd": rstd})
     y, z = outs["y"], outs["z"]
-    out = _down(lowering, y, w_down, x, gamma_next)
+    out = _down(lowering, y, w_down, x, gamma_next, residual)
     return out, (x, gamma, w_gu, w_down, gamma_next, rstd, z, y, h, sumsq)
 
 
-def _swiglu_mlp_bwd(lowering, eps, res, cot):
+def _swiglu_mlp_bwd(lowering, eps, residual, res, cot):
     x, gamma, w_gu, w_down, gamma_next, rstd, z, y, h, sumsq = res
     dx_out, _ = cot  # the carry is a cache: no gradient flows through it
     dout = dx_out.astype(y.dtype)
@@ -68,12 +71,24 @@ def _swiglu_mlp_bwd(lowering, eps, res, cot):
                        out_dtypes={"dz": w_gu.dtype})
     dw_down = lowering.gemm(programs.IDENTITY, y, dout, {}, transpose_a=True, out_dtypes={"out": w_down.dtype})["out"]
     dx, dgamma, dw_gu = norm_gemm_backward(lowering, x, gamma, w_gu, rstd, sd["dz"], jnp.sum(sd["zdz"], axis=0),
-                                           dres=dx_out)
+                                           dres=dx_out if residual else None)
     dgn = None if gamma_next is None else jnp.zeros_like(gamma_next)
     return dx, dgamma, dw_gu, dw_down, dgn, jnp.zeros_like(h), jnp.zeros_like(sumsq)
 
 
 _swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
+
+
+def _check_mlp(x, gamma, w_gu, w_down) -> None:
+    check_norm_inputs(x, gamma, w_gu)
+    if w_gu.shape[1] % (2 * SWIGLU_BLOCK):
+        raise ValueError(f"w_gu must have 2f columns with f a multiple of {SWIGLU_BLOCK}, got {w_gu.shape}")
+    f = w_gu.shape[1] // 2
+    check_weight("w_down", w_down, f)
+    if w_down.shape[1] != x.shape[1]:
+        raise ValueError(f"w_down must be [{f}, {x.shape[1]}] (f, d), got {tuple(w_down.shape)}")
+    if w_down.dtype != x.dtype:
+        raise TypeError(f"w_down must have the dtype of x ({x.dtype}), got {w_down.dtype}")
 
 
 def swiglu_mlp(
@@ -105,17 +120,43 @@ def swiglu_mlp(
     Returns:
       ``(x_out [M, d] x.dtype, NormCarry of x_out for gamma_next or None)``.
     """
-    check_norm_inputs(x, gamma, w_gu)
-    if w_gu.shape[1] % (2 * SWIGLU_BLOCK):
-        raise ValueError(f"w_gu must have 2f columns with f a multiple of {SWIGLU_BLOCK}, got {w_gu.shape}")
-    f = w_gu.shape[1] // 2
-    check_weight("w_down", w_down, f)
-    if w_down.shape[1] != x.shape[1]:
-        raise ValueError(f"w_down must be [{f}, {x.shape[1]}] (f, d), got {tuple(w_down.shape)}")
-    if w_down.dtype != x.dtype:
-        raise TypeError(f"w_down must have the dtype of x ({x.dtype}), got {w_down.dtype}")
+    _check_mlp(x, gamma, w_gu, w_down)
     if gamma_next is not None:
         check_vector("gamma_next", gamma_next, x.shape[1])
     carry = resolve_carry(x, gamma, carry)
     lowering = lowering_for(SWIGLU_MLP, backend)
-    return _swiglu_mlp(lowering, float(eps), x, gamma, w_gu, w_down, gamma_next, carry.h, carry.sumsq)
+    return _swiglu_mlp(lowering, float(eps), True, x, gamma, w_gu, w_down, gamma_next, carry.h, carry.sumsq)
+
+
+def swiglu_mlp_partial(
+    x: jax.Array,
+    gamma: jax.Array,
+    w_gu: jax.Array,
+    w_down: jax.Array,
+    *,
+    carry: NormCarry | None = None,
+    eps: float = 1e-5,
+    backend: str | None = None,
+) -> jax.Array:
+    """``SwiGLU(RMSNorm(x)) @ w_down`` without the residual, in float32: the MLP of one
+    tensor-parallel shard (``w_gu`` / ``w_down`` hold this shard's ``f / T`` features), whose
+    output is one partial sum of the down projection, to be reduced across shards.
+
+    The same two GEMMs as :func:`swiglu_mlp` (the SwiGLU backward still runs in the epilogue
+    of the down projection's dgrad GEMM); only the residual add and the next norm's carry are
+    left out, since they belong after the reduction.
+
+    Args:
+      x: ``[M, d]`` residual stream (whole rows).
+      gamma: ``[d]`` RMSNorm weight.
+      w_gu: ``[d, 2f_shard]`` block-interleaved gate/up columns of this shard.
+      w_down: ``[f_shard, d]`` the matching rows of the down projection.
+      carry, eps, backend: as in :func:`swiglu_mlp`.
+
+    Returns:
+      ``[M, d]`` float32.
+    """
+    _check_mlp(x, gamma, w_gu, w_down)
+    carry = resolve_carry(x, gamma, carry)
+    lowering = lowering_for(SWIGLU_MLP, backend)
+    return _swiglu_mlp(lowering, float(eps), False, x, gamma, w_gu, w_down, None, carry.h, carry.sumsq)[0]

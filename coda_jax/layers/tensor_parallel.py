@@ -1,0 +1,150 @@
+"""Tensor parallelism for :class:`~coda_jax.layers.CodaLlamaBlock` (Megatron, sequence-parallel).
+
+When the context mesh (``jax.set_mesh``) has a ``"tensor"`` axis of size ``T > 1``, the
+block runs as one ``jax.shard_map`` over every mesh axis. Each tensor shard owns ``H / T``
+query heads, ``KV / T`` KV heads and ``f / T`` MLP features; tokens stay split over the
+data axes (``"data"``, ``"fsdp"``) as everywhere else. Per shard, with ``x`` the whole rows
+of its data shard ``[M_d, d]``:
+
+    qkv   = RoPE(rstd(x) * (x*g_attn) @ W_qkv[:, heads_t])     fused (column-parallel)
+    o     = attention(q, k, v) over the local heads
+    x1_t  = x_t + reduce_scatter_T(o @ W_o[heads_t, :])         row-parallel GEMM (XLA)
+    x1    = all_gather_T(x1_t)
+    p     = SwiGLU(rstd(x1) * (x1*g_mlp) @ W_gu[:, feats_t]) @ W_down[feats_t, :]   fused
+    x2_t  = x1_t + reduce_scatter_T(p)
+    x_out = all_gather_T(x2_t)
+
+``x_t`` is this shard's ``1/T`` of the rows: the residual adds run sequence-parallel on
+``M_d / T`` rows after a reduce-scatter (the float32 partial sums of the row-parallel GEMMs),
+and the gathers restore whole rows for the next column-parallel GEMM.
+
+**What stays fused under TP**: the QKV GEMM with the norm scale, RoPE and QK-norm in its
+epilogue, and the gate/up GEMM with the norm scale and SwiGLU, forward and backward
+(:func:`coda_jax.swiglu_mlp_partial`: the SwiGLU backward still runs in the epilogue of the
+down projection's dgrad GEMM). **What does not**: the residual add and the RMS statistics
+after a row-parallel GEMM (the partial sums must be reduced across shards first) become XLA
+ops after the reduce-scatter, and the norm statistics are recomputed from ``x`` in the next
+GEMM's op (no cross-layer :class:`~coda_jax.NormCarry` under TP).
+
+Weights enter the ``shard_map`` split as the math needs (``W_q``/``W_k``/``W_v`` and ``W_gu``
+by columns, ``W_o``/``W_down`` by rows); :func:`coda_jax.sharding.shard_state` stores them
+that way (``W_qkv`` excepted: its Q, K and V column groups are split separately, so it is
+stored whole along its columns). Gradients: ``shard_map``'s transpose (``check_vma=False``)
+sums each input's cotangent over the axes its spec does not name, which is exactly the sum of
+the shards' partial gradients (data shards for every weight, tensor shards for the norm
+weights and for ``x``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from coda_jax import partitioning
+from coda_jax.layers.attention import causal_attention
+from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
+from coda_jax.ops.swiglu_mlp import swiglu_mlp_partial
+from coda_jax.programs import SWIGLU_BLOCK
+from coda_jax.sharding import reshape_tokens
+
+TENSOR_AXIS = "tensor"
+
+
+def tensor_parallel_size(mesh) -> int:
+    """Size of ``mesh``'s ``"tensor"`` axis (1 without a mesh, without the axis, or inside a
+    ``shard_map`` that already made it manual)."""
+    if mesh is None or TENSOR_AXIS not in mesh.axis_names:
+        return 1
+    if TENSOR_AXIS in set(getattr(mesh, "manual_axes", ()) or ()):
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))[TENSOR_AXIS]
+
+
+def check_tensor_parallel(config, batch: int, seq: int, mesh) -> None:
+    """Raises ``ValueError`` naming the rule when the block cannot split over ``mesh``'s
+    tensor axis: heads, KV heads and MLP features divisible by ``T`` (each shard's gate/up
+    columns whole 64-column pairs), the batch by the data axes, each data shard's tokens by ``T``."""
+    t = tensor_parallel_size(mesh)
+    c = config
+    if c.num_heads % t or c.num_kv_heads % t:
+        raise ValueError(f"tensor parallel: num_heads ({c.num_heads}) and num_kv_heads ({c.num_kv_heads}) must be "
+                         f"multiples of the mesh's {TENSOR_AXIS!r} axis size ({t})")
+    if c.intermediate_size % (t * SWIGLU_BLOCK):
+        raise ValueError(f"tensor parallel: intermediate_size ({c.intermediate_size}) must be a multiple of "
+                         f"{TENSOR_AXIS!r} axis size x {SWIGLU_BLOCK} ({t * SWIGLU_BLOCK}): each shard's gate/up "
+                         "columns are whole 64-column blocks")
+    dp = _data_shards(mesh)
+    if batch % dp:
+        raise ValueError(f"tensor parallel: batch ({batch}) must be a multiple of the data axes' size ({dp})")
+    if (batch // dp * seq) % t:
+        raise ValueError(f"tensor parallel: tokens per data shard ({batch // dp} x {seq}) must be a multiple of "
+                         f"the {TENSOR_AXIS!r} axis size ({t}) for the sequence-parallel residual")
+
+
+def _data_shards(mesh) -> int:
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return math.prod(sizes[a] for a in partitioning.token_axes(mesh))
+
+
+def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """``block(x, positions)`` split over the context mesh's ``"tensor"`` axis.
+
+    Args:
+      block: a :class:`~coda_jax.layers.CodaLlamaBlock`.
+      x: ``[B, S, d]`` residual stream (batch split over the data axes, if any).
+      positions: ``[B, S]`` int token positions.
+
+    Returns:
+      ``[B, S, d]`` in the config's compute dtype.
+    """
+    c = block.config
+    mesh = partitioning.context_mesh()
+    t = tensor_parallel_size(mesh)
+    b, s, d = x.shape
+    check_tensor_parallel(c, b, s, mesh)
+    dt, hd, nh, nkv = c.dtype, c.head_dim, c.num_heads, c.num_kv_heads
+    m = b * s
+    dp = partitioning.token_axes(mesh)
+    tok = dp if len(dp) > 1 else (dp[0] if dp else None)
+    w = block._param
+    w_qkv = w("w_qkv", dt)  # [d, (H + 2 KV) hd]: Q, K, V column groups, each split by heads
+    params = {"attn_norm": w("attn_norm"), "w_q": w_qkv[:, :nh * hd], "w_k": w_qkv[:, nh * hd:(nh + nkv) * hd],
+              "w_v": w_qkv[:, (nh + nkv) * hd:], "w_o": w("w_o", dt), "mlp_norm": w("mlp_norm"),
+              "w_gu": w("w_gu", dt), "w_down": w("w_down", dt), "inv_freq": w("inv_freq")}
+    col, row = P(None, TENSOR_AXIS), P(TENSOR_AXIS, None)
+    specs = {"attn_norm": P(), "w_q": col, "w_k": col, "w_v": col, "w_o": row, "mlp_norm": P(),
+             "w_gu": col, "w_down": row, "inv_freq": P()}
+    if c.qk_norm:
+        params.update(q_norm=w("q_norm"), k_norm=w("k_norm"))
+        specs.update(q_norm=P(), k_norm=P())
+    hl, kvl = nh // t, nkv // t
+
+    def body(x, pos, p):
+        ml = x.shape[0]
+        qk = dict(q_norm=p["q_norm"], k_norm=p["k_norm"], qk_norm_eps=c.qk_norm_eps) if c.qk_norm else {}
+        w_qkv_t = jnp.concatenate([p["w_q"], p["w_k"], p["w_v"]], axis=1)  # this shard's heads, Q|K|V
+        qkv = rms_norm_matmul_rope(x, p["attn_norm"], w_qkv_t, pos, p["inv_freq"], num_heads=hl, num_kv_heads=kvl,
+                                   eps=c.rms_norm_eps, backend=block.backend, **qk)
+        q = qkv[:, :hl * hd].reshape(ml // s, s, hl, hd)
+        k = qkv[:, hl * hd:(hl + kvl) * hd].reshape(ml // s, s, kvl, hd)
+        v = qkv[:, (hl + kvl) * hd:].reshape(ml // s, s, kvl, hd)
+        o = causal_attention(q, k, v, c.attention_implementation).reshape(ml, hl * hd)
+        # Row-parallel o-projection: float32 partial sums, reduce-scattered over the rows.
+        attn = jax.lax.psum_scatter(jnp.dot(o, p["w_o"], preferred_element_type=jnp.float32), TENSOR_AXIS,
+                                    scatter_dimension=0, tiled=True)
+        rows = ml // t
+        x_t = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(TENSOR_AXIS) * rows, rows, axis=0)
+        x1_t = (x_t.astype(jnp.float32) + attn).astype(dt)
+        x1 = jax.lax.all_gather(x1_t, TENSOR_AXIS, axis=0, tiled=True)
+        mlp = swiglu_mlp_partial(x1, p["mlp_norm"], p["w_gu"], p["w_down"], eps=c.rms_norm_eps,
+                                 backend=block.backend)
+        x2_t = (x1_t.astype(jnp.float32)
+                + jax.lax.psum_scatter(mlp, TENSOR_AXIS, scatter_dimension=0, tiled=True)).astype(dt)
+        return jax.lax.all_gather(x2_t, TENSOR_AXIS, axis=0, tiled=True)
+
+    out = partitioning.shard_map_over(mesh, body, (P(tok, None), P(tok), specs), P(tok, None),
+                                      reshape_tokens(x, (m, d)).astype(dt), reshape_tokens(positions, (m,)), params)
+    return reshape_tokens(out, (b, s, d))
