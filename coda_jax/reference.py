@@ -1,7 +1,11 @@
 """The reference ("xla") lowering: epilogue bodies run on whole arrays with ``jnp``.
 
 The GEMM is one ``jnp.dot`` with float32 accumulation; the body then sees the whole
-``[M, N]`` accumulator as its "tile". Epilogues with an online log-sum-exp are run in
+``[M, N]`` accumulator as its "tile". :data:`REFERENCE` keeps that accumulator in float32
+(the exact math the kernels are tested against). The ``"xla"`` backend's lowering
+(:func:`xla_backend_lowering`) by default has cuBLAS round it to the 16-bit operand dtype as
+it writes it, as a plain JAX model's ``x @ w`` does: the accumulator crosses HBM in half the
+bytes, and the body upcasts it to float32. Epilogues with an online log-sum-exp are run in
 column chunks under ``lax.scan``, so the full ``[M, N]`` logits never exist at once:
 that is the stateful transform, carried across chunks as (running max, running sum).
 """
@@ -22,15 +26,19 @@ from coda_jax.epilogue import Epilogue, LoadKind, OutputKind, join_pairs, split_
 LSE_CHUNK = 8192
 
 
-def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:
-    """float32 ``op(a) @ op(b)``; full float32 precision for float32 operands."""
+def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, round_acc: bool = False) -> jax.Array:
+    """float32 ``op(a) @ op(b)``; full float32 precision for float32 operands. With
+    ``round_acc`` and 16-bit operands, the product is written in the operand dtype (float32
+    accumulation inside the GEMM, one rounding on the way out) and upcast after."""
     ca = 0 if transpose_a else 1
     cb = 1 if transpose_b else 0
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(
-        a, b, (((ca,), (cb,)), ((), ())), precision=precision, preferred_element_type=jnp.float32,
+    out_dtype = a.dtype if round_acc and jnp.dtype(a.dtype).itemsize == 2 and a.dtype == b.dtype else jnp.float32
+    out = lax.dot_general(
+        a, b, (((ca,), (cb,)), ((), ())), precision=precision, preferred_element_type=out_dtype,
         out_sharding=_contracted_out_sharding(a, b, ca, cb),
     )
+    return out.astype(jnp.float32)
 
 
 def _contracted_out_sharding(a: jax.Array, b: jax.Array, ca: int, cb: int):
@@ -122,6 +130,9 @@ class ReferenceLowering:
 
     name = "xla"
 
+    def __init__(self, round_acc: bool = False):
+        self.round_acc = round_acc
+
     def gemm(
         self,
         epilogue: Epilogue,
@@ -140,7 +151,7 @@ class ReferenceLowering:
         if (any(o.kind is OutputKind.ROW_LOGSUMEXP for o in epilogue.outputs) and n > LSE_CHUNK
                 and not any(o.kind is OutputKind.TILE for o in epilogue.outputs)):  # [M, N] is written anyway
             return self._chunked_rows(epilogue, a, b, loads, transpose_a, transpose_b, m, n)
-        acc = _dot(a, b, transpose_a, transpose_b)
+        acc = _dot(a, b, transpose_a, transpose_b, self.round_acc)
         res = self._run_body(epilogue, acc, _prepare_loads(epilogue, loads), n, 0)
         return self._finish(epilogue, res, m, dtypes)
 
@@ -195,7 +206,7 @@ class ReferenceLowering:
             start = i * chunk
             bc = (lax.dynamic_slice_in_dim(bp, start, chunk, axis=0) if transpose_b
                   else lax.dynamic_slice_in_dim(bp, start, chunk, axis=1))
-            acc = _dot(a, bc, transpose_a, transpose_b)
+            acc = _dot(a, bc, transpose_a, transpose_b, self.round_acc)
             res = self._run_body(epi, acc, prepared, chunk, start)
             valid = (lax.broadcasted_iota(jnp.int32, (1, chunk), 1) + start) < n
             new_mx, new_se = {}, {}
@@ -217,3 +228,21 @@ class ReferenceLowering:
 
 
 REFERENCE = ReferenceLowering()
+"""The exact reference: float32 accumulators end to end (what kernels are tested against)."""
+
+XLA_ACC_ENV = "CODA_JAX_XLA_ACC"
+
+
+def xla_backend_lowering() -> ReferenceLowering:
+    """The ``"xla"`` backend's lowering: :data:`REFERENCE`'s math with the GEMM output
+    rounded to the 16-bit operand dtype (the default, ``CODA_JAX_XLA_ACC=operand``), or kept
+    in float32 (``CODA_JAX_XLA_ACC=float32``: exact, slower). Read at trace time."""
+    import os
+
+    mode = os.environ.get(XLA_ACC_ENV, "operand")
+    if mode not in ("operand", "float32"):
+        raise ValueError(f"{XLA_ACC_ENV} must be 'operand' or 'float32', got {mode!r}")
+    return REFERENCE if mode == "float32" else _XLA_ROUNDED
+
+
+_XLA_ROUNDED = ReferenceLowering(round_acc=True)
