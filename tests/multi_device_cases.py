@@ -22,6 +22,10 @@ import numpy as np
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     raise SystemExit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
+# The xla backend's exact float32 accumulators: these cases compare a sharded step with one
+# device's, and bf16-rounded GEMM outputs would add reduction-order noise to that comparison.
+os.environ.setdefault("CODA_JAX_XLA_ACC", "float32")
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
