@@ -82,6 +82,18 @@ def _split_pairs(x: jax.Array, b: int, lead: int | None) -> tuple[jax.Array, jax
     return lo, hi
 
 
+def _join_pairs(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """:func:`~coda_jax.epilogue.join_pairs` as an elementwise select over ``[..., C, 2, b]``
+    rather than a concatenation: XLA emits a loop fusion that writes the interleaved tile in
+    one vectorized pass (a concatenate-rooted fusion of the same bytes ran at a third of
+    HBM bandwidth on the H100)."""
+    lo, hi = jnp.expand_dims(lo, -2), jnp.expand_dims(hi, -2)
+    shape = jnp.broadcast_shapes(lo.shape, hi.shape)[:-2] + (2, lo.shape[-1])
+    first = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) == 0
+    y = jnp.where(first, lo, hi)
+    return y.reshape(y.shape[:-3] + (-1,))
+
+
 def _split_half(x: jax.Array, b: int) -> jax.Array:
     """[..., N/2] -> [..., N/(2b), b]."""
     return x.reshape(x.shape[:-1] + (x.shape[-1] // b, b))
@@ -172,7 +184,7 @@ class ReferenceLowering:
             v = res[o.name]
             if o.kind is OutputKind.TILE:
                 if epi.pair_block is not None:
-                    v = v.reshape(m, -1) if o.half else join_pairs(*v)
+                    v = v.reshape(m, -1) if o.half else _join_pairs(*v)
                 out[o.name] = jnp.broadcast_to(v, (m,) + v.shape[1:]).astype(dtypes[o.name])
             elif o.kind is OutputKind.ROW_SUM:
                 out[o.name] = jnp.broadcast_to(_reduce_rows(v), (m,))[None].astype(jnp.float32)

@@ -4,6 +4,14 @@ import jax
 import numpy as np
 import pytest
 
+# The Mosaic GPU interpreter runs each simulated thread's jitted step from its own Python
+# thread and makes them meet at barriers (io_callbacks). With asynchronous CPU dispatch those
+# steps queue on the CPU client's small thread pool (2 threads on a 2-core CI machine): the
+# threads already at a barrier hold it while the others wait for a slot, and the test hangs
+# (seen intermittently in test_pallas_kernels.py under two pytest-xdist workers). Synchronous
+# dispatch runs each step on its own calling thread.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 
 def _hopper() -> bool:
     try:
