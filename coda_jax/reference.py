@@ -184,7 +184,9 @@ class ReferenceLowering:
             v = res[o.name]
             if o.kind is OutputKind.TILE:
                 if epi.pair_block is not None:
-                    v = v.reshape(m, -1) if o.half else _join_pairs(*v)
+                    # Cast each half before the join (a permutation): a fusion that also
+                    # reduces the halves (zdz) then writes them in the output dtype, not float32.
+                    v = v.reshape(m, -1) if o.half else _join_pairs(*(h.astype(dtypes[o.name]) for h in v))
                 out[o.name] = jnp.broadcast_to(v, (m,) + v.shape[1:]).astype(dtypes[o.name])
             elif o.kind is OutputKind.ROW_SUM:
                 out[o.name] = jnp.broadcast_to(_reduce_rows(v), (m,))[None].astype(jnp.float32)
