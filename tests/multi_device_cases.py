@@ -135,36 +135,42 @@ def case_ops_data_parallel(mode: str) -> None:
     print(f"OK ops_data_parallel_{mode}")
 
 
-def case_model(backend: str, shape: tuple[int, ...], mode: str) -> None:
-    """CodaLlama's loss and every gradient on a ("data", "fsdp") mesh (FSDP-sharded state)
-    equal one device's."""
+def _model_step(backend: str, cfg):
+    """(jitted ``value_and_grad`` of ``CodaLlama(cfg).loss``, its state, tokens ``[8, 33]``,
+    the one-device result)."""
     from flax import nnx
 
-    from coda_jax.layers import CodaLlama, LlamaConfig
-    from coda_jax.sharding import batch_sharding, shard_state
+    from coda_jax.layers import CodaLlama
 
     if backend == "pallas":
         install_opaque_kernel()
-    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                           num_kv_heads=1, head_dim=32, dtype=jnp.bfloat16)
     gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend))
     tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.vocab_size)
+    step = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(gdef, st).loss(t[:, :-1], t[:, 1:])))
+    return step, state, tokens, step(state, tokens)
 
-    def loss(state, tokens):
-        return nnx.merge(gdef, state).loss(tokens[:, :-1], tokens[:, 1:])
 
-    step = jax.jit(jax.value_and_grad(loss))
-    want = step(state, tokens)
+def _assert_matches(got, want, tol: float, label: str) -> None:
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        e = rel(a, b)
+        assert e < tol, f"{label}: {jax.tree_util.keystr(path)} rel err {e:.3g}"
+
+
+def case_model(backend: str, shape: tuple[int, ...], mode: str) -> None:
+    """CodaLlama's loss and every gradient on a ("data", "fsdp") mesh (FSDP-sharded state)
+    equal one device's."""
+    from coda_jax.layers import LlamaConfig
+    from coda_jax.sharding import batch_sharding, shard_state
+
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=32, dtype=jnp.bfloat16)
+    step, state, tokens, want = _model_step(backend, cfg)
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
     names = ("data", "fsdp")[:len(shape)]
     mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
     with jax.set_mesh(mesh):
-        s_state = shard_state(state, mesh)
-        s_tokens = jax.device_put(tokens, batch_sharding(mesh))
-        got = step(s_state, s_tokens)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        e = rel(a, b)
-        assert e < 2e-2, f"{backend} {shape} {mode}: {jax.tree_util.keystr(path)} rel err {e:.3g}"
+        got = step(shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh)))
+    _assert_matches(got, want, 2e-2, f"{backend} {shape} {mode}")
     print(f"OK model_{backend}_{'x'.join(map(str, shape))}_{mode}")
 
 
@@ -177,18 +183,9 @@ def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: 
     from coda_jax.layers import CodaLlama, LlamaConfig
     from coda_jax.sharding import batch_sharding, shard_state
 
-    if backend == "pallas":
-        install_opaque_kernel()
     cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=8,
                            num_kv_heads=4, head_dim=32, qk_norm=True, dtype=getattr(jnp, dtype))
-    gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend))
-    tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.vocab_size)
-
-    def loss(state, tokens):
-        return nnx.merge(gdef, state).loss(tokens[:, :-1], tokens[:, 1:])
-
-    step = jax.jit(jax.value_and_grad(loss))
-    want = step(state, tokens)
+    step, state, tokens, want = _model_step(backend, cfg)
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
     mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(axis_type,) * 3)
     with jax.set_mesh(mesh):
@@ -199,10 +196,7 @@ def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: 
         got = step(s_state, s_tokens)
         hlo = step.lower(s_state, s_tokens).compile().as_text()
     assert "reduce-scatter" in hlo, "no reduce-scatter in the tensor-parallel step (row-parallel GEMMs)"
-    tol = 1e-4 if dtype == "float32" else 2e-2
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        e = rel(a, b)
-        assert e < tol, f"TP {backend} {shape} {mode} {dtype}: {jax.tree_util.keystr(path)} rel err {e:.3g}"
+    _assert_matches(got, want, 1e-4 if dtype == "float32" else 2e-2, f"TP {backend} {shape} {mode} {dtype}")
     # A head count the tensor axis does not divide is refused by name.
     bad = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=256, num_layers=1, num_heads=6,
                            num_kv_heads=2, head_dim=32)
