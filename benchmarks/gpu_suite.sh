@@ -43,6 +43,8 @@ echo "== GPU tests ==" | tee "$OUT/tests.log"
 if [ -z "${SKIP_TESTS:-}" ]; then
   if [ -z "${GPU_TESTS:-}" ]; then
     GPU_TESTS="tests/test_gpu_pallas.py"; [[ $BACKENDS == *cutedsl* ]] && GPU_TESTS="$GPU_TESTS tests/test_gpu_cutedsl.py"
+    # data / FSDP / tensor parallel against one GPU; skips itself on a machine with one GPU
+    GPU_TESTS="$GPU_TESTS tests/test_gpu_multi.py"
   fi
   timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
 fi
