@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from coda_jax.epilogue import Epilogue, LoadKind, OutputKind, join_pairs, split_pairs
+from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 
 # Column chunk of the reference's online log-sum-exp (the largest logits block alive).
 LSE_CHUNK = 8192
@@ -74,29 +74,47 @@ class _WholeArrayContext:
         return (lax.broadcasted_iota(jnp.int32, (1, self.n), 1) + self.col_offset).astype(jnp.int32)
 
 
-def _split_pairs(x: jax.Array, b: int, lead: int | None) -> tuple[jax.Array, jax.Array]:
-    """[..., N] -> (lo, hi), each [lead?, N/(2b), b]."""
-    lo, hi = split_pairs(x, b)
-    if lead is not None and x.ndim == 1:
-        lo, hi = lo[None], hi[None]
-    return lo, hi
+# Pair mode on whole arrays: a width-N array is viewed as ``[..., C, 2, b]`` (C = N/(2b)
+# pairs of b-column blocks) and ``lo`` / ``hi`` are its slices ``[..., C, 1, b]``. Keeping
+# the pair axis (size 1) in every half lets each output be written, and each row sum be
+# reduced, over the same ``[M, C, 2, b]`` iteration space: XLA then fuses a pair epilogue's
+# tile outputs and its row reductions into one pass over the operands (with halves of
+# shape ``[M, C, b]`` the row sum and the rejoined tile were separate fusions, and the
+# halves went through HBM in float32 between them).
 
 
-def _join_pairs(lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """:func:`~coda_jax.epilogue.join_pairs` as an elementwise select over ``[..., C, 2, b]``
-    rather than a concatenation: XLA emits a loop fusion that writes the interleaved tile in
-    one vectorized pass (a concatenate-rooted fusion of the same bytes ran at a third of
-    HBM bandwidth on the H100)."""
-    lo, hi = jnp.expand_dims(lo, -2), jnp.expand_dims(hi, -2)
-    shape = jnp.broadcast_shapes(lo.shape, hi.shape)[:-2] + (2, lo.shape[-1])
-    first = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) == 0
-    y = jnp.where(first, lo, hi)
-    return y.reshape(y.shape[:-3] + (-1,))
+def _pair_view(x: jax.Array, b: int) -> jax.Array:
+    """``[..., N] -> [..., N/(2b), 2, b]``."""
+    n = x.shape[-1]
+    if n % (2 * b):
+        raise ValueError(f"pair mode needs a width divisible by 2*{b}, got {n}")
+    return x.reshape(x.shape[:-1] + (n // (2 * b), 2, b))
+
+
+def _split_pairs(x: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
+    """``[..., N] -> (lo, hi)``, each ``[..., N/(2b), 1, b]``."""
+    y = _pair_view(x, b)
+    return y[..., 0:1, :], y[..., 1:2, :]
 
 
 def _split_half(x: jax.Array, b: int) -> jax.Array:
-    """[..., N/2] -> [..., N/(2b), b]."""
-    return x.reshape(x.shape[:-1] + (x.shape[-1] // b, b))
+    """One value per pair: ``[..., N/2] -> [..., N/(2b), 1, b]``."""
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // b, 1, b))
+
+
+def _first_of_pair(shape: tuple[int, ...]) -> jax.Array:
+    """Boolean ``[..., C, 2, b]`` mask of the ``lo`` half."""
+    return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) == 0
+
+
+def _join_pairs(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """``(lo, hi)`` ``[..., C, 1, b]`` -> ``[..., C, 2, b]``, as an elementwise select
+    rather than a concatenation: XLA emits a loop fusion that writes the interleaved tile in
+    one vectorized pass (a concatenate-rooted fusion of the same bytes ran at a third of
+    HBM bandwidth on the H100)."""
+    shape = jnp.broadcast_shapes(lo.shape, hi.shape)
+    shape = shape[:-2] + (2, shape[-1])
+    return jnp.where(_first_of_pair(shape), lo, hi)
 
 
 def _prepare_loads(epi: Epilogue, loads: Mapping[str, jax.Array]) -> dict[str, Any]:
@@ -111,29 +129,40 @@ def _prepare_loads(epi: Epilogue, loads: Mapping[str, jax.Array]) -> dict[str, A
             out[l.name] = {LoadKind.ROW: lambda v: v[:, None], LoadKind.COL: lambda v: v[None, :],
                            LoadKind.TILE: lambda v: v}[l.kind](v)
         elif l.kind is LoadKind.ROW:
-            out[l.name] = v[:, None, None]
+            out[l.name] = v[:, None, None, None]
         elif l.kind is LoadKind.ROW_BLOCK:
-            out[l.name] = v[:, None, :]
+            out[l.name] = v[:, None, None, :]
         elif l.half:  # one value per pair (the accumulator's width when half_acc)
             out[l.name] = _split_half(v, b)[None] if l.kind is LoadKind.COL else _split_half(v, b)
         elif l.kind is LoadKind.COL:
-            out[l.name] = _split_pairs(v, b, lead=1)
+            out[l.name] = _split_pairs(v[None], b)
         else:
-            out[l.name] = _split_pairs(v, b, lead=None)
+            out[l.name] = _split_pairs(v, b)
     return out
 
 
-def _reduce_rows(v: Any) -> jax.Array:
+def _pair_tile(v: Any, m: int) -> jax.Array:
+    """A pair-mode body value as the ``[m, C, 2, b]`` (pair) or ``[m, C, 1, b]`` (half) array
+    it covers, broadcast over rows."""
     if isinstance(v, tuple):
-        return sum(_reduce_rows(x) for x in v)
-    return v.reshape(v.shape[0], -1).sum(axis=1)
+        v = _join_pairs(*v)
+    return jnp.broadcast_to(v, (m,) + v.shape[1:])
 
 
-def _reduce_cols(v: Any, m: int) -> jax.Array:
-    if isinstance(v, tuple):  # pair mode: rejoin halves so columns keep their global order
-        lo, hi = (jnp.broadcast_to(x, (m,) + x.shape[1:]) for x in v)
-        return join_pairs(lo, hi).sum(axis=0)
+def _reduce_rows(v: Any, m: int, pair: bool) -> jax.Array:
+    """Row sums ``[m]`` of a body value. In pair mode a half-shaped summand is reduced over the
+    joined ``[m, C, 2, b]`` space (zeros in the ``hi`` half), the shape of the tile outputs."""
+    if pair:
+        if not isinstance(v, tuple):
+            shape = jnp.broadcast_shapes(v.shape, (m, 1, 1, 1))
+            v = (v, jnp.zeros(shape, v.dtype)) if shape[-2] == 1 else v
+        v = _pair_tile(v, m)
     v = jnp.broadcast_to(v, (m,) + v.shape[1:])
+    return v.reshape(m, -1).sum(axis=1)
+
+
+def _reduce_cols(v: Any, m: int, pair: bool) -> jax.Array:
+    v = _pair_tile(v, m) if pair else jnp.broadcast_to(v, (m,) + v.shape[1:])
     return v.reshape(m, -1).sum(axis=0)
 
 
@@ -172,7 +201,7 @@ class ReferenceLowering:
         if epi.half_acc:  # one column per pair: shaped like one pair half
             acc = _split_half(acc, epi.pair_block)
         elif epi.pair_block is not None:
-            acc = _split_pairs(acc, epi.pair_block, lead=None)
+            acc = _split_pairs(acc, epi.pair_block)
         res = dict(epi.body(acc, ctx, **prepared))
         if set(res) != {o.name for o in epi.outputs}:
             raise ValueError(f"epilogue {epi.name!r} body returned {sorted(res)}, declared {[o.name for o in epi.outputs]}")
@@ -180,18 +209,17 @@ class ReferenceLowering:
 
     def _finish(self, epi: Epilogue, res, m, dtypes):
         out = {}
+        pair = epi.pair_block is not None
         for o in epi.outputs:
             v = res[o.name]
             if o.kind is OutputKind.TILE:
-                if epi.pair_block is not None:
-                    # Cast each half before the join (a permutation): a fusion that also
-                    # reduces the halves (zdz) then writes them in the output dtype, not float32.
-                    v = v.reshape(m, -1) if o.half else _join_pairs(*(h.astype(dtypes[o.name]) for h in v))
+                if pair:
+                    v = _pair_tile(v, m).reshape(m, -1)
                 out[o.name] = jnp.broadcast_to(v, (m,) + v.shape[1:]).astype(dtypes[o.name])
             elif o.kind is OutputKind.ROW_SUM:
-                out[o.name] = jnp.broadcast_to(_reduce_rows(v), (m,))[None].astype(jnp.float32)
+                out[o.name] = _reduce_rows(v, m, pair)[None].astype(jnp.float32)
             elif o.kind is OutputKind.COL_SUM:
-                out[o.name] = _reduce_cols(v, m)[None].astype(jnp.float32)
+                out[o.name] = _reduce_cols(v, m, pair)[None].astype(jnp.float32)
             else:  # ROW_LOGSUMEXP, unchunked
                 out[o.name] = jax.nn.logsumexp(v, axis=-1)[None].astype(jnp.float32)
         return out
