@@ -75,12 +75,15 @@ class _WholeArrayContext:
 
 
 # Pair mode on whole arrays: a width-N array is viewed as ``[..., C, 2, b]`` (C = N/(2b)
-# pairs of b-column blocks) and ``lo`` / ``hi`` are its slices ``[..., C, 1, b]``. Keeping
-# the pair axis (size 1) in every half lets each output be written, and each row sum be
-# reduced, over the same ``[M, C, 2, b]`` iteration space: XLA then fuses a pair epilogue's
-# tile outputs and its row reductions into one pass over the operands (with halves of
-# shape ``[M, C, b]`` the row sum and the rejoined tile were separate fusions, and the
-# halves went through HBM in float32 between them).
+# pairs of b-column blocks). The body runs in that joined space: ``lo`` and ``hi`` are each
+# broadcast along the pair axis to ``[..., C, 2, b]``, so every intermediate of the body has
+# the shape of the tile it writes. A pair output ``(lo, hi)`` is then a select on the pair
+# index, a row sum reduces over the same space, and XLA fuses the tile outputs and row sums
+# of one epilogue into one pass over the operands. (With half-shaped intermediates, an
+# intermediate feeding both halves of the joined tile is read twice per element; XLA does not
+# fuse an expensive producer, such as the sigmoid of the SwiGLU backward, into such a
+# consumer, and the float32 halves went through HBM.) The body's math is done twice per pair
+# (once at each pair index), which costs nothing in a memory-bound pass.
 
 
 def _pair_view(x: jax.Array, b: int) -> jax.Array:
@@ -91,15 +94,20 @@ def _pair_view(x: jax.Array, b: int) -> jax.Array:
     return x.reshape(x.shape[:-1] + (n // (2 * b), 2, b))
 
 
+def _both(x: jax.Array) -> jax.Array:
+    """``[..., C, 1, b]`` broadcast along the pair axis to ``[..., C, 2, b]``."""
+    return jnp.broadcast_to(x, x.shape[:-2] + (2, x.shape[-1]))
+
+
 def _split_pairs(x: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
-    """``[..., N] -> (lo, hi)``, each ``[..., N/(2b), 1, b]``."""
+    """``[..., N] -> (lo, hi)``, each ``[..., N/(2b), 2, b]`` (constant along the pair axis)."""
     y = _pair_view(x, b)
-    return y[..., 0:1, :], y[..., 1:2, :]
+    return _both(y[..., 0:1, :]), _both(y[..., 1:2, :])
 
 
 def _split_half(x: jax.Array, b: int) -> jax.Array:
-    """One value per pair: ``[..., N/2] -> [..., N/(2b), 1, b]``."""
-    return x.reshape(x.shape[:-1] + (x.shape[-1] // b, 1, b))
+    """One value per pair: ``[..., N/2] -> [..., N/(2b), 2, b]`` (constant along the pair axis)."""
+    return _both(x.reshape(x.shape[:-1] + (x.shape[-1] // b, 1, b)))
 
 
 def _first_of_pair(shape: tuple[int, ...]) -> jax.Array:
@@ -107,14 +115,12 @@ def _first_of_pair(shape: tuple[int, ...]) -> jax.Array:
     return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) == 0
 
 
-def _join_pairs(lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """``(lo, hi)`` ``[..., C, 1, b]`` -> ``[..., C, 2, b]``, as an elementwise select
+def _join_pairs(lo: jax.Array, hi: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``(lo, hi)`` -> ``shape = [M, C, 2, b]``, as an elementwise select on the pair index
     rather than a concatenation: XLA emits a loop fusion that writes the interleaved tile in
     one vectorized pass (a concatenate-rooted fusion of the same bytes ran at a third of
     HBM bandwidth on the H100)."""
-    shape = jnp.broadcast_shapes(lo.shape, hi.shape)
-    shape = shape[:-2] + (2, shape[-1])
-    return jnp.where(_first_of_pair(shape), lo, hi)
+    return jnp.where(_first_of_pair(shape), jnp.broadcast_to(lo, shape), jnp.broadcast_to(hi, shape))
 
 
 def _prepare_loads(epi: Epilogue, loads: Mapping[str, jax.Array]) -> dict[str, Any]:
@@ -133,7 +139,7 @@ def _prepare_loads(epi: Epilogue, loads: Mapping[str, jax.Array]) -> dict[str, A
         elif l.kind is LoadKind.ROW_BLOCK:
             out[l.name] = v[:, None, None, :]
         elif l.half:  # one value per pair (the accumulator's width when half_acc)
-            out[l.name] = _split_half(v, b)[None] if l.kind is LoadKind.COL else _split_half(v, b)
+            out[l.name] = _split_half(v[None] if l.kind is LoadKind.COL else v, b)
         elif l.kind is LoadKind.COL:
             out[l.name] = _split_pairs(v[None], b)
         else:
@@ -141,29 +147,18 @@ def _prepare_loads(epi: Epilogue, loads: Mapping[str, jax.Array]) -> dict[str, A
     return out
 
 
-def _pair_tile(v: Any, m: int) -> jax.Array:
-    """A pair-mode body value as the ``[m, C, 2, b]`` (pair) or ``[m, C, 1, b]`` (half) array
-    it covers, broadcast over rows."""
+def _pair_value(v: Any, shape: tuple[int, ...]) -> jax.Array:
+    """A pair-mode body value over the joined ``shape = [M, C, 2, b]``: a ``(lo, hi)`` output
+    joined; a single value (constant along the pair axis) counted once per pair, at ``lo``."""
     if isinstance(v, tuple):
-        v = _join_pairs(*v)
-    return jnp.broadcast_to(v, (m,) + v.shape[1:])
+        return _join_pairs(*v, shape)
+    return jnp.where(_first_of_pair(shape), jnp.broadcast_to(v, shape), 0.0)
 
 
-def _reduce_rows(v: Any, m: int, pair: bool) -> jax.Array:
-    """Row sums ``[m]`` of a body value. In pair mode a half-shaped summand is reduced over the
-    joined ``[m, C, 2, b]`` space (zeros in the ``hi`` half), the shape of the tile outputs."""
-    if pair:
-        if not isinstance(v, tuple):
-            shape = jnp.broadcast_shapes(v.shape, (m, 1, 1, 1))
-            v = (v, jnp.zeros(shape, v.dtype)) if shape[-2] == 1 else v
-        v = _pair_tile(v, m)
-    v = jnp.broadcast_to(v, (m,) + v.shape[1:])
-    return v.reshape(m, -1).sum(axis=1)
-
-
-def _reduce_cols(v: Any, m: int, pair: bool) -> jax.Array:
-    v = _pair_tile(v, m) if pair else jnp.broadcast_to(v, (m,) + v.shape[1:])
-    return v.reshape(m, -1).sum(axis=0)
+def _half_tile(v: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A one-value-per-pair output ``[M, N/2]`` from a value constant along the pair axis."""
+    v = jnp.broadcast_to(v, shape)[..., 0:1, :]
+    return v.reshape(shape[0], -1)
 
 
 class ReferenceLowering:
@@ -194,7 +189,7 @@ class ReferenceLowering:
             return self._chunked_rows(epilogue, a, b, loads, transpose_a, transpose_b, m, n)
         acc = _dot(a, b, transpose_a, transpose_b, self.round_acc)
         res = self._run_body(epilogue, acc, _prepare_loads(epilogue, loads), n, 0)
-        return self._finish(epilogue, res, m, dtypes)
+        return self._finish(epilogue, res, m, n, dtypes)
 
     def _run_body(self, epi: Epilogue, acc, prepared, n, col_offset):
         ctx = _WholeArrayContext(n, col_offset)
@@ -207,19 +202,26 @@ class ReferenceLowering:
             raise ValueError(f"epilogue {epi.name!r} body returned {sorted(res)}, declared {[o.name for o in epi.outputs]}")
         return res
 
-    def _finish(self, epi: Epilogue, res, m, dtypes):
+    def _finish(self, epi: Epilogue, res, m, n, dtypes):
         out = {}
-        pair = epi.pair_block is not None
+        b = epi.pair_block
+        # Pair mode: the joined [M, C, 2, b] space of the full-width tile (2n wide with half_acc).
+        shape = None if b is None else (m, (2 * n if epi.half_acc else n) // (2 * b), 2, b)
         for o in epi.outputs:
             v = res[o.name]
             if o.kind is OutputKind.TILE:
-                if pair:
-                    v = _pair_tile(v, m).reshape(m, -1)
+                if shape is not None:
+                    v = _half_tile(v, shape) if o.half else _pair_value(v, shape).reshape(m, -1)
                 out[o.name] = jnp.broadcast_to(v, (m,) + v.shape[1:]).astype(dtypes[o.name])
             elif o.kind is OutputKind.ROW_SUM:
-                out[o.name] = _reduce_rows(v, m, pair)[None].astype(jnp.float32)
+                v = _pair_value(v, shape) if shape is not None else jnp.broadcast_to(v, (m,) + v.shape[1:])
+                out[o.name] = v.reshape(m, -1).sum(axis=1)[None].astype(jnp.float32)
             elif o.kind is OutputKind.COL_SUM:
-                out[o.name] = _reduce_cols(v, m, pair)[None].astype(jnp.float32)
+                if shape is None:
+                    v = jnp.broadcast_to(v, (m,) + v.shape[1:])
+                else:
+                    v = _pair_value(v, shape) if isinstance(v, tuple) else _half_tile(v, shape)
+                out[o.name] = v.reshape(m, -1).sum(axis=0)[None].astype(jnp.float32)
             else:  # ROW_LOGSUMEXP, unchunked
                 out[o.name] = jax.nn.logsumexp(v, axis=-1)[None].astype(jnp.float32)
         return out
