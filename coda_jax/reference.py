@@ -100,9 +100,15 @@ def _both(x: jax.Array) -> jax.Array:
 
 
 def _split_pairs(x: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
-    """``[..., N] -> (lo, hi)``, each ``[..., N/(2b), 2, b]`` (constant along the pair axis)."""
+    """``[..., N] -> (lo, hi)``, each ``[..., N/(2b), 2, b]`` (constant along the pair axis).
+
+    Built from the pair view and its reverse along the pair axis (a select of the two), not
+    as a broadcast of a slice: XLA's simplifier moves elementwise math above a broadcast,
+    which would shrink the body back to half-shaped intermediates."""
     y = _pair_view(x, b)
-    return _both(y[..., 0:1, :]), _both(y[..., 1:2, :])
+    swapped = lax.rev(y, (y.ndim - 2,))
+    first = _first_of_pair(y.shape)
+    return jnp.where(first, y, swapped), jnp.where(first, swapped, y)
 
 
 def _split_half(x: jax.Array, b: int) -> jax.Array:
