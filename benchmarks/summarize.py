@@ -121,13 +121,17 @@ def chart(steps: dict, rows: list[dict], path: Path, label: str) -> None:
               ("fused op fwd+bwd vs xla backend", op_ratios(rows))]
     panels = [(t, d) for t, d in panels if d]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * max(len(panels), 1)), squeeze=False)
+    # One colour per run label across panels (a backend keeps its colour from chart to chart).
+    every_run = sorted({r for _, d in panels for v in d.values() for r in v})
+    palette = plt.get_cmap("tab10")
+    colour = {run: palette(i % 10) for i, run in enumerate(every_run)}
     for ax, (title, data) in zip(axes[:, 0], panels):
         groups = list(data)
         runs = sorted({r for v in data.values() for r in v})
         width = 0.8 / max(len(runs), 1)
         for i, run in enumerate(runs):
             xs = [g + (i - (len(runs) - 1) / 2) * width for g in range(len(groups))]
-            ax.bar(xs, [data[g].get(run, 0.0) for g in groups], width, label=run)
+            ax.bar(xs, [data[g].get(run, 0.0) for g in groups], width, label=run, color=colour[run])
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks(range(len(groups)), groups, fontsize=7)
         ax.set_ylabel("speed-up")
