@@ -107,7 +107,7 @@ def _split_pairs(x: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
     which would shrink the body back to half-shaped intermediates."""
     y = _pair_view(x, b)
     swapped = lax.rev(y, (y.ndim - 2,))
-    first = _first_of_pair(y.shape)
+    first = _first_of_pair(y)
     return jnp.where(first, y, swapped), jnp.where(first, swapped, y)
 
 
@@ -116,9 +116,13 @@ def _split_half(x: jax.Array, b: int) -> jax.Array:
     return _both(x.reshape(x.shape[:-1] + (x.shape[-1] // b, 1, b)))
 
 
-def _first_of_pair(shape: tuple[int, ...]) -> jax.Array:
-    """Boolean ``[..., C, 2, b]`` mask of the ``lo`` half."""
-    return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) == 0
+def _first_of_pair(like: jax.Array) -> jax.Array:
+    """Boolean mask of the ``lo`` half of a ``[..., C, 2, b]`` array, sharded like ``like``
+    under an Explicit-mode mesh (a select needs its mask sharded like its cases)."""
+    from coda_jax.sharding import explicit_sharding  # a layer above the backends: imported at use
+
+    iota = lax.broadcasted_iota(jnp.int32, like.shape, like.ndim - 2, out_sharding=explicit_sharding(like))
+    return iota == 0
 
 
 def _join_pairs(lo: jax.Array, hi: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -126,7 +130,8 @@ def _join_pairs(lo: jax.Array, hi: jax.Array, shape: tuple[int, ...]) -> jax.Arr
     rather than a concatenation: XLA emits a loop fusion that writes the interleaved tile in
     one vectorized pass (a concatenate-rooted fusion of the same bytes ran at a third of
     HBM bandwidth on the H100)."""
-    return jnp.where(_first_of_pair(shape), jnp.broadcast_to(lo, shape), jnp.broadcast_to(hi, shape))
+    lo, hi = jnp.broadcast_to(lo, shape), jnp.broadcast_to(hi, shape)
+    return jnp.where(_first_of_pair(lo), lo, hi)
 
 
 def _prepare_loads(epi: Epilogue, loads: Mapping[str, jax.Array]) -> dict[str, Any]:
@@ -158,7 +163,8 @@ def _pair_value(v: Any, shape: tuple[int, ...]) -> jax.Array:
     joined; a single value (constant along the pair axis) counted once per pair, at ``lo``."""
     if isinstance(v, tuple):
         return _join_pairs(*v, shape)
-    return jnp.where(_first_of_pair(shape), jnp.broadcast_to(v, shape), 0.0)
+    v = jnp.broadcast_to(v, shape)
+    return jnp.where(_first_of_pair(v), v, 0.0)
 
 
 def _half_tile(v: jax.Array, shape: tuple[int, ...]) -> jax.Array:
