@@ -18,10 +18,14 @@ shardings derived from the epilogue declaration:
   GEMMs): each shard's accumulator is a partial sum over its tokens. An epilogue declared
   ``linear`` (its outputs are linear in ``acc``: ``body(acc1 + acc2) = body(acc1) +
   body(acc2)``, e.g. ``dW = gamma * acc``) runs on the partial accumulator; the shards'
-  float32 outputs leave the ``shard_map`` stacked along a shard axis and are summed outside
-  it, so XLA picks the collective (all-reduce, or reduce-scatter into an FSDP-split
-  gradient) and schedules it with the other gradients'. Any other epilogue is not
-  partitioned: the partitioner gathers its operands (correct, not fast).
+  outputs leave the ``shard_map`` stacked along a shard axis and are summed outside it, so
+  XLA picks the collective (all-reduce, or reduce-scatter into an FSDP-split gradient) and
+  schedules it with the other gradients'. The partials are summed in the dtype the op asked
+  for (a bfloat16 weight gradient is all-reduced in bfloat16, as XLA's partitioner does for
+  plain JAX's wgrad dots: half the bytes of float32); reductions (``row_sum``,
+  ``col_sum``) stay float32. :func:`partial_sum_dtype` says which, and
+  ``CODA_JAX_PARTIAL_SUMS=float32`` sums every partial in float32. Any other epilogue is
+  not partitioned: the partitioner gathers its operands (correct, not fast).
 
 Which mesh axes shard tokens: :data:`TOKEN_AXES` (``("data", "fsdp")``), those present in
 the context mesh with size > 1; :func:`set_token_axes` changes them. Without a context mesh,
@@ -35,11 +39,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from coda_jax import programs
@@ -49,7 +55,30 @@ from coda_jax.lowering import GemmLowering, plain_gemm_route
 logger = logging.getLogger("coda_jax")
 
 TOKEN_AXES: tuple[str, ...] = ("data", "fsdp")
+PARTIAL_SUMS_ENV = "CODA_JAX_PARTIAL_SUMS"
 _warned: set[str] = set()
+
+
+def partial_sum_dtype(out_dtype) -> jnp.dtype:
+    """The dtype in which the shards' partial sums of a token-contracting GEMM output leave
+    the kernel and are summed across devices.
+
+    ``out_dtype`` (what the op asked for: a bfloat16 weight gradient is all-reduced in
+    bfloat16, which is what XLA's partitioner does for a plain ``jnp.dot`` whose contracted
+    dimension is sharded, so the kernel backends move the bytes plain JAX moves), unless
+    ``$CODA_JAX_PARTIAL_SUMS`` is ``float32`` (every partial summed in float32: twice the
+    bytes, one rounding at the end). Float32 outputs (the reductions) stay float32.
+    """
+    choice = os.environ.get(PARTIAL_SUMS_ENV, "output")
+    if choice not in ("output", "float32"):
+        raise ValueError(f"${PARTIAL_SUMS_ENV} must be 'output' or 'float32', got {choice!r}")
+    return jnp.dtype(jnp.float32 if choice == "float32" else out_dtype)
+
+
+def _sum_shards(v: jax.Array) -> jax.Array:
+    """Sum over the leading shard axis in ``v``'s own dtype (``jnp.sum`` would upcast a
+    16-bit array to float32 first, and the all-reduce would then move float32)."""
+    return lax.reduce(v, jnp.zeros((), v.dtype), lax.add, (0,))
 
 
 def set_token_axes(axes: tuple[str, ...]) -> None:
@@ -128,10 +157,11 @@ class PartitionedLowering:
                            "declared linear in acc: it runs unpartitioned (operands gathered)")
                 return self.inner.gemm(epilogue, a, b, loads, **kw)
             dtypes = {o.name: jnp.dtype((out_dtypes or {}).get(o.name) or o.dtype or a.dtype) for o in epilogue.outputs}
-            f32 = {name: jnp.float32 for name in dtypes}
+            partial = {name: partial_sum_dtype(dt) for name, dt in dtypes.items()}
 
             def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis
-                outs = self.inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b, out_dtypes=f32)
+                outs = self.inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b,
+                                       out_dtypes=partial)
                 return {k: v[None] for k, v in outs.items()}
 
             in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),
@@ -140,7 +170,7 @@ class PartitionedLowering:
             partials = shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
             # The sum over shards is left to XLA (an all-reduce, or a reduce-scatter where the
             # gradient is FSDP-split), which it can schedule and combine with the other gradients'.
-            return {k: jnp.sum(v, axis=0).astype(dtypes[k]) for k, v in partials.items()}
+            return {k: _sum_shards(v).astype(dtypes[k]) for k, v in partials.items()}
         return shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
 
 

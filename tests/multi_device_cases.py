@@ -27,6 +27,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 os.environ.setdefault("CODA_JAX_XLA_ACC", "float32")
 
 import jax  # noqa: E402
+import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -133,6 +134,48 @@ def case_ops_data_parallel(mode: str) -> None:
         partitioning.set_token_axes(axes)
     assert _all_gathers(hlo0, 512 * 64), "expected all-gathers without partitioning rules"
     print(f"OK ops_data_parallel_{mode}")
+
+
+def _stacked_partials(jaxpr, shards: int) -> list:
+    """Avals of the ``shard_map`` outputs stacked along a leading shard axis (the wgrad
+    partial sums of :class:`coda_jax.partitioning.PartitionedLowering`), in any sub-jaxpr."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            found += [v.aval for v in eqn.outvars if v.aval.ndim == 3 and v.aval.shape[0] == shards]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _stacked_partials(sub, shards)
+    return found
+
+
+def case_wgrad_partials() -> None:
+    """The wgrad GEMMs' partial sums cross devices in the dtype of the gradient they make
+    (bfloat16 weights: a bfloat16 all-reduce, the bytes plain JAX moves), the reductions
+    in float32; ``CODA_JAX_PARTIAL_SUMS=float32`` makes them all float32. Both give the
+    one-device gradients."""
+    install_opaque_kernel()
+    args = _op_inputs()
+    argnums = tuple(range(8))
+    want = jax.jit(jax.value_and_grad(_op_loss("xla"), argnums=argnums))(*args)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    seen = {}
+    for choice in ("output", "float32"):
+        os.environ[partitioning.PARTIAL_SUMS_ENV] = choice
+        try:
+            fn = jax.value_and_grad(_op_loss("pallas"), argnums=argnums)
+            with jax.set_mesh(mesh):
+                sharded = list(args)
+                sharded[0] = jax.device_put(args[0], NamedSharding(mesh, P("data", None)))
+                avals = _stacked_partials(jax.make_jaxpr(fn)(*sharded).jaxpr, 8)
+                got = jax.jit(fn)(*sharded)
+        finally:
+            del os.environ[partitioning.PARTIAL_SUMS_ENV]
+        _assert_matches(got, want, 2e-2, f"partials in {choice}")
+        weight_sized = [a for a in avals if a.shape[1] * a.shape[2] >= 64 * 128]  # not the d_gamma partials
+        assert weight_sized, "no stacked wgrad partials found: the check would pass vacuously"
+        seen[choice] = sorted({str(a.dtype) for a in weight_sized})
+    assert seen == {"output": ["bfloat16"], "float32": ["float32"]}, seen
+    print("OK wgrad_partials")
 
 
 def _model_step(backend: str, cfg):
@@ -275,6 +318,7 @@ CASES = {
                           ("pallas", (1, 2, 4), "auto", "float32"), ("xla", (2, 1, 4), "explicit", "float32"))},
     "ops_dp_auto": lambda: case_ops_data_parallel("auto"),
     "ops_dp_explicit": lambda: case_ops_data_parallel("explicit"),
+    "wgrad_partials": case_wgrad_partials,
 }
 
 if __name__ == "__main__":
