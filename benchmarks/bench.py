@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coda_jax as cj  # noqa: E402
+import plain_ops  # noqa: E402
 from coda_jax import naive, programs  # noqa: E402
 
 WIDTHS = {  # d: (f, heads, kv_heads, head_dim)
@@ -111,7 +112,11 @@ class Inputs:
 
 
 def op_cases(d):
-    """(name, fused(backend) -> fn(*args), naive fn, args, differentiable argnums)."""
+    """(name, fused(backend) -> fn(*args), naive fn, args, differentiable argnums, plain fn).
+
+    naive: float32 math of the definition (the error reference); plain: the same op as a
+    JAX user writes it (:mod:`plain_ops`, bf16 GEMMs, ``jax.grad``), timed as backend
+    ``"plain"``."""
     f, h, kv, hd = WIDTHS[d]
     r = Inputs(d)
     m = TOKENS
@@ -119,27 +124,30 @@ def op_cases(d):
     cases = []
     y, wo = r.normal((m, d)), r.normal((d, d), d ** -0.5)
     cases.append(("residual_rms", lambda b: lambda y, w, res, g: _residual_out(cj.matmul_residual_rms(y, w, res, g, backend=b)),
-                  lambda y, w, res, g: naive.matmul_residual(y, w, res), (y, wo, x, g), (0, 1, 2)))
+                  lambda y, w, res, g: naive.matmul_residual(y, w, res), (y, wo, x, g), (0, 1, 2),
+                  plain_ops.matmul_residual))
     wgu = r.normal((d, 2 * f), d ** -0.5)
     cases.append(("norm_swiglu", lambda b: lambda x, g, w: cj.rms_norm_matmul_swiglu(x, g, w, backend=b),
-                  naive.rms_norm_matmul_swiglu, (x, g, wgu), (0, 1, 2)))
+                  naive.rms_norm_matmul_swiglu, (x, g, wgu), (0, 1, 2), plain_ops.rms_norm_matmul_swiglu))
     wdown = r.normal((f, d), f ** -0.5)
     cases.append(("swiglu_mlp", lambda b: lambda x, g, w, wd: cj.swiglu_mlp(x, g, w, wd, backend=b)[0],
-                  naive.swiglu_mlp, (x, g, wgu, wdown), (0, 1, 2, 3)))
+                  naive.swiglu_mlp, (x, g, wgu, wdown), (0, 1, 2, 3), plain_ops.swiglu_mlp))
     wqkv = r.normal((d, (h + 2 * kv) * hd), d ** -0.5)
     pos = r.ints((m,), 8192)
     inv = jnp.asarray(cj.rope_inv_freq(hd, 500000.0, cj.Llama3RopeScaling()))
     kw = dict(num_heads=h, num_kv_heads=kv)
     cases.append(("norm_qkv_rope", lambda b: lambda x, g, w: cj.rms_norm_matmul_rope(x, g, w, pos, inv, backend=b, **kw),
-                  lambda x, g, w: naive.rms_norm_matmul_rope(x, g, w, pos, inv, **kw), (x, g, wqkv), (0, 1, 2)))
+                  lambda x, g, w: naive.rms_norm_matmul_rope(x, g, w, pos, inv, **kw), (x, g, wqkv), (0, 1, 2),
+                  lambda x, g, w: plain_ops.rms_norm_matmul_rope(x, g, w, pos, inv, **kw)))
     wd = r.normal((d, f), d ** -0.5)
     cases.append(("norm_matmul", lambda b: lambda x, g, w: cj.rms_norm_matmul(x, g, w, backend=b),
-                  naive.rms_norm_matmul, (x, g, wd), (0, 1, 2)))
+                  naive.rms_norm_matmul, (x, g, wd), (0, 1, 2), plain_ops.rms_norm_matmul))
     if d == min(WIDTHS):  # the LM head at the 1B width (vocab 128256)
         wv = r.normal((VOCAB, d), d ** -0.5 * 2)
         t = r.ints((m,), VOCAB)
         cases.append(("lm_head_ce", lambda b: lambda x, g, w: cj.linear_cross_entropy(x, g, w, t, backend=b),
-                      lambda x, g, w: naive.linear_cross_entropy(x, g, w, t), (x, g, wv), (0, 1, 2)))
+                      lambda x, g, w: naive.linear_cross_entropy(x, g, w, t), (x, g, wv), (0, 1, 2),
+                      lambda x, g, w: plain_ops.linear_cross_entropy(x, g, w, t)))
     return cases
 
 
@@ -148,7 +156,9 @@ def _residual_out(res):
     return x, carry.h, carry.sumsq
 
 
-def bench_op(name, fused, ref, args, argnums, backends, iters, check):
+def bench_op(name, fused, ref, args, argnums, backends, iters, check, plain=None):
+    """Times and checks one op on each backend; backend ``"plain"`` is ``plain`` (the op as
+    plain JAX)."""
     rows = []
     f32 = [a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
     first = lambda o: o[0] if isinstance(o, tuple) else o
@@ -162,8 +172,11 @@ def bench_op(name, fused, ref, args, argnums, backends, iters, check):
     for b in backends:
         row = {"op": name, "backend": b, "d": args[0].shape[1]}
         try:
-            with backend_variant(b) as base:  # traced and compiled inside the variant's settings
-                fn = fused(base)
+            with (contextlib.nullcontext(None) if b == "plain" else backend_variant(b)) as base:
+                # traced and compiled inside the variant's settings
+                fn = plain if b == "plain" else fused(base)
+                if fn is None:
+                    raise ValueError(f"op {name!r} has no plain JAX version")
                 fwd = jax.jit(fn)
                 scalar = lambda *a: jnp.sum(first(fn(*a)).astype(jnp.float32) * (rnd if rnd is not None else 1.0)) \
                     if first(jax.eval_shape(fn, *args)).ndim else first(fn(*a))
@@ -503,16 +516,19 @@ def bench_block(widths, backends, iters, rounds=4):
 
 def table(rows):
     # "bwd x": the backward alone, (xla fwd+bwd - xla fwd) / (fwd+bwd - fwd), from the same medians.
+    # "vs plain": the plain JAX op's (plain_ops.py) time over this row's, fwd and fwd+bwd.
     lines = ["| op | d | backend | fwd ms | xla fwd ms | fwd x | fwd+bwd ms | xla fwd+bwd ms | fwd+bwd x | bwd x | "
-             "fwd err | grad err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fwd vs plain | fwd+bwd vs plain | fwd err | grad err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = {(r["op"], r["d"]): r for r in rows if r.get("backend") == "xla" and "fwd_ms" in r}
+    plain = {(r["op"], r["d"]): r for r in rows if r.get("backend") == "plain" and "fwd_ms" in r}
     for r in rows:
         if "fwd_ms" not in r and "error" not in r:
             continue
         if r.get("op") in ("gemm", "block", "ce_memory", "epilogue"):
             continue
         x = ref.get((r["op"], r["d"]), {})
+        pl = plain.get((r["op"], r["d"]), {})
         if "error" in r:
             lines.append(f"| {r['op']} | {r['d']} | {r['backend']} | ERROR {r['error'][:80]} |")
             continue
@@ -521,6 +537,7 @@ def table(rows):
             f"{x.get('fwd_ms', float('nan')) / r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.3f} | {x.get('fwdbwd_ms', float('nan')):.3f} | "
             f"{x.get('fwdbwd_ms', float('nan')) / r['fwdbwd_ms']:.2f} | "
             f"{(x.get('fwdbwd_ms', float('nan')) - x.get('fwd_ms', 0.0)) / max(r['fwdbwd_ms'] - r['fwd_ms'], 1e-9):.2f} | "
+            f"{pl.get('fwd_ms', float('nan')) / r['fwd_ms']:.3f} | {pl.get('fwdbwd_ms', float('nan')) / r['fwdbwd_ms']:.3f} | "
             f"{r.get('fwd_rel_err', float('nan')):.1e} | "
             f"{r.get('grad_rel_err', float('nan')):.1e} |")
     for r in rows:
@@ -583,10 +600,10 @@ def main():
         save()
     if "ops" in parts:
         for d in widths:
-            for name, fused, ref, a, argnums in op_cases(d):
+            for name, fused, ref, a, argnums, plain in op_cases(d):
                 if args.ops and name not in args.ops.split(","):
                     continue
-                rows += bench_op(name, fused, ref, a, argnums, backends, args.iters, not args.no_check)
+                rows += bench_op(name, fused, ref, a, argnums, backends, args.iters, not args.no_check, plain)
                 save()
     if "epilogues" in parts:
         rows += bench_epilogues(widths, backends, args.iters,

@@ -45,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -77,8 +78,11 @@ def partial_sum_dtype(out_dtype) -> jnp.dtype:
 
 def _sum_shards(v: jax.Array) -> jax.Array:
     """Sum over the leading shard axis in ``v``'s own dtype (``jnp.sum`` would upcast a
-    16-bit array to float32 first, and the all-reduce would then move float32)."""
-    return lax.reduce(v, jnp.zeros((), v.dtype), lax.add, (0,))
+    16-bit array to float32 first, and the all-reduce would then move float32). The
+    concrete (NumPy) zero makes this a ``reduce_sum``: with a traced one, an Explicit mesh
+    puts a sharding constraint inside the reduction's body, which XLA's CPU compiler
+    rejects."""
+    return lax.reduce(v, np.zeros((), v.dtype), lax.add, (0,))
 
 
 def set_token_axes(axes: tuple[str, ...]) -> None:
