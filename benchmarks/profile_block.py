@@ -104,6 +104,9 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="with --model: fewer layers than the preset")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--op", default=None,
+                    help="profile one op of bench.py's ops part (e.g. norm_qkv_rope) at --width instead; "
+                         "backend 'plain' is its plain JAX version (plain_ops.py)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     args = ap.parse_args()
     if args.smoke:
@@ -114,7 +117,22 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"device": str(jax.devices()[0].device_kind), "width": args.width}
-    if args.model:
+    if args.op:
+        tag = f"{args.op}_{args.width}"
+        results["op"] = args.op
+        case = next((c for c in bench.op_cases(args.width) if c[0] == args.op), None)
+        if case is None:
+            raise SystemExit(f"profile_block.py: error: --op {args.op!r} is not an op of bench.op_cases")
+        _, fused, _, a, argnums, plain = case
+        first = lambda o: jax.tree.leaves(o)[0].astype(jax.numpy.float32)  # noqa: E731
+        # A random cotangent, as bench.py's: with sum() XLA would fold the ones into the plain
+        # op's dgrad (a reduction instead of a GEMM) but not into an opaque kernel.
+        cot = jax.random.normal(jax.random.key(11), jax.eval_shape(lambda *x: first(plain(*x)), *a).shape)
+        for b in args.backends.split(","):
+            fn = plain if b == "plain" else fused(b)
+            loss = lambda *x, fn=fn: jax.numpy.sum(first(fn(*x)) * cot)  # noqa: E731
+            results[b] = profile(jax.jit(jax.grad(loss, argnums)), a, args.steps, out / f"hlo_{tag}_{b}.txt")
+    elif args.model:
         tag = args.model
         results.update(model=args.model, layers=args.layers, batch=args.batch, seq=args.seq)
         for b in args.backends.split(","):  # "plain": the plain JAX Llama (benchmarks/plain_llama.py)
@@ -134,7 +152,8 @@ def main():
         if not isinstance(r, dict):
             continue
         classes = "  ".join(f"{c} {ms:.3f}" for c, ms in sorted(r["by_class"].items(), key=lambda kv: -kv[1]))
-        what = f"{args.model} x{args.layers or 'all'} layers, {args.batch}x{args.seq}" if args.model else f"d={args.width}"
+        what = (f"{args.model} x{args.layers or 'all'} layers, {args.batch}x{args.seq}" if args.model
+                else f"{args.op}, d={args.width}" if args.op else f"d={args.width}")
         print(f"\n## {label} ({what}, fwd+bwd): wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms, "
               f"idle {r['idle_ms']:.3f} ms: {classes}")
         for k in r["kernels"][: args.top]:

@@ -43,14 +43,20 @@ def norm_carry(x: jax.Array, gamma: jax.Array) -> NormCarry:
 
 
 def resolve_carry(x: jax.Array, gamma: jax.Array, carry: NormCarry | None) -> NormCarry:
-    """The given carry, validated against ``x``, or one plain pass when there is none."""
+    """The given carry, validated against ``x``, or one plain pass when there is none.
+
+    Under ``stop_gradient``: the ops' custom VJPs send the exact gradients to ``x`` and
+    ``gamma`` and a zero cotangent to the carry, and differentiating the carry's own pass
+    with that zero would cost XLA a pass over ``x`` for nothing (``0 * x`` is not folded
+    away in floating point)."""
     m, d = x.shape
     if carry is None:
-        return norm_carry(x, gamma)
+        return NormCarry(*map(jax.lax.stop_gradient, norm_carry(x, gamma)))
     if not isinstance(carry, NormCarry):
         raise TypeError(f"carry must be a NormCarry or None, got {type(carry).__name__}")
     if carry.h.shape != x.shape:
         raise ValueError(f"carry.h must have the shape of x {tuple(x.shape)}, got {tuple(carry.h.shape)}")
     if carry.sumsq.ndim != 2 or carry.sumsq.shape[1] != m:
         raise ValueError(f"carry.sumsq must be [P, {m}] float32 partials, got {tuple(carry.sumsq.shape)}")
-    return NormCarry(carry.h.astype(x.dtype), carry.sumsq.astype(jnp.float32))
+    return NormCarry(jax.lax.stop_gradient(carry.h.astype(x.dtype)),
+                     jax.lax.stop_gradient(carry.sumsq.astype(jnp.float32)))
