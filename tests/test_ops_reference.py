@@ -121,3 +121,16 @@ def test_rms_norm_matmul_random_shapes(m, d, n, seed):
 @given(m=st.integers(1, 130), f=st.integers(1, 3).map(lambda v: 64 * v), seed=st.integers(0, 2 ** 16))
 def test_swiglu_random_shapes(m, f, seed):
     C.case_swiglu("xla", m, 72, f, jnp.float32, seed=seed)
+
+
+def test_cross_entropy_logits_dtype_from_the_environment(monkeypatch):
+    """``logits_dtype=None`` reads ``$CODA_JAX_CE_LOGITS_DTYPE``; a bad value names the variable."""
+    from coda_jax.ops.linear_cross_entropy import LOGITS_DTYPE_ENV, resolve_logits_dtype
+
+    assert resolve_logits_dtype(None) == jnp.float32
+    monkeypatch.setenv(LOGITS_DTYPE_ENV, "bfloat16")
+    assert resolve_logits_dtype(None) == jnp.bfloat16
+    assert resolve_logits_dtype(jnp.float32) == jnp.float32  # the argument wins
+    monkeypatch.setenv(LOGITS_DTYPE_ENV, "float16")
+    with pytest.raises(ValueError, match=r"\$CODA_JAX_CE_LOGITS_DTYPE must be float32 or bfloat16"):
+        resolve_logits_dtype(None)

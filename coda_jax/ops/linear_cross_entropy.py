@@ -43,6 +43,22 @@ LOGITS_BUDGET_FRACTION = 1 / 8
 DEFAULT_LOGITS_BUDGET = 2 << 30
 LOGITS_BUDGET_ENV = "CODA_JAX_CE_LOGITS_BUDGET_MB"
 SAVE_LOGITS_ENV = "CODA_JAX_CE_SAVE_LOGITS"
+LOGITS_DTYPE_ENV = "CODA_JAX_CE_LOGITS_DTYPE"
+
+
+def resolve_logits_dtype(logits_dtype) -> jnp.dtype:
+    """Storage dtype of saved logits: the argument, else ``$CODA_JAX_CE_LOGITS_DTYPE``
+    (``float32`` / ``bfloat16``), else float32."""
+    name = "logits_dtype"
+    if logits_dtype is None:
+        name, logits_dtype = f"${LOGITS_DTYPE_ENV}", os.environ.get(LOGITS_DTYPE_ENV, "float32")
+    try:
+        dt = jnp.dtype(logits_dtype)
+    except TypeError:
+        dt = None
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"{name} must be float32 or bfloat16, got {logits_dtype!r}")
+    return dt
 
 
 def logits_budget_bytes() -> int:
@@ -183,7 +199,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     z_loss: float = 0.0,
     save_logits: bool | None = None,
-    logits_dtype=jnp.float32,
+    logits_dtype=None,
     backend: str | None = None,
 ) -> jax.Array:
     """Cross-entropy of ``RMSNorm(x; gamma) @ w_vocab^T`` against ``targets``.
@@ -205,10 +221,12 @@ def linear_cross_entropy(
         (default): ``$CODA_JAX_CE_SAVE_LOGITS`` (``1``/``0``) if set, else save when they
         fit :func:`logits_budget_bytes` (1/8 of device memory;
         ``$CODA_JAX_CE_LOGITS_BUDGET_MB`` overrides). The forward is the same GEMM either way.
-      logits_dtype: storage dtype of saved logits: float32 (default; the gradient is the
+      logits_dtype: storage dtype of saved logits: float32 (the gradient is the
         recompute path's up to float32 rounding) or bfloat16 (half the memory and traffic;
         the gradient then carries bf16 rounding of the logits, ~1e-2 relative at logit
-        scales of a trained model, as in a plain JAX loss on bf16 logits).
+        scales of a trained model, as in a plain JAX loss on bf16 logits; the loss itself
+        stays exact: the LSE and the target logit come from the float32 accumulator).
+        ``None`` (default): ``$CODA_JAX_CE_LOGITS_DTYPE`` if set, else float32.
       backend: see :mod:`coda_jax.backend`.
 
     Returns:
@@ -226,8 +244,7 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if z_loss < 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if jnp.dtype(logits_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"logits_dtype must be float32 or bfloat16, got {jnp.dtype(logits_dtype)}")
+    logits_dtype = resolve_logits_dtype(logits_dtype)
     carry = resolve_carry(x, gamma, carry)
     lowering = lowering_for(LINEAR_CROSS_ENTROPY, backend)
     # Ignored rows get target -1: no column matches, and the loss masks them. Other
