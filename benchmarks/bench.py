@@ -285,6 +285,10 @@ def _epilogue_cases(d):
         ("swiglu_dgrad dgrad-f", programs.SWIGLU_DGRAD, t, d, f, False, True),
         # the RMSNorm-scaled wgrad (A = x_hat^T, K = tokens), beside "identity wgrad"
         ("norm_wgrad wgrad", programs.NORM_WGRAD, d, t, 2 * f, True, False),
+        # the QKV projection's backward (few output tiles at d=2048: the wave fit's case)
+        ("identity wgrad-qkv", programs.IDENTITY, d, t, qkv, True, False),
+        ("norm_wgrad wgrad-qkv", programs.NORM_WGRAD, d, t, qkv, True, False),
+        ("rms_dgrad_res dgrad-qkv", programs.rms_dgrad(True), t, qkv, d, False, True),
     ]
 
 
@@ -455,12 +459,19 @@ def plain_gemm_route(backend, plain):
 
 @contextlib.contextmanager
 def backend_variant(label):
-    """``label`` is a backend or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
+    """``label`` is a backend, ``"pallas@w0"`` (Pallas without the wave fit of
+    :func:`coda_jax.pallas.tuning.fit_waves`) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
     ``cutedsl@128``: the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at
     most 4 operand stages; ``cutedsl@256g16``: 256-wide tiles walked in raster groups of 16
     tile rows; ``cutedsl@p`` / ``cutedsl@c``: the ping-pong / cooperative schedule), to
     compare kernel configurations in one run. Within, yields the backend's name."""
     base, _, variant = label.partition("@")
+    if base == "pallas" and variant in ("w0", "w1"):  # the wave fit off / on (tuning.fit_waves)
+        from coda_jax.pallas.tuning import WAVE_FIT_ENV
+
+        with _env(WAVE_FIT_ENV, variant[1]):
+            yield base
+        return
     parsed = re.fullmatch(r"(\d+)?(?:s(\d+))?(?:g(\d+))?([pc])?", variant)
     if variant and (base != "cutedsl" or not parsed):
         raise ValueError(f"backend variant {label!r}: only cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c] is defined")

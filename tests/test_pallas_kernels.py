@@ -316,3 +316,29 @@ def test_plain_gemm_routing(monkeypatch):
     assert got.dtype == jnp.float32 and rel_err(got, want) == 0.0
     with pytest.raises(ValueError, match="plain_gemm must be 'pallas' or 'xla'"):
         PallasLowering(plain_gemm="cublas")
+
+
+NARROW = dataclasses.replace(CONFIG_TABLE["default"], tile_n=64)  # what fit_waves picks for few tiles
+
+
+@pytest.mark.parametrize("epi,kw", [(programs.NORM_WGRAD, dict(transpose_a=True)),
+                                    (programs.rms_dgrad(True), dict(transpose_b=True))],
+                         ids=["norm_wgrad", "rms_dgrad_res"])
+def test_half_width_tile_of_the_wave_fit(epi, kw):
+    """The default kernel at tile_n=64 (128 x 128 CTA tiles, clusters along M): the plan
+    :func:`coda_jax.pallas.tuning.fit_waves` takes for GEMMs with few output tiles."""
+    _compare(epi, 256, 256, 128, config=NARROW, **kw)
+
+
+def test_fit_waves_takes_the_half_width_tile_only_where_it_fills_the_sms(monkeypatch):
+    from coda_jax.pallas.tuning import WAVE_FIT_ENV, fit_waves, wave_fill
+
+    cfg = CONFIG_TABLE["default"]
+    # The 1B QKV wgrad, [2048, 3072]: 192 CTA tiles of 128 x 256 on 132 SMs (73 % fill) ->
+    # 384 of 128 x 128 (97 %).
+    assert wave_fill(cfg, 2048, 3072, 132) == pytest.approx(192 / 264)
+    assert fit_waves(cfg, 2048, 3072, 132).tile_n == 64
+    assert fit_waves(cfg, 8192, 16384, 132) is cfg  # many tiles: the wide tile stays
+    assert fit_waves(cfg, 2048, 3072, 132, pair_width=128) is cfg  # the SwiGLU pair must fit the tile
+    monkeypatch.setenv(WAVE_FIT_ENV, "0")
+    assert fit_waves(cfg, 2048, 3072, 132) is cfg

@@ -28,7 +28,7 @@ from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, plain_gemm_route
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import interpret_enabled
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves
 from coda_jax.reference import REFERENCE
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
@@ -93,6 +93,8 @@ class PallasLowering:
         pb = epilogue.pair_block
         interpret = interpret_enabled()
         cfg = self.config or choose_config(m, n, k)
+        if self.config is None and not interpret:  # the interpreter's 4 "SMs" say nothing about waves
+            cfg = fit_waves(cfg, m, n, _num_sms(interpret), epilogue.pair_width if pb is not None else None)
         if pb is not None and cfg.tile_n % epilogue.pair_width:
             raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
                              f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")

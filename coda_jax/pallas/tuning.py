@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,3 +129,36 @@ def choose_config(m: int, n: int, k: int) -> TuningConfig:
     if m * n < (1 << 22) or k < 256:
         return CONFIG_TABLE["small"]
     return CONFIG_TABLE["default"]
+
+
+# Wave quantization: a GEMM with few output tiles (e.g. the 1B model's QKV wgrad, [2048, 3072]:
+# 192 CTA tiles of 128 x 256 on 132 SMs, a second wave 45 % full) leaves SMs idle. Below this
+# fill, fit_waves tries the half-width tile.
+WAVE_FILL_MIN = 0.8
+# Mainloop rate of a 128 x 128 CTA tile relative to the default 128 x 256 one (assumed; the
+# narrow tile is taken only where it wins by more than this).
+NARROW_TILE_RATE = 0.9
+WAVE_FIT_ENV = "CODA_JAX_PALLAS_WAVE_FIT"
+
+
+def wave_fill(cfg: TuningConfig, m: int, n: int, num_sms: int) -> float:
+    """Fraction of the SMs' waves that ``cfg``'s CTA tiles of an ``[m, n]`` output keep busy."""
+    cm, cn = cfg.cta_tile()
+    tiles = math.ceil(m / cm) * math.ceil(n / cn)
+    return tiles / (math.ceil(tiles / num_sms) * num_sms)
+
+
+def fit_waves(cfg: TuningConfig, m: int, n: int, num_sms: int, pair_width: int | None = None) -> TuningConfig:
+    """``cfg``, or the same with half its ``tile_n`` where that fills the SMs' waves enough
+    better to pay for the narrower tile (:data:`NARROW_TILE_RATE`). The pair width of a
+    pair-mode epilogue must divide the narrower tile. ``$CODA_JAX_PALLAS_WAVE_FIT=0`` turns
+    this off."""
+    if os.environ.get(WAVE_FIT_ENV, "1") == "0" or cfg.tile_n < 128:
+        return cfg
+    fill = wave_fill(cfg, m, n, num_sms)
+    if fill >= WAVE_FILL_MIN:
+        return cfg
+    narrow = dataclasses.replace(cfg, tile_n=cfg.tile_n // 2)
+    if pair_width is not None and narrow.tile_n % pair_width:
+        return cfg
+    return narrow if wave_fill(narrow, m, n, num_sms) * NARROW_TILE_RATE > fill else cfg
