@@ -62,3 +62,22 @@ def test_ops_under_remat_and_vmap_on_gpu():
     from test_ops_pallas import _remat_vmap_case
 
     _remat_vmap_case("pallas")
+
+
+HALF_WIDTH = dataclasses.replace(CONFIG_TABLE["default"], tile_n=64)  # tuning.fit_waves's narrow tile
+HALF_WIDTH_CASES = [c for c in CASES if c[0].pair_block is None or 64 % c[0].pair_width == 0]
+
+
+@pytest.mark.parametrize("epi,kw", HALF_WIDTH_CASES, ids=[c[0].name for c in HALF_WIDTH_CASES])
+def test_half_width_tile_on_gpu(epi, kw):
+    """The plan the wave fit takes for GEMMs with few output tiles, every program it can
+    hold, at a tile-multiple shape and ragged ones."""
+    poison_allocator([(2048, 1024)] * 8)
+    _compare(epi, 2048, 1024, 1024, config=HALF_WIDTH, **kw)
+
+
+def test_half_width_tile_ragged_on_gpu():
+    poison_allocator([(1024, 5000)] * 8)
+    _compare(programs.RESIDUAL_RMS, 1000, 1500, 520, config=HALF_WIDTH)
+    _compare(programs.NORM_WGRAD, 1000, 1500, 520, transpose_a=True, config=HALF_WIDTH)
+    _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=HALF_WIDTH)
