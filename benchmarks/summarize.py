@@ -8,7 +8,7 @@ Reads what ``gpu_suite.sh`` left in each directory (``train_step.json`` from
 key) and writes ``current.md`` and ``current.png`` into the first one: each backend against
 plain JAX, for the train step (tokens/s over the plain JAX Llama's, same process), the block
 (fwd+bwd time of the plain XLA Llama block over ``CodaLlamaBlock``'s) and each fused op
-(fwd+bwd of the ``xla`` reference over the backend's). With ``--update``, the section between
+(fwd+bwd of the op in plain JAX, ``plain_ops.py``, over the backend's). With ``--update``, the section between
 ``<!-- current:begin -->`` and ``<!-- current:end -->`` of that file is replaced and the chart
 is copied beside it as ``results.png``.
 """
@@ -59,13 +59,18 @@ def block_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def op_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """``{"<op> d=<d>": {backend: xla fwd+bwd ms / backend's}}`` (kernel backends only)."""
-    ref = {(r["op"], r["d"]): r["fwdbwd_ms"] for r in rows if r.get("backend") == "xla" and "fwdbwd_ms" in r}
-    out = {}
+    """``{"<op> d=<d>": {backend: baseline fwd+bwd ms / backend's}}``: the baseline is the op
+    written in plain JAX (backend ``"plain"``, ``benchmarks/plain_ops.py``) where the run has
+    it, else the ``xla`` backend's op."""
+    times: dict[tuple, dict[str, float]] = {}
     for r in rows:
-        if r.get("backend") in (None, "xla") or "fwdbwd_ms" not in r or (r["op"], r["d"]) not in ref:
-            continue
-        out.setdefault(f"{r['op']} d={r['d']}", {})[r["backend"]] = ref[(r["op"], r["d"])] / r["fwdbwd_ms"]
+        if r.get("backend") and "fwdbwd_ms" in r and "op" in r:
+            times.setdefault((r["op"], r["d"]), {})[r["backend"]] = r["fwdbwd_ms"]
+    out = {}
+    for (op, d), t in times.items():
+        base = "plain" if "plain" in t else "xla" if "xla" in t else None
+        if base is not None:
+            out[f"{op} d={d}"] = {b: t[base] / ms for b, ms in t.items() if b != base}
     return out
 
 
@@ -103,7 +108,8 @@ def markdown(steps: dict, rows: list[dict], label: str) -> str:
     ops = op_ratios(rows)
     if ops:
         cols = sorted({b for v in ops.values() for b in v})
-        lines += ["**Fused ops fwd+bwd** (baseline: the same op on the `xla` backend)", "",
+        lines += ["**Fused ops fwd+bwd** (baseline: the same op written in plain JAX, `benchmarks/plain_ops.py`, "
+                  "same inputs, `jax.grad`)", "",
                   "| op | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
         for k, v in ops.items():
             lines.append(f"| {k} | " + " | ".join(f"{v[c]:.3f}x" if c in v else "-" for c in cols) + " |")
@@ -118,7 +124,7 @@ def chart(steps: dict, rows: list[dict], path: Path, label: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = [(f"train step vs plain JAX", step_ratios(steps)), ("block fwd+bwd vs plain XLA block", block_ratios(rows)),
-              ("fused op fwd+bwd vs xla backend", op_ratios(rows))]
+              ("fused op fwd+bwd vs plain JAX op", op_ratios(rows))]
     panels = [(t, d) for t, d in panels if d]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * max(len(panels), 1)), squeeze=False)
     # One colour per run label across panels (a backend keeps its colour from chart to chart).
