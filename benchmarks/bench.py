@@ -460,7 +460,8 @@ def plain_gemm_route(backend, plain):
 @contextlib.contextmanager
 def backend_variant(label):
     """``label`` is a backend, ``"pallas@w0"`` (Pallas without the wave fit of
-    :func:`coda_jax.pallas.tuning.fit_waves`) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
+    :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
+    default Pallas config with / without swizzled epilogue staging) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
     ``cutedsl@128``: the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at
     most 4 operand stages; ``cutedsl@256g16``: 256-wide tiles walked in raster groups of 16
     tile rows; ``cutedsl@p`` / ``cutedsl@c``: the ping-pong / cooperative schedule), to
@@ -471,6 +472,18 @@ def backend_variant(label):
 
         with _env(WAVE_FIT_ENV, variant[1]):
             yield base
+        return
+    if base == "pallas" and variant in ("sw", "nosw"):  # the default config's epilogue staging swizzled or not
+        import dataclasses
+
+        from coda_jax.pallas import tuning
+
+        saved = tuning.CONFIG_TABLE["default"]
+        tuning.CONFIG_TABLE["default"] = dataclasses.replace(saved, swizzle_epilogue=variant == "sw")
+        try:
+            yield base
+        finally:
+            tuning.CONFIG_TABLE["default"] = saved
         return
     parsed = re.fullmatch(r"(\d+)?(?:s(\d+))?(?:g(\d+))?([pc])?", variant)
     if variant and (base != "cutedsl" or not parsed):

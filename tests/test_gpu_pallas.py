@@ -25,6 +25,7 @@ CONFIGS = {
     "single_wg": TuningConfig(),
     "warp_specialized": CONFIG_TABLE["default"],
     "ws_split_m_swizzled": dataclasses.replace(CONFIG_TABLE["default"], wg_dimension="m", swizzle_epilogue=True),
+    "ws_swizzled": dataclasses.replace(CONFIG_TABLE["default"], swizzle_epilogue=True),
     # CTA pairs sharing the B block by multicast TMA, bands across M.
     "ws_cluster_m": dataclasses.replace(CONFIG_TABLE["default"], cluster_dimension="m", grid_minor_dim="m"),
 }

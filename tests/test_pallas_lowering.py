@@ -22,6 +22,7 @@ CONFIGS = {
     "cluster_m": dataclasses.replace(CONFIG_TABLE["default"], cluster_dimension="m", grid_minor_dim="m"),
     "split_m_cluster_n_swizzled": dataclasses.replace(CONFIG_TABLE["default"], wg_dimension="m",
                                                       cluster_dimension="n", swizzle_epilogue=True),
+    "default_swizzled": dataclasses.replace(CONFIG_TABLE["default"], swizzle_epilogue=True),
 }
 
 
