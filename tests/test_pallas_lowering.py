@@ -29,11 +29,15 @@ CONFIGS = {
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 @pytest.mark.parametrize("epi,kw", CASES, ids=[c[0].name for c in CASES])
 def test_kernel_lowers_for_cuda(epi, kw, cfg):
+    _assert_lowers(epi, kw, CONFIGS[cfg])
+
+
+def _assert_lowers(epi, kw, config):
     m, n, k = 1024, 1024, 512
     ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
     a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
-    low = PallasLowering(CONFIGS[cfg], plain_gemm="pallas")
+    low = PallasLowering(config, plain_gemm="pallas")
     f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw))
     txt = f.trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt, "no Mosaic GPU custom call in the lowered module"
@@ -44,11 +48,4 @@ def test_kernel_lowers_for_cuda(epi, kw, cfg):
 def test_half_width_tile_lowers_for_cuda(epi, kw):
     """``fit_waves``'s 64-wide consumer tile (128 x 128 CTA tiles) lowers for every program
     whose pair width it holds."""
-    m, n, k = 1024, 1024, 512
-    ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
-    a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jnp.bfloat16)
-    b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
-    low = PallasLowering(dataclasses.replace(CONFIG_TABLE["default"], tile_n=64), plain_gemm="pallas")
-    f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw))
-    txt = f.trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in txt, "no Mosaic GPU custom call in the lowered module"
+    _assert_lowers(epi, kw, dataclasses.replace(CONFIG_TABLE["default"], tile_n=64))
