@@ -15,7 +15,9 @@ of its data shard ``[M_d, d]``:
     x_out = all_gather_T(x2_t)
 
 ``x_t`` is this shard's ``1/T`` of the rows: the residual adds run sequence-parallel on
-``M_d / T`` rows after a reduce-scatter (the float32 partial sums of the row-parallel GEMMs),
+``M_d / T`` rows after a reduce-scatter of the row-parallel GEMMs' partial sums (in the
+compute dtype, as plain JAX's partitioner reduces them; ``CODA_JAX_PARTIAL_SUMS=float32``
+keeps float32; the adds themselves run in float32),
 and the gathers restore whole rows for the next column-parallel GEMM.
 
 **What stays fused under TP**: the QKV GEMM with the norm scale, RoPE and QK-norm in its
@@ -121,6 +123,7 @@ def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Arra
         params.update(q_norm=w("q_norm"), k_norm=w("k_norm"))
         specs.update(q_norm=P(), k_norm=P())
     hl, kvl = nh // t, nkv // t
+    part = partitioning.partial_sum_dtype(dt)  # dtype of the row-parallel partial sums on the wire
 
     def body(x, pos, p):
         ml = x.shape[0]
@@ -132,9 +135,10 @@ def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Arra
         k = qkv[:, hl * hd:(hl + kvl) * hd].reshape(ml // s, s, kvl, hd)
         v = qkv[:, (hl + kvl) * hd:].reshape(ml // s, s, kvl, hd)
         o = causal_attention(q, k, v, c.attention_implementation).reshape(ml, hl * hd)
-        # Row-parallel o-projection: float32 partial sums, reduce-scattered over the rows.
-        attn = jax.lax.psum_scatter(jnp.dot(o, p["w_o"], preferred_element_type=jnp.float32), TENSOR_AXIS,
-                                    scatter_dimension=0, tiled=True)
+        # Row-parallel o-projection: partial sums reduce-scattered over the rows, in the
+        # compute dtype as plain JAX's partitioner would (partitioning.partial_sum_dtype).
+        attn = jax.lax.psum_scatter(jnp.dot(o, p["w_o"], preferred_element_type=part), TENSOR_AXIS,
+                                    scatter_dimension=0, tiled=True).astype(jnp.float32)
         rows = ml // t
         x_t = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(TENSOR_AXIS) * rows, rows, axis=0)
         x1_t = (x_t.astype(jnp.float32) + attn).astype(dt)
@@ -142,7 +146,8 @@ def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Arra
         mlp = swiglu_mlp_partial(x1, p["mlp_norm"], p["w_gu"], p["w_down"], eps=c.rms_norm_eps,
                                  backend=block.backend)
         x2_t = (x1_t.astype(jnp.float32)
-                + jax.lax.psum_scatter(mlp, TENSOR_AXIS, scatter_dimension=0, tiled=True)).astype(dt)
+                + jax.lax.psum_scatter(mlp.astype(part), TENSOR_AXIS, scatter_dimension=0,
+                                       tiled=True).astype(jnp.float32)).astype(dt)
         return jax.lax.all_gather(x2_t, TENSOR_AXIS, axis=0, tiled=True)
 
     out = partitioning.shard_map_over(mesh, body, (P(tok, None), P(tok), specs), P(tok, None),
