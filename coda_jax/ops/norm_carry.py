@@ -51,12 +51,12 @@ def resolve_carry(x: jax.Array, gamma: jax.Array, carry: NormCarry | None) -> No
     away in floating point)."""
     m, d = x.shape
     if carry is None:
-        return NormCarry(*map(jax.lax.stop_gradient, norm_carry(x, gamma)))
-    if not isinstance(carry, NormCarry):
+        carry = norm_carry(x, gamma)
+    elif not isinstance(carry, NormCarry):
         raise TypeError(f"carry must be a NormCarry or None, got {type(carry).__name__}")
-    if carry.h.shape != x.shape:
+    elif carry.h.shape != x.shape:
         raise ValueError(f"carry.h must have the shape of x {tuple(x.shape)}, got {tuple(carry.h.shape)}")
-    if carry.sumsq.ndim != 2 or carry.sumsq.shape[1] != m:
+    elif carry.sumsq.ndim != 2 or carry.sumsq.shape[1] != m:
         raise ValueError(f"carry.sumsq must be [P, {m}] float32 partials, got {tuple(carry.sumsq.shape)}")
     return NormCarry(jax.lax.stop_gradient(carry.h.astype(x.dtype)),
                      jax.lax.stop_gradient(carry.sumsq.astype(jnp.float32)))

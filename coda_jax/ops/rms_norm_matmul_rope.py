@@ -58,11 +58,8 @@ class RopeVariant:
         if self.qk_norm_eps is None:
             zdz = jnp.sum(qkv.astype(jnp.float32) * dqkv.astype(jnp.float32), axis=1)
             return _rope_transpose(dqkv, aux, b), zdz, zero_aux
-        d_lo, d_hi = (v.astype(jnp.float32) for v in split_pairs(dqkv, b))
         on = aux["rot"].reshape(-1, b)[None] > 0  # [1, heads, b]
-        c = jnp.where(on, aux["cos"][:, None, :], 1.0)
-        s = jnp.where(on, aux["sin"][:, None, :], 0.0)
-        du_lo, du_hi = d_lo * c + d_hi * s, d_hi * c - d_lo * s  # R^T dqkv
+        du_lo, du_hi = split_pairs(_rope_transpose(dqkv, aux, b), b)  # R^T dqkv
         z_lo, z_hi = (v.astype(jnp.float32) for v in split_pairs(z, b))
         w_lo, w_hi = (v[None] for v in split_pairs(aux["qk_w"], b))
         r = jax.lax.rsqrt((jnp.sum(z_lo * z_lo, -1, keepdims=True) + jnp.sum(z_hi * z_hi, -1, keepdims=True))

@@ -92,9 +92,11 @@ class PallasLowering:
                                   out_dtypes=out_dtypes)
         pb = epilogue.pair_block
         interpret = interpret_enabled()
-        cfg = self.config or choose_config(m, n, k)
-        if self.config is None and not interpret:  # the interpreter's 4 "SMs" say nothing about waves
-            cfg = fit_waves(cfg, m, n, _num_sms(interpret), epilogue.pair_width if pb is not None else None)
+        cfg = self.config
+        if cfg is None:
+            cfg = choose_config(m, n, k)
+            if not interpret:  # the interpreter's 4 "SMs" say nothing about waves
+                cfg = fit_waves(cfg, m, n, _num_sms(interpret), epilogue.pair_width if pb is not None else None)
         if pb is not None and cfg.tile_n % epilogue.pair_width:
             raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
                              f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")
