@@ -4,13 +4,13 @@ import jax
 import numpy as np
 import pytest
 
-# The Mosaic GPU interpreter runs each simulated thread's jitted step from its own Python
-# thread and makes them meet at barriers (io_callbacks). With asynchronous CPU dispatch those
-# steps queue on the CPU client's small thread pool (2 threads on a 2-core CI machine): the
-# threads already at a barrier hold it while the others wait for a slot, and the test hangs
-# (seen intermittently in test_pallas_kernels.py under two pytest-xdist workers). Synchronous
-# dispatch runs each step on its own calling thread.
-jax.config.update("jax_cpu_enable_async_dispatch", False)
+from coda_jax.pallas.interpret import ensure_interpreter_threads
+
+# The Mosaic GPU interpreter blocks one CPU-client pool thread per simulated warpgroup at a
+# barrier; with the default pool (one thread per core) a 2-core machine hung about one run in
+# 16 of the warp-specialized kernel tests. The pool is sized when JAX creates its CPU client,
+# so this must run before any test touches a device (see coda_jax/pallas/interpret.py).
+ensure_interpreter_threads()
 
 
 def _hopper() -> bool:

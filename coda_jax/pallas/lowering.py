@@ -27,7 +27,7 @@ from coda_jax import programs
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, plain_gemm_route
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
-from coda_jax.pallas.interpret import interpret_enabled
+from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves
 from coda_jax.reference import REFERENCE
 
@@ -92,6 +92,8 @@ class PallasLowering:
                                   out_dtypes=out_dtypes)
         pb = epilogue.pair_block
         interpret = interpret_enabled()
+        if interpret:
+            ensure_interpreter_threads()  # warns if the CPU pool is too small (a hang)
         cfg = self.config
         if cfg is None:
             cfg = choose_config(m, n, k)
