@@ -460,7 +460,8 @@ def plain_gemm_route(backend, plain):
 @contextlib.contextmanager
 def backend_variant(label):
     """``label`` is a backend, ``"pallas@w0"`` (Pallas without the wave fit of
-    :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
+    :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@pp"`` / ``"pallas@coop"`` (the ping-pong /
+    cooperative warp-specialized schedule), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
     default Pallas config with / without swizzled epilogue staging) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
     ``cutedsl@128``: the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at
     most 4 operand stages; ``cutedsl@256g16``: 256-wide tiles walked in raster groups of 16
@@ -471,6 +472,12 @@ def backend_variant(label):
         from coda_jax.pallas.tuning import WAVE_FIT_ENV
 
         with _env(WAVE_FIT_ENV, variant[1]):
+            yield base
+        return
+    if base == "pallas" and variant in ("pp", "coop"):  # the warp-specialized schedule (tuning.choose_config)
+        from coda_jax.pallas.tuning import SCHEDULE_ENV
+
+        with _env(SCHEDULE_ENV, "pingpong" if variant == "pp" else "cooperative"):
             yield base
         return
     if base == "pallas" and variant in ("sw", "nosw"):  # the default config's epilogue staging swizzled or not

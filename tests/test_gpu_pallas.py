@@ -28,6 +28,8 @@ CONFIGS = {
     "ws_swizzled": dataclasses.replace(CONFIG_TABLE["default"], swizzle_epilogue=True),
     # CTA pairs sharing the B block by multicast TMA, bands across M.
     "ws_cluster_m": dataclasses.replace(CONFIG_TABLE["default"], cluster_dimension="m", grid_minor_dim="m"),
+    # Each consumer owns whole tiles in turn: one's epilogue overlaps the other's MMAs.
+    "ws_pingpong": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None),
 }
 
 

@@ -163,6 +163,34 @@ def test_warp_specialized_split_n_transposed_a():
     _compare(programs.rms_dgrad(False), 100, 200, 130, transpose_b=True, config=WS_N, seed=11)
 
 
+PINGPONG = dataclasses.replace(WS, schedule="pingpong")
+
+
+@pytest.mark.parametrize("epi,kw", [c for c in CASES if c[0].name in (
+    "identity", "residual_rms", "rms_swiglu_train", "rms_rope", "rms_lse", "rms_dgrad_res")],
+    ids=lambda c: getattr(c, "name", ""))
+def test_pingpong_schedule(epi, kw):
+    # 4 CTAs, 16 tiles of 64 x 128: each consumer takes 2 tiles, alternating, and the one
+    # stage ring (2 stages, 4 K steps a tile) wraps across tiles and consumers.
+    shape = _shape(256, 512, 256, {o.name: jnp.bfloat16 for o in epi.outputs}, num_sms=4, **kw)
+    ldt = _dtypes(**{l.name: jnp.float32 if l.kind in (LoadKind.ROW, LoadKind.COL, LoadKind.ROW_BLOCK) else jnp.bfloat16
+                     for l in epi.loads})
+    assert plan_kernel(epi, shape, PINGPONG, ldt).pingpong
+    _compare(epi, 256, 512, 256, config=PINGPONG, seed=13, **kw)
+
+
+def test_pingpong_ragged_transposed_and_idle_ctas():
+    # Padding masks; a transposed A read whole by one consumer; 2 tiles on 4 CTAs (two idle,
+    # one consumer of each busy CTA idle).
+    _compare(programs.rms_dgrad(True), 200, 72, 130, transpose_b=True, config=PINGPONG, seed=14)
+    _compare(programs.NORM_WGRAD, 128, 256, 192, transpose_a=True, config=PINGPONG, seed=15)
+
+
+def test_pingpong_rejects_clusters():
+    with pytest.raises(ValueError, match="pingpong.*cluster_dimension=None"):
+        dataclasses.replace(WS, schedule="pingpong", cluster_dimension="m")
+
+
 def test_plan_fits_heavy_epilogues_in_smem():
     # QK-norm RoPE training epilogue: f32 cos/sin staging + two tile outputs do not fit beside
     # 4 stages of the 256x128 warp-specialized CTA tile; the plan falls back until it fits.

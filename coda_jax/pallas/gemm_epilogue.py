@@ -460,7 +460,8 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
         cm, cn = c.cluster_tile()
         if shape.m % cm or shape.n % cn:
             return False
-        return c.wg_dimension == "n" or not shape.transpose_a  # an M split would slice a transposed A
+        # An M split would slice a transposed A; a ping-pong consumer takes the whole block.
+        return c.pingpong or c.wg_dimension == "n" or not shape.transpose_a
 
     # The widest chunk whose values fit the register budget beside the accumulator; then
     # narrower chunks (less staging SMEM) before shallower pipelines; 2 stages last.
@@ -498,7 +499,10 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
     emitter = _EpilogueEmitter(epi, shape, cfg, dict(load_dtypes))
     ldt = dict(load_dtypes)
     ws = cfg.warp_specialized
-    body = _ws_body(emitter, shape, cfg, ldt) if ws else _simple_body(emitter, shape, cfg, ldt)
+    if cfg.pingpong:
+        body = _pingpong_body(emitter, shape, cfg, ldt)
+    else:
+        body = _ws_body(emitter, shape, cfg, ldt) if ws else _simple_body(emitter, shape, cfg, ldt)
     body.__name__ = body.__qualname__ = f"coda_{epi.name}"  # the kernel's name in profiles
     cluster = _cluster_size(cfg)
     return plgpu.kernel(
@@ -665,6 +669,134 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
                 a_view = a_gmem.at[:, pl.ds(mi * cta_m, cta_m)] if ta else a_gmem.at[pl.ds(mi * cta_m, cta_m), :]
                 b_view = b_gmem.at[pl.ds(ni * cta_n, cta_n), :] if tb else b_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
                 pipeline(step, compute_context)(a_view, b_view, allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    return body
+
+
+# Registers per thread: the producer gives up what the two consumers take (64 Ki registers
+# per SM: 40 + 2 * 232 <= 512 per thread of a warpgroup).
+_PRODUCER_REGS, _CONSUMER_REGS = 40, 232
+
+
+def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
+    """Warp-specialized, ping-pong: a producer warpgroup feeds two consumers that take turns.
+
+    The CTA's output tiles (``lin = sm, sm + n_programs, ...``, planar-snake order) alternate
+    between the consumers: consumer ``c`` owns the CTA's tiles ``i = c, c + 2, ...`` and
+    computes each ``[tm, tn]`` tile whole, mainloop and epilogue. The producer walks all the
+    CTA's tiles and K steps in that order and loads them through ONE ring of
+    ``S = max_concurrent_steps`` stages. So while a consumer runs its epilogue, the other
+    consumer's MMAs run on the blocks that were streaming in meanwhile. This is the overlap
+    that the cooperative kernel lacks.
+
+    Barriers. Step ``t`` (tile ``t // K``, K step ``t % K``) lives in stage ``t % S``.
+    * ``full[c, s]`` is filled by the A and B loads of consumer ``c``'s steps in stage ``s``.
+      Each consumer waits on its own barriers only, so it waits on every phase of them (the
+      Pallas phase-bit invariant), although the stages are shared.
+    * ``free[s]`` is arrived at by the consumer that used stage ``s`` once its MMA has read
+      the stage, and waited on by the producer before it refills the stage.
+    No barrier can complete twice before its waiter sees the first completion: a stage is
+    refilled only after its previous user has released it.
+    """
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    ta, tb = shape.transpose_a, shape.transpose_b
+    grid_m, grid_n, k_iters = shape.m // tm, shape.n // tn, shape.k // tk
+    n_tiles, n_programs, stages = grid_m * grid_n, shape.num_sms, cfg.max_concurrent_steps
+    a_block, b_block = _specs(shape, cfg, tm, tn)
+    dt = shape.operand_dtype
+    n_bar = em.n_barriers
+
+    def tile_origin(i, sm):
+        """(mi, ni) of this CTA's ``i``-th tile."""
+        return _tile_order(sm + i * n_programs, grid_m, grid_n, cfg)
+
+    def body(a_gmem, b_gmem, *refs):
+        load_refs, out_refs = _split_refs(em.epi, refs)
+        sm = lax.axis_index("sm")
+        my_tiles = lax.div(n_tiles - sm + n_programs - 1, n_programs)  # tiles sm, sm + P, ... < n_tiles
+
+        @functools.partial(
+            pl.run_scoped,
+            a_smem=plgpu.SMEM((stages, *a_block), dt, transforms=_transforms(a_block[1], dt)),
+            b_smem=plgpu.SMEM((stages, *b_block), dt, transforms=_transforms(b_block[1], dt)),
+            full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # [consumer, stage]: A + B
+            free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            collective_axes="wg", **em.scratch_types(ldt, copies=2))
+        def _scope(a_smem, b_smem, full, free, **scr):
+            wg = lax.axis_index("wg")
+            total = my_tiles * k_iters
+
+            @pl.when(wg == 2)
+            def _producer():
+                plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+
+                @pl.loop(0, my_tiles)
+                def _tile(i):
+                    mi, ni = tile_origin(i, sm)
+                    owner = lax.rem(i, 2)
+
+                    @pl.loop(0, k_iters)
+                    def _k(kk):
+                        step = i * k_iters + kk
+                        slot = lax.rem(step, stages)
+
+                        @pl.when(step >= stages)
+                        def _():
+                            plgpu.barrier_wait(free.at[slot])
+
+                        a_src = (a_gmem.at[pl.ds(kk * tk, tk), pl.ds(mi * tm, tm)] if ta
+                                 else a_gmem.at[pl.ds(mi * tm, tm), pl.ds(kk * tk, tk)])
+                        b_src = (b_gmem.at[pl.ds(ni * tn, tn), pl.ds(kk * tk, tk)] if tb
+                                 else b_gmem.at[pl.ds(kk * tk, tk), pl.ds(ni * tn, tn)])
+                        bar = full.at[owner * stages + slot]
+                        plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], bar)
+                        plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], bar)
+
+                # The last stages' releases: every phase of ``free`` is waited on.
+                @pl.loop(lax.max(total - stages, 0), total)
+                def _drain(step):
+                    plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+
+            @pl.when(wg < 2)
+            def _consumer():
+                plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+                mine = {k: (v if k == "barrier" else v.at[wg]) for k, v in scr.items()}
+
+                @pl.loop(0, lax.div(my_tiles - wg + 1, 2))
+                def _tile(j):
+                    i = 2 * j + wg
+                    mi, ni = tile_origin(i, sm)
+                    m0, n0 = mi * tm, ni * tn
+                    step_base = j * len(em.chunks)  # epilogue chunks this consumer did before
+                    # The epilogue's tile loads stream in while the MMAs run.
+                    pre = em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
+
+                    def mainloop(acc_ref):
+                        @pl.loop(0, k_iters)
+                        def _k(kk):
+                            step = i * k_iters + kk
+                            slot = lax.rem(step, stages)
+                            plgpu.barrier_wait(full.at[wg * stages + slot])
+                            a = a_smem.at[slot]
+                            b = b_smem.at[slot]
+                            plgpu.wgmma(acc_ref, a.transpose((1, 0)) if ta else a, b.transpose((1, 0)) if tb else b)
+                            plgpu.wgmma_wait(1)  # step - 1's MMA is done: its stage can be refilled
+
+                            @pl.when(kk > 0)
+                            def _():
+                                plgpu.barrier_arrive(free.at[lax.rem(step - 1 + stages, stages)])
+
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(free.at[lax.rem(i * k_iters + k_iters - 1, stages)])
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(mainloop, plgpu.ACC((tm, tn), jnp.float32))
+                    em.emit(acc, m0, n0, mi, ni, lax.rem(j, 2), load_refs, out_refs, mine,
+                            barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
+
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging dies with this scope
 
         plgpu.wait_smem_to_gmem(0)
 

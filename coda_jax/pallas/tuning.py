@@ -53,6 +53,13 @@ class TuningConfig:
         tile outputs of a chunk); ``plan_kernel`` narrows the chunk (pair-mode chunks too,
         unless the body sums over a pair half) until it fits, so that heavy epilogues do not
         spill beside the 128-register accumulator.
+      schedule: how the warp-specialized kernel's two consumer warpgroups share the work.
+        ``"cooperative"``: both work on one CTA tile (``wg_dimension`` splits it) and run
+        their epilogues at the same time, while the tensor cores wait. ``"pingpong"``: each
+        consumer owns a whole ``[tile_m, tile_n]`` tile. The CTA's tiles alternate between the
+        two consumers, and the producer streams their operand blocks through one ring of
+        stages in tile order. One consumer's epilogue then runs while the other's MMAs do.
+        Ping-pong supports no cluster.
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -71,6 +78,7 @@ class TuningConfig:
     epilogue_cols: int = 64
     epilogue_load_slots: int = 2
     epilogue_regs: int = 128
+    schedule: str = "cooperative"
     approx_math: bool = False
 
     def __post_init__(self):
@@ -80,6 +88,11 @@ class TuningConfig:
             raise ValueError(f"grid_minor_dim must be 'm' or 'n', got {self.grid_minor_dim!r}")
         if self.cluster_dimension not in (None, "m", "n"):
             raise ValueError(f"cluster_dimension must be None, 'm' or 'n', got {self.cluster_dimension!r}")
+        if self.schedule not in ("cooperative", "pingpong"):
+            raise ValueError(f"schedule must be 'cooperative' or 'pingpong', got {self.schedule!r}")
+        if self.schedule == "pingpong" and self.cluster_dimension is not None:
+            raise ValueError("schedule='pingpong' needs cluster_dimension=None (the ping-pong kernel runs no "
+                             f"clusters), got {self.cluster_dimension!r}")
         if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
             raise ValueError(f"tile_m, tile_n and tile_k must be multiples of 64, got {self}")
         if self.epilogue_cols not in (16, 32, 64):
@@ -89,9 +102,15 @@ class TuningConfig:
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
 
+    @property
+    def pingpong(self) -> bool:
+        """Whether the warp-specialized kernel runs the ping-pong schedule."""
+        return self.warp_specialized and self.schedule == "pingpong"
+
     def cta_tile(self) -> tuple[int, int]:
-        """Output tile of one CTA: two consumer tiles in the warp-specialized kernel."""
-        if not self.warp_specialized:
+        """Output tile that one CTA computes at a time: two consumer tiles in the cooperative
+        warp-specialized kernel, one (per consumer, in turn) otherwise."""
+        if not self.warp_specialized or self.pingpong:
             return self.tile_m, self.tile_n
         return (self.tile_m, 2 * self.tile_n) if self.wg_dimension == "n" else (2 * self.tile_m, self.tile_n)
 
@@ -124,11 +143,22 @@ CONFIG_TABLE: dict[str, TuningConfig] = {
 }
 
 
+SCHEDULE_ENV = "CODA_JAX_PALLAS_SCHEDULE"
+
+
 def choose_config(m: int, n: int, k: int) -> TuningConfig:
-    """The table's configuration for an ``[m, k] @ [k, n]`` GEMM."""
-    if m * n < (1 << 22) or k < 256:
-        return CONFIG_TABLE["small"]
-    return CONFIG_TABLE["default"]
+    """The table's configuration for an ``[m, k] @ [k, n]`` GEMM.
+
+    ``$CODA_JAX_PALLAS_SCHEDULE=pingpong`` runs the table's warp-specialized configurations
+    with the ping-pong schedule (and no cluster); ``cooperative`` or unset keeps the table.
+    """
+    cfg = CONFIG_TABLE["small"] if m * n < (1 << 22) or k < 256 else CONFIG_TABLE["default"]
+    schedule = os.environ.get(SCHEDULE_ENV, "").strip().lower()
+    if schedule not in ("", "cooperative", "pingpong"):
+        raise ValueError(f"${SCHEDULE_ENV} must be 'cooperative' or 'pingpong', got {schedule!r}")
+    if schedule == "pingpong" and cfg.warp_specialized:
+        cfg = dataclasses.replace(cfg, schedule="pingpong", cluster_dimension=None)
+    return cfg
 
 
 # Wave quantization: a GEMM with few output tiles (e.g. the 1B model's QKV wgrad, [2048, 3072]:
