@@ -55,7 +55,7 @@ def test_cross_entropy_vocab_leaving_a_tile_of_padding(monkeypatch):
     from coda_jax.pallas.tuning import TuningConfig
 
     cfg = TuningConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, warp_specialized=True, wg_dimension="n")
-    monkeypatch.setattr(lowering, "choose_config", lambda m, n, k: dataclasses.replace(cfg))
+    monkeypatch.setattr(lowering, "choose_config", lambda m, n, k, program=None: dataclasses.replace(cfg))
     C.case_cross_entropy("pallas", 100, 64, 257, BF)
 
 

@@ -370,3 +370,21 @@ def test_fit_waves_takes_the_half_width_tile_only_where_it_fills_the_sms(monkeyp
     assert fit_waves(cfg, 2048, 3072, 132, pair_width=128) is cfg  # the SwiGLU pair must fit the tile
     monkeypatch.setenv(WAVE_FIT_ENV, "0")
     assert fit_waves(cfg, 2048, 3072, 132) is cfg
+
+
+def test_choose_config_schedule(monkeypatch):
+    from coda_jax.pallas.tuning import SCHEDULE_ENV, choose_config, fit_waves
+
+    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
+    big = (8192, 8192, 2048)
+    assert choose_config(*big, "swiglu_dgrad").pingpong and choose_config(*big, "swiglu_dgrad").cluster_dimension is None
+    assert not choose_config(*big, "residual_rms").pingpong
+    assert not choose_config(64, 64, 64, "swiglu_dgrad").warp_specialized  # the small table entry stays
+    monkeypatch.setenv(SCHEDULE_ENV, "cooperative")
+    assert not choose_config(*big, "swiglu_dgrad").pingpong
+    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
+    pp = choose_config(*big, "residual_rms")
+    assert pp.pingpong and fit_waves(pp, 2048, 3072, 132) is pp  # ping-pong tiles are not narrowed
+    monkeypatch.setenv(SCHEDULE_ENV, "pingpang")
+    with pytest.raises(ValueError, match="CODA_JAX_PALLAS_SCHEDULE"):
+        choose_config(*big)

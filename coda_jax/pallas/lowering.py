@@ -96,7 +96,7 @@ class PallasLowering:
             ensure_interpreter_threads()  # warns if the CPU pool is too small (a hang)
         cfg = self.config
         if cfg is None:
-            cfg = choose_config(m, n, k)
+            cfg = choose_config(m, n, k, epilogue.name)
             if not interpret:  # the interpreter's 4 "SMs" say nothing about waves
                 cfg = fit_waves(cfg, m, n, _num_sms(interpret), epilogue.pair_width if pb is not None else None)
         if pb is not None and cfg.tile_n % epilogue.pair_width:

@@ -144,18 +144,28 @@ CONFIG_TABLE: dict[str, TuningConfig] = {
 
 
 SCHEDULE_ENV = "CODA_JAX_PALLAS_SCHEDULE"
+# Programs whose epilogue costs enough, next to their short mainloop, that the ping-pong
+# schedule's overlap beats the cooperative kernel's wider, multicast-fed tile (H100, 1B
+# shapes, benchmarks/RESULTS.md run 107: swiglu_dgrad 0.656 -> 0.604 ms, rms_rope_train
+# 0.245 -> 0.238 ms). Everywhere else the cooperative kernel was faster (identity dgrad
+# 0.828 vs 0.922 ms, residual_rms 0.151 vs 0.160 ms): a 128 x 128 tile without a cluster
+# draws twice the L2 -> SMEM bytes per FLOP.
+PINGPONG_PROGRAMS = frozenset({"swiglu_dgrad", "rms_rope_train"})
 
 
-def choose_config(m: int, n: int, k: int) -> TuningConfig:
-    """The table's configuration for an ``[m, k] @ [k, n]`` GEMM.
+def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningConfig:
+    """The table's configuration for an ``[m, k] @ [k, n]`` GEMM running epilogue ``program``.
 
-    ``$CODA_JAX_PALLAS_SCHEDULE=pingpong`` runs the table's warp-specialized configurations
-    with the ping-pong schedule (and no cluster); ``cooperative`` or unset keeps the table.
+    The warp-specialized configuration runs the ping-pong schedule (and no cluster) for the
+    programs in :data:`PINGPONG_PROGRAMS`. ``$CODA_JAX_PALLAS_SCHEDULE`` overrides that
+    choice for every program: ``pingpong`` or ``cooperative``.
     """
     cfg = CONFIG_TABLE["small"] if m * n < (1 << 22) or k < 256 else CONFIG_TABLE["default"]
     schedule = os.environ.get(SCHEDULE_ENV, "").strip().lower()
     if schedule not in ("", "cooperative", "pingpong"):
         raise ValueError(f"${SCHEDULE_ENV} must be 'cooperative' or 'pingpong', got {schedule!r}")
+    if not schedule:
+        schedule = "pingpong" if program in PINGPONG_PROGRAMS else "cooperative"
     if schedule == "pingpong" and cfg.warp_specialized:
         cfg = dataclasses.replace(cfg, schedule="pingpong", cluster_dimension=None)
     return cfg
@@ -183,8 +193,8 @@ def fit_waves(cfg: TuningConfig, m: int, n: int, num_sms: int, pair_width: int |
     better to pay for the narrower tile (:data:`NARROW_TILE_RATE`). The pair width of a
     pair-mode epilogue must divide the narrower tile. ``$CODA_JAX_PALLAS_WAVE_FIT=0`` turns
     this off."""
-    if os.environ.get(WAVE_FIT_ENV, "1") == "0" or cfg.tile_n < 128:
-        return cfg
+    if os.environ.get(WAVE_FIT_ENV, "1") == "0" or cfg.tile_n < 128 or cfg.pingpong:
+        return cfg  # a ping-pong CTA already takes 128 x 128 tiles
     fill = wave_fill(cfg, m, n, num_sms)
     if fill >= WAVE_FILL_MIN:
         return cfg
