@@ -30,6 +30,7 @@ CONFIGS = {
     "ws_cluster_m": dataclasses.replace(CONFIG_TABLE["default"], cluster_dimension="m", grid_minor_dim="m"),
     # Each consumer owns whole tiles in turn: one's epilogue overlaps the other's MMAs.
     "ws_pingpong": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None),
+    "ws_pingpong_cluster_m": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong"),
 }
 
 

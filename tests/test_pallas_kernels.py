@@ -186,9 +186,17 @@ def test_pingpong_ragged_transposed_and_idle_ctas():
     _compare(programs.NORM_WGRAD, 128, 256, 192, transpose_a=True, config=PINGPONG, seed=15)
 
 
-def test_pingpong_rejects_clusters():
-    with pytest.raises(ValueError, match="pingpong.*cluster_dimension=None"):
-        dataclasses.replace(WS, schedule="pingpong", cluster_dimension="m")
+@pytest.mark.parametrize("cluster", ["m", "n"])
+def test_pingpong_cluster_multicast(cluster):
+    # CTA pairs take neighbouring tiles in step and share the B (cluster "m") or A ("n")
+    # block by multicast; a stage is refilled only after both CTAs' consumers released it.
+    cfg = dataclasses.replace(PINGPONG, cluster_dimension=cluster, grid_minor_dim="m")
+    shape = _shape(256, 512, 256, {"x": jnp.bfloat16, "h": jnp.bfloat16, "sumsq": jnp.float32}, num_sms=4)
+    ldt = _dtypes(residual=jnp.bfloat16, gamma=jnp.float32)
+    planned = plan_kernel(programs.RESIDUAL_RMS, shape, cfg, ldt)
+    assert planned.pingpong and planned.cluster_dimension == cluster
+    _compare(programs.RESIDUAL_RMS, 256, 512, 256, config=cfg, seed=16)
+    _compare(programs.rms_dgrad(True), 200, 300, 130, transpose_b=True, config=cfg, seed=17)
 
 
 def test_plan_fits_heavy_epilogues_in_smem():
@@ -377,7 +385,7 @@ def test_choose_config_schedule(monkeypatch):
 
     monkeypatch.delenv(SCHEDULE_ENV, raising=False)
     big = (8192, 8192, 2048)
-    assert choose_config(*big, "swiglu_dgrad").pingpong and choose_config(*big, "swiglu_dgrad").cluster_dimension is None
+    assert choose_config(*big, "swiglu_dgrad").pingpong
     assert not choose_config(*big, "residual_rms").pingpong
     assert not choose_config(64, 64, 64, "swiglu_dgrad").warp_specialized  # the small table entry stays
     monkeypatch.setenv(SCHEDULE_ENV, "cooperative")

@@ -24,6 +24,7 @@ CONFIGS = {
                                                       cluster_dimension="n", swizzle_epilogue=True),
     "default_swizzled": dataclasses.replace(CONFIG_TABLE["default"], swizzle_epilogue=True),
     "pingpong": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None),
+    "pingpong_cluster_m": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong"),
 }
 
 

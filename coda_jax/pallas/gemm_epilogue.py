@@ -699,18 +699,37 @@ def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, 
       the stage, and waited on by the producer before it refills the stage.
     No barrier can complete twice before its waiter sees the first completion: a stage is
     refilled only after its previous user has released it.
+
+    Clusters (``cluster_dimension="m"``): two CTAs take vertically neighbouring tiles of
+    the same column at the same time, and the B block they share arrives by one multicast
+    TMA load (each CTA loads half and writes it into both CTAs' stage). ``free`` is then a
+    cluster barrier: a stage is refilled only when the consumers of both CTAs have released
+    it, since the refill writes into both. (``"n"``: the same with the A block.)
     """
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     ta, tb = shape.transpose_a, shape.transpose_b
-    grid_m, grid_n, k_iters = shape.m // tm, shape.n // tn, shape.k // tk
-    n_tiles, n_programs, stages = grid_m * grid_n, shape.num_sms, cfg.max_concurrent_steps
+    cl_m, cl_n = cfg.cluster_tile()
+    grid_m, grid_n, k_iters = shape.m // cl_m, shape.n // cl_n, shape.k // tk
+    cluster = _cluster_size(cfg)
+    n_tiles, n_programs, stages = grid_m * grid_n, shape.num_sms // cluster, cfg.max_concurrent_steps
     a_block, b_block = _specs(shape, cfg, tm, tn)
     dt = shape.operand_dtype
     n_bar = em.n_barriers
+    a_shared = "cluster" if cfg.cluster_dimension == "n" else None
+    b_shared = "cluster" if cfg.cluster_dimension == "m" else None
+    if cluster > 1:
+        free_type = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=stages)
+    else:
+        free_type = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
 
     def tile_origin(i, sm):
-        """(mi, ni) of this CTA's ``i``-th tile."""
-        return _tile_order(sm + i * n_programs, grid_m, grid_n, cfg)
+        """(mi, ni) of this CTA's ``i``-th tile (its half of the cluster's tile)."""
+        mi, ni = _tile_order(sm + i * n_programs, grid_m, grid_n, cfg)
+        if cfg.cluster_dimension == "m":
+            mi = 2 * mi + lax.axis_index("cluster")
+        elif cfg.cluster_dimension == "n":
+            ni = 2 * ni + lax.axis_index("cluster")
+        return mi, ni
 
     def body(a_gmem, b_gmem, *refs):
         load_refs, out_refs = _split_refs(em.epi, refs)
@@ -722,7 +741,7 @@ def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, 
             a_smem=plgpu.SMEM((stages, *a_block), dt, transforms=_transforms(a_block[1], dt)),
             b_smem=plgpu.SMEM((stages, *b_block), dt, transforms=_transforms(b_block[1], dt)),
             full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # [consumer, stage]: A + B
-            free=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            free=free_type,
             collective_axes="wg", **em.scratch_types(ldt, copies=2))
         def _scope(a_smem, b_smem, full, free, **scr):
             wg = lax.axis_index("wg")
@@ -751,8 +770,8 @@ def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, 
                         b_src = (b_gmem.at[pl.ds(ni * tn, tn), pl.ds(kk * tk, tk)] if tb
                                  else b_gmem.at[pl.ds(kk * tk, tk), pl.ds(ni * tn, tn)])
                         bar = full.at[owner * stages + slot]
-                        plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], bar)
-                        plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], bar)
+                        plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], bar, collective_axes=a_shared)
+                        plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], bar, collective_axes=b_shared)
 
                 # The last stages' releases: every phase of ``free`` is waited on.
                 @pl.loop(lax.max(total - stages, 0), total)

@@ -59,7 +59,8 @@ class TuningConfig:
         consumer owns a whole ``[tile_m, tile_n]`` tile. The CTA's tiles alternate between the
         two consumers, and the producer streams their operand blocks through one ring of
         stages in tile order. One consumer's epilogue then runs while the other's MMAs do.
-        Ping-pong supports no cluster.
+        With a cluster, the two CTAs of a cluster take neighbouring tiles at the same time
+        and share one operand block by multicast, as in the cooperative kernel.
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -90,9 +91,6 @@ class TuningConfig:
             raise ValueError(f"cluster_dimension must be None, 'm' or 'n', got {self.cluster_dimension!r}")
         if self.schedule not in ("cooperative", "pingpong"):
             raise ValueError(f"schedule must be 'cooperative' or 'pingpong', got {self.schedule!r}")
-        if self.schedule == "pingpong" and self.cluster_dimension is not None:
-            raise ValueError("schedule='pingpong' needs cluster_dimension=None (the ping-pong kernel runs no "
-                             f"clusters), got {self.cluster_dimension!r}")
         if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
             raise ValueError(f"tile_m, tile_n and tile_k must be multiples of 64, got {self}")
         if self.epilogue_cols not in (16, 32, 64):
@@ -156,7 +154,7 @@ PINGPONG_PROGRAMS = frozenset({"swiglu_dgrad", "rms_rope_train"})
 def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningConfig:
     """The table's configuration for an ``[m, k] @ [k, n]`` GEMM running epilogue ``program``.
 
-    The warp-specialized configuration runs the ping-pong schedule (and no cluster) for the
+    The warp-specialized configuration runs the ping-pong schedule (with its cluster) for the
     programs in :data:`PINGPONG_PROGRAMS`. ``$CODA_JAX_PALLAS_SCHEDULE`` overrides that
     choice for every program: ``pingpong`` or ``cooperative``.
     """
@@ -167,7 +165,7 @@ def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningC
     if not schedule:
         schedule = "pingpong" if program in PINGPONG_PROGRAMS else "cooperative"
     if schedule == "pingpong" and cfg.warp_specialized:
-        cfg = dataclasses.replace(cfg, schedule="pingpong", cluster_dimension=None)
+        cfg = dataclasses.replace(cfg, schedule="pingpong")
     return cfg
 
 
