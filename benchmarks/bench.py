@@ -460,8 +460,8 @@ def plain_gemm_route(backend, plain):
 @contextlib.contextmanager
 def backend_variant(label):
     """``label`` is a backend, ``"pallas@w0"`` (Pallas without the wave fit of
-    :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@pp"`` / ``"pallas@ppn"`` / ``"pallas@coop"`` (the
-    ping-pong warp-specialized schedule with the table's cluster / without a cluster, the cooperative one), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
+    :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@pp"`` / ``"pallas@coop"`` (every program on the
+    ping-pong warp-specialized schedule, without a cluster / on the cooperative one), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
     default Pallas config with / without swizzled epilogue staging) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
     ``cutedsl@128``: the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at
     most 4 operand stages; ``cutedsl@256g16``: 256-wide tiles walked in raster groups of 16
@@ -474,19 +474,11 @@ def backend_variant(label):
         with _env(WAVE_FIT_ENV, variant[1]):
             yield base
         return
-    if base == "pallas" and variant in ("pp", "ppn", "coop"):  # the warp-specialized schedule (tuning.choose_config)
-        import dataclasses
+    if base == "pallas" and variant in ("pp", "coop"):  # the warp-specialized schedule (tuning.choose_config)
+        from coda_jax.pallas.tuning import SCHEDULE_ENV
 
-        from coda_jax.pallas import tuning
-
-        saved = tuning.CONFIG_TABLE["default"]
-        if variant == "ppn":  # ping-pong without the table's cluster
-            tuning.CONFIG_TABLE["default"] = dataclasses.replace(saved, cluster_dimension=None)
-        try:
-            with _env(tuning.SCHEDULE_ENV, "cooperative" if variant == "coop" else "pingpong"):
-                yield base
-        finally:
-            tuning.CONFIG_TABLE["default"] = saved
+        with _env(SCHEDULE_ENV, "pingpong" if variant == "pp" else "cooperative"):
+            yield base
         return
     if base == "pallas" and variant in ("sw", "nosw"):  # the default config's epilogue staging swizzled or not
         import dataclasses

@@ -254,6 +254,44 @@ def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: 
     print(f"OK tp_{backend}_{'x'.join(map(str, shape))}_{mode}_{dtype}")
 
 
+def case_vocab_parallel_ce(shape: tuple[int, int, int], mode: str) -> None:
+    """The vocab-split cross-entropy (each tensor shard's LM-head GEMM on V/T vocab rows)
+    equals one device's linear_cross_entropy in float32: loss and the gradients of x, gamma
+    and W, with ignored rows and z-loss, on both backward paths (saved logits, recompute)."""
+    from coda_jax.layers.tensor_parallel import vocab_parallel_cross_entropy
+    from coda_jax.ops.linear_cross_entropy import SAVE_LOGITS_ENV, linear_cross_entropy
+
+    m, d, v = 64, 64, 512
+    k = jax.random.split(jax.random.key(5), 4)
+    x = jax.random.normal(k[0], (m, d), jnp.float32)
+    gamma = 1.0 + 0.1 * jax.random.normal(k[1], (d,), jnp.float32)
+    w = jax.random.normal(k[2], (v, d), jnp.float32) / d ** 0.5
+    targets = jax.random.randint(k[3], (m,), 0, v).at[::7].set(-100)
+    want = jax.value_and_grad(lambda x, g, w: linear_cross_entropy(x, g, w, targets, eps=1e-5, z_loss=1e-3,
+                                                                   backend="xla"), argnums=(0, 1, 2))(x, gamma, w)
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(axis_type,) * 3)
+    f = jax.jit(jax.value_and_grad(lambda x, g, w, t: vocab_parallel_cross_entropy(x, g, w, t, eps=1e-5, z_loss=1e-3,
+                                                                                   backend="xla"), argnums=(0, 1, 2)))
+    for save in ("1", "0"):
+        os.environ[SAVE_LOGITS_ENV] = save
+        with jax.set_mesh(mesh):
+            got = f(x, gamma, w, targets)
+            jaxpr = str(jax.make_jaxpr(f)(x, gamma, w, targets))
+        _assert_matches(got, want, 1e-5, f"vocab-parallel CE {shape} {mode} save={save}")
+        # Each shard's GEMM sees its V/T vocab rows, and no shard the whole head.
+        assert f"f32[{v // shape[2]},{d}]" in jaxpr, "no vocab-split LM-head weight inside the shard_map"
+    del os.environ[SAVE_LOGITS_ENV]
+    with jax.set_mesh(mesh):
+        try:
+            f(x, gamma, w[:v - 1], targets)
+        except ValueError as err:
+            assert "multiple of the 'tensor' axis size" in str(err), err
+        else:
+            raise AssertionError("a vocabulary the tensor axis does not divide ran")
+    print(f"OK vocab_ce_{'x'.join(map(str, shape))}_{mode}")
+
+
 def case_cutedsl_lowers_under_mesh() -> None:
     """The CuTeDSL ops trace and lower for CUDA under a data-parallel mesh (no GPU needed)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -319,6 +357,8 @@ CASES = {
     "ops_dp_auto": lambda: case_ops_data_parallel("auto"),
     "ops_dp_explicit": lambda: case_ops_data_parallel("explicit"),
     "wgrad_partials": case_wgrad_partials,
+    "vocab_ce_2x1x4_explicit": lambda: case_vocab_parallel_ce((2, 1, 4), "explicit"),
+    "vocab_ce_2x2x2_auto": lambda: case_vocab_parallel_ce((2, 2, 2), "auto"),
 }
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ GROUPS = {
     "model_auto": ["model_xla_8_auto", "model_xla_2x4_auto", "model_pallas_8_auto", "model_pallas_2x4_auto"],
     "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_8_explicit",
                        "model_pallas_2x4_explicit"],
+    "vocab_parallel": ["vocab_ce_2x1x4_explicit", "vocab_ce_2x2x2_auto"],
     "tensor_parallel": ["tp_xla_2x2x2_auto_float32", "tp_pallas_2x2x2_explicit_bfloat16",
                         "tp_pallas_1x2x4_auto_float32", "tp_xla_2x1x4_explicit_float32"],
 }

@@ -153,3 +153,49 @@ def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Arra
     out = partitioning.shard_map_over(mesh, body, (P(tok, None), P(tok), specs), P(tok, None),
                                       reshape_tokens(x, (m, d)).astype(dt), reshape_tokens(positions, (m,)), params)
     return reshape_tokens(out, (b, s, d))
+
+
+def vocab_parallel_cross_entropy(x: jax.Array, gamma: jax.Array, w_vocab: jax.Array, targets: jax.Array, *,
+                                 eps: float, ignore_index: int = -100, z_loss: float = 0.0,
+                                 backend: str | None = None) -> jax.Array:
+    """Mean cross-entropy of ``RMSNorm(x; gamma) @ w_vocab^T``, the vocab split over ``"tensor"``.
+
+    Each tensor shard runs the fused LM-head GEMM on its ``V / T`` vocab rows of ``w_vocab``
+    (a ``1/T`` of the largest GEMM of the model, where a replicated head repeats it whole on
+    every shard) for all rows of its data shard. The row LSEs and target logits (``[M_d]``
+    vectors) combine across shards; in the backward each shard's ``dlogits`` block gives its
+    own ``dW`` rows and its partial ``dx``, summed over the shards.
+
+    Args:
+      x: ``[M, d]`` final residual stream (tokens split over the data axes, if any).
+      gamma: ``[d]`` final-norm weight.
+      w_vocab: ``[V, d]`` LM-head weight, ``V`` a multiple of ``T``.
+      targets: ``[M]`` global class ids, or ``ignore_index``.
+
+    Returns:
+      float32 scalar: the mean over rows whose target is not ``ignore_index``.
+    """
+    from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
+
+    mesh = partitioning.context_mesh()
+    t = tensor_parallel_size(mesh)
+    m, v = x.shape[0], w_vocab.shape[0]
+    if v % t:
+        raise ValueError(f"vocab-parallel cross-entropy: the vocabulary ({v}) must be a multiple of the "
+                         f"{TENSOR_AXIS!r} axis size ({t})")
+    dp = partitioning.token_axes(mesh)
+    if m % (_data_shards(mesh) * t):
+        raise ValueError(f"vocab-parallel cross-entropy: tokens ({m}) must be a multiple of the data axes' size x "
+                         f"the {TENSOR_AXIS!r} axis size ({_data_shards(mesh) * t})")
+    tok = dp if len(dp) > 1 else (dp[0] if dp else None)
+    rows_spec = dp + (TENSOR_AXIS,)
+
+    def body(x, gamma, w, targets):
+        losses = linear_cross_entropy(x, gamma, w, targets, eps=eps, ignore_index=ignore_index, z_loss=z_loss,
+                                      reduction="none", vocab_axis=TENSOR_AXIS, backend=backend)
+        rows = x.shape[0] // t  # this shard's own rows of the (replicated) losses
+        return jax.lax.dynamic_slice_in_dim(losses, jax.lax.axis_index(TENSOR_AXIS) * rows, rows)
+
+    losses = partitioning.shard_map_over(mesh, body, (P(tok, None), P(), P(TENSOR_AXIS, None), P(tok)),
+                                         P(rows_spec), x, gamma, w_vocab, targets)
+    return jnp.sum(losses) / jnp.maximum(jnp.sum(targets != ignore_index), 1).astype(jnp.float32)

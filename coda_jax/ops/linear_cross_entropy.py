@@ -99,9 +99,18 @@ def resolve_save_logits(save_logits: bool | None, m: int, v: int, logits_dtype) 
     return m * v * jnp.dtype(logits_dtype).itemsize <= logits_budget_bytes()
 
 
-def _forward(lowering, eps, z_loss, save, logits_dtype, x, gamma, w, h, sumsq, targets):
+def _vocab_shard(w, vocab_axis) -> tuple[jax.Array | int, int]:
+    """(first vocab id of this shard's rows of ``w``, total vocab size)."""
+    if vocab_axis is None:
+        return 0, w.shape[0]
+    return jax.lax.axis_index(vocab_axis) * w.shape[0], w.shape[0] * jax.lax.axis_size(vocab_axis)
+
+
+def _forward(lowering, eps, z_loss, save, logits_dtype, vocab_axis, x, gamma, w, h, sumsq, targets):
     rstd = rstd_from_partials(sumsq, x.shape[1], eps)
-    loads = {"rstd": rstd, "target": targets}
+    offset, v = _vocab_shard(w, vocab_axis)
+    # A target on another shard (or -1, ignored) matches no column of this one.
+    loads = {"rstd": rstd, "target": targets - offset}
     if save:
         outs = lowering.gemm(programs.RMS_LSE_LOGITS, h, w, loads, transpose_b=True,
                              out_dtypes={"logits": logits_dtype})
@@ -109,39 +118,51 @@ def _forward(lowering, eps, z_loss, save, logits_dtype, x, gamma, w, h, sumsq, t
         outs = lowering.gemm(programs.RMS_LSE, h, w, loads, transpose_b=True)
     lse = jax.nn.logsumexp(outs["lse"], axis=0)
     target_logit = jnp.sum(outs["target_logit"], axis=0)
+    if vocab_axis is not None:  # combine the shards' LSEs ([M] each) and target logits
+        top = jax.lax.pmax(lse, vocab_axis)
+        lse = top + jnp.log(jax.lax.psum(jnp.exp(lse - top), vocab_axis))
+        target_logit = jax.lax.psum(target_logit, vocab_axis)
     valid = targets >= 0
     losses = jnp.where(valid, lse - target_logit + z_loss * lse * lse, 0.0)
     # A target outside [0, V) that is not ignore_index cannot be reported under jit: its
     # row's loss is NaN, so the error shows instead of a silently wrong loss.
-    losses = jnp.where(targets >= w.shape[0], jnp.nan, losses)
+    losses = jnp.where(targets >= v, jnp.nan, losses)
     return losses, rstd, lse, outs.get("logits")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _row_losses(lowering: GemmLowering, eps: float, z_loss: float, save: bool, logits_dtype,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _row_losses(lowering: GemmLowering, eps: float, z_loss: float, save: bool, logits_dtype, vocab_axis,
                 x, gamma, w, h, sumsq, targets):
     # Not differentiated (evaluation): nothing to save.
-    return _forward(lowering, eps, z_loss, False, logits_dtype, x, gamma, w, h, sumsq, targets)[0]
+    return _forward(lowering, eps, z_loss, False, logits_dtype, vocab_axis, x, gamma, w, h, sumsq, targets)[0]
 
 
-def _row_losses_fwd(lowering, eps, z_loss, save, logits_dtype, x, gamma, w, h, sumsq, targets):
-    losses, rstd, lse, logits = _forward(lowering, eps, z_loss, save, logits_dtype, x, gamma, w, h, sumsq, targets)
+def _row_losses_fwd(lowering, eps, z_loss, save, logits_dtype, vocab_axis, x, gamma, w, h, sumsq, targets):
+    losses, rstd, lse, logits = _forward(lowering, eps, z_loss, save, logits_dtype, vocab_axis, x, gamma, w, h,
+                                         sumsq, targets)
     return losses, (x, gamma, w, h, sumsq, targets, rstd, lse, logits)
 
 
-def _row_losses_bwd(lowering, eps, z_loss, save, logits_dtype, res, dloss):
+def _row_losses_bwd(lowering, eps, z_loss, save, logits_dtype, vocab_axis, res, dloss):
     x, gamma, w, h, sumsq, targets, rstd, lse, logits = res
     m, d = x.shape
-    v = w.shape[0]
+    offset, v = _vocab_shard(w, vocab_axis)
+    if vocab_axis is not None:
+        # Every row's loss depends on every shard's columns; the caller hands each shard the
+        # cotangent of its own rows only (see the vocab_axis argument), so gather them all.
+        dloss = jax.lax.psum(dloss, vocab_axis)
     valid = (targets >= 0) & (targets < v)
     loads = {"rstd": rstd, "lse": lse, "gscale": jnp.where(valid, dloss, 0.0).astype(jnp.float32),
              "zcoef": 1.0 + 2.0 * z_loss * lse}
     xg = (x.astype(jnp.float32) * rstd[:, None] * gamma.astype(jnp.float32)).astype(w.dtype)  # x_hat * gamma
+    local = targets - offset  # this shard's column of each target (none if elsewhere)
     if save:
-        g_h, zdz, dw = _grads_from_logits(lowering, logits, w, xg, targets, loads)
+        g_h, zdz, dw = _grads_from_logits(lowering, logits, w, xg, local, loads)
     else:
-        g_h, zdz, dw = _grads_by_recompute(lowering, h, w, xg, targets, loads)
+        g_h, zdz, dw = _grads_by_recompute(lowering, h, w, xg, local, loads)
     # Final RMSNorm backward (zdz = sum_V(logits * dlogits) / d), elementwise over [M, d].
+    # Linear in (g_h, zdz): with a vocab axis, each shard's dx and d_gamma are its partial
+    # sums over its columns, and the caller's shard_map sums them.
     xf = x.astype(jnp.float32)
     xh = xf * rstd[:, None]
     gf = gamma.astype(jnp.float32)
@@ -200,6 +221,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     save_logits: bool | None = None,
     logits_dtype=None,
+    vocab_axis: str | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """Cross-entropy of ``RMSNorm(x; gamma) @ w_vocab^T`` against ``targets``.
@@ -227,6 +249,16 @@ def linear_cross_entropy(
         scales of a trained model, as in a plain JAX loss on bf16 logits; the loss itself
         stays exact: the LSE and the target logit come from the float32 accumulator).
         ``None`` (default): ``$CODA_JAX_CE_LOGITS_DTYPE`` if set, else float32.
+      vocab_axis: inside a ``shard_map`` (``check_vma=False``) whose axis of this name splits
+        ``w_vocab``'s rows (shard ``i`` holds vocab ids ``[i V_s, (i+1) V_s)``): each shard
+        runs the LM-head GEMM on its columns only, and the shards' row LSEs and target
+        logits are combined across the axis (``[M]`` vectors). ``targets`` are global ids.
+        The per-row losses are then the same on every shard; the gradients with respect to
+        ``x`` and ``gamma`` are each shard's partial sums (``shard_map``'s transpose sums them
+        over the axis, as it does for an input replicated along it). The backward sums the
+        losses' cotangent over the axis, so each row's loss must reach the output from one
+        shard only: keep ``reduction="none"`` and return each shard's own slice of rows
+        (:func:`coda_jax.layers.tensor_parallel.vocab_parallel_cross_entropy` does).
       backend: see :mod:`coda_jax.backend`.
 
     Returns:
@@ -249,11 +281,11 @@ def linear_cross_entropy(
     lowering = lowering_for(LINEAR_CROSS_ENTROPY, backend)
     # Ignored rows get target -1: no column matches, and the loss masks them. Other
     # out-of-range targets become V: the forward marks their loss NaN.
-    v = w_vocab.shape[0]
+    v = w_vocab.shape[0] * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
     t = jnp.where(targets == ignore_index, -1, jnp.where((targets < 0) | (targets >= v), v, targets)).astype(jnp.int32)
-    save = resolve_save_logits(save_logits, x.shape[0], v, logits_dtype)
-    losses = _row_losses(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), x, gamma, w_vocab,
-                         carry.h, carry.sumsq, t)
+    save = resolve_save_logits(save_logits, x.shape[0], w_vocab.shape[0], logits_dtype)
+    losses = _row_losses(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), vocab_axis, x, gamma,
+                         w_vocab, carry.h, carry.sumsq, t)
     if reduction == "none":
         return losses
     total = jnp.sum(losses)

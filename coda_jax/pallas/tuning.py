@@ -60,7 +60,8 @@ class TuningConfig:
         two consumers, and the producer streams their operand blocks through one ring of
         stages in tile order. One consumer's epilogue then runs while the other's MMAs do.
         With a cluster, the two CTAs of a cluster take neighbouring tiles at the same time
-        and share one operand block by multicast, as in the cooperative kernel.
+        and share one operand block by multicast, as in the cooperative kernel; on the
+        H100 that was slower than ping-pong without one (benchmarks/RESULTS.md, run 109).
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -144,17 +145,18 @@ CONFIG_TABLE: dict[str, TuningConfig] = {
 SCHEDULE_ENV = "CODA_JAX_PALLAS_SCHEDULE"
 # Programs whose epilogue costs enough, next to their short mainloop, that the ping-pong
 # schedule's overlap beats the cooperative kernel's wider, multicast-fed tile (H100, 1B
-# shapes, benchmarks/RESULTS.md run 107: swiglu_dgrad 0.656 -> 0.604 ms, rms_rope_train
-# 0.245 -> 0.238 ms). Everywhere else the cooperative kernel was faster (identity dgrad
-# 0.828 vs 0.922 ms, residual_rms 0.151 vs 0.160 ms): a 128 x 128 tile without a cluster
-# draws twice the L2 -> SMEM bytes per FLOP.
+# shapes, benchmarks/RESULTS.md runs 107 and 109: swiglu_dgrad 0.656 -> 0.604 and 0.670 ->
+# 0.641 ms, rms_rope_train 0.245 -> 0.238 and 0.254 -> 0.249 ms). Elsewhere the cooperative
+# kernel was faster or the sign flipped between runs (identity dgrad 0.828 vs 0.922 ms): a
+# 128 x 128 tile without a cluster draws twice the L2 -> SMEM bytes per FLOP, and with a
+# cluster each CTA waits on its partner's epilogue (run 109: slower still).
 PINGPONG_PROGRAMS = frozenset({"swiglu_dgrad", "rms_rope_train"})
 
 
 def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningConfig:
     """The table's configuration for an ``[m, k] @ [k, n]`` GEMM running epilogue ``program``.
 
-    The warp-specialized configuration runs the ping-pong schedule (with its cluster) for the
+    The warp-specialized configuration runs the ping-pong schedule (without a cluster) for the
     programs in :data:`PINGPONG_PROGRAMS`. ``$CODA_JAX_PALLAS_SCHEDULE`` overrides that
     choice for every program: ``pingpong`` or ``cooperative``.
     """
@@ -165,7 +167,8 @@ def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningC
     if not schedule:
         schedule = "pingpong" if program in PINGPONG_PROGRAMS else "cooperative"
     if schedule == "pingpong" and cfg.warp_specialized:
-        cfg = dataclasses.replace(cfg, schedule="pingpong")
+        # No cluster: a CTA pair would wait on each other's epilogues (run 109).
+        cfg = dataclasses.replace(cfg, schedule="pingpong", cluster_dimension=None)
     return cfg
 
 
