@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The ONE device script: GPU tests + benchmarks in a single run on the H100 (device tool).
 #   bash benchmarks/gpu_suite.sh [bench.py args...]
-# Sections (env): SKIP_TESTS=1 (GPU_TESTS="files" to choose; TEST_TIMEOUT, default 480 s: run 79's
+# Sections (env): SKIP_TESTS=1 (GPU_TESTS="files" to choose, GPU_TESTS_K="pytest -k expression"; TEST_TIMEOUT, default 480 s: run 79's
 # 230 s cut the full GPU test files at 53 %), SKIP_BENCH=1; TUNE=1 runs the
 # Pallas config sweep (benchmarks/tune.py, TUNE_ARGS); TRAIN_STEPS=N (default 0: skip) trains
 # examples/train_llama.py on every backend (TRAIN_ARGS, default the 1b preset) and compares
@@ -46,7 +46,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # data / FSDP / tensor parallel against one GPU; skips itself on a machine with one GPU
     GPU_TESTS="$GPU_TESTS tests/test_gpu_multi.py"
   fi
-  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
+  # GPU_TESTS_K: a pytest -k expression (it may contain spaces; GPU_TESTS is split on them).
+  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu $GPU_TESTS ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
 fi
 if [ -n "${FUZZ:-}" ]; then
   # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math.
