@@ -7,7 +7,11 @@ swizzled SMEM with TMA, ``max_concurrent_steps`` deep, and two consumer warpgrou
 ``[128, 256]``) into a float32 register accumulator and running its epilogue; the
 epilogue's tile loads are issued before the MMAs so they land during the mainloop. By
 default CTAs run in clusters of two along M that share each B block through one multicast
-TMA load (``TuningConfig.cluster_dimension``). The
+TMA load (``TuningConfig.cluster_dimension``). Both consumers run their epilogues at the same
+time, while the tensor cores wait. The ping-pong kernel (``TuningConfig.schedule="pingpong"``,
+:func:`_pingpong_body`) instead gives each consumer whole ``[tile_m, tile_n]`` tiles in turn,
+so one consumer's epilogue runs beside the other's MMAs. :func:`coda_jax.pallas.tuning.choose_config`
+picks it for the programs where it measured faster. The
 single-warpgroup kernel (``plgpu.emit_pipeline``) serves what does not fit beside it.
 :func:`plan_kernel` picks the kernel, pipeline depth and epilogue chunk width that fit in
 SMEM. Transposed operands (``[K, M]`` A for wgrad, ``[N, K]`` B for dgrad and the LM head)
