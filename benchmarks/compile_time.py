@@ -3,10 +3,14 @@
     python benchmarks/compile_time.py --backends xla,pallas,cutedsl --preset 1b --layers 16 \\
         --batch 8 --seq 1024 --cache-dir /tmp/jax_cache --out compile_time.json
 
-For each backend, two fresh processes (``--runs``) each build the model of
-``examples/train_llama.py`` (its config and first batch, ``first_step.py``) and time
+For each backend (``plain``: the plain JAX Llama of ``plain_llama.py``), two fresh processes
+(``--runs``) each build the model of ``examples/train_llama.py`` (its config and first batch,
+``first_step.py``; its functional jitted steps, ``train_llama.make_steps``) and time
 
-* ``train_first_s``: the first call of the jitted train step (trace, lower, compile, run),
+* ``train_first_s``: the first call of the jitted train step, and its stages:
+  ``train_trace_s`` (Python -> jaxpr), ``train_lower_s`` (-> StableHLO; the kernels'
+  Mosaic GPU / CuTeDSL code generation runs here; ``train_hlo_mb`` is the module's size),
+  ``train_compile_s`` (XLA, or the persistent cache's hit), ``train_first_run_s``,
 * ``train_next_s``: the second call (run only),
 * ``eval_first_s`` / ``eval_next_s``: the same for the evaluation step (forward loss),
 
@@ -61,26 +65,49 @@ def child(args) -> dict:
 
     jax.monitoring.register_event_listener(on_event)
     cfg, inputs, targets = config_and_first_batch(args.preset, args.layers, args.batch, args.seq)
-    model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=args.backend)
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    import train_llama
+
+    if args.backend == "plain":
+        from plain_llama import PlainLlama
+
+        model = PlainLlama(cfg, rngs=nnx.Rngs(0))
+    else:
+        model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=args.backend)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model, optimizer, inputs, targets):
-        loss, grads = nnx.value_and_grad(lambda m: m.loss(inputs, targets))(model)
-        optimizer.update(model, grads)
-        return loss
-
-    @nnx.jit
-    def eval_step(model, inputs, targets):
-        return model.loss(inputs, targets)
+    train_step, eval_step, _ = train_llama.make_steps(model, optimizer)
+    state = nnx.state((model, optimizer))
+    del model, optimizer
 
     res = {"backend": args.backend, "preset": args.preset, "layers": cfg.num_layers, "batch": args.batch,
            "seq": args.seq, "cache": bool(args.cache_dir)}
-    for name, fn, fargs in (("train", train_step, (model, optimizer)), ("eval", eval_step, (model,))):
-        for which in ("first", "next"):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*fargs, inputs, targets))
-            res[f"{name}_{which}_s"] = round(time.perf_counter() - t, 3)
+    for name, fn in (("train", train_step), ("eval", eval_step)):
+        # Stages of the first call: trace (Python -> jaxpr), lower (jaxpr -> StableHLO: the
+        # kernels' Mosaic GPU / CuTeDSL code generation runs here), compile (XLA, and the
+        # persistent cache's lookup), then the first run; then a second call (run only).
+        t = time.perf_counter()
+        traced = fn.trace(state, inputs, targets)
+        res[f"{name}_trace_s"] = round(time.perf_counter() - t, 3)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        res[f"{name}_lower_s"] = round(time.perf_counter() - t1, 3)
+        res[f"{name}_hlo_mb"] = round(len(lowered.as_text()) / 1e6, 2)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        res[f"{name}_compile_s"] = round(time.perf_counter() - t1, 3)
+        t1 = time.perf_counter()
+        out = compiled(state, inputs, targets)
+        jax.block_until_ready(out)
+        res[f"{name}_first_run_s"] = round(time.perf_counter() - t1, 3)
+        res[f"{name}_first_s"] = round(time.perf_counter() - t, 3)
+        if name == "train":
+            state = out[0]
+        t = time.perf_counter()
+        out = compiled(state, inputs, targets)
+        jax.block_until_ready(out)
+        res[f"{name}_next_s"] = round(time.perf_counter() - t, 3)
+        if name == "train":
+            state = out[0]
     res["cache_hits"], res["cache_misses"] = (counts[e] for e in CACHE_EVENTS)
     return res
 
@@ -100,9 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("batch", "seq", "runs"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    unknown = [b for b in args.backends if b not in ("xla", "pallas", "cutedsl")]
+    unknown = [b for b in args.backends if b not in ("plain", "xla", "pallas", "cutedsl")]
     if not args.backends or unknown:
-        p.error(f"--backends must name xla, pallas or cutedsl, got {args.backends}")
+        p.error(f"--backends must name plain, xla, pallas or cutedsl, got {args.backends}")
     return args
 
 

@@ -16,6 +16,8 @@
 # plain JAX Llama in one process per configuration (benchmarks/train_step_bench.py, STEP_RUNS).
 # COMPILE_CACHE="1b:8:1024" compiles that train step in two fresh processes sharing JAX's persistent
 # compilation cache (cold, then warm) and prints each run's compile time.
+# COMPILE_TIME="1b:8:1024" times the first train step's stages (trace, lower, compile, run) per
+# backend in fresh processes, cold and warm cache (benchmarks/compile_time.py, COMPILE_BACKENDS).
 # GRAD_PROBE=1 prints each backend's error per gradient of one training step against float32
 # math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
@@ -60,8 +62,26 @@ if [ -n "${TUNE:-}" ]; then
   timeout "${TUNE_TIMEOUT:-300}" python3 benchmarks/tune.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^{' | tail -n 40
 fi
 if [ -n "${PROFILE:-}" ]; then
-  echo "== block profile =="
-  timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_block.py --out "$OUT" --backends "$BACKENDS" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | tail -n 120
+  # PROFILE_ARGS: profile_block.py arguments; several profiles separated by ';'
+  # (e.g. "--op lm_head_ce --backends plain,xla,pallas;--model 1b --backends plain,pallas").
+  echo "== block profile ==" | tee "$OUT/profile.log"
+  IFS=';' read -ra PROFILE_LIST <<< "${PROFILE_ARGS:-}"; [ ${#PROFILE_LIST[@]} -eq 0 ] && PROFILE_LIST=("")
+  for pa in "${PROFILE_LIST[@]}"; do
+    timeout "${PROFILE_TIMEOUT:-240}" python3 benchmarks/profile_block.py --out "$OUT" --backends "$BACKENDS" $pa 2>&1 \
+      | tee -a "$OUT/profile.log" | tail -n 120
+  done
+fi
+if [ -n "${COMPILE_TIME:-}" ]; then
+  # COMPILE_TIME="1b:8:1024" (preset[-layers]:batch:seq): the first train step's stages (trace,
+  # lower, compile, first run) per backend, two fresh processes each sharing JAX's persistent
+  # cache (benchmarks/compile_time.py); COMPILE_BACKENDS (default plain,<backends>).
+  echo "== compile time ==" | tee "$OUT/compile_time.log"
+  IFS=':' read -r preset_layers ct_batch ct_seq <<< "$COMPILE_TIME"
+  ct_layers=(); [[ $preset_layers == *-* ]] && ct_layers=(--layers "${preset_layers#*-}")
+  rm -rf /tmp/coda_jax_ct_cache
+  timeout "${COMPILE_TIMEOUT:-300}" python3 benchmarks/compile_time.py --backends "${COMPILE_BACKENDS:-plain,$BACKENDS}" \
+    --preset "${preset_layers%%-*}" "${ct_layers[@]}" --batch "$ct_batch" --seq "$ct_seq" --cache-dir /tmp/coda_jax_ct_cache \
+    --out "$OUT/compile_time.json" 2>&1 | tee -a "$OUT/compile_time.log" | tail -n 12
 fi
 if [ -n "${NCU_PROGRAMS:-}" ]; then
   # Nsight Compute on one kernel launch per program label (benchmarks/kernel_probe.py), e.g.

@@ -47,7 +47,7 @@ def _num_sms(interpret: bool) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool, load_dtypes):
-    return build_kernel(epi, shape, cfg, interpret, load_dtypes)
+    return jax.jit(build_kernel(epi, shape, cfg, interpret, load_dtypes))
 
 
 def _pair_rule(tile_n: int) -> str:
