@@ -47,7 +47,14 @@ def _num_sms(interpret: bool) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool, load_dtypes):
-    return jax.jit(build_kernel(epi, shape, cfg, interpret, load_dtypes))
+    kernel = build_kernel(epi, shape, cfg, interpret, load_dtypes)
+    # Compiled: one jitted function per distinct kernel, so a model that calls the same
+    # kernel in every layer carries one copy of its Mosaic GPU module in the StableHLO, not
+    # one per call (1B train step: 49 -> 4 MB; compile + first step 37.9 -> 33.5 s on the
+    # H100, benchmarks/RESULTS.md run 113). Interpreted: not wrapped; the interpreter's IO
+    # callbacks dispatch JAX ops of their own, which deadlocked under an eager call of the
+    # jitted kernel (tests/test_ops_pallas.py::test_vmap_pallas).
+    return kernel if interpret else jax.jit(kernel)
 
 
 def _pair_rule(tile_n: int) -> str:
