@@ -144,3 +144,58 @@ def plain_gemm_route(backend: str, choice: str | None) -> str:
     if route not in (backend, "xla"):
         raise ValueError(f"{env} must be {backend!r} or 'xla', got {route!r}")
     return route
+
+
+def xla_programs_env(backend: str) -> str:
+    """The environment variable that lists the fused programs a kernel backend hands to XLA."""
+    return f"CODA_JAX_{backend.upper()}_XLA_PROGRAMS"
+
+
+# Fused programs that a kernel backend runs as XLA's GEMM (cuBLAS) plus an XLA fusion of the
+# same epilogue body (the reference lowering) instead of its own kernel, by default, each with
+# the largest GEMM it applies to (m * n * k in units of 2^30, None: any size). Chosen by
+# measurement of the whole train step against the kernel (benchmarks/RESULTS.md); empty: every
+# fused program runs on the backend's kernel.
+DEFAULT_XLA_PROGRAMS: dict[str, dict[str, float | None]] = {"pallas": {}, "cutedsl": {}}
+
+
+def parse_xla_programs(text: str, source: str) -> dict[str, float | None]:
+    """``"rms_rope,rms_dgrad_res<64"`` -> ``{"rms_rope": None, "rms_dgrad_res": 64.0}``;
+    ``""`` or ``"none"`` -> ``{}``. Items are separated by commas or ``+`` (for settings that
+    travel inside comma-separated lists). ``source`` names the setting in errors."""
+    out: dict[str, float | None] = {}
+    text = text.strip()
+    if text.lower() in ("", "none"):
+        return out
+    for item in text.replace("+", ",").split(","):
+        name, _, cap = item.strip().partition("<")
+        if not name.strip():
+            raise ValueError(f"{source}: empty program name in {text!r} (expected 'name' or 'name<GIGA_MNK', "
+                             f"comma-separated)")
+        try:
+            out[name.strip()] = float(cap) if cap.strip() else None
+        except ValueError:
+            raise ValueError(f"{source}: {item.strip()!r} must be 'name' or 'name<N' with N the largest "
+                             f"m*n*k in units of 2^30") from None
+    return out
+
+
+def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plain_choice: str | None = None) -> bool:
+    """Whether kernel backend ``backend`` runs this ``[m, k] @ [k, n]`` GEMM and its epilogue
+    through the reference lowering (XLA's GEMM and a fusion of the body) instead of its kernel.
+
+    The identity epilogue follows :func:`plain_gemm_route`. A fused program goes to XLA when it
+    is in the backend's table, ``$CODA_JAX_<BACKEND>_XLA_PROGRAMS`` if set (e.g.
+    ``"rms_rope,rms_dgrad_res<64"``: those programs, the second only where ``m*n*k <= 64 * 2^30``;
+    ``"none"``: no program), else :data:`DEFAULT_XLA_PROGRAMS`: where the kernel's fused
+    epilogue saves less than the kernel loses to cuBLAS on the GEMM itself.
+    """
+    if epilogue.name == "identity":
+        return plain_gemm_route(backend, plain_choice) == "xla"
+    env = xla_programs_env(backend)
+    text = os.environ.get(env)
+    table = DEFAULT_XLA_PROGRAMS.get(backend, {}) if text is None else parse_xla_programs(text, f"${env}")
+    if epilogue.name not in table:
+        return False
+    cap = table[epilogue.name]
+    return cap is None or m * n * k <= cap * 2 ** 30

@@ -49,9 +49,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from coda_jax import programs
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import GemmLowering, plain_gemm_route
+from coda_jax.lowering import GemmLowering, routes_to_xla
 
 logger = logging.getLogger("coda_jax")
 
@@ -138,9 +137,11 @@ class PartitionedLowering:
         kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes)
         mesh = context_mesh()
         axes = token_axes(mesh)
-        plain_on_xla = (epilogue is programs.IDENTITY
-                        and plain_gemm_route(self.inner.name, getattr(self.inner, "plain_gemm", None)) == "xla")
-        if not axes or plain_on_xla:  # no mesh; or a jnp.dot, which the partitioner splits itself
+        m = a.shape[1] if transpose_a else a.shape[0]
+        k = a.shape[0] if transpose_a else a.shape[1]
+        n = b.shape[0] if transpose_b else b.shape[1]
+        on_xla = routes_to_xla(self.inner.name, epilogue, m, n, k, getattr(self.inner, "plain_gemm", None))
+        if not axes or on_xla:  # no mesh; or ordinary XLA ops, which the partitioner splits itself
             return self.inner.gemm(epilogue, a, b, loads, **kw)
         shards = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[x] for x in axes)
         tok = axes if len(axes) > 1 else axes[0]

@@ -354,6 +354,43 @@ def test_plain_gemm_routing(monkeypatch):
         PallasLowering(plain_gemm="cublas")
 
 
+def _has_kernel(fn, *args) -> bool:
+    # A fresh function each time: jit's trace cache does not see the environment variable.
+    fresh = lambda *a: fn(*a)  # noqa: E731
+    return "wgmma" in str(jax.make_jaxpr(fresh)(*args))  # the kernel's MMAs; the reference has none
+
+
+def test_fused_program_routing(monkeypatch):
+    # $CODA_JAX_PALLAS_XLA_PROGRAMS sends the named fused programs (optionally only GEMMs up to
+    # a size) to the reference lowering; the result is then the reference's, exactly.
+    key = jax.random.split(jax.random.key(22), 4)
+    m, k, n = 128, 64, 128
+    a = jax.random.normal(key[0], (m, k)).astype(jnp.bfloat16)
+    b = jax.random.normal(key[1], (k, n)).astype(jnp.bfloat16)
+    loads = {"residual": jax.random.normal(key[2], (m, n)).astype(jnp.bfloat16),
+             "gamma": jax.random.normal(key[3], (n,))}
+    run = lambda a, b, l: PallasLowering().gemm(programs.RESIDUAL_RMS, a, b, l)  # noqa: E731
+    env = "CODA_JAX_PALLAS_XLA_PROGRAMS"
+    monkeypatch.delenv(env, raising=False)
+    assert _has_kernel(run, a, b, loads)  # the default table routes nothing at this size
+    monkeypatch.setenv(env, "rms_rope+ residual_rms")
+    assert not _has_kernel(run, a, b, loads)
+    got, want = run(a, b, loads), REFERENCE.gemm(programs.RESIDUAL_RMS, a, b, loads)
+    for name in want:
+        assert rel_err(got[name], want[name]) == 0.0, name
+    cap = m * n * k / 2 ** 30
+    monkeypatch.setenv(env, f"residual_rms<{cap}")  # m*n*k == cap * 2^30: routed
+    assert not _has_kernel(run, a, b, loads)
+    monkeypatch.setenv(env, f"residual_rms<{cap / 2}")  # larger than the cap: the kernel
+    assert _has_kernel(run, a, b, loads)
+    monkeypatch.setenv(env, "none")
+    assert _has_kernel(run, a, b, loads)
+    for bad in ("residual_rms<big", ",residual_rms"):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            run(a, b, loads)
+
+
 NARROW = dataclasses.replace(CONFIG_TABLE["default"], tile_n=64)  # what fit_waves picks for few tiles
 
 

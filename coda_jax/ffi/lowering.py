@@ -34,8 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax import programs
-from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, plain_gemm_route
+from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, routes_to_xla
 from coda_jax.reference import REFERENCE
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
@@ -162,7 +161,7 @@ class CuteDslLowering:
         from coda_jax.ffi.kernel import KernelPlan, choose_schedule, choose_tile_n, plan_smem
 
         m, n, k = check_kernel_gemm("CuTeDSL", epilogue, a, b, loads, transpose_a, transpose_b)
-        if epilogue is programs.IDENTITY and plain_gemm_route(self.name, self.plain_gemm) == "xla":
+        if routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
             return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
                                   out_dtypes=out_dtypes)
         _check_pair_width(epilogue)

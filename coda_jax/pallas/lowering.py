@@ -23,9 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from coda_jax import programs
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, plain_gemm_route
+from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, plain_gemm_route, routes_to_xla
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves
@@ -94,7 +93,7 @@ class PallasLowering:
         out_dtypes: Mapping[str, Any] | None = None,
     ) -> dict[str, jax.Array]:
         m, n, k = check_kernel_gemm("Pallas", epilogue, a, b, loads, transpose_a, transpose_b)
-        if epilogue is programs.IDENTITY and self._plain_gemm() == "xla":
+        if routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
             return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
                                   out_dtypes=out_dtypes)
         pb = epilogue.pair_block
