@@ -126,12 +126,16 @@ def main():
         _, fused, _, a, argnums, plain = case
         first = lambda o: jax.tree.leaves(o)[0].astype(jax.numpy.float32)  # noqa: E731
         # A random cotangent, as bench.py's: with sum() XLA would fold the ones into the plain
-        # op's dgrad (a reduction instead of a GEMM) but not into an opaque kernel.
+        # op's dgrad (a reduction instead of a GEMM) but not into an opaque kernel. The value
+        # too, as bench.py's value_and_grad: with grad alone XLA drops the forward GEMM of an
+        # op whose output the gradient does not need (a linear one), where a custom_vjp's
+        # kernel still runs it.
         cot = jax.random.normal(jax.random.key(11), jax.eval_shape(lambda *x: first(plain(*x)), *a).shape)
         for b in args.backends.split(","):
             fn = plain if b == "plain" else fused(b)
             loss = lambda *x, fn=fn: jax.numpy.sum(first(fn(*x)) * cot)  # noqa: E731
-            results[b] = profile(jax.jit(jax.grad(loss, argnums)), a, args.steps, out / f"hlo_{tag}_{b}.txt")
+            results[b] = profile(jax.jit(jax.value_and_grad(loss, argnums)), a, args.steps,
+                                 out / f"hlo_{tag}_{b}.txt")
     elif args.model:
         tag = args.model
         results.update(model=args.model, layers=args.layers, batch=args.batch, seq=args.seq)
