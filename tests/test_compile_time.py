@@ -17,3 +17,8 @@ def test_compile_time_second_process_hits_the_persistent_cache(tmp_path):
     assert first["cache_misses"] > 0 and first["cache_hits"] == 0
     assert second["cache_hits"] == first["cache_misses"] and second["cache_misses"] == 0
     assert second["train_first_s"] < first["train_first_s"]
+    for r in (first, second):  # the first call's stages add up to it (the timer also runs between them)
+        stages = sum(r[f"train_{s}_s"] for s in ("trace", "lower", "compile", "first_run"))
+        assert 0 < stages <= r["train_first_s"] + 1e-3
+        assert r["train_hlo_mb"] > 0
+    assert second["train_compile_s"] < first["train_compile_s"]  # the cache hit is in the compile stage
