@@ -462,7 +462,9 @@ def backend_variant(label):
     """``label`` is a backend, ``"pallas@w0"`` (Pallas without the wave fit of
     :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@pp"`` / ``"pallas@coop"`` (every program on the
     ping-pong warp-specialized schedule, without a cluster / on the cooperative one), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
-    default Pallas config with / without swizzled epilogue staging) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
+    default Pallas config with / without swizzled epilogue staging), ``"pallas@<field>=<value>[+...]"``
+    (the default Pallas config with those ``TuningConfig`` fields replaced, e.g.
+    ``pallas@cluster_dimension=None+grid_tile_width=8``) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
     ``cutedsl@128``: the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at
     most 4 operand stages; ``cutedsl@256g16``: 256-wide tiles walked in raster groups of 16
     tile rows; ``cutedsl@p`` / ``cutedsl@c``: the ping-pong / cooperative schedule), to
@@ -479,6 +481,26 @@ def backend_variant(label):
 
         with _env(SCHEDULE_ENV, "pingpong" if variant == "pp" else "cooperative"):
             yield base
+        return
+    if base == "pallas" and "=" in variant:  # e.g. pallas@cluster_dimension=None+grid_tile_width=8
+        import ast
+        import dataclasses
+
+        from coda_jax.pallas import tuning
+
+        fields = {}
+        for item in variant.split("+"):
+            key, _, value = item.partition("=")
+            try:
+                fields[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                fields[key] = value  # a bare string: pallas@grid_minor_dim=m
+        saved = tuning.CONFIG_TABLE["default"]
+        tuning.CONFIG_TABLE["default"] = dataclasses.replace(saved, **fields)
+        try:
+            yield base
+        finally:
+            tuning.CONFIG_TABLE["default"] = saved
         return
     if base == "pallas" and variant in ("sw", "nosw"):  # the default config's epilogue staging swizzled or not
         import dataclasses

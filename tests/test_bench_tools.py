@@ -226,3 +226,19 @@ def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_p
         tsb.parse_run("torch")
     with pytest.raises(ValueError, match="VAR=VALUE"):
         tsb.parse_run("xla:FOO")
+
+
+def test_backend_variant_replaces_and_restores_pallas_config_fields():
+    from coda_jax.pallas import tuning
+
+    saved = tuning.CONFIG_TABLE["default"]
+    with bench.backend_variant("pallas@cluster_dimension=None+grid_tile_width=8+grid_minor_dim=m") as base:
+        cfg = tuning.CONFIG_TABLE["default"]
+        assert base == "pallas"
+        assert (cfg.cluster_dimension, cfg.grid_tile_width, cfg.grid_minor_dim) == (None, 8, "m")
+        assert cfg.tile_n == saved.tile_n  # other fields kept
+    assert tuning.CONFIG_TABLE["default"] is saved
+    with pytest.raises(ValueError, match="grid_minor_dim must be"):
+        with bench.backend_variant("pallas@grid_minor_dim=k"):
+            pass
+    assert tuning.CONFIG_TABLE["default"] is saved
