@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from coda_jax import programs
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, fit_waves
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 from op_cases import poison_allocator
 from test_pallas_kernels import CASES, _compare
 
@@ -68,7 +68,7 @@ def test_ops_under_remat_and_vmap_on_gpu():
     _remat_vmap_case("pallas")
 
 
-HALF_WIDTH = fit_waves(CONFIG_TABLE["default"], 2048, 3072, 132)  # tuning.fit_waves's narrow tile
+HALF_WIDTH = dataclasses.replace(CONFIG_TABLE["default"], tile_n=64)  # tuning.fit_waves's narrow tile
 HALF_WIDTH_CASES = [c for c in CASES if c[0].pair_block is None or 64 % c[0].pair_width == 0]
 
 

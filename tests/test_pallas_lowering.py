@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from coda_jax.pallas.lowering import PallasLowering
-from coda_jax.pallas.tuning import CONFIG_TABLE, fit_waves
+from coda_jax.pallas.tuning import CONFIG_TABLE
 from op_cases import abstract_loads
 from test_pallas_kernels import CASES
 
@@ -50,4 +50,4 @@ def _assert_lowers(epi, kw, config):
 def test_half_width_tile_lowers_for_cuda(epi, kw):
     """``fit_waves``'s 64-wide consumer tile (128 x 128 CTA tiles) lowers for every program
     whose pair width it holds."""
-    _assert_lowers(epi, kw, fit_waves(CONFIG_TABLE["default"], 2048, 3072, 132))
+    _assert_lowers(epi, kw, dataclasses.replace(CONFIG_TABLE["default"], tile_n=64))

@@ -192,16 +192,14 @@ def wave_fill(cfg: TuningConfig, m: int, n: int, num_sms: int) -> float:
 def fit_waves(cfg: TuningConfig, m: int, n: int, num_sms: int, pair_width: int | None = None) -> TuningConfig:
     """``cfg``, or the same with half its ``tile_n`` where that fills the SMs' waves enough
     better to pay for the narrower tile (:data:`NARROW_TILE_RATE`). The pair width of a
-    pair-mode epilogue must divide the narrower tile. The narrow tile runs without a
-    cluster: at the 1B QKV wgrad (``[2048, 3072]``, K = 8192) CTA pairs cost 11-14 %
-    (``norm_wgrad`` 0.199 -> 0.177 ms, identity 0.189 -> 0.163 ms; benchmarks/RESULTS.md,
-    run 122). ``$CODA_JAX_PALLAS_WAVE_FIT=0`` turns this off."""
+    pair-mode epilogue must divide the narrower tile. ``$CODA_JAX_PALLAS_WAVE_FIT=0`` turns
+    this off."""
     if os.environ.get(WAVE_FIT_ENV, "1") == "0" or cfg.tile_n < 128 or cfg.pingpong:
         return cfg  # a ping-pong CTA already takes 128 x 128 tiles
     fill = wave_fill(cfg, m, n, num_sms)
     if fill >= WAVE_FILL_MIN:
         return cfg
-    narrow = dataclasses.replace(cfg, tile_n=cfg.tile_n // 2, cluster_dimension=None)
+    narrow = dataclasses.replace(cfg, tile_n=cfg.tile_n // 2)
     if pair_width is not None and narrow.tile_n % pair_width:
         return cfg
     return narrow if wave_fill(narrow, m, n, num_sms) * NARROW_TILE_RATE > fill else cfg
