@@ -85,3 +85,17 @@ def test_half_width_tile_ragged_on_gpu():
     _compare(programs.RESIDUAL_RMS, 1000, 1500, 520, config=HALF_WIDTH)
     _compare(programs.NORM_WGRAD, 1000, 1500, 520, transpose_a=True, config=HALF_WIDTH)
     _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=HALF_WIDTH)
+
+
+# The narrow tile without CTA pairs: 11-14 % faster on the 1B QKV wgrad (benchmarks/RESULTS.md,
+# run 122), a candidate default for tuning.fit_waves once it has passed here.
+HALF_WIDTH_NO_CLUSTER = dataclasses.replace(HALF_WIDTH, cluster_dimension=None)
+
+
+@pytest.mark.parametrize("epi,kw", [(programs.NORM_WGRAD, dict(transpose_a=True)), (programs.IDENTITY, {}),
+                                    (programs.rms_dgrad(True), dict(transpose_b=True)), (programs.RESIDUAL_RMS, {})],
+                         ids=["norm_wgrad", "identity", "rms_dgrad_res", "residual_rms"])
+def test_half_width_tile_without_cluster_on_gpu(epi, kw):
+    poison_allocator([(2048, 1024)] * 8)
+    _compare(epi, 2048, 1024, 1024, config=HALF_WIDTH_NO_CLUSTER, **kw)
+    _compare(epi, 1000, 1500, 520, config=HALF_WIDTH_NO_CLUSTER, **kw)  # ragged

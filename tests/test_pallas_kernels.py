@@ -403,6 +403,12 @@ def test_half_width_tile_of_the_wave_fit(epi, kw):
     _compare(epi, 256, 256, 128, config=NARROW, **kw)
 
 
+def test_half_width_tile_without_cluster():
+    """The narrow tile without CTA pairs (a candidate for the wave fit, RESULTS.md run 122)."""
+    _compare(programs.NORM_WGRAD, 256, 256, 128, config=dataclasses.replace(NARROW, cluster_dimension=None),
+             transpose_a=True)
+
+
 def test_fit_waves_takes_the_half_width_tile_only_where_it_fills_the_sms(monkeypatch):
     from coda_jax.pallas.tuning import WAVE_FIT_ENV, fit_waves, wave_fill
 

@@ -23,6 +23,7 @@ CONFIGS = {
     "split_m_cluster_n_swizzled": dataclasses.replace(CONFIG_TABLE["default"], wg_dimension="m",
                                                       cluster_dimension="n", swizzle_epilogue=True),
     "default_swizzled": dataclasses.replace(CONFIG_TABLE["default"], swizzle_epilogue=True),
+    "no_cluster": dataclasses.replace(CONFIG_TABLE["default"], cluster_dimension=None),
     "pingpong": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None),
     "pingpong_cluster_m": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong"),
 }
