@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coda_jax as cj  # noqa: E402
 import plain_ops  # noqa: E402
+from device_time import device_ms_per_call  # noqa: E402
 from coda_jax import naive, programs  # noqa: E402
 
 WIDTHS = {  # d: (f, heads, kv_heads, head_dim)
@@ -193,6 +194,12 @@ def bench_op(name, fused, ref, args, argnums, backends, iters, check, plain=None
     # All backends' timings interleaved (same conditions for every ratio of the table).
     for (b, key), ms in interleaved_median_ms(cases, iters).items():
         next(r for r in rows if r["backend"] == b)[key] = ms
+    # Device time of fwd+bwd (the GPU kernels' summed durations, no dispatch): on a GPU only.
+    for (b, key), (fn, fargs) in cases.items():
+        if key == "fwdbwd_ms" and jax.devices()[0].platform == "gpu":
+            dev = device_ms_per_call(fn, fargs)
+            if dev is not None:
+                next(r for r in rows if r["backend"] == b)["fwdbwd_device_ms"] = dev
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
@@ -570,9 +577,10 @@ def bench_block(widths, backends, iters, rounds=4):
 def table(rows):
     # "bwd x": the backward alone, (xla fwd+bwd - xla fwd) / (fwd+bwd - fwd), from the same medians.
     # "vs plain": the plain JAX op's (plain_ops.py) time over this row's, fwd and fwd+bwd.
+    # "device fwd+bwd": summed GPU kernel time (no dispatch), and its ratio to plain's.
     lines = ["| op | d | backend | fwd ms | xla fwd ms | fwd x | fwd+bwd ms | xla fwd+bwd ms | fwd+bwd x | bwd x | "
-             "fwd vs plain | fwd+bwd vs plain | fwd err | grad err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fwd vs plain | fwd+bwd vs plain | device fwd+bwd ms | device vs plain | fwd err | grad err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = {(r["op"], r["d"]): r for r in rows if r.get("backend") == "xla" and "fwd_ms" in r}
     plain = {(r["op"], r["d"]): r for r in rows if r.get("backend") == "plain" and "fwd_ms" in r}
     for r in rows:
@@ -591,6 +599,8 @@ def table(rows):
             f"{x.get('fwdbwd_ms', float('nan')) / r['fwdbwd_ms']:.2f} | "
             f"{(x.get('fwdbwd_ms', float('nan')) - x.get('fwd_ms', 0.0)) / max(r['fwdbwd_ms'] - r['fwd_ms'], 1e-9):.2f} | "
             f"{pl.get('fwd_ms', float('nan')) / r['fwd_ms']:.3f} | {pl.get('fwdbwd_ms', float('nan')) / r['fwdbwd_ms']:.3f} | "
+            f"{r.get('fwdbwd_device_ms', float('nan')):.3f} | "
+            f"{pl.get('fwdbwd_device_ms', float('nan')) / r.get('fwdbwd_device_ms', float('nan')):.3f} | "
             f"{r.get('fwd_rel_err', float('nan')):.1e} | "
             f"{r.get('grad_rel_err', float('nan')):.1e} |")
     for r in rows:

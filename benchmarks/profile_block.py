@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import glob
-import gzip
 import json
 import sys
 import tempfile
@@ -32,6 +30,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench  # noqa: E402
+from device_time import device_kernels  # noqa: E402
 
 CLASSES = (  # first match wins; matched against the lower-cased kernel name
     ("coda", ("coda_",)),
@@ -47,19 +46,6 @@ def kernel_class(name: str) -> str:
         if any(k in low for k in keys):
             return cls
     return "other"
-
-
-def device_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(kernel name, start, duration) in microseconds of every event on a GPU stream."""
-    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
-    events = json.load(gzip.open(path))["traceEvents"]
-    gpu_pids = {e["pid"] for e in events
-                if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"].get("name", "")}
-    streams = {(e["pid"], e["tid"]) for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu_pids
-               and e["args"].get("name", "").lower().startswith("stream")}
-    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-            if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams]
 
 
 def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:

@@ -58,14 +58,15 @@ def block_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
-def op_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+def op_ratios(rows: list[dict], key: str = "fwdbwd_ms") -> dict[str, dict[str, float]]:
     """``{"<op> d=<d>": {backend: baseline fwd+bwd ms / backend's}}``: the baseline is the op
     written in plain JAX (backend ``"plain"``, ``benchmarks/plain_ops.py``) where the run has
-    it, else the ``xla`` backend's op."""
+    it, else the ``xla`` backend's op. ``key``: ``"fwdbwd_ms"`` (wall clock) or
+    ``"fwdbwd_device_ms"`` (summed GPU kernel time, where ``bench.py`` measured it)."""
     times: dict[tuple, dict[str, float]] = {}
     for r in rows:
-        if r.get("backend") and "fwdbwd_ms" in r and "op" in r:
-            times.setdefault((r["op"], r["d"]), {})[r["backend"]] = r["fwdbwd_ms"]
+        if r.get("backend") and key in r and "op" in r:
+            times.setdefault((r["op"], r["d"]), {})[r["backend"]] = r[key]
     out = {}
     for (op, d), t in times.items():
         base = "plain" if "plain" in t else "xla" if "xla" in t else None
@@ -114,6 +115,15 @@ def markdown(steps: dict, rows: list[dict], label: str) -> str:
         for k, v in ops.items():
             lines.append(f"| {k} | " + " | ".join(f"{v[c]:.3f}x" if c in v else "-" for c in cols) + " |")
         lines.append("")
+    dev = op_ratios(rows, "fwdbwd_device_ms")
+    if dev:
+        cols = sorted({b for v in dev.values() for b in v})
+        lines += ["**Fused ops fwd+bwd, device time** (the same runs: summed GPU kernel time, without the "
+                  "dispatch that the wall-clock times of these sub-millisecond calls include)", "",
+                  "| op | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        for k, v in dev.items():
+            lines.append(f"| {k} | " + " | ".join(f"{v[c]:.3f}x" if c in v else "-" for c in cols) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -123,7 +133,7 @@ def chart(steps: dict, rows: list[dict], path: Path, label: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(f"train step vs plain JAX", step_ratios(steps)), ("block fwd+bwd vs plain XLA block", block_ratios(rows)),
+    panels = [("train step vs plain JAX", step_ratios(steps)), ("block fwd+bwd vs plain XLA block", block_ratios(rows)),
               ("fused op fwd+bwd vs plain JAX op", op_ratios(rows))]
     panels = [(t, d) for t, d in panels if d]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * max(len(panels), 1)), squeeze=False)

@@ -242,3 +242,22 @@ def test_backend_variant_replaces_and_restores_pallas_config_fields():
         with bench.backend_variant("pallas@grid_minor_dim=k"):
             pass
     assert tuning.CONFIG_TABLE["default"] is saved
+
+
+def test_summarize_reports_device_time_beside_wall_clock():
+    import summarize
+
+    rows = [{"op": "norm_qkv_rope", "d": 2048, "backend": "plain", "fwdbwd_ms": 0.735, "fwdbwd_device_ms": 0.610},
+            {"op": "norm_qkv_rope", "d": 2048, "backend": "pallas", "fwdbwd_ms": 0.933, "fwdbwd_device_ms": 0.736},
+            {"op": "swiglu_mlp", "d": 2048, "backend": "plain", "fwdbwd_ms": 4.69},
+            {"op": "swiglu_mlp", "d": 2048, "backend": "pallas", "fwdbwd_ms": 4.255}]
+    wall = summarize.op_ratios(rows)
+    dev = summarize.op_ratios(rows, "fwdbwd_device_ms")
+    assert wall["norm_qkv_rope d=2048"]["pallas"] == pytest.approx(0.735 / 0.933)
+    assert dev == {"norm_qkv_rope d=2048": {"pallas": pytest.approx(0.610 / 0.736)}}  # only rows that have it
+    md = summarize.markdown({}, rows, "test")
+    assert "**Fused ops fwd+bwd**" in md and "**Fused ops fwd+bwd, device time**" in md
+    assert f"| norm_qkv_rope d=2048 | {0.610 / 0.736:.3f}x |" in md
+    # Without device times (a CPU run, or older results) there is no device table.
+    assert "device time" not in summarize.markdown({}, [{k: v for k, v in r.items() if k != "fwdbwd_device_ms"}
+                                                        for r in rows], "test")
