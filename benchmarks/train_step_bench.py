@@ -100,12 +100,16 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
         model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
         opt = nnx.Optimizer(model, train_llama.make_tx(lr, 10, 1000), wrt=nnx.Param)
-        train_step, _, _ = train_llama.make_steps(model, opt)
         state = nnx.state((model, opt))
-        del model, opt
+        shardings = None
         if mesh is not None:
             state = shard_state(state, mesh)
+            shardings = jax.tree.map(lambda x: x.sharding, state)
             inputs, targets = (jax.device_put(x, batch_sharding(mesh)) for x in (inputs, targets))
+        # The updated state keeps the input's placement: the ahead-of-time compiled step
+        # below takes its own output as the next input.
+        train_step, _, _ = train_llama.make_steps(model, opt, shardings)
+        del model, opt
         t0 = time.perf_counter()
         compiled = train_step.lower(state, inputs, targets).compile()
         compile_s = time.perf_counter() - t0

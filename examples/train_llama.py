@@ -172,7 +172,7 @@ def make_tx(lr: float, warmup: int, steps: int) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
 
 
-def make_steps(model: nnx.Module, optimizer: nnx.Optimizer):
+def make_steps(model: nnx.Module, optimizer: nnx.Optimizer, state_shardings=None):
     """Jitted functional steps over ``state = nnx.state((model, optimizer))``.
 
     Returns ``(train_step, eval_step, graphdef)``: ``train_step(state, inputs, targets) ->
@@ -181,10 +181,18 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer):
     model with a ``loss(inputs, targets)`` method (``CodaLlama``, the plain baseline).
     Functional ``jax.jit`` rather than ``nnx.jit``: no graph traversal of the model on the
     host per step.
+
+    ``state_shardings``: the placement of ``state`` on a mesh (a pytree of shardings, e.g.
+    ``jax.tree.map(lambda x: x.sharding, state)`` after :func:`coda_jax.sharding.shard_state`).
+    The updated state then keeps it. Without it, XLA may place some updated parameters
+    differently: FSDP-split norm weights came back replicated, and tensor-split ones
+    gathered. The next call would then recompile, and an ahead-of-time compiled step would
+    refuse its own output.
     """
     graphdef, _ = nnx.split((model, optimizer))
+    jit_kw = {} if state_shardings is None else {"out_shardings": (state_shardings, None)}
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    @functools.partial(jax.jit, donate_argnums=0, **jit_kw)
     def train_step(state, inputs, targets):
         m, opt = nnx.merge(graphdef, state)
         loss, grads = nnx.value_and_grad(lambda mm: mm.loss(inputs, targets))(m)
@@ -287,9 +295,11 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
     if load is not None:
         load(model)
     optimizer = nnx.Optimizer(model, make_tx(args.lr, args.warmup, args.steps), wrt=nnx.Param)
+    shardings = None
     if mesh is not None:  # parameters and AdamW moments FSDP-split over "fsdp" (replicated over "data")
         nnx.update((model, optimizer), shard_state(nnx.state((model, optimizer)), mesh))
-    train_step, eval_step, graphdef = make_steps(model, optimizer)
+        shardings = jax.tree.map(lambda x: x.sharding, nnx.state((model, optimizer)))
+    train_step, eval_step, graphdef = make_steps(model, optimizer, shardings)
 
     def put(x):  # a [batch, seq] host array -> the device(s), split over the mesh's data shards
         return jax.device_put(x, batch_sharding(mesh)) if mesh is not None else jnp.asarray(x)

@@ -346,8 +346,31 @@ def case_train_example_on_meshes() -> None:
     print("OK train_example_on_meshes")
 
 
+def case_step_bench_on_meshes() -> None:
+    """benchmarks/train_step_bench.py (the GPU suite's STEP_BENCH) on FSDP and tensor-parallel
+    meshes: its ahead-of-time compiled step takes its own output as the next input, so the
+    updated state must keep the input's placement (it did not: run failures on fsdp / tensor)."""
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for p in (root / "benchmarks", root / "examples"):
+        sys.path.insert(0, str(p))
+    import train_step_bench
+
+    with tempfile.TemporaryDirectory() as d:
+        for mesh in ("fsdp=8", "data=2,fsdp=2,tensor=2"):
+            rows = train_step_bench.main(["--preset", "tiny", "--layers", "1", "--batch", "8", "--seq", "32",
+                                          "--runs", "plain,xla", "--mesh", mesh, "--steps", "2", "--rounds", "1",
+                                          "--out", d])
+            assert [r["run"] for r in rows] == ["plain", "xla"], (mesh, rows)
+            assert all(r["devices"] == 8 and r["tokens_per_s"] > 0 for r in rows), rows
+    print("OK step_bench_on_meshes")
+
+
 CASES = {
     "train_mesh": case_train_example_on_meshes,
+    "step_bench": case_step_bench_on_meshes,
     "cutedsl_lowers": case_cutedsl_lowers_under_mesh,
     **{f"model_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model(b, s, m))
        for b in ("xla", "pallas") for s in ((8,), (2, 4)) for m in ("auto", "explicit")},

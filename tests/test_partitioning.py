@@ -27,6 +27,7 @@ GROUPS = {
     "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_8_explicit",
                        "model_pallas_2x4_explicit"],
     "vocab_parallel": ["vocab_ce_2x1x4_explicit", "vocab_ce_2x2x2_auto"],
+    "step_bench": ["step_bench"],
     "tensor_parallel": ["tp_xla_2x2x2_auto_float32", "tp_pallas_2x2x2_explicit_bfloat16",
                         "tp_pallas_1x2x4_auto_float32", "tp_xla_2x1x4_explicit_float32"],
 }
@@ -46,7 +47,7 @@ def test_on_eight_devices(group):
     out = _run_cases(GROUPS[group])
     for case in GROUPS[group]:
         want = {"ops_dp_auto": "ops_data_parallel_auto", "ops_dp_explicit": "ops_data_parallel_explicit",
-                "cutedsl_lowers": "cutedsl_lowers_under_mesh"}.get(case, case)
+                "cutedsl_lowers": "cutedsl_lowers_under_mesh", "step_bench": "step_bench_on_meshes"}.get(case, case)
         assert f"OK {want}" in out, out
 
 
