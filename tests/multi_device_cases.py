@@ -365,6 +365,32 @@ def case_step_bench_on_meshes() -> None:
                                           "--out", d])
             assert [r["run"] for r in rows] == ["plain", "xla"], (mesh, rows)
             assert all(r["devices"] == 8 and r["tokens_per_s"] > 0 for r in rows), rows
+    # The example's jitted step compiles once on such a mesh (it compiled again at step 2
+    # while the updated state came back placed differently).
+    import logging
+
+    import jax
+    import train_llama
+
+    compiles = []
+
+    class _Count(logging.Handler):
+        def emit(self, record):
+            if "Compiling jit(train_step)" in record.getMessage():
+                compiles.append(record)
+
+    handler = _Count()
+    logging.getLogger("jax").addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            train_llama.main(["--batch", "8", "--seq", "32", "--layers", "1", "--vocab", "512", "--eval-every", "0",
+                              "--ckpt-every", "0", "--log-every", "2", "--steps", "4", "--mesh", "fsdp=4,tensor=2",
+                              "--out", d])
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logging.getLogger("jax").removeHandler(handler)
+    assert len(compiles) == 1, f"the train step compiled {len(compiles)} times"
     print("OK step_bench_on_meshes")
 
 
