@@ -154,8 +154,9 @@ def xla_programs_env(backend: str) -> str:
 # Fused programs that a kernel backend runs as XLA's GEMM (cuBLAS) plus an XLA fusion of the
 # same epilogue body (the reference lowering) instead of its own kernel, by default, each with
 # the largest GEMM it applies to (m * n * k in units of 2^30, None: any size). Chosen by
-# measurement of the whole train step against the kernel (benchmarks/RESULTS.md); empty: every
-# fused program runs on the backend's kernel.
+# measurement of the whole train step against the kernel. Empty: every fused program runs
+# on the backend's kernel; at 1B each hand-off tried (the CE forward, the QKV and o-projection
+# programs) slowed the Pallas train step (benchmarks/RESULTS.md, run 117).
 DEFAULT_XLA_PROGRAMS: dict[str, dict[str, float | None]] = {"pallas": {}, "cutedsl": {}}
 
 
