@@ -30,17 +30,23 @@ def device_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
             if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams]
 
 
-def device_ms_per_call(fn, args, calls: int = 5) -> float | None:
-    """Summed GPU kernel time of one ``fn(*args)`` call (ms, the mean over ``calls`` calls
-    dispatched back to back after a warm-up), or None where the trace holds no GPU kernels
-    (a CPU run)."""
-    jax.block_until_ready(fn(*args))
+def trace_kernels(fn, args, calls: int) -> list[tuple[str, float, float]]:
+    """:func:`device_kernels` of ``calls`` calls of ``fn(*args)`` dispatched back to back
+    under ``jax.profiler`` (no warm-up: compile before)."""
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
         outs = [fn(*args) for _ in range(calls)]
         jax.block_until_ready(outs)
         jax.profiler.stop_trace()
-        kernels = device_kernels(tmp)
+        return device_kernels(tmp)
+
+
+def device_ms_per_call(fn, args, calls: int = 5) -> float | None:
+    """Summed GPU kernel time of one ``fn(*args)`` call (ms, the mean over ``calls`` calls
+    dispatched back to back after a warm-up), or None where the trace holds no GPU kernels
+    (a CPU run)."""
+    jax.block_until_ready(fn(*args))
+    kernels = trace_kernels(fn, args, calls)
     if not kernels:
         return None
     return sum(d for _, _, d in kernels) / 1e3 / calls

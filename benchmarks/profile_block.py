@@ -22,7 +22,6 @@ import collections
 import functools
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -30,7 +29,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench  # noqa: E402
-from device_time import device_kernels  # noqa: E402
+from device_time import trace_kernels  # noqa: E402
 
 CLASSES = (  # first match wins; matched against the lower-cased kernel name
     ("coda", ("coda_",)),
@@ -57,12 +56,7 @@ def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
     wall_ms = bench.median_ms(fn, *args, iters=10, min_sample_ms=30.0)
     if hlo_path is not None:  # to look up which ops an XLA fusion holds
         hlo_path.write_text(fn.lower(*args).compile().as_text())
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-        outs = [fn(*args) for _ in range(steps)]
-        jax.block_until_ready(outs)
-        jax.profiler.stop_trace()
-        kernels = device_kernels(tmp)
+    kernels = trace_kernels(fn, args, steps)
     span_ms = (max(t + d for _, t, d in kernels) - min(t for _, t, _ in kernels)) / 1e3 / steps if kernels else 0.0
     by_kernel = collections.defaultdict(float)
     count = collections.Counter()

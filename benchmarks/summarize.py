@@ -97,34 +97,25 @@ def markdown(steps: dict, rows: list[dict], label: str) -> str:
                 lines.append(f"| {tag} | {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {x} | "
                              f"{r['first_step_s']:.1f} |")
         lines.append("")
-    blocks = block_ratios(rows)
-    if blocks:
-        lines += ["**Block fwd+bwd** (baseline: the plain XLA Llama block, `benchmarks/xla_llama_block.py`)", "",
-                  "| width | " + " | ".join(sorted({b for v in blocks.values() for b in v})) + " |"]
-        cols = sorted({b for v in blocks.values() for b in v})
-        lines.append("|---|" + "---|" * len(cols))
-        for k, v in blocks.items():
-            lines.append(f"| {k} | " + " | ".join(f"{v[c]:.3f}x" if c in v else "-" for c in cols) + " |")
-        lines.append("")
-    ops = op_ratios(rows)
-    if ops:
-        cols = sorted({b for v in ops.values() for b in v})
-        lines += ["**Fused ops fwd+bwd** (baseline: the same op written in plain JAX, `benchmarks/plain_ops.py`, "
-                  "same inputs, `jax.grad`)", "",
-                  "| op | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-        for k, v in ops.items():
-            lines.append(f"| {k} | " + " | ".join(f"{v[c]:.3f}x" if c in v else "-" for c in cols) + " |")
-        lines.append("")
-    dev = op_ratios(rows, "fwdbwd_device_ms")
-    if dev:
-        cols = sorted({b for v in dev.values() for b in v})
-        lines += ["**Fused ops fwd+bwd, device time** (the same runs: summed GPU kernel time, without the "
-                  "dispatch that the wall-clock times of these sub-millisecond calls include)", "",
-                  "| op | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-        for k, v in dev.items():
-            lines.append(f"| {k} | " + " | ".join(f"{v[c]:.3f}x" if c in v else "-" for c in cols) + " |")
-        lines.append("")
+    lines += _ratio_table("**Block fwd+bwd** (baseline: the plain XLA Llama block, `benchmarks/xla_llama_block.py`)",
+                          "width", block_ratios(rows))
+    lines += _ratio_table("**Fused ops fwd+bwd** (baseline: the same op written in plain JAX, `benchmarks/plain_ops.py`, "
+                          "same inputs, `jax.grad`)", "op", op_ratios(rows))
+    lines += _ratio_table("**Fused ops fwd+bwd, device time** (the same runs: summed GPU kernel time, without the "
+                          "dispatch that the wall-clock times of these sub-millisecond calls include)", "op",
+                          op_ratios(rows, "fwdbwd_device_ms"))
     return "\n".join(lines)
+
+
+def _ratio_table(heading: str, first: str, ratios: dict[str, dict[str, float]]) -> list[str]:
+    """A markdown table of ``{row: {column: ratio}}`` under ``heading`` (none if empty)."""
+    if not ratios:
+        return []
+    cols = sorted({b for v in ratios.values() for b in v})
+    lines = [heading, "", f"| {first} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for k, v in ratios.items():
+        lines.append(f"| {k} | " + " | ".join(f"{v[c]:.3f}x" if c in v else "-" for c in cols) + " |")
+    return lines + [""]
 
 
 def chart(steps: dict, rows: list[dict], path: Path, label: str) -> None:
