@@ -14,6 +14,7 @@ import pytest
 from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.epilogue import LoadKind, OutputKind
+from coda_jax.lowering import routes_to_xla
 from coda_jax.pallas import interpret_mode
 from coda_jax.pallas.gemm_epilogue import SMEM_LIMIT, KernelShape, plan_kernel
 from coda_jax.pallas.lowering import PallasLowering
@@ -338,10 +339,11 @@ def test_plain_gemm_routing(monkeypatch):
     # Identity-epilogue GEMMs go to the reference backend (no kernel) by default and with
     # plain_gemm="xla"; the environment variable or plain_gemm="pallas" selects the kernel.
     monkeypatch.delenv("CODA_JAX_PALLAS_PLAIN_GEMM", raising=False)
-    assert PallasLowering()._plain_gemm() == "xla"
+    on_xla = lambda low: routes_to_xla(low.name, programs.IDENTITY, 96, 80, 64, low.plain_gemm)  # noqa: E731
+    assert on_xla(PallasLowering())
     monkeypatch.setenv("CODA_JAX_PALLAS_PLAIN_GEMM", "pallas")
-    assert PallasLowering()._plain_gemm() == "pallas"
-    assert PallasLowering(plain_gemm="xla")._plain_gemm() == "xla"
+    assert not on_xla(PallasLowering())
+    assert on_xla(PallasLowering(plain_gemm="xla"))
     monkeypatch.delenv("CODA_JAX_PALLAS_PLAIN_GEMM")
     key = jax.random.split(jax.random.key(21), 2)
     a = jax.random.normal(key[0], (96, 64)).astype(jnp.bfloat16)

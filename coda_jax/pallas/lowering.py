@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, plain_gemm_route, routes_to_xla
+from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, routes_to_xla
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves
@@ -77,9 +77,6 @@ class PallasLowering:
         tiles = {self.config.tile_n} if self.config else {c.tile_n for c in CONFIG_TABLE.values()}
         bad = sorted(t for t in tiles if t % width)
         return _pair_rule(bad[0]) if bad else None
-
-    def _plain_gemm(self) -> str:
-        return plain_gemm_route(self.name, self.plain_gemm)
 
     def gemm(
         self,
