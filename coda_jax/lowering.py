@@ -62,6 +62,15 @@ class GemmLowering(Protocol):
     ) -> dict[str, jax.Array]: ...
 
 
+def gemm_dims(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> tuple[int, int, int]:
+    """``(m, n, k)`` of ``op(a) @ op(b)`` for 2-D operands; the two contraction sizes must agree."""
+    m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
+    k2, n = (b.shape[1], b.shape[0]) if transpose_b else b.shape
+    if k != k2:
+        raise ValueError(f"contraction sizes differ: a gives K={k}, b gives K={k2}")
+    return m, n, k
+
+
 def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
                       transpose_a: bool, transpose_b: bool) -> tuple[int, int, int]:
     """The shared input rules of the kernel backends; returns ``(m, n, k)``.
@@ -78,10 +87,7 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
     if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise TypeError(f"the {backend} backend needs bfloat16/float16 GEMM operands, got {a.dtype}; "
                         "use backend='xla' (or compute dtype bfloat16) for float32")
-    m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
-    k2, n = (b.shape[1], b.shape[0]) if transpose_b else b.shape
-    if k != k2:
-        raise ValueError(f"contraction sizes differ: a gives K={k}, b gives K={k2}")
+    m, n, k = gemm_dims(a, b, transpose_a, transpose_b)
     epilogue.validate_loads(loads, m, n)
     pb = epilogue.pair_block
     if pb is not None:

@@ -50,7 +50,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import GemmLowering, routes_to_xla
+from coda_jax.lowering import GemmLowering, gemm_dims, routes_to_xla
 
 logger = logging.getLogger("coda_jax")
 
@@ -137,9 +137,7 @@ class PartitionedLowering:
         kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes)
         mesh = context_mesh()
         axes = token_axes(mesh)
-        m = a.shape[1] if transpose_a else a.shape[0]
-        k = a.shape[0] if transpose_a else a.shape[1]
-        n = b.shape[0] if transpose_b else b.shape[1]
+        m, n, k = gemm_dims(a, b, transpose_a, transpose_b)
         on_xla = routes_to_xla(self.inner.name, epilogue, m, n, k, getattr(self.inner, "plain_gemm", None))
         if not axes or on_xla:  # no mesh; or ordinary XLA ops, which the partitioner splits itself
             return self.inner.gemm(epilogue, a, b, loads, **kw)
