@@ -1,6 +1,14 @@
 """Measures TuningConfig variants of the Pallas GEMM-epilogue kernel on the H100 (CUPTI kernel time).
 
     python benchmarks/tune.py [--out DIR] [--mainloop] [--epilogue-sweep] [--plain] [--variants a,b]
+    python benchmarks/tune.py --model 1b:8:1024 [--model 8b-4:4:1024] [--table PATH] [--out DIR]
+
+``--model preset[-layers]:batch:seq`` (repeatable): autotunes every Pallas kernel call of
+that CodaLlama training step (:func:`coda_jax.pallas.autotune.autotune`: each call under the
+heuristic configuration and the candidates, outputs checked against the heuristic's, CUPTI
+time) and writes the winners to ``<out>/tuned_h100.json``, merged with ``--table`` (default:
+the package's shipped table), ready to copy to ``coda_jax/pallas/tuned_h100.json``. Every
+measurement goes to ``<out>/tune_model.json``.
 
 ``--mainloop`` (the default when no sweep is named): the identity GEMM at M=8192 tokens and
 the Llama (K, N) pairs, in the forward, dgrad (``a @ b^T``) and wgrad (``a^T @ b``) layouts,
@@ -38,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import Inputs, median_ms  # noqa: E402
 from coda_jax import programs  # noqa: E402
+from coda_jax.pallas import autotune as at  # noqa: E402
+from coda_jax.pallas.tuned import SHIPPED_TABLE  # noqa: E402
 from coda_jax.pallas.lowering import PallasLowering  # noqa: E402
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig  # noqa: E402
 
@@ -242,6 +252,55 @@ def plain_sweep(args, record):
                       f"{row['kernel_tflops']:.0f} TFLOP/s", flush=True)
 
 
+def model_step(spec: str):
+    """``(train_step, (state, inputs, targets))`` of CodaLlama on Pallas for ``"1b:8:1024"``
+    or ``"8b-4:4:1024"`` (preset[-layers]:batch:seq), as ``benchmarks/train_step_bench.py``
+    runs it, with abstract state (nothing is allocated)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_llama
+    from flax import nnx
+
+    from coda_jax.layers import PRESETS, CodaLlama
+
+    try:
+        preset_layers, batch, seq = spec.split(":")
+        preset, _, layers = preset_layers.partition("-")
+        cfg = PRESETS[preset]()
+        batch, seq = int(batch), int(seq)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"--model {spec!r}: expected preset[-layers]:batch:seq with a preset of {sorted(PRESETS)}") from e
+    if layers:
+        cfg = cfg.replace(num_layers=int(layers))
+
+    def build():
+        model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="pallas")
+        return model, nnx.Optimizer(model, train_llama.make_tx(3e-4, 10, 1000), wrt=nnx.Param)
+
+    model, opt = nnx.eval_shape(build)
+    train_step, _, _ = train_llama.make_steps(model, opt)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    return train_step, (nnx.state((model, opt)), tokens, tokens)
+
+
+def model_sweep(args, out: Path):
+    """Autotunes the training steps of ``args.model`` and writes the merged table."""
+    table_path = Path(args.table) if args.table else SHIPPED_TABLE
+    table = json.loads(table_path.read_text()) if table_path.exists() else None
+    rows = []
+    names = args.variants.split(",") if args.variants else None
+    for spec in args.model:
+        step, step_args = model_step(spec)
+        new = at.autotune(step, *step_args, names=names, iters=2 * args.iters, budget_s=args.budget,
+                          rows=rows, log=lambda s: print(s, flush=True))
+        table = at.merge_tables(table, new)
+        at.write_table(table, out / "tuned_h100.json", merge=False)
+        (out / "tune_model.json").write_text(json.dumps(rows, indent=1))
+        for e in new["entries"]:
+            print(f"TUNED {spec} {e['program']:18s} {e['layout']} {e['m']}x{e['n']}x{e['k']} {e['candidate']:18s} "
+                  f"{e['ms']:.4f} ms vs heuristic {e['heuristic_ms']:.4f} ms "
+                  f"({e['heuristic_ms'] / e['ms']:.3f}x)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_out")
@@ -249,7 +308,12 @@ def main():
     ap.add_argument("--epilogue-sweep", action="store_true", help="the block's fused GEMMs under epilogue variants")
     ap.add_argument("--mainloop", action="store_true", help="identity GEMM: tile order / cluster variants vs cuBLAS")
     ap.add_argument("--plain", action="store_true", help="the block's plain backward GEMMs: cuBLAS vs the kernel")
-    ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for --mainloop / --epilogue-sweep")
+    ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for --mainloop / --epilogue-sweep "
+                    "(of coda_jax.pallas.autotune.CANDIDATES for --model)")
+    ap.add_argument("--model", action="append", default=[],
+                    help="autotune this CodaLlama training step: preset[-layers]:batch:seq (repeatable)")
+    ap.add_argument("--table", default=None, help="--model: the table to merge into (default: the shipped one)")
+    ap.add_argument("--budget", type=float, default=None, help="--model: seconds per model before it stops tuning")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -260,7 +324,9 @@ def main():
         print(json.dumps(row), flush=True)
         (out / "tune.json").write_text(json.dumps(rows, indent=1))
 
-    if not (args.epilogue_sweep or args.plain):
+    if args.model:
+        model_sweep(args, out)
+    if not (args.epilogue_sweep or args.plain or args.model):
         args.mainloop = True
     if args.plain:
         plain_sweep(args, record)

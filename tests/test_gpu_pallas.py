@@ -99,3 +99,25 @@ def test_half_width_tile_without_cluster_on_gpu(epi, kw):
     poison_allocator([(2048, 1024)] * 8)
     _compare(epi, 2048, 1024, 1024, config=HALF_WIDTH_NO_CLUSTER, **kw)
     _compare(epi, 1000, 1500, 520, config=HALF_WIDTH_NO_CLUSTER, **kw)  # ragged
+
+
+def _shipped_entries():
+    from coda_jax.pallas.tuned import SHIPPED_TABLE, load_table
+
+    table = load_table(str(SHIPPED_TABLE))
+    return list(table.entries) if table else []
+
+
+@pytest.mark.parametrize("entry", _shipped_entries(), ids=lambda e: f"{e.program}-{e.layout}-{e.m}x{e.n}x{e.k}")
+def test_shipped_tuned_configs_on_gpu(entry):
+    """Every configuration the shipped tuned table holds, on its program and layout, at a
+    tile-multiple shape and (outside pair mode) a ragged one. The autotuner already checked
+    each against the heuristic configuration at the entry's own shape."""
+    cases = [c for c in CASES if c[0].name == entry.program]
+    assert cases, f"tuned table entry for unknown program {entry.program!r}"
+    epi, kw = cases[0]
+    kw = dict(transpose_a=entry.layout[0] == "t", transpose_b=entry.layout[1] == "t")
+    poison_allocator([(2048, 2048)] * 8)
+    _compare(epi, 2048, 2048, 1024, config=entry.config, **kw)
+    if epi.pair_block is None:
+        _compare(epi, 1000, 1500, 520, config=entry.config, **kw)

@@ -27,6 +27,8 @@ from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, routes_to_xla
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
+from coda_jax.pallas.kernel_calls import note_call
+from coda_jax.pallas.tuned import tuned_config
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves
 from coda_jax.reference import REFERENCE
 
@@ -56,6 +58,10 @@ def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: boo
     return kernel if interpret else jax.jit(kernel)
 
 
+def _default_device():
+    return jax.devices()[0]
+
+
 def _pair_rule(tile_n: int) -> str:
     return f"must divide the Pallas kernel's {tile_n}-column tile"
 
@@ -78,6 +84,23 @@ class PallasLowering:
         bad = sorted(t for t in tiles if t % width)
         return _pair_rule(bad[0]) if bad else None
 
+    @staticmethod
+    def default_config(epilogue: Epilogue, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
+                       interpret: bool) -> TuningConfig:
+        """The configuration of a GEMM when none was given: the measured one for this GPU
+        (:func:`coda_jax.pallas.tuned.tuned_config`), else the heuristics (the shape-class
+        table, the ping-pong programs, the wave fit). The interpreter uses the heuristics
+        alone: its 4 "SMs" say nothing about waves."""
+        pw = epilogue.pair_width if epilogue.pair_block is not None else None
+        if interpret:
+            return choose_config(m, n, k, epilogue.name)
+        dev = _default_device()
+        tuned = tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, dev.device_kind,
+                             _num_sms(False), pw) if dev.platform == "gpu" else None
+        if tuned is not None:
+            return tuned
+        return fit_waves(choose_config(m, n, k, epilogue.name), m, n, _num_sms(False), pw)
+
     def gemm(
         self,
         epilogue: Epilogue,
@@ -97,11 +120,10 @@ class PallasLowering:
         interpret = interpret_enabled()
         if interpret:
             ensure_interpreter_threads()  # warns if the CPU pool is too small (a hang)
+        note_call(epilogue, a, b, loads, transpose_a, transpose_b, out_dtypes, (m, n, k))
         cfg = self.config
         if cfg is None:
-            cfg = choose_config(m, n, k, epilogue.name)
-            if not interpret:  # the interpreter's 4 "SMs" say nothing about waves
-                cfg = fit_waves(cfg, m, n, _num_sms(interpret), epilogue.pair_width if pb is not None else None)
+            cfg = self.default_config(epilogue, m, n, k, transpose_a, transpose_b, interpret)
         if pb is not None and cfg.tile_n % epilogue.pair_width:
             raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
                              f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")

@@ -1,0 +1,209 @@
+"""Autotuning: time every Pallas kernel call of a function under candidate configurations.
+
+    from coda_jax.pallas.autotune import autotune, write_table
+    table = autotune(train_step, state, inputs, targets)      # on the GPU
+    write_table(table, "my_tuned.json")                        # then CODA_JAX_PALLAS_TUNED=my_tuned.json
+
+Steps: trace ``fn(*args)`` abstractly with tuned tables off and collect its distinct kernel
+calls (:func:`coda_jax.pallas.kernel_calls.record_kernel_calls`); for each call, build random
+operands and loads of its shapes, run it under the configuration the heuristics pick and
+under each candidate (:func:`candidate_configs`), reject a candidate whose outputs differ
+from the heuristic's (relative error above ``rtol``, or a NaN), and time the rest with
+CUPTI (the sum of the call's GPU kernel durations, median of ``iters``). A candidate that
+beats the heuristic by more than ``min_gain`` becomes the call's table entry
+(:mod:`coda_jax.pallas.tuned` has the format and the lookup). ``benchmarks/tune.py --model``
+runs this on a CodaLlama training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax.lowering import gpu_sm_count
+from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
+from coda_jax.pallas.lowering import PallasLowering
+from coda_jax.pallas.tuned import config_fields, layout_name, parse_table, tables_disabled
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
+
+_D = CONFIG_TABLE["default"]
+# Variants of the default that won somewhere on the H100 (benchmarks/RESULTS.md, runs 107-122):
+# bands of tiles across M, wider bands, no CTA pair, ping-pong, the narrow tile.
+CANDIDATES: dict[str, TuningConfig] = {
+    "default": _D,
+    "minor_m": dataclasses.replace(_D, grid_minor_dim="m"),
+    "band8": dataclasses.replace(_D, grid_tile_width=8),
+    "band16": dataclasses.replace(_D, grid_tile_width=16),
+    "no_cluster": dataclasses.replace(_D, cluster_dimension=None),
+    "pingpong": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None),
+    "pingpong_minor_m": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, grid_minor_dim="m"),
+    "narrow": dataclasses.replace(_D, tile_n=64),
+    "narrow_no_cluster": dataclasses.replace(_D, tile_n=64, cluster_dimension=None),
+}
+
+
+def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[str, TuningConfig]:
+    """The candidates that can run ``call``: those whose tile holds the epilogue's pair
+    block. The heuristic's own configuration is timed separately."""
+    epi = call.epilogue
+    pw = epi.pair_width if epi.pair_block is not None else None
+    out = {}
+    for name in names or list(CANDIDATES):
+        if name not in CANDIDATES:
+            raise ValueError(f"unknown candidate {name!r}; known: {sorted(CANDIDATES)}")
+        cfg = CANDIDATES[name]
+        if pw is None or cfg.tile_n % pw == 0:
+            out[name] = cfg
+    return out
+
+
+def random_arguments(call: KernelCall, seed: int = 0) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Random operands (A ~ N(0, 1), B ~ N(0, 1/K): outputs of order one) and loads of the
+    call's shapes: integer loads (cross-entropy targets) uniform in ``[0, N)``, floating
+    ones uniform in ``[0.5, 1.5)`` (row scales, saved tiles)."""
+    m, n, k = call.mnk
+    key = jax.random.key(seed)
+    ka, kb, kl = jax.random.split(key, 3)
+    a = jax.random.normal(ka, call.a.shape, jnp.float32).astype(call.a.dtype)
+    b = (jax.random.normal(kb, call.b.shape, jnp.float32) * k ** -0.5).astype(call.b.dtype)
+    loads = {}
+    for i, (name, sds) in enumerate(call.loads):
+        kk = jax.random.fold_in(kl, i)
+        if jnp.issubdtype(sds.dtype, jnp.integer):
+            loads[name] = jax.random.randint(kk, sds.shape, 0, n, sds.dtype)
+        else:
+            loads[name] = jax.random.uniform(kk, sds.shape, jnp.float32, 0.5, 1.5).astype(sds.dtype)
+    return a, b, loads
+
+
+def _runner(call: KernelCall, cfg: TuningConfig | None):
+    low = PallasLowering(cfg)
+    out_dtypes = dict(call.out_dtypes) or None
+    return jax.jit(lambda a, b, loads: low.gemm(call.epilogue, a, b, loads, transpose_a=call.transpose_a,
+                                                transpose_b=call.transpose_b, out_dtypes=out_dtypes))
+
+
+def kernel_ms(fn: Callable, *args, iters: int = 20) -> float:
+    """Median GPU time of one call (CUPTI: the sum of its kernels' durations, no launch gaps)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(*args))
+    _, times = profiler.measure(fn, iterations=iters)(*args)
+    return statistics.median(times)
+
+
+def max_relative_error(outs: dict[str, jax.Array], refs: dict[str, jax.Array]) -> float:
+    """The largest ``||out - ref|| / ||ref||`` over the outputs (inf on a NaN the reference lacks)."""
+    worst = 0.0
+    for name, ref in refs.items():
+        o, r = jnp.asarray(outs[name], jnp.float32), jnp.asarray(ref, jnp.float32)
+        if bool(jnp.any(jnp.isnan(o) & ~jnp.isnan(r))):
+            return float("inf")
+        ok = jnp.isfinite(r)  # an LSE over padding-only tiles is -inf in both
+        err = jnp.linalg.norm(jnp.where(ok, o - r, 0.0)) / jnp.maximum(jnp.linalg.norm(jnp.where(ok, r, 0.0)), 1e-30)
+        worst = max(worst, float(err))
+    return worst
+
+
+def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Times ``call`` under the heuristic's configuration and each candidate; returns
+    ``{"program", "layout", "m", "n", "k", "heuristic_ms", "results": {name: ms or error}}``."""
+    m, n, k = call.mnk
+    a, b, loads = random_arguments(call)
+    row = {"program": call.epilogue.name, "layout": layout_name(call.transpose_a, call.transpose_b),
+           "m": m, "n": n, "k": k, "results": {}}
+    with tables_disabled():
+        heuristic = _runner(call, None)
+        refs = jax.block_until_ready(heuristic(a, b, loads))
+        row["heuristic_ms"] = kernel_ms(heuristic, a, b, loads, iters=iters)
+    for name, cfg in candidate_configs(call, names).items():
+        try:
+            fn = _runner(call, cfg)
+            err = max_relative_error(fn(a, b, loads), refs)
+            if err > rtol:
+                row["results"][name] = {"error": f"outputs differ from the heuristic's: relative error {err:.2e}"}
+            else:
+                row["results"][name] = {"ms": kernel_ms(fn, a, b, loads, iters=iters), "config": config_fields(cfg)}
+        except Exception as e:  # noqa: BLE001  (SMEM overflow, a lowering failure: record and go on)
+            row["results"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        r = row["results"][name]
+        log(f"TUNE {row['program']:18s} {row['layout']} {m}x{n}x{k} {name:18s} "
+            + (f"{r['ms']:.4f} ms (heuristic {row['heuristic_ms']:.4f})" if "ms" in r else r["error"][:120]))
+    return row
+
+
+def best_entry(row: dict[str, Any], min_gain: float = 0.02) -> dict[str, Any] | None:
+    """The table entry of a tuned call: the fastest candidate if it beats the heuristic's time
+    by more than ``min_gain`` (a fraction), else None (the heuristic stays)."""
+    timed = {k: v for k, v in row["results"].items() if "ms" in v}
+    if not timed:
+        return None
+    name = min(timed, key=lambda k: timed[k]["ms"])
+    if timed[name]["ms"] > row["heuristic_ms"] * (1 - min_gain):
+        return None
+    return {"program": row["program"], "layout": row["layout"], "m": row["m"], "n": row["n"], "k": row["k"],
+            "config": timed[name]["config"], "candidate": name, "ms": round(timed[name]["ms"], 5),
+            "heuristic_ms": round(row["heuristic_ms"], 5)}
+
+
+def kernel_calls(fn: Callable, *args) -> list[KernelCall]:
+    """The distinct Pallas kernel calls ``fn(*args)`` makes (traced abstractly, tables off)."""
+    with tables_disabled(), record_kernel_calls() as calls:
+        jax.eval_shape(fn, *args)
+    return calls
+
+
+def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,
+             min_gain: float = 0.02, budget_s: float | None = None, rows: list | None = None,
+             log: Callable[[str], None] = print) -> dict[str, Any]:
+    """A tuned table (the JSON object of :mod:`coda_jax.pallas.tuned`) for ``fn(*args)``'s
+    kernel calls on the current GPU. ``budget_s``: stop starting new calls after that many
+    seconds (the table then holds the calls tuned so far). ``rows``: a list that receives
+    every call's measurements."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        raise RuntimeError(f"autotune times kernels on a GPU; the default device is {dev.platform!r}")
+    calls = kernel_calls(fn, *args)
+    log(f"TUNE {len(calls)} distinct kernel calls")
+    t0, entries = time.perf_counter(), []
+    for call in calls:
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            log(f"TUNE budget of {budget_s:.0f} s spent; {len(calls) - len(entries)} calls left untuned")
+            break
+        row = tune_call(call, names, iters, rtol, log)
+        if rows is not None:
+            rows.append(row)
+        e = best_entry(row, min_gain)
+        if e is not None:
+            entries.append(e)
+    return {"device_kinds": [dev.device_kind], "num_sms": gpu_sm_count(), "jax": jax.__version__, "entries": entries}
+
+
+def merge_tables(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` with ``old``'s entries for GEMMs ``new`` did not measure (same GPU kind and SM
+    count; otherwise ``new`` alone)."""
+    if not old or old.get("num_sms") != new["num_sms"] or not set(old["device_kinds"]) & set(new["device_kinds"]):
+        return new
+    key = lambda e: (e["program"], e["layout"], e["m"], e["n"], e["k"])  # noqa: E731
+    mine = {key(e) for e in new["entries"]}
+    kept = [e for e in old["entries"] if key(e) not in mine]
+    kinds = list(dict.fromkeys(old["device_kinds"] + new["device_kinds"]))
+    return {**new, "device_kinds": kinds, "entries": kept + new["entries"]}
+
+
+def write_table(table: dict[str, Any], path: str | Path, merge: bool = True) -> None:
+    """Writes ``table`` (validated) to ``path``, merged with the table already there."""
+    path = Path(path)
+    old = json.loads(path.read_text()) if merge and path.exists() else None
+    out = merge_tables(old, table)
+    parse_table(out, str(path))  # a table this module wrote must load
+    path.write_text(json.dumps(out, indent=1) + "\n")

@@ -1,0 +1,184 @@
+"""Measured per-GEMM configurations: the autotuner's table and its lookup.
+
+The heuristics of :mod:`coda_jax.pallas.tuning` (one table per shape class, the ping-pong
+programs, the wave fit) pick one configuration for a whole class of GEMMs. The best one
+differs between GEMMs of the same class: on the H100, bands of tiles across M ran the 1B
+model's QKV forward epilogue 6 % faster, and the narrow tile without CTA pairs its wgrad
+11 % faster, while neither helped the vocab-wide GEMM (benchmarks/RESULTS.md, run 122).
+
+``benchmarks/tune.py --model 1b:8:1024`` traces a model's training step, collects every
+Pallas kernel call (:mod:`coda_jax.pallas.kernel_calls`), times each under a set of
+candidate configurations on the GPU, checks each candidate's outputs against the
+heuristic configuration's, and writes the winners as a table (JSON)::
+
+    {"device_kinds": ["NVIDIA H100 80GB HBM3"], "num_sms": 132, "jax": "0.11.2", "commit": "...",
+     "entries": [{"program": "rms_rope", "layout": "nn", "m": 8192, "n": 3072, "k": 2048,
+                  "config": {"grid_minor_dim": "m"}, "ms": 0.230, "heuristic_ms": 0.245}, ...]}
+
+``layout`` is ``"n"``/``"t"`` for A then B (``"tn"``: the wgrad's transposed A). ``config``
+holds the :class:`TuningConfig` fields that differ from ``CONFIG_TABLE["default"]``.
+
+Lookup (:func:`tuned_config`): the table shipped with the package (``tuned_h100.json``), or
+the file named by ``$CODA_JAX_PALLAS_TUNED``; ``CODA_JAX_PALLAS_TUNED=0`` turns tables off.
+A table applies only on a GPU whose ``device_kind`` it lists and whose SM count it was
+measured with (wave quantization depends on it). An entry matches a GEMM of the same
+program and layout whose (m, n, k) are each within a factor of 2 of the entry's; the
+nearest (in log distance) wins. Otherwise the heuristics decide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
+
+TUNED_ENV = "CODA_JAX_PALLAS_TUNED"
+SHIPPED_TABLE = Path(__file__).with_name("tuned_h100.json")
+# An entry serves GEMMs whose every dimension is within this factor of its own.
+MATCH_FACTOR = 2.0
+_FIELDS = {f.name for f in dataclasses.fields(TuningConfig)}
+
+
+def layout_name(transpose_a: bool, transpose_b: bool) -> str:
+    """``"nn"``, ``"nt"``, ``"tn"`` or ``"tt"``: A's then B's layout."""
+    return ("t" if transpose_a else "n") + ("t" if transpose_b else "n")
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedEntry:
+    """One measured GEMM: its program, layout and (m, n, k), and the winning configuration."""
+
+    program: str
+    layout: str
+    m: int
+    n: int
+    k: int
+    config: TuningConfig
+
+    def distance(self, m: int, n: int, k: int) -> float | None:
+        """Log distance to an ``(m, n, k)`` GEMM, or None if a dimension is off by more
+        than :data:`MATCH_FACTOR`."""
+        logs = [abs(math.log(x / y)) for x, y in ((m, self.m), (n, self.n), (k, self.k))]
+        return None if max(logs) > math.log(MATCH_FACTOR) else sum(logs)
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedTable:
+    device_kinds: tuple[str, ...]
+    num_sms: int
+    entries: tuple[TunedEntry, ...]
+
+    def applies_to(self, device_kind: str, num_sms: int) -> bool:
+        return device_kind in self.device_kinds and num_sms == self.num_sms
+
+    def lookup(self, program: str, layout: str, m: int, n: int, k: int) -> TunedEntry | None:
+        best, best_d = None, None
+        for e in self.entries:
+            if e.program != program or e.layout != layout:
+                continue
+            d = e.distance(m, n, k)
+            if d is not None and (best_d is None or d < best_d):
+                best, best_d = e, d
+        return best
+
+
+def config_from_fields(fields: dict[str, Any], source: str) -> TuningConfig:
+    """``CONFIG_TABLE["default"]`` with ``fields`` replaced; a clear error for unknown fields."""
+    unknown = sorted(set(fields) - _FIELDS)
+    if unknown:
+        raise ValueError(f"{source}: unknown TuningConfig fields {unknown}; known: {sorted(_FIELDS)}")
+    try:
+        return dataclasses.replace(CONFIG_TABLE["default"], **fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: invalid configuration {fields}: {e}") from e
+
+
+def config_fields(cfg: TuningConfig) -> dict[str, Any]:
+    """The fields of ``cfg`` that differ from ``CONFIG_TABLE["default"]`` (what a table stores)."""
+    base = CONFIG_TABLE["default"]
+    return {f: getattr(cfg, f) for f in sorted(_FIELDS) if getattr(cfg, f) != getattr(base, f)}
+
+
+def parse_table(data: dict, source: str) -> TunedTable:
+    """A :class:`TunedTable` from its JSON object; ``ValueError`` naming ``source`` and the
+    rule a malformed table breaks."""
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise ValueError(f"{source}: a tuned table is a JSON object with an 'entries' list")
+    kinds = data.get("device_kinds")
+    if not isinstance(kinds, list) or not all(isinstance(x, str) for x in kinds):
+        raise ValueError(f"{source}: 'device_kinds' must be a list of GPU device kinds")
+    if not isinstance(data.get("num_sms"), int):
+        raise ValueError(f"{source}: 'num_sms' must be an integer")
+    entries = []
+    for i, e in enumerate(data["entries"]):
+        where = f"{source}, entry {i}"
+        try:
+            layout = e["layout"]
+            dims = [int(e[d]) for d in ("m", "n", "k")]
+            program, fields = str(e["program"]), dict(e["config"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{where}: needs program, layout, m, n, k and config ({err})") from err
+        if layout not in ("nn", "nt", "tn", "tt") or min(dims) < 1:
+            raise ValueError(f"{where}: layout must be nn/nt/tn/tt and m, n, k positive, got {layout!r} {dims}")
+        entries.append(TunedEntry(program, layout, *dims, config_from_fields(fields, where)))
+    return TunedTable(tuple(kinds), data["num_sms"], tuple(entries))
+
+
+@functools.lru_cache(maxsize=8)
+def load_table(path: str) -> TunedTable | None:
+    """The table in ``path`` (None if the file does not exist)."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    return parse_table(data, str(path))
+
+
+_DISABLED = [0]
+
+
+@contextlib.contextmanager
+def tables_disabled():
+    """No tuned table applies inside the block (the autotuner's heuristic baseline)."""
+    _DISABLED[0] += 1
+    try:
+        yield
+    finally:
+        _DISABLED[0] -= 1
+
+
+def active_table_path() -> str | None:
+    """The table file in use: ``$CODA_JAX_PALLAS_TUNED`` (``0``: none), else the shipped one;
+    None inside :func:`tables_disabled`."""
+    env = os.environ.get(TUNED_ENV, "").strip()
+    if env == "0" or _DISABLED[0]:
+        return None
+    if env and not Path(env).exists():
+        raise ValueError(f"${TUNED_ENV}={env!r}: no such file (set it to a tuned table's path, or 0 to turn tables off)")
+    return env or str(SHIPPED_TABLE)
+
+
+def tuned_config(program: str, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
+                 device_kind: str, num_sms: int, pair_width: int | None = None) -> TuningConfig | None:
+    """The measured configuration for this GEMM on this GPU, or None (the heuristics decide).
+
+    An entry whose tile cannot hold the epilogue's pair block (``pair_width``) is skipped.
+    """
+    path = active_table_path()
+    table = load_table(path) if path else None
+    if table is None or not table.applies_to(device_kind, num_sms):
+        return None
+    entry = table.lookup(program, layout_name(transpose_a, transpose_b), m, n, k)
+    if entry is None or (pair_width is not None and entry.config.tile_n % pair_width):
+        return None
+    return entry.config

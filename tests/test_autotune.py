@@ -1,0 +1,211 @@
+"""The Pallas backend's tuned table (lookup, validation) and the autotuner's CPU-side parts:
+the kernel-call log, candidates, the choice of winners, table merging. The GPU timing itself
+runs in ``benchmarks/tune.py --model`` on the device; every shipped entry runs through
+``tests/test_gpu_pallas.py::test_shipped_tuned_configs_on_gpu``."""
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from coda_jax import programs
+from coda_jax.pallas import autotune as at
+from coda_jax.pallas import lowering
+from coda_jax.pallas import tuned as T
+from coda_jax.pallas.kernel_calls import record_kernel_calls
+from coda_jax.pallas.tuning import CONFIG_TABLE
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _table(entries, kinds=(H100,), sms=132):
+    return {"device_kinds": list(kinds), "num_sms": sms, "entries": entries}
+
+
+def _entry(program="rms_rope", layout="nn", m=8192, n=3072, k=2048, **config):
+    return {"program": program, "layout": layout, "m": m, "n": n, "k": k, "config": config}
+
+
+@pytest.fixture
+def table_file(tmp_path, monkeypatch):
+    """Writes a table and points $CODA_JAX_PALLAS_TUNED at it."""
+
+    def write(data):
+        p = tmp_path / f"t{len(list(tmp_path.iterdir()))}.json"
+        p.write_text(json.dumps(data))
+        monkeypatch.setenv(T.TUNED_ENV, str(p))
+        return p
+
+    return write
+
+
+def test_lookup_takes_the_nearest_entry_within_a_factor_of_two():
+    t = T.parse_table(_table([_entry(m=8192, grid_minor_dim="m"), _entry(m=2048, grid_tile_width=8),
+                              _entry(layout="tn", cluster_dimension=None)]), "t")
+    assert t.lookup("rms_rope", "nn", 8192, 3072, 2048).config.grid_minor_dim == "m"
+    assert t.lookup("rms_rope", "nn", 6000, 3072, 2048).config.grid_minor_dim == "m"  # log-nearer to 8192
+    assert t.lookup("rms_rope", "nn", 3000, 3072, 2048).config.grid_tile_width == 8
+    assert t.lookup("rms_rope", "nn", 8192, 3072, 5000) is None  # K off by more than 2x
+    assert t.lookup("rms_rope", "tn", 8192, 3072, 2048).config.cluster_dimension is None
+    assert t.lookup("residual_rms", "nn", 8192, 3072, 2048) is None
+    # the fields not named keep the default's values
+    e = t.lookup("rms_rope", "nn", 8192, 3072, 2048)
+    assert e.config == dataclasses.replace(CONFIG_TABLE["default"], grid_minor_dim="m")
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"entries": {}}, "'entries' list"),
+    ({"device_kinds": "H100", "num_sms": 132, "entries": []}, "device_kinds"),
+    ({"device_kinds": [H100], "num_sms": "132", "entries": []}, "num_sms"),
+    (_table([{"program": "x", "layout": "nn", "m": 1, "n": 1}]), "entry 0: needs program"),
+    (_table([_entry(layout="xn")]), "entry 0: layout must be"),
+    (_table([_entry(tile_q=64)]), r"unknown TuningConfig fields \['tile_q'\]"),
+    (_table([_entry(schedule="zigzag")]), "entry 0: invalid configuration"),
+])
+def test_a_malformed_table_names_the_rule(data, match):
+    with pytest.raises(ValueError, match=match):
+        T.parse_table(data, "my.json")
+
+
+def test_tuned_config_applies_only_where_measured(table_file, monkeypatch):
+    table_file(_table([_entry(grid_minor_dim="m"), _entry(program="rms_swiglu_train", n=16384, tile_n=64)]))
+    args = ("rms_rope", 8192, 3072, 2048, False, False)
+    assert T.tuned_config(*args, H100, 132).grid_minor_dim == "m"
+    assert T.tuned_config(*args, "NVIDIA H200", 132) is None  # another GPU kind
+    assert T.tuned_config(*args, H100, 114) is None  # another SM count (H100 PCIe): other waves
+    assert T.tuned_config("rms_rope", 8192, 3072, 2048, True, False, H100, 132) is None  # another layout
+    # an entry whose tile cannot hold the epilogue's pair block is skipped
+    assert T.tuned_config("rms_swiglu_train", 8192, 16384, 2048, False, False, H100, 132, pair_width=128) is None
+    with T.tables_disabled():
+        assert T.tuned_config(*args, H100, 132) is None
+    monkeypatch.setenv(T.TUNED_ENV, "0")
+    assert T.tuned_config(*args, H100, 132) is None
+    monkeypatch.setenv(T.TUNED_ENV, "/nonexistent/table.json")
+    with pytest.raises(ValueError, match="CODA_JAX_PALLAS_TUNED.*no such file"):
+        T.tuned_config(*args, H100, 132)
+
+
+def test_shipped_table_is_valid():
+    """The package's table (if any) parses, and every entry names a program the library has."""
+    t = T.load_table(str(T.SHIPPED_TABLE))
+    if t is None:
+        pytest.skip("no tuned table shipped")
+    names = {e.name for e in (programs.RESIDUAL_RMS, programs.rms_swiglu(True), programs.rms_swiglu(False),
+                              programs.rms_rope(64, None, False), programs.rms_rope(64, 1e-6, True),
+                              programs.RMS_LSE, programs.RMS_LSE_LOGITS, programs.rms_dgrad(True),
+                              programs.rms_dgrad(False), programs.CE_GRAD, programs.ACCUMULATE, programs.NORM_WGRAD,
+                              programs.SWIGLU_DGRAD, programs.IDENTITY, programs.RESIDUAL, programs.ROW_SCALE)}
+    assert t.entries and {e.program for e in t.entries} <= names
+    assert H100 in t.device_kinds and t.num_sms == 132
+
+
+class _FakeGpu:
+    platform = "gpu"
+    device_kind = H100
+    core_count = 132
+
+
+def test_pallas_lowering_takes_the_tuned_config_on_a_listed_gpu(table_file, monkeypatch):
+    table_file(_table([_entry(grid_minor_dim="m", grid_tile_width=8)]))
+    monkeypatch.setattr(lowering, "_default_device", lambda: _FakeGpu())
+    monkeypatch.setattr(lowering, "_num_sms", lambda interpret: 4 if interpret else 132)
+    epi = programs.rms_rope(32, None, False)
+    cfg = lowering.PallasLowering.default_config(epi, 8192, 3072, 2048, False, False, interpret=False)
+    assert (cfg.grid_minor_dim, cfg.grid_tile_width) == ("m", 8)
+    # no entry: the heuristics (the ping-pong program list, the wave fit)
+    other = lowering.PallasLowering.default_config(epi, 8192, 3072, 16384, False, False, interpret=False)
+    assert other.grid_minor_dim == "n"
+    # the interpreter never takes a table
+    assert lowering.PallasLowering.default_config(epi, 8192, 3072, 2048, False, False, interpret=True).grid_minor_dim == "n"
+
+
+def test_kernel_calls_of_a_model_step(monkeypatch):
+    """The recorder sees each distinct kernel call of a CodaLlama training step, traced
+    abstractly (nothing runs), with shapes, layouts and loads."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("CODA_JAX_PALLAS_INTERPRET", "1")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tune
+
+    step, args = tune.model_step("1b-2:2:512")
+    calls = at.kernel_calls(step, *args)
+    by = {(c.epilogue.name, c.transpose_a, c.transpose_b, c.mnk) for c in calls}
+    assert ("rms_rope", False, False, (1024, 3072, 2048)) in by  # QKV: 32 + 2*8 heads of 64
+    assert ("norm_wgrad", True, False, (2048, 16384, 1024)) in by  # gate/up wgrad over the tokens
+    assert ("rms_swiglu_train", False, False, (1024, 16384, 2048)) in by
+    assert len(calls) == len(set(calls))  # distinct (two layers make the same calls)
+    rope = next(c for c in calls if c.epilogue.name == "rms_rope")
+    assert dict(rope.loads)["cos"].shape == (1024, 32)
+    with record_kernel_calls() as outer:  # nothing is recorded outside a recorder...
+        pass
+    assert outer == []
+
+
+def test_candidates_respect_the_pair_block():
+    step_call = lambda epi: at.KernelCall(epi, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),  # noqa: E731
+                                          jax.ShapeDtypeStruct((256, 512), jnp.bfloat16), (), False, False, (),
+                                          (256, 512, 256))
+    swiglu = at.candidate_configs(step_call(programs.rms_swiglu(True)))
+    assert swiglu and all(c.tile_n % 128 == 0 for c in swiglu.values())
+    assert "narrow" not in swiglu and "narrow" in at.candidate_configs(step_call(programs.RESIDUAL_RMS))
+    with pytest.raises(ValueError, match="unknown candidate 'bogus'"):
+        at.candidate_configs(step_call(programs.RESIDUAL_RMS), ["bogus"])
+
+
+def test_random_arguments_fit_the_call():
+    call = at.KernelCall(programs.RMS_LSE, jax.ShapeDtypeStruct((64, 128), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((1000, 128), jnp.bfloat16),
+                         (("rstd", jax.ShapeDtypeStruct((64,), jnp.float32)),
+                          ("target", jax.ShapeDtypeStruct((64,), jnp.int32))), False, True, (), (64, 1000, 128))
+    a, b, loads = at.random_arguments(call)
+    assert a.shape == (64, 128) and b.shape == (1000, 128) and a.dtype == jnp.bfloat16
+    t = loads["target"]
+    assert t.dtype == jnp.int32 and int(t.min()) >= 0 and int(t.max()) < 1000 and len(set(t.tolist())) > 10
+    r = loads["rstd"]
+    assert float(r.min()) >= 0.5 and float(r.max()) < 1.5 and float(jnp.std(r)) > 0.1
+
+
+def test_max_relative_error_flags_wrong_and_nan_outputs():
+    ref = {"y": jnp.arange(1.0, 9.0), "lse": jnp.array([1.0, -jnp.inf])}
+    assert at.max_relative_error(ref, ref) == 0.0  # -inf in both: ignored
+    assert at.max_relative_error({**ref, "y": ref["y"] * 1.01}, ref) == pytest.approx(0.01, rel=1e-3)
+    assert math.isinf(at.max_relative_error({**ref, "y": ref["y"].at[3].set(jnp.nan)}, ref))
+
+
+def _row(heuristic, **results):
+    return {"program": "p", "layout": "nn", "m": 1, "n": 2, "k": 3, "heuristic_ms": heuristic,
+            "results": {k: ({"ms": v, "config": {"grid_tile_width": 8}} if isinstance(v, float) else {"error": v})
+                        for k, v in results.items()}}
+
+
+def test_best_entry_needs_a_real_gain():
+    e = at.best_entry(_row(1.0, default=1.0, band8=0.9, pingpong="outputs differ"))
+    assert e["candidate"] == "band8" and e["ms"] == 0.9 and e["config"] == {"grid_tile_width": 8}
+    assert at.best_entry(_row(1.0, default=0.99)) is None  # 1 % is within the noise
+    assert at.best_entry(_row(1.0, pingpong="SMEM")) is None
+
+
+def test_write_table_merges_and_validates(tmp_path):
+    p = tmp_path / "t.json"
+    old = _table([_entry(m=1024, grid_tile_width=8), _entry(m=8192, grid_tile_width=16)])
+    at.write_table(old, p, merge=False)
+    new = _table([_entry(m=8192, grid_minor_dim="m")], kinds=(H100, "NVIDIA H100 PCIe"))
+    at.write_table(new, p)
+    got = json.loads(p.read_text())
+    assert sorted((e["m"], tuple(e["config"])) for e in got["entries"]) == [(1024, ("grid_tile_width",)),
+                                                                            (8192, ("grid_minor_dim",))]
+    assert got["device_kinds"] == [H100, "NVIDIA H100 PCIe"]
+    at.write_table(_table([_entry(m=4096)], sms=114), p)  # another SM count: replaces
+    assert [e["m"] for e in json.loads(p.read_text())["entries"]] == [4096]
+    with pytest.raises(ValueError, match="unknown TuningConfig fields"):
+        at.write_table(_table([_entry(bogus=1)]), p)
+
+
+def test_autotune_refuses_a_cpu():
+    with pytest.raises(RuntimeError, match="on a GPU"):
+        at.autotune(lambda x: x, jnp.ones(3))
