@@ -209,3 +209,16 @@ def test_write_table_merges_and_validates(tmp_path):
 def test_autotune_refuses_a_cpu():
     with pytest.raises(RuntimeError, match="on a GPU"):
         at.autotune(lambda x: x, jnp.ones(3))
+
+
+def test_partials_are_combined_before_comparing():
+    """Row-sum / LSE partials have one row per tile: a narrower tile gives more rows, the
+    same combination."""
+    x = jax.random.normal(jax.random.key(0), (8, 64))
+    wide = {"sumsq": x.reshape(4, 2, 64).sum(1), "x": x, "h": x}  # 4 tiles of 2 "columns" each
+    narrow = {"sumsq": x, "x": x, "h": x}  # 8 tiles of 1
+    assert at.max_relative_error(at.combined(programs.RESIDUAL_RMS, wide),
+                                 at.combined(programs.RESIDUAL_RMS, narrow)) < 1e-6
+    lse4 = {"lse": jax.nn.logsumexp(x.reshape(4, 2, 64), axis=1)}
+    assert at.max_relative_error(at.combined(programs.RMS_LSE, lse4), at.combined(programs.RMS_LSE, {"lse": x})) < 1e-6
+    assert math.isinf(at.max_relative_error(wide, narrow))  # uncombined: the shapes differ

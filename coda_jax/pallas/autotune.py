@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from coda_jax.epilogue import Epilogue, OutputKind
 from coda_jax.lowering import gpu_sm_count
 from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
 from coda_jax.pallas.lowering import PallasLowering
@@ -35,8 +36,9 @@ from coda_jax.pallas.tuned import config_fields, layout_name, parse_table, table
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 
 _D = CONFIG_TABLE["default"]
-# Variants of the default that won somewhere on the H100 (benchmarks/RESULTS.md, runs 107-122):
-# bands of tiles across M, wider bands, no CTA pair, ping-pong, the narrow tile.
+# Variants of the default that won somewhere on the H100 (benchmarks/RESULTS.md, runs 107-123):
+# bands of tiles across M, wider bands, no CTA pair, ping-pong (also with bands across M),
+# the narrow tile.
 CANDIDATES: dict[str, TuningConfig] = {
     "default": _D,
     "minor_m": dataclasses.replace(_D, grid_minor_dim="m"),
@@ -85,10 +87,19 @@ def random_arguments(call: KernelCall, seed: int = 0) -> tuple[jax.Array, jax.Ar
 
 
 def _runner(call: KernelCall, cfg: TuningConfig | None):
+    """``(run, timed)``: ``run(a, b, loads)`` returns the call's outputs with partials
+    combined; ``timed`` returns one element of each output, so that repeated calls do not
+    keep gigabytes of outputs (a vocab-wide float32 logits tile is 4 GiB) alive."""
     low = PallasLowering(cfg)
     out_dtypes = dict(call.out_dtypes) or None
-    return jax.jit(lambda a, b, loads: low.gemm(call.epilogue, a, b, loads, transpose_a=call.transpose_a,
-                                                transpose_b=call.transpose_b, out_dtypes=out_dtypes))
+
+    def gemm(a, b, loads):
+        return low.gemm(call.epilogue, a, b, loads, transpose_a=call.transpose_a, transpose_b=call.transpose_b,
+                        out_dtypes=out_dtypes)
+
+    run = jax.jit(lambda a, b, loads: combined(call.epilogue, gemm(a, b, loads)))
+    timed = jax.jit(lambda a, b, loads: jax.tree.map(lambda x: x.reshape(-1)[:1], gemm(a, b, loads)))
+    return run, timed
 
 
 def kernel_ms(fn: Callable, *args, iters: int = 20) -> float:
@@ -100,11 +111,28 @@ def kernel_ms(fn: Callable, *args, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def combined(epi: Epilogue, outs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The outputs with their per-tile partials combined (row / column sums summed, tile
+    log-sum-exps merged): partials have one row per tile, so their shapes depend on the
+    configuration's tile, and only the combination is comparable across configurations."""
+    res = {}
+    for o in epi.outputs:
+        v = jnp.asarray(outs[o.name], jnp.float32)
+        if o.kind is OutputKind.ROW_LOGSUMEXP:
+            v = jax.nn.logsumexp(v, axis=0)
+        elif o.kind in (OutputKind.ROW_SUM, OutputKind.COL_SUM):
+            v = v.sum(axis=0)
+        res[o.name] = v
+    return res
+
+
 def max_relative_error(outs: dict[str, jax.Array], refs: dict[str, jax.Array]) -> float:
     """The largest ``||out - ref|| / ||ref||`` over the outputs (inf on a NaN the reference lacks)."""
     worst = 0.0
     for name, ref in refs.items():
         o, r = jnp.asarray(outs[name], jnp.float32), jnp.asarray(ref, jnp.float32)
+        if o.shape != r.shape:
+            return float("inf")
         if bool(jnp.any(jnp.isnan(o) & ~jnp.isnan(r))):
             return float("inf")
         ok = jnp.isfinite(r)  # an LSE over padding-only tiles is -inf in both
@@ -122,17 +150,17 @@ def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20,
     row = {"program": call.epilogue.name, "layout": layout_name(call.transpose_a, call.transpose_b),
            "m": m, "n": n, "k": k, "results": {}}
     with tables_disabled():
-        heuristic = _runner(call, None)
-        refs = jax.block_until_ready(heuristic(a, b, loads))
-        row["heuristic_ms"] = kernel_ms(heuristic, a, b, loads, iters=iters)
+        run, timed = _runner(call, None)
+        refs = jax.block_until_ready(run(a, b, loads))
+        row["heuristic_ms"] = kernel_ms(timed, a, b, loads, iters=iters)
     for name, cfg in candidate_configs(call, names).items():
         try:
-            fn = _runner(call, cfg)
-            err = max_relative_error(fn(a, b, loads), refs)
+            run, timed = _runner(call, cfg)
+            err = max_relative_error(run(a, b, loads), refs)
             if err > rtol:
                 row["results"][name] = {"error": f"outputs differ from the heuristic's: relative error {err:.2e}"}
             else:
-                row["results"][name] = {"ms": kernel_ms(fn, a, b, loads, iters=iters), "config": config_fields(cfg)}
+                row["results"][name] = {"ms": kernel_ms(timed, a, b, loads, iters=iters), "config": config_fields(cfg)}
         except Exception as e:  # noqa: BLE001  (SMEM overflow, a lowering failure: record and go on)
             row["results"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         r = row["results"][name]
