@@ -219,6 +219,7 @@ def test_partials_are_combined_before_comparing():
     narrow = {"sumsq": x, "x": x, "h": x}  # 8 tiles of 1
     assert at.max_relative_error(at.combined(programs.RESIDUAL_RMS, wide),
                                  at.combined(programs.RESIDUAL_RMS, narrow)) < 1e-6
-    lse4 = {"lse": jax.nn.logsumexp(x.reshape(4, 2, 64), axis=1)}
-    assert at.max_relative_error(at.combined(programs.RMS_LSE, lse4), at.combined(programs.RMS_LSE, {"lse": x})) < 1e-6
+    lse4 = {"lse": jax.nn.logsumexp(x.reshape(4, 2, 64), axis=1), "target_logit": wide["sumsq"]}
+    lse8 = {"lse": x, "target_logit": x}
+    assert at.max_relative_error(at.combined(programs.RMS_LSE, lse4), at.combined(programs.RMS_LSE, lse8)) < 1e-6
     assert math.isinf(at.max_relative_error(wide, narrow))  # uncombined: the shapes differ
