@@ -286,7 +286,7 @@ def model_sweep(args, out: Path):
     """Autotunes the training steps of ``args.model`` and writes the merged table."""
     table_path = Path(args.table) if args.table else SHIPPED_TABLE
     table = json.loads(table_path.read_text()) if table_path.exists() else None
-    rows = []
+    rows = json.loads(Path(args.resume).read_text()) if args.resume else []  # calls measured before: not again
     names = args.variants.split(",") if args.variants else None
     for spec in args.model:
         step, step_args = model_step(spec)
@@ -314,6 +314,7 @@ def main():
                     help="autotune this CodaLlama training step: preset[-layers]:batch:seq (repeatable)")
     ap.add_argument("--table", default=None, help="--model: the table to merge into (default: the shipped one)")
     ap.add_argument("--budget", type=float, default=None, help="--model: seconds per model before it stops tuning")
+    ap.add_argument("--resume", default=None, help="--model: an earlier tune_model.json; its calls are not measured again")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

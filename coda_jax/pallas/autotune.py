@@ -190,26 +190,37 @@ def kernel_calls(fn: Callable, *args) -> list[KernelCall]:
     return calls
 
 
+def row_key(row: dict[str, Any]) -> tuple:
+    """(program, layout, m, n, k) of a measurement row or table entry."""
+    return row["program"], row["layout"], row["m"], row["n"], row["k"]
+
+
 def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,
              min_gain: float = 0.02, budget_s: float | None = None, rows: list | None = None,
              log: Callable[[str], None] = print) -> dict[str, Any]:
     """A tuned table (the JSON object of :mod:`coda_jax.pallas.tuned`) for ``fn(*args)``'s
     kernel calls on the current GPU. ``budget_s``: stop starting new calls after that many
     seconds (the table then holds the calls tuned so far). ``rows``: a list that receives
-    every call's measurements."""
+    every call's measurements; calls it already holds (an earlier run's rows) are not
+    measured again, and their winners enter the table."""
     dev = jax.devices()[0]
     if dev.platform != "gpu":
         raise RuntimeError(f"autotune times kernels on a GPU; the default device is {dev.platform!r}")
     calls = kernel_calls(fn, *args)
+    rows = [] if rows is None else rows
+    done = {row_key(r): r for r in rows}
     log(f"TUNE {len(calls)} distinct kernel calls")
-    t0, entries = time.perf_counter(), []
+    t0, entries, left = time.perf_counter(), [], len(calls)
     for call in calls:
-        if budget_s is not None and time.perf_counter() - t0 > budget_s:
-            log(f"TUNE budget of {budget_s:.0f} s spent; {len(calls) - len(entries)} calls left untuned")
-            break
-        row = tune_call(call, names, iters, rtol, log)
-        if rows is not None:
+        key = (call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk)
+        row = done.get(key)
+        if row is None:
+            if budget_s is not None and time.perf_counter() - t0 > budget_s:
+                log(f"TUNE budget of {budget_s:.0f} s spent; {left} calls left untuned")
+                break
+            row = tune_call(call, names, iters, rtol, log)
             rows.append(row)
+        left -= 1
         e = best_entry(row, min_gain)
         if e is not None:
             entries.append(e)
@@ -221,9 +232,8 @@ def merge_tables(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, A
     count; otherwise ``new`` alone)."""
     if not old or old.get("num_sms") != new["num_sms"] or not set(old["device_kinds"]) & set(new["device_kinds"]):
         return new
-    key = lambda e: (e["program"], e["layout"], e["m"], e["n"], e["k"])  # noqa: E731
-    mine = {key(e) for e in new["entries"]}
-    kept = [e for e in old["entries"] if key(e) not in mine]
+    mine = {row_key(e) for e in new["entries"]}
+    kept = [e for e in old["entries"] if row_key(e) not in mine]
     kinds = list(dict.fromkeys(old["device_kinds"] + new["device_kinds"]))
     return {**new, "device_kinds": kinds, "entries": kept + new["entries"]}
 
