@@ -186,8 +186,19 @@ def _row(heuristic, **results):
 def test_best_entry_needs_a_real_gain():
     e = at.best_entry(_row(1.0, default=1.0, band8=0.9, pingpong="outputs differ"))
     assert e["candidate"] == "band8" and e["ms"] == 0.9 and e["config"] == {"grid_tile_width": 8}
-    assert at.best_entry(_row(1.0, default=0.99)) is None  # 1 % is within the noise
-    assert at.best_entry(_row(1.0, pingpong="SMEM")) is None
+    # 1 % is within the noise; nothing ran: the heuristic stays, marked as measured
+    for row in (_row(1.0, default=0.99), _row(1.0, pingpong="SMEM")):
+        e = at.best_entry(row)
+        assert e["config"] is None and e["candidate"] == "heuristic" and e["ms"] == 1.0
+
+
+def test_a_heuristic_entry_keeps_the_heuristic_and_blocks_neighbours(table_file):
+    """A GEMM measured without a winner keeps the heuristics even next to an entry that won."""
+    table_file(at.table_from_rows([_row(1.0, band8=0.8) | {"m": 4096},
+                                   _row(1.0, band8=0.99) | {"m": 8192}], H100, 132))
+    assert T.tuned_config("p", 8192, 2, 3, False, False, H100, 132) is None
+    assert T.tuned_config("p", 4096, 2, 3, False, False, H100, 132).grid_tile_width == 8
+    assert T.tuned_config("p", 3000, 2, 3, False, False, H100, 132).grid_tile_width == 8  # nearest: 4096
 
 
 def test_write_table_merges_and_validates(tmp_path):

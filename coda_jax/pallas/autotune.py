@@ -10,8 +10,9 @@ operands and loads of its shapes, run it under the configuration the heuristics 
 under each candidate (:func:`candidate_configs`), reject a candidate whose outputs differ
 from the heuristic's (relative error above ``rtol``, or a NaN), and time the rest with
 CUPTI (the sum of the call's GPU kernel durations, median of ``iters``). A candidate that
-beats the heuristic by more than ``min_gain`` becomes the call's table entry
-(:mod:`coda_jax.pallas.tuned` has the format and the lookup). ``benchmarks/tune.py --model``
+beats the heuristic by more than ``min_gain`` becomes the call's table entry; otherwise the
+entry keeps the heuristic (``"config": null``). :mod:`coda_jax.pallas.tuned` has the format
+and the lookup. ``benchmarks/tune.py --model``
 runs this on a CodaLlama training step.
 """
 
@@ -169,18 +170,26 @@ def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20,
     return row
 
 
-def best_entry(row: dict[str, Any], min_gain: float = 0.02) -> dict[str, Any] | None:
+def best_entry(row: dict[str, Any], min_gain: float = 0.02) -> dict[str, Any]:
     """The table entry of a tuned call: the fastest candidate if it beats the heuristic's time
-    by more than ``min_gain`` (a fraction), else None (the heuristic stays)."""
+    by more than ``min_gain`` (a fraction); else an entry with ``"config": null`` (the
+    heuristic stays for this GEMM, and no neighbouring entry is borrowed for it)."""
+    entry = {"program": row["program"], "layout": row["layout"], "m": row["m"], "n": row["n"], "k": row["k"],
+             "config": None, "candidate": "heuristic", "ms": round(row["heuristic_ms"], 5),
+             "heuristic_ms": round(row["heuristic_ms"], 5)}
     timed = {k: v for k, v in row["results"].items() if "ms" in v}
-    if not timed:
-        return None
-    name = min(timed, key=lambda k: timed[k]["ms"])
-    if timed[name]["ms"] > row["heuristic_ms"] * (1 - min_gain):
-        return None
-    return {"program": row["program"], "layout": row["layout"], "m": row["m"], "n": row["n"], "k": row["k"],
-            "config": timed[name]["config"], "candidate": name, "ms": round(timed[name]["ms"], 5),
-            "heuristic_ms": round(row["heuristic_ms"], 5)}
+    if timed:
+        name = min(timed, key=lambda k: timed[k]["ms"])
+        if timed[name]["ms"] <= row["heuristic_ms"] * (1 - min_gain):
+            entry.update(config=timed[name]["config"], candidate=name, ms=round(timed[name]["ms"], 5))
+    return entry
+
+
+def table_from_rows(rows: list[dict[str, Any]], device_kind: str, num_sms: int,
+                    min_gain: float = 0.02) -> dict[str, Any]:
+    """A tuned table from measurement rows (:func:`tune_call`'s) taken on one GPU kind."""
+    return {"device_kinds": [device_kind], "num_sms": num_sms, "jax": jax.__version__,
+            "entries": [best_entry(r, min_gain) for r in rows]}
 
 
 def kernel_calls(fn: Callable, *args) -> list[KernelCall]:
@@ -221,9 +230,7 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
             row = tune_call(call, names, iters, rtol, log)
             rows.append(row)
         left -= 1
-        e = best_entry(row, min_gain)
-        if e is not None:
-            entries.append(e)
+        entries.append(best_entry(row, min_gain))
     return {"device_kinds": [dev.device_kind], "num_sms": gpu_sm_count(), "jax": jax.__version__, "entries": entries}
 
 

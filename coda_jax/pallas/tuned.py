@@ -16,7 +16,9 @@ heuristic configuration's, and writes the winners as a table (JSON)::
                   "config": {"grid_minor_dim": "m"}, "ms": 0.230, "heuristic_ms": 0.245}, ...]}
 
 ``layout`` is ``"n"``/``"t"`` for A then B (``"tn"``: the wgrad's transposed A). ``config``
-holds the :class:`TuningConfig` fields that differ from ``CONFIG_TABLE["default"]``.
+holds the :class:`TuningConfig` fields that differ from ``CONFIG_TABLE["default"]``, or is
+``null`` where no candidate beat the heuristics' choice (the GEMM keeps it, and borrows no
+neighbouring entry).
 
 Lookup (:func:`tuned_config`): the table shipped with the package (``tuned_h100.json``), or
 the file named by ``$CODA_JAX_PALLAS_TUNED``; ``CODA_JAX_PALLAS_TUNED=0`` turns tables off.
@@ -60,7 +62,7 @@ class TunedEntry:
     m: int
     n: int
     k: int
-    config: TuningConfig
+    config: TuningConfig | None  # None: measured, and the heuristics' choice won
 
     def distance(self, m: int, n: int, k: int) -> float | None:
         """Log distance to an ``(m, n, k)`` GEMM, or None if a dimension is off by more
@@ -122,12 +124,13 @@ def parse_table(data: dict, source: str) -> TunedTable:
         try:
             layout = e["layout"]
             dims = [int(e[d]) for d in ("m", "n", "k")]
-            program, fields = str(e["program"]), dict(e["config"])
+            program, fields = str(e["program"]), e["config"]
+            fields = None if fields is None else dict(fields)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{where}: needs program, layout, m, n, k and config ({err})") from err
         if layout not in ("nn", "nt", "tn", "tt") or min(dims) < 1:
             raise ValueError(f"{where}: layout must be nn/nt/tn/tt and m, n, k positive, got {layout!r} {dims}")
-        entries.append(TunedEntry(program, layout, *dims, config_from_fields(fields, where)))
+        entries.append(TunedEntry(program, layout, *dims, None if fields is None else config_from_fields(fields, where)))
     return TunedTable(tuple(kinds), data["num_sms"], tuple(entries))
 
 
@@ -179,6 +182,6 @@ def tuned_config(program: str, m: int, n: int, k: int, transpose_a: bool, transp
     if table is None or not table.applies_to(device_kind, num_sms):
         return None
     entry = table.lookup(program, layout_name(transpose_a, transpose_b), m, n, k)
-    if entry is None or (pair_width is not None and entry.config.tile_n % pair_width):
+    if entry is None or entry.config is None or (pair_width is not None and entry.config.tile_n % pair_width):
         return None
     return entry.config
