@@ -466,7 +466,8 @@ def plain_gemm_route(backend, plain):
 
 @contextlib.contextmanager
 def backend_variant(label):
-    """``label`` is a backend, ``"pallas@w0"`` (Pallas without the wave fit of
+    """``label`` is a backend, ``"pallas@untuned"`` (Pallas without the tuned table of
+    :mod:`coda_jax.pallas.tuned`), ``"pallas@w0"`` (Pallas without the wave fit of
     :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@pp"`` / ``"pallas@coop"`` (every program on the
     ping-pong warp-specialized schedule, without a cluster / on the cooperative one), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
     default Pallas config with / without swizzled epilogue staging), ``"pallas@<field>=<value>[+...]"``
@@ -477,6 +478,12 @@ def backend_variant(label):
     tile rows; ``cutedsl@p`` / ``cutedsl@c``: the ping-pong / cooperative schedule), to
     compare kernel configurations in one run. Within, yields the backend's name."""
     base, _, variant = label.partition("@")
+    if base == "pallas" and variant == "untuned":  # the heuristics alone, no tuned table (coda_jax.pallas.tuned)
+        from coda_jax.pallas.tuned import TUNED_ENV
+
+        with _env(TUNED_ENV, "0"):
+            yield base
+        return
     if base == "pallas" and variant in ("w0", "w1"):  # the wave fit off / on (tuning.fit_waves)
         from coda_jax.pallas.tuning import WAVE_FIT_ENV
 

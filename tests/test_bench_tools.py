@@ -261,3 +261,13 @@ def test_summarize_reports_device_time_beside_wall_clock():
     # Without device times (a CPU run, or older results) there is no device table.
     assert "device time" not in summarize.markdown({}, [{k: v for k, v in r.items() if k != "fwdbwd_device_ms"}
                                                         for r in rows], "test")
+
+
+def test_untuned_variant_turns_the_tuned_table_off(monkeypatch):
+    from coda_jax.pallas.tuned import TUNED_ENV, active_table_path
+
+    monkeypatch.delenv(TUNED_ENV, raising=False)
+    assert active_table_path() is not None
+    with bench.backend_variant("pallas@untuned") as base:
+        assert base == "pallas" and active_table_path() is None
+    assert active_table_path() is not None
