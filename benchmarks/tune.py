@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -47,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import Inputs, median_ms  # noqa: E402
 from coda_jax import programs  # noqa: E402
 from coda_jax.pallas import autotune as at  # noqa: E402
+from coda_jax.pallas.autotune import kernel_ms  # noqa: E402
 from coda_jax.pallas.tuned import SHIPPED_TABLE  # noqa: E402
 from coda_jax.pallas.lowering import PallasLowering  # noqa: E402
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig  # noqa: E402
@@ -78,15 +78,6 @@ VARIANTS = {
 }
 MAINLOOP_VARIANTS = ["default", "no_cluster", "gw8", "minor_m", "minor_m_gw8", "cluster_m_minor_m", "cluster_n",
                      "split_m", "split_m_cluster_n"]
-
-
-def kernel_ms(fn, *args, iters: int = 20) -> float:
-    """Median GPU time of one call (CUPTI: the sum of its kernels' durations, no launch gaps)."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    jax.block_until_ready(fn(*args))
-    _, times = profiler.measure(fn, iterations=iters)(*args)
-    return statistics.median(times)
 
 
 def _jax_example(a, b, tile_m=128, tile_n=128, wg="n", minor="n", width=4, cluster=None, stages=4):

@@ -442,3 +442,25 @@ def test_choose_config_schedule(monkeypatch):
     monkeypatch.setenv(SCHEDULE_ENV, "pingpang")
     with pytest.raises(ValueError, match="CODA_JAX_PALLAS_SCHEDULE"):
         choose_config(*big)
+
+
+def _shipped_program_configs():
+    """(program case, config) of each distinct configuration in the shipped tuned table."""
+    from coda_jax.pallas.tuned import SHIPPED_TABLE, load_table
+
+    table = load_table(str(SHIPPED_TABLE))
+    seen = {}
+    for e in table.entries if table else ():
+        if e.config is not None:
+            case = next((c for c in CASES if c[0].name == e.program), None)
+            assert case is not None, f"tuned table entry for unknown program {e.program!r}"
+            seen.setdefault((e.program, e.config), (case[0], e.layout, e.config))
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("epi,layout,cfg", _shipped_program_configs(),
+                         ids=lambda x: getattr(x, "name", None) or (x if isinstance(x, str) else None))
+def test_shipped_tuned_configs(epi, layout, cfg):
+    """Each configuration of the shipped tuned table, on the program it was tuned for, in the
+    interpreter (``tests/test_gpu_pallas.py`` runs them compiled at larger shapes)."""
+    _compare(epi, 256, 256, 128, transpose_a=layout[0] == "t", transpose_b=layout[1] == "t", config=cfg)
