@@ -430,18 +430,32 @@ def test_choose_config_schedule(monkeypatch):
 
     monkeypatch.delenv(SCHEDULE_ENV, raising=False)
     big = (8192, 8192, 2048)
-    pp = choose_config(*big, "swiglu_dgrad")
-    assert pp.pingpong and pp.cluster_dimension is None  # clustered ping-pong was slower (run 109)
-    assert not choose_config(*big, "residual_rms").pingpong
-    assert not choose_config(64, 64, 64, "swiglu_dgrad").warp_specialized  # the small table entry stays
+    rope = choose_config(*big, "rms_rope")  # the name the QKV op uses (no QK-norm, training too)
+    assert rope.pingpong and rope.cluster_dimension is None and rope.grid_minor_dim == "m"
+    assert choose_config(*big, "rms_rope_qknorm_train").pingpong
+    dgrad = choose_config(*big, "swiglu_dgrad")
+    assert not dgrad.pingpong and dgrad.cluster_dimension is None  # cooperative, no CTA pair (runs 124, 126)
+    assert choose_config(*big, "residual_rms") == CONFIG_TABLE["default"]
+    assert not choose_config(64, 64, 64, "rms_rope").warp_specialized  # the small table entry stays
     monkeypatch.setenv(SCHEDULE_ENV, "cooperative")
-    assert not choose_config(*big, "swiglu_dgrad").pingpong
+    assert choose_config(*big, "rms_rope") == CONFIG_TABLE["default"]
     monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
     pp = choose_config(*big, "residual_rms")
-    assert pp.pingpong and fit_waves(pp, 2048, 3072, 132) is pp  # ping-pong tiles are not narrowed
+    assert pp.pingpong and pp.cluster_dimension is None and fit_waves(pp, 2048, 3072, 132) is pp  # not narrowed
     monkeypatch.setenv(SCHEDULE_ENV, "pingpang")
     with pytest.raises(ValueError, match="CODA_JAX_PALLAS_SCHEDULE"):
         choose_config(*big)
+
+
+def test_every_program_config_names_a_real_program():
+    """:data:`PROGRAM_CONFIGS` keys are names the ops' epilogues really have (an entry for a
+    name no op uses would silently do nothing: "rms_rope_train" did)."""
+    from coda_jax.pallas.tuning import PROGRAM_CONFIGS, TuningConfig
+
+    names = {c[0].name for c in CASES} | {programs.rms_rope(64, 1e-6, False).name}
+    assert set(PROGRAM_CONFIGS) <= names, set(PROGRAM_CONFIGS) - names
+    for fields in PROGRAM_CONFIGS.values():
+        dataclasses.replace(CONFIG_TABLE["default"], **fields)  # valid TuningConfig fields
 
 
 def _shipped_program_configs():

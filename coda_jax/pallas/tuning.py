@@ -143,33 +143,43 @@ CONFIG_TABLE: dict[str, TuningConfig] = {
 
 
 SCHEDULE_ENV = "CODA_JAX_PALLAS_SCHEDULE"
-# Programs whose epilogue costs enough, next to their short mainloop, that the ping-pong
-# schedule's overlap beats the cooperative kernel's wider, multicast-fed tile (H100, 1B
-# shapes, benchmarks/RESULTS.md runs 107 and 109: swiglu_dgrad 0.656 -> 0.604 and 0.670 ->
-# 0.641 ms, rms_rope_train 0.245 -> 0.238 and 0.254 -> 0.249 ms). Elsewhere the cooperative
-# kernel was faster or the sign flipped between runs (identity dgrad 0.828 vs 0.922 ms): a
-# 128 x 128 tile without a cluster draws twice the L2 -> SMEM bytes per FLOP, and with a
-# cluster each CTA waits on its partner's epilogue (run 109: slower still).
-PINGPONG_PROGRAMS = frozenset({"swiglu_dgrad", "rms_rope_train"})
+# Per-program changes to the default configuration, for GEMMs the tuned table
+# (:mod:`coda_jax.pallas.tuned`) has no entry for. Each won at both the 1B and the 8B-width
+# training step's shapes on the H100 (benchmarks/RESULTS.md, runs 124 and 126):
+# * RoPE (register math beside a short mainloop): ping-pong, whose consumers overlap one
+#   tile's epilogue with the other's MMAs, with bands of tiles across M: QKV forward
+#   0.186 -> 0.150 ms (1B) and 0.347 -> 0.313 ms (8B). (Before, this entry read
+#   "rms_rope_train", a name the op never uses; the model's QKV ran cooperative.)
+# * swiglu_dgrad: the cooperative kernel without CTA pairs, 0.535 -> 0.522 ms (1B) and
+#   0.803 -> 0.744 ms (8B) against the ping-pong it had since runs 107-109.
+# Ping-pong drops the CTA pair: a clustered ping-pong waits on the partner's epilogue (run 109).
+_PINGPONG = {"schedule": "pingpong", "cluster_dimension": None}
+PROGRAM_CONFIGS: dict[str, dict] = {
+    "rms_rope": {**_PINGPONG, "grid_minor_dim": "m"},
+    "rms_rope_qknorm": {**_PINGPONG, "grid_minor_dim": "m"},
+    "rms_rope_qknorm_train": {**_PINGPONG, "grid_minor_dim": "m"},
+    "swiglu_dgrad": {"cluster_dimension": None},
+}
 
 
 def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningConfig:
-    """The table's configuration for an ``[m, k] @ [k, n]`` GEMM running epilogue ``program``.
-
-    The warp-specialized configuration runs the ping-pong schedule (without a cluster) for the
-    programs in :data:`PINGPONG_PROGRAMS`. ``$CODA_JAX_PALLAS_SCHEDULE`` overrides that
-    choice for every program: ``pingpong`` or ``cooperative``.
+    """The heuristic configuration for an ``[m, k] @ [k, n]`` GEMM running epilogue ``program``:
+    the shape class's table entry, with :data:`PROGRAM_CONFIGS`'s changes for that program
+    (warp-specialized entries only). ``$CODA_JAX_PALLAS_SCHEDULE`` (``pingpong`` or
+    ``cooperative``) instead puts every program on that schedule (ping-pong without a
+    cluster; cooperative as in the table).
     """
     cfg = CONFIG_TABLE["small"] if m * n < (1 << 22) or k < 256 else CONFIG_TABLE["default"]
     schedule = os.environ.get(SCHEDULE_ENV, "").strip().lower()
     if schedule not in ("", "cooperative", "pingpong"):
         raise ValueError(f"${SCHEDULE_ENV} must be 'cooperative' or 'pingpong', got {schedule!r}")
-    if not schedule:
-        schedule = "pingpong" if program in PINGPONG_PROGRAMS else "cooperative"
-    if schedule == "pingpong" and cfg.warp_specialized:
-        # No cluster: a CTA pair would wait on each other's epilogues (run 109).
-        cfg = dataclasses.replace(cfg, schedule="pingpong", cluster_dimension=None)
-    return cfg
+    if not cfg.warp_specialized:
+        return cfg
+    if schedule == "pingpong":
+        return dataclasses.replace(cfg, **_PINGPONG)
+    if schedule == "cooperative":
+        return cfg
+    return dataclasses.replace(cfg, **PROGRAM_CONFIGS.get(program or "", {}))
 
 
 # Wave quantization: a GEMM with few output tiles (e.g. the 1B model's QKV wgrad, [2048, 3072]:
