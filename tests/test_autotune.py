@@ -234,3 +234,44 @@ def test_partials_are_combined_before_comparing():
     lse8 = {"lse": x, "target_logit": x}
     assert at.max_relative_error(at.combined(programs.RMS_LSE, lse4), at.combined(programs.RMS_LSE, lse8)) < 1e-6
     assert math.isinf(at.max_relative_error(wide, narrow))  # uncombined: the shapes differ
+
+
+def test_tune_call_checks_each_candidate_against_the_heuristic(monkeypatch):
+    """End to end in the interpreter, with a wall-clock timer: the candidates run and are
+    timed, one that fails to lower is recorded as an error, and one whose outputs differ
+    from the heuristic's is rejected, not timed."""
+    import time as _time
+
+    from coda_jax.pallas import interpret_mode
+
+    monkeypatch.setitem(at.CANDIDATES, "broken", dataclasses.replace(CONFIG_TABLE["default"], tile_n=4096))
+    call = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+                         (("gamma", jax.ShapeDtypeStruct((256,), jnp.float32)),
+                          ("residual", jax.ShapeDtypeStruct((256, 256), jnp.bfloat16))), False, False, (),
+                         (256, 256, 256))
+    real_runner = at._runner
+
+    def runner(c, cfg):  # the "band8" candidate returns x off by 1 %
+        run, timed = real_runner(c, cfg)
+        if cfg is at.CANDIDATES["band8"]:
+            return (lambda a, b, l: {**run(a, b, l), "x": run(a, b, l)["x"] * 1.01}), timed
+        return run, timed
+
+    monkeypatch.setattr(at, "_runner", runner)
+    calls = []
+
+    def wall_ms(fn, *args, iters):
+        calls.append(iters)
+        t = _time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        return (_time.perf_counter() - t) * 1e3
+
+    with interpret_mode():
+        row = at.tune_call(call, ["default", "band8", "broken"], iters=3, log=lambda s: None, timer=wall_ms)
+    r = row["results"]
+    assert r["default"]["ms"] > 0 and r["default"]["config"] == {}
+    assert "differ from the heuristic" in r["band8"]["error"] and "ms" not in r["band8"]
+    assert "error" in r["broken"]
+    assert row["heuristic_ms"] > 0 and calls == [3, 3]  # the heuristic and "default" only
+    assert (row["program"], row["layout"], row["m"]) == ("residual_rms", "nn", 256)

@@ -143,9 +143,10 @@ def max_relative_error(outs: dict[str, jax.Array], refs: dict[str, jax.Array]) -
 
 
 def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print, timer: Callable[..., float] = kernel_ms) -> dict[str, Any]:
     """Times ``call`` under the heuristic's configuration and each candidate; returns
-    ``{"program", "layout", "m", "n", "k", "heuristic_ms", "results": {name: ms or error}}``."""
+    ``{"program", "layout", "m", "n", "k", "heuristic_ms", "results": {name: ms or error}}``.
+    ``timer(fn, *args, iters=...)``: milliseconds per call (CUPTI kernel time by default)."""
     m, n, k = call.mnk
     a, b, loads = random_arguments(call)
     row = {"program": call.epilogue.name, "layout": layout_name(call.transpose_a, call.transpose_b),
@@ -153,7 +154,7 @@ def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20,
     with tables_disabled():
         run, timed = _runner(call, None)
         refs = jax.block_until_ready(run(a, b, loads))
-        row["heuristic_ms"] = kernel_ms(timed, a, b, loads, iters=iters)
+        row["heuristic_ms"] = timer(timed, a, b, loads, iters=iters)
     for name, cfg in candidate_configs(call, names).items():
         try:
             run, timed = _runner(call, cfg)
@@ -161,7 +162,7 @@ def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20,
             if err > rtol:
                 row["results"][name] = {"error": f"outputs differ from the heuristic's: relative error {err:.2e}"}
             else:
-                row["results"][name] = {"ms": kernel_ms(timed, a, b, loads, iters=iters), "config": config_fields(cfg)}
+                row["results"][name] = {"ms": timer(timed, a, b, loads, iters=iters), "config": config_fields(cfg)}
         except Exception as e:  # noqa: BLE001  (SMEM overflow, a lowering failure: record and go on)
             row["results"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         r = row["results"][name]
@@ -206,7 +207,7 @@ def row_key(row: dict[str, Any]) -> tuple:
 
 def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,
              min_gain: float = 0.02, budget_s: float | None = None, rows: list | None = None,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
+             log: Callable[[str], None] = print, timer: Callable[..., float] = kernel_ms) -> dict[str, Any]:
     """A tuned table (the JSON object of :mod:`coda_jax.pallas.tuned`) for ``fn(*args)``'s
     kernel calls on the current GPU. ``budget_s``: stop starting new calls after that many
     seconds (the table then holds the calls tuned so far). ``rows``: a list that receives
@@ -227,7 +228,7 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
             if budget_s is not None and time.perf_counter() - t0 > budget_s:
                 log(f"TUNE budget of {budget_s:.0f} s spent; {left} calls left untuned")
                 break
-            row = tune_call(call, names, iters, rtol, log)
+            row = tune_call(call, names, iters, rtol, log, timer)
             rows.append(row)
         left -= 1
         entries.append(best_entry(row, min_gain))
