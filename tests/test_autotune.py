@@ -109,15 +109,15 @@ class _FakeGpu:
 
 
 def test_pallas_lowering_takes_the_tuned_config_on_a_listed_gpu(table_file, monkeypatch):
-    table_file(_table([_entry(grid_minor_dim="m", grid_tile_width=8)]))
+    table_file(_table([_entry(program="residual_rms", grid_minor_dim="m", grid_tile_width=8)]))
     monkeypatch.setattr(lowering, "_default_device", lambda: _FakeGpu())
     monkeypatch.setattr(lowering, "_num_sms", lambda interpret: 4 if interpret else 132)
-    epi = programs.rms_rope(32, None, False)
+    epi = programs.RESIDUAL_RMS
     cfg = lowering.PallasLowering.default_config(epi, 8192, 3072, 2048, False, False, interpret=False)
     assert (cfg.grid_minor_dim, cfg.grid_tile_width) == ("m", 8)
-    # no entry: the heuristics (the ping-pong program list, the wave fit)
+    # no entry: the heuristics (the shape-class table, the wave fit)
     other = lowering.PallasLowering.default_config(epi, 8192, 3072, 16384, False, False, interpret=False)
-    assert other.grid_minor_dim == "n"
+    assert other == CONFIG_TABLE["default"]
     # the interpreter never takes a table
     assert lowering.PallasLowering.default_config(epi, 8192, 3072, 2048, False, False, interpret=True).grid_minor_dim == "n"
 
