@@ -275,3 +275,22 @@ def test_tune_call_checks_each_candidate_against_the_heuristic(monkeypatch):
     assert "error" in r["broken"]
     assert row["heuristic_ms"] > 0 and calls == [3, 3]  # the heuristic and "default" only
     assert (row["program"], row["layout"], row["m"]) == ("residual_rms", "nn", 256)
+
+
+def test_extended_candidates_lower_for_cuda():
+    """Every candidate the tuner may time (the extended set too) lowers for CUDA for a
+    heavy-epilogue program, so a tuning run on the GPU does not spend its time on configs that
+    cannot compile."""
+    from op_cases import abstract_loads
+
+    call = at.KernelCall(programs.rms_dgrad(True), jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), (), False, True, (), (1024, 1024, 512))
+    cands = at.candidate_configs(call, ["all"])
+    assert set(cands) == set(at.CANDIDATES) | set(at.EXTENDED_CANDIDATES)
+    assert list(at.candidate_configs(call, ["extended", "slots3"])) == list(at.EXTENDED_CANDIDATES)  # no repeats
+    loads = abstract_loads(call.epilogue, 1024, 1024)
+    for name, cfg in cands.items():
+        low = lowering.PallasLowering(cfg)
+        f = jax.jit(lambda a, b, l: low.gemm(call.epilogue, a, b, l, transpose_b=True))
+        txt = f.trace(call.a, call.b, loads).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in txt, name

@@ -51,18 +51,36 @@ CANDIDATES: dict[str, TuningConfig] = {
     "narrow": dataclasses.replace(_D, tile_n=64),
     "narrow_no_cluster": dataclasses.replace(_D, tile_n=64, cluster_dimension=None),
 }
+# Not measured yet: the epilogue's own knobs (load ring depth, chunk width, swizzled
+# staging) and wider ping-pong bands. Name them (or "extended", or "all") to time them:
+# each candidate costs a Mosaic GPU lowering per call (~2-3 s on the H100 host).
+EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
+    "slots3": dataclasses.replace(_D, epilogue_load_slots=3),
+    "slots4": dataclasses.replace(_D, epilogue_load_slots=4),
+    "cols32": dataclasses.replace(_D, epilogue_cols=32),
+    "swizzled": dataclasses.replace(_D, swizzle_epilogue=True),
+    "no_cluster_swizzled": dataclasses.replace(_D, cluster_dimension=None, swizzle_epilogue=True),
+    "pingpong_band8": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, grid_tile_width=8),
+    "pingpong_minor_m_band8": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                  grid_minor_dim="m", grid_tile_width=8),
+    "pingpong_slots3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, epilogue_load_slots=3),
+}
 
 
 def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[str, TuningConfig]:
-    """The candidates that can run ``call``: those whose tile holds the epilogue's pair
-    block. The heuristic's own configuration is timed separately."""
+    """The named candidates (default: :data:`CANDIDATES`; ``"extended"``:
+    :data:`EXTENDED_CANDIDATES`; ``"all"``: both) that can run ``call``: those whose tile
+    holds the epilogue's pair block. The heuristic's own configuration is timed separately."""
     epi = call.epilogue
     pw = epi.pair_width if epi.pair_block is not None else None
+    known = {**CANDIDATES, **EXTENDED_CANDIDATES}
+    groups = {"extended": list(EXTENDED_CANDIDATES), "all": list(known)}
+    chosen = [x for name in (names or list(CANDIDATES)) for x in groups.get(name, [name])]
     out = {}
-    for name in names or list(CANDIDATES):
-        if name not in CANDIDATES:
-            raise ValueError(f"unknown candidate {name!r}; known: {sorted(CANDIDATES)}")
-        cfg = CANDIDATES[name]
+    for name in dict.fromkeys(chosen):
+        if name not in known:
+            raise ValueError(f"unknown candidate {name!r}; known: {sorted(known)}, 'extended', 'all'")
+        cfg = known[name]
         if pw is None or cfg.tile_n % pw == 0:
             out[name] = cfg
     return out
