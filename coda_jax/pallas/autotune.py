@@ -58,12 +58,21 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "slots3": dataclasses.replace(_D, epilogue_load_slots=3),
     "slots4": dataclasses.replace(_D, epilogue_load_slots=4),
     "cols32": dataclasses.replace(_D, epilogue_cols=32),
+    # plan_kernel keeps pipeline stages before chunk width: beside the epilogue staging, the
+    # cooperative kernel mostly runs 3 stages with 16-column chunks (8 TMA stores of
+    # 128 x 16 per consumer tile). Two stages leave room for 32-64-column chunks.
+    "stages2": dataclasses.replace(_D, max_concurrent_steps=2),
     "swizzled": dataclasses.replace(_D, swizzle_epilogue=True),
     "no_cluster_swizzled": dataclasses.replace(_D, cluster_dimension=None, swizzle_epilogue=True),
     "pingpong_band8": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, grid_tile_width=8),
     "pingpong_minor_m_band8": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                   grid_minor_dim="m", grid_tile_width=8),
     "pingpong_slots3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, epilogue_load_slots=3),
+    # A 128 x 128 x 64 stage is half the cooperative kernel's: deeper rings fit. With CTA
+    # pairs, a deeper ring may absorb the partner's epilogue that made the clustered
+    # ping-pong lose in run 109 (4 stages).
+    "pingpong_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, max_concurrent_steps=6),
+    "pingpong_cluster_deep": dataclasses.replace(_D, schedule="pingpong", max_concurrent_steps=6),
 }
 
 
