@@ -294,3 +294,15 @@ def test_extended_candidates_lower_for_cuda():
         f = jax.jit(lambda a, b, l: low.gemm(call.epilogue, a, b, l, transpose_b=True))
         txt = f.trace(call.a, call.b, loads).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in txt, name
+
+
+@pytest.mark.parametrize("spec", ["1b:8", "huge:8:1024", "1b:x:1024"])
+def test_tune_model_spec_errors_name_the_format(spec):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tune
+
+    with pytest.raises(ValueError, match=r"preset\[-layers\]:batch:seq"):
+        tune.model_step(spec)
