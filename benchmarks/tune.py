@@ -305,7 +305,7 @@ def main():
                     help="autotune this CodaLlama training step: preset[-layers]:batch:seq (repeatable)")
     ap.add_argument("--table", default=None, help="--model: the table to merge into (default: the shipped one)")
     ap.add_argument("--budget", type=float, default=None, help="--model: seconds per model before it stops tuning")
-    ap.add_argument("--resume", default=None, help="--model: an earlier tune_model.json; its calls are not measured again")
+    ap.add_argument("--resume", default=None, help="--model: an earlier tune_model.json; its calls that have every wanted candidate are not measured again")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -306,3 +306,30 @@ def test_tune_model_spec_errors_name_the_format(spec):
 
     with pytest.raises(ValueError, match=r"preset\[-layers\]:batch:seq"):
         tune.model_step(spec)
+
+
+def test_autotune_resumes_only_calls_with_every_wanted_candidate(monkeypatch):
+    """``rows`` from an earlier run: a call with all wanted candidates is not measured again;
+    one that lacks some is measured again in full (old candidates too, in the same run)."""
+    monkeypatch.setattr(at.jax, "devices", lambda: [_FakeGpu()])
+    c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), (), False, False, (), (8, 8, 8))
+    c2 = dataclasses.replace(c1, mnk=(16, 8, 8))
+    monkeypatch.setattr(at, "kernel_calls", lambda fn, *a: [c1, c2])
+    measured = []
+
+    def fake_tune(call, names, *a):
+        measured.append((call.mnk, sorted(names)))
+        return {"program": "residual_rms", "layout": "nn", "m": call.mnk[0], "n": 8, "k": 8, "heuristic_ms": 1.0,
+                "results": {n: {"ms": 0.5 if n == "band8" else 1.0, "config": {}} for n in names}}
+
+    monkeypatch.setattr(at, "tune_call", fake_tune)
+    old = [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8, "heuristic_ms": 1.0,
+            "results": {"default": {"ms": 1.0, "config": {}}, "band8": {"ms": 0.9, "config": {}}}},
+           {"program": "residual_rms", "layout": "nn", "m": 16, "n": 8, "k": 8, "heuristic_ms": 1.0,
+            "results": {"pingpong": {"ms": 0.9, "config": {}}}}]
+    rows = [dict(r) for r in old]
+    table = at.autotune(lambda: None, names=["default", "band8"], rows=rows, log=lambda s: None)
+    assert measured == [((16, 8, 8), ["band8", "default", "pingpong"])]  # c1 had both: skipped
+    assert len(rows) == 2 and rows[0] == old[0] and sorted(rows[1]["results"]) == ["band8", "default", "pingpong"]
+    assert [e["candidate"] for e in table["entries"]] == ["band8", "band8"]

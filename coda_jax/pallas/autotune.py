@@ -238,8 +238,8 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     """A tuned table (the JSON object of :mod:`coda_jax.pallas.tuned`) for ``fn(*args)``'s
     kernel calls on the current GPU. ``budget_s``: stop starting new calls after that many
     seconds (the table then holds the calls tuned so far). ``rows``: a list that receives
-    every call's measurements; calls it already holds (an earlier run's rows) are not
-    measured again, and their winners enter the table."""
+    every call's measurements; a call it already holds (an earlier run's rows) with every
+    wanted candidate is not measured again, and its winner enters the table."""
     dev = jax.devices()[0]
     if dev.platform != "gpu":
         raise RuntimeError(f"autotune times kernels on a GPU; the default device is {dev.platform!r}")
@@ -251,12 +251,20 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     for call in calls:
         key = (call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk)
         row = done.get(key)
-        if row is None:
+        wanted = list(candidate_configs(call, names))
+        if row is None or set(wanted) - set(row["results"]):
             if budget_s is not None and time.perf_counter() - t0 > budget_s:
                 log(f"TUNE budget of {budget_s:.0f} s spent; {left} calls left untuned")
                 break
-            row = tune_call(call, names, iters, rtol, log, timer)
-            rows.append(row)
+            # A call measured before without some of the wanted candidates is measured again
+            # in full, with its old candidates too: times from another process (or machine)
+            # are not compared with this one's.
+            old = [n for n in (row or {"results": {}})["results"] if n not in wanted]
+            new_row = tune_call(call, wanted + old, iters, rtol, log, timer)
+            if row is not None:
+                rows.remove(row)
+            rows.append(new_row)
+            row = new_row
         left -= 1
         entries.append(best_entry(row, min_gain))
     return {"device_kinds": [dev.device_kind], "num_sms": gpu_sm_count(), "jax": jax.__version__, "entries": entries}
