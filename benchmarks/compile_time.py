@@ -18,7 +18,11 @@ and count JAX's persistent-cache hits and misses (``jax.monitoring`` events). Wi
 ``--cache-dir`` the cache is on (every entry kept: minimum compile time 0, any size), so the
 second process's ``*_first_s`` minus ``*_next_s`` is the compile time the cache saves; the
 CuTeDSL kernels also get ``CUTE_DSL_CACHE_DIR`` under it (the DSL's own file cache: its kernels
-compile while JAX lowers, before JAX's cache is consulted). Prints one JSON line per process.
+compile while JAX lowers, before JAX's cache is consulted). A backend named
+``pallas@kernel_cache`` is ``pallas`` with coda-jax's kernel cache on, under ``--cache-dir``
+(``coda_jax/pallas/kernel_cache.py``: a warm process skips Mosaic GPU's code generation);
+its results add ``kernel_cache_hits`` / ``kernel_cache_misses``. Prints one JSON line per
+process.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
+BACKENDS = ("plain", "xla", "pallas", "cutedsl", "pallas@kernel_cache")
+KERNEL_CACHE_SUFFIX = "@kernel_cache"
 
 
 def enable_persistent_cache(cache_dir: str) -> None:
@@ -68,16 +74,30 @@ def child(args) -> dict:
     sys.path.insert(0, str(HERE.parent / "examples"))
     import train_llama
 
-    if args.backend == "plain":
-        from plain_llama import PlainLlama
+    backend = args.backend.removesuffix(KERNEL_CACHE_SUFFIX)
+    if args.lower_only and backend != "plain":
+        # Lowering for CUDA needs no GPU: let the kernel backend trace on this machine.
+        from coda_jax import backend as backends
 
-        model = PlainLlama(cfg, rngs=nnx.Rngs(0))
-    else:
-        model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=args.backend)
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+        real = backends.backend_unavailable_reason
+        backends.backend_unavailable_reason = lambda n: None if n == backend else real(n)
+
+    def build():
+        if backend == "plain":
+            from plain_llama import PlainLlama
+
+            model = PlainLlama(cfg, rngs=nnx.Rngs(0))
+        else:
+            model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
+        return model, nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+
+    # --lower-only: abstract parameters (a 1B model's state needs no memory to lower).
+    model, optimizer = nnx.eval_shape(build) if args.lower_only else build()
     train_step, eval_step, _ = train_llama.make_steps(model, optimizer)
     state = nnx.state((model, optimizer))
     del model, optimizer
+    if args.lower_only:
+        return _lower_only(args, train_step, state, inputs, targets)
 
     res = {"backend": args.backend, "preset": args.preset, "layers": cfg.num_layers, "batch": args.batch,
            "seq": args.seq, "cache": bool(args.cache_dir)}
@@ -109,6 +129,32 @@ def child(args) -> dict:
         if name == "train":
             state = out[0]
     res["cache_hits"], res["cache_misses"] = (counts[e] for e in CACHE_EVENTS)
+    if args.backend.endswith(KERNEL_CACHE_SUFFIX):
+        from coda_jax.pallas.kernel_cache import active_kernel_cache
+
+        kc = active_kernel_cache()
+        res["kernel_cache_hits"], res["kernel_cache_misses"] = (kc.stats.hits, kc.stats.misses) if kc else (0, 0)
+    return res
+
+
+def _lower_only(args, train_step, state, inputs, targets) -> dict:
+    """Trace and lower the train step for CUDA (no compile, no run; works on a CPU)."""
+    res = {"backend": args.backend, "preset": args.preset, "batch": args.batch, "seq": args.seq,
+           "lower_only": True}
+    t = time.perf_counter()
+    traced = train_step.trace(state, inputs, targets)
+    res["train_trace_s"] = round(time.perf_counter() - t, 3)
+    t1 = time.perf_counter()
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    res["train_lower_s"] = round(time.perf_counter() - t1, 3)
+    res["train_trace_lower_s"] = round(time.perf_counter() - t, 3)
+    res["train_hlo_mb"] = round(len(text) / 1e6, 2)
+    res["kernel_custom_calls"] = text.count("@mosaic_gpu")
+    if args.backend.endswith(KERNEL_CACHE_SUFFIX):
+        from coda_jax.pallas.kernel_cache import active_kernel_cache
+
+        kc = active_kernel_cache()
+        res["kernel_cache_hits"], res["kernel_cache_misses"] = (kc.stats.hits, kc.stats.misses) if kc else (0, 0)
     return res
 
 
@@ -122,14 +168,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--runs", type=int, default=2, help="processes per backend (the 2nd finds the 1st's cache)")
     p.add_argument("--cache-dir", default=None, help="turn JAX's persistent compilation cache on, here")
+    p.add_argument("--lower-only", action="store_true",
+                   help="only trace and lower the train step for CUDA (no GPU needed): times Mosaic GPU's code generation")
     p.add_argument("--out", type=Path, default=None, help="write every process's result here (JSON)")
     args = p.parse_args(argv)
     for flag in ("batch", "seq", "runs"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    unknown = [b for b in args.backends if b not in ("plain", "xla", "pallas", "cutedsl")]
+    unknown = [b for b in args.backends if b not in BACKENDS]
     if not args.backends or unknown:
-        p.error(f"--backends must name plain, xla, pallas or cutedsl, got {args.backends}")
+        p.error(f"--backends must name {', '.join(BACKENDS)}, got {args.backends}")
+    if any(b.endswith(KERNEL_CACHE_SUFFIX) for b in args.backends) and not args.cache_dir and not args.backend:
+        p.error(f"--backends {KERNEL_CACHE_SUFFIX[1:]} variants need --cache-dir (the kernel cache lives under it)")
     return args
 
 
@@ -146,9 +196,15 @@ def main(argv=None) -> list[dict]:
             if args.layers is not None:
                 cmd += ["--layers", str(args.layers)]
             env = dict(os.environ)
+            if args.lower_only:
+                cmd += ["--lower-only"]
+                env.pop("CODA_JAX_PALLAS_INTERPRET", None)  # the compiled kernels, not the interpreter
             if args.cache_dir:
                 cmd += ["--cache-dir", args.cache_dir]
                 env.setdefault("CUTE_DSL_CACHE_DIR", str(Path(args.cache_dir) / "cute_dsl"))
+            env.pop("CODA_JAX_KERNEL_CACHE_DIR", None)
+            if backend.endswith(KERNEL_CACHE_SUFFIX):
+                env["CODA_JAX_KERNEL_CACHE_DIR"] = str(Path(args.cache_dir) / "coda_kernels")
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if out.returncode:
                 raise RuntimeError(f"{backend} run {run} failed:\n{out.stderr[-4000:]}")

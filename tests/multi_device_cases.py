@@ -322,6 +322,48 @@ def case_cutedsl_lowers_under_mesh() -> None:
     print("OK cutedsl_lowers_under_mesh")
 
 
+def case_kernel_cache_under_mesh(mode: str) -> None:
+    """The Pallas kernel cache (coda_jax/pallas/kernel_cache.py) under an 8-way data-parallel
+    mesh: the ops' kernels, called per shard inside the partitioning's shard_map, lower for
+    CUDA through the cache with the same custom calls as without it, and a second trace
+    finds every kernel on disk (no GPU needed)."""
+    import tempfile
+
+    from coda_jax.pallas import kernel_cache as KC
+    from coda_jax.pallas.interpret import interpret_mode
+
+    real = B.backend_unavailable_reason
+    B.backend_unavailable_reason = lambda n: None if n == "pallas" else real(n)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _op_inputs()]
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    tok = NamedSharding(mesh, P("data"))
+    args[0] = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype, sharding=NamedSharding(mesh, P("data", None)))
+    args[8] = jax.ShapeDtypeStruct(args[8].shape, args[8].dtype, sharding=tok)
+    args[9] = jax.ShapeDtypeStruct(args[9].shape, args[9].dtype, sharding=tok)
+
+    def lower() -> str:
+        jax.clear_caches()  # a fresh trace: the kernels are looked up again
+        with interpret_mode(False), jax.set_mesh(mesh):
+            f = jax.jit(jax.value_and_grad(_op_loss("pallas"), argnums=tuple(range(8))))
+            return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    plain = lower()
+    with tempfile.TemporaryDirectory() as d:
+        first_cache = KC.enable_kernel_cache(d)
+        first = lower()
+        cache = KC.enable_kernel_cache(d)
+        second = lower()
+        KC.disable_kernel_cache()
+    n = first_cache.stats.misses
+    assert n >= 4 and first_cache.stats.hits == 0, vars(first_cache.stats)
+    assert cache.stats.hits == n and cache.stats.misses == 0, vars(cache.stats)
+    calls = [t.count("@mosaic_gpu_v2") for t in (plain, first, second)]
+    assert calls[0] > 0 and len(set(calls)) == 1, calls
+    assert all("sdy.manual_computation" in t or "shard_map" in t for t in (plain, second))
+    print(f"OK kernel_cache_under_mesh_{mode}")
+
+
 def case_train_example_on_meshes() -> None:
     """examples/train_llama.py on an 8-device data-parallel mesh, checkpointed, resumed on an
     FSDP mesh, then on a data x fsdp x tensor mesh: prints the history (the driver compares it
@@ -406,6 +448,8 @@ CASES = {
     "ops_dp_auto": lambda: case_ops_data_parallel("auto"),
     "ops_dp_explicit": lambda: case_ops_data_parallel("explicit"),
     "wgrad_partials": case_wgrad_partials,
+    "kernel_cache_auto": lambda: case_kernel_cache_under_mesh("auto"),
+    "kernel_cache_explicit": lambda: case_kernel_cache_under_mesh("explicit"),
     "vocab_ce_2x1x4_explicit": lambda: case_vocab_parallel_ce((2, 1, 4), "explicit"),
     "vocab_ce_2x2x2_auto": lambda: case_vocab_parallel_ce((2, 2, 2), "auto"),
 }

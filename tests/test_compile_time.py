@@ -22,3 +22,14 @@ def test_compile_time_second_process_hits_the_persistent_cache(tmp_path):
         assert 0 < stages <= r["train_first_s"] + 1e-3
         assert r["train_hlo_mb"] > 0
     assert second["train_compile_s"] < first["train_compile_s"]  # the cache hit is in the compile stage
+
+
+def test_the_kernel_cache_variant_needs_the_cache_dir():
+    import pytest
+
+    assert compile_time.parse_args(["--backends", "plain,pallas@kernel_cache", "--cache-dir", "/tmp/x"]).backends == [
+        "plain", "pallas@kernel_cache"]
+    with pytest.raises(SystemExit):
+        compile_time.parse_args(["--backends", "pallas@kernel_cache"])
+    with pytest.raises(SystemExit):
+        compile_time.parse_args(["--backends", "xla@kernel_cache", "--cache-dir", "/tmp/x"])

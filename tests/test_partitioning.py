@@ -28,6 +28,7 @@ GROUPS = {
                        "model_pallas_2x4_explicit"],
     "vocab_parallel": ["vocab_ce_2x1x4_explicit", "vocab_ce_2x2x2_auto"],
     "step_bench": ["step_bench"],
+    "kernel_cache": ["kernel_cache_auto", "kernel_cache_explicit"],
     "tensor_parallel": ["tp_xla_2x2x2_auto_float32", "tp_pallas_2x2x2_explicit_bfloat16",
                         "tp_pallas_1x2x4_auto_float32", "tp_xla_2x1x4_explicit_float32"],
 }
@@ -47,7 +48,9 @@ def test_on_eight_devices(group):
     out = _run_cases(GROUPS[group])
     for case in GROUPS[group]:
         want = {"ops_dp_auto": "ops_data_parallel_auto", "ops_dp_explicit": "ops_data_parallel_explicit",
-                "cutedsl_lowers": "cutedsl_lowers_under_mesh", "step_bench": "step_bench_on_meshes"}.get(case, case)
+                "cutedsl_lowers": "cutedsl_lowers_under_mesh", "step_bench": "step_bench_on_meshes",
+                "kernel_cache_auto": "kernel_cache_under_mesh_auto",
+                "kernel_cache_explicit": "kernel_cache_under_mesh_explicit"}.get(case, case)
         assert f"OK {want}" in out, out
 
 

@@ -27,6 +27,7 @@ from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, routes_to_xla
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
+from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
 from coda_jax.pallas.tuned import tuned_config
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves
@@ -156,7 +157,11 @@ class PallasLowering:
                             num_sms=_num_sms(interpret))
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
-        res = _kernel(epilogue, shape, cfg, interpret, load_dtypes)(a_p, b_p, *args)
+        kernel = _kernel(epilogue, shape, cfg, interpret, load_dtypes)
+        cache = None if interpret else active_kernel_cache()
+        if cache is not None:  # the kernel's Mosaic GPU module from disk (kernel_cache.py)
+            kernel = cache.callable_for(kernel, (epilogue, shape, cfg, load_dtypes), (a_p, b_p, *args))
+        res = kernel(a_p, b_p, *args)
         out = {}
         for o, v in zip(epilogue.outputs, res):
             if o.kind is OutputKind.TILE:

@@ -1,0 +1,212 @@
+"""The Pallas kernel cache (coda_jax/pallas/kernel_cache.py), on the CPU.
+
+The kernels lower for CUDA without a GPU (``lowering_platforms=("cuda",)``), so these
+tests check what the cache promises: a process that finds a kernel on disk puts the same
+Mosaic GPU custom call into the step as a process that generates it, byte for byte, and
+skips the generation; keys change with what the kernel is; bad entries are regenerated;
+interpret mode never touches it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import coda_jax as cj
+from coda_jax import epilogue as E
+from coda_jax import programs
+from coda_jax.pallas import kernel_cache as KC
+from coda_jax.pallas.lowering import PallasLowering
+from kernel_cache_probe import module_digests
+
+ROOT = Path(__file__).resolve().parents[1]
+BF = jnp.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _cache_off_after():
+    yield
+    KC.disable_kernel_cache()
+
+
+def _probe(*args) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")
+    env.pop(KC.ENV_DIR, None)
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_cache_probe.py"), *map(str, args)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_cached_kernel_is_the_generated_kernel_byte_for_byte_in_a_new_process(tmp_path):
+    plain = _probe()
+    first = _probe(tmp_path)
+    second = _probe(tmp_path)
+    assert plain["stats"] is None and plain["calls"] == 1 and len(plain["modules"]) == 1
+    assert first["stats"] == {"hits": 0, "misses": 1, "writes": 1, "bad_entries": 0}
+    assert second["stats"] == {"hits": 1, "misses": 0, "writes": 0, "bad_entries": 0}
+    assert plain["modules"] == first["modules"] == second["modules"]
+    assert len(list(tmp_path.glob("*.kernel.pkl"))) == 1
+
+
+def _residual_rms_args(m=512, n=256, k=128):
+    return (jax.ShapeDtypeStruct((m, k), BF), jax.ShapeDtypeStruct((k, n), BF),
+            {"residual": jax.ShapeDtypeStruct((m, n), BF), "gamma": jax.ShapeDtypeStruct((n,), jnp.float32)})
+
+
+def _lower(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _gemm(epi, low=None):
+    low = low or PallasLowering(plain_gemm="pallas")
+    return lambda a, b, l: low.gemm(epi, a, b, l)
+
+
+def test_hits_skip_the_kernel_generation(tmp_path, monkeypatch):
+    cache = KC.enable_kernel_cache(tmp_path)
+    args = _residual_rms_args()
+    text = _lower(_gemm(programs.RESIDUAL_RMS), *args)
+    assert cache.stats.misses == 1 and cache.stats.writes == 1
+    # A new process, in effect: an empty memo over the same directory. Mosaic GPU's code
+    # generation must not run at all.
+    cache = KC.enable_kernel_cache(tmp_path)
+    import jax._src.pallas.mosaic_gpu.lowering as mgpu_lowering
+
+    def refuse(*a, **k):
+        raise AssertionError("Mosaic GPU lowered a kernel that the cache holds")
+
+    monkeypatch.setattr(mgpu_lowering, "lower_jaxpr_to_module", refuse)
+    again = _lower(_gemm(programs.RESIDUAL_RMS), *args)
+    assert cache.stats.hits == 1 and cache.stats.misses == 0
+    assert module_digests(again) == module_digests(text)
+    # In memory: a second call site of the kernel reads nothing more.
+    _lower(lambda a, b, l: [_gemm(programs.RESIDUAL_RMS)(a, b, l) for _ in range(3)], *args)
+    assert cache.stats.hits == 1
+
+
+def test_every_call_site_shares_one_lowered_kernel(tmp_path):
+    """A model calls each kernel once per layer: the step carries one copy of its module."""
+    args = _residual_rms_args()
+
+    def three_layers(a, b, l):
+        x = a
+        for _ in range(3):
+            out = _gemm(programs.RESIDUAL_RMS)(x, b, l)
+            x = out["h"][:, :128]
+        return x
+
+    plain = _lower(three_layers, *args)
+    KC.enable_kernel_cache(tmp_path)
+    cached = _lower(three_layers, *args)
+    assert len(module_digests(plain)) == len(module_digests(cached)) == 1
+    assert cached.count("@mosaic_gpu_v2") == plain.count("@mosaic_gpu_v2") == 1
+    assert 0.8 < len(cached) / len(plain) < 1.2
+
+
+def test_the_key_follows_the_kernel(tmp_path):
+    cache = KC.enable_kernel_cache(tmp_path)
+    args = _residual_rms_args()
+    _lower(_gemm(programs.RESIDUAL_RMS), *args)
+    _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args(m=1024))  # another shape
+    from coda_jax.pallas.tuning import CONFIG_TABLE
+    import dataclasses
+
+    other_cfg = dataclasses.replace(CONFIG_TABLE["default"], cluster_dimension=None)
+    _lower(_gemm(programs.RESIDUAL_RMS, PallasLowering(other_cfg, plain_gemm="pallas")), *args)
+    # The same name and declaration with another body: its jaxpr differs, so does the key.
+    twin = dataclasses.replace(programs.RESIDUAL_RMS,
+                               body=lambda acc, ctx, residual, gamma: {"x": acc + residual,
+                                                                       "h": (acc + residual) * gamma,
+                                                                       "sumsq": (acc + residual) ** 2})
+    _lower(_gemm(twin), *args)
+    assert cache.stats.misses == 4 and len(list(tmp_path.glob("*.kernel.pkl"))) == 4
+
+
+def test_an_unreadable_entry_is_reported_and_regenerated(tmp_path):
+    cache = KC.enable_kernel_cache(tmp_path)
+    args = _residual_rms_args()
+    good = module_digests(_lower(_gemm(programs.RESIDUAL_RMS), *args))
+    (entry,) = tmp_path.glob("*.kernel.pkl")
+    entry.write_bytes(b"not a pickle")
+    cache = KC.enable_kernel_cache(tmp_path)
+    with pytest.warns(RuntimeWarning, match="ignoring unreadable entry"):
+        again = module_digests(_lower(_gemm(programs.RESIDUAL_RMS), *args))
+    assert cache.stats.bad_entries == 1 and cache.stats.misses == 1 and cache.stats.writes == 1
+    assert again == good
+    cache = KC.enable_kernel_cache(tmp_path)  # the rewritten entry reads back
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _lower(_gemm(programs.RESIDUAL_RMS), *args)
+    assert cache.stats.hits == 1
+
+
+def test_the_environment_variable_turns_it_on_and_off(tmp_path, monkeypatch):
+    KC.disable_kernel_cache()
+    assert KC.active_kernel_cache() is None
+    monkeypatch.setenv(KC.ENV_DIR, str(tmp_path))
+    cache = KC.active_kernel_cache()
+    assert cache is not None and cache.directory == tmp_path
+    assert KC.active_kernel_cache() is cache  # one cache while the variable stays
+    _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args())
+    assert cache.stats.writes == 1
+    monkeypatch.delenv(KC.ENV_DIR)
+    assert KC.active_kernel_cache() is None
+
+
+def test_interpret_mode_never_uses_it(tmp_path):
+    from coda_jax.pallas.interpret import interpret_mode
+
+    cache = KC.enable_kernel_cache(tmp_path)
+    ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(ks[0], (128, 64)).astype(BF)
+    g = (1 + 0.1 * jax.random.normal(ks[1], (64,))).astype(BF)
+    w = (jax.random.normal(ks[2], (64, 256)) * 0.125).astype(BF)
+    with interpret_mode():
+        got = cj.rms_norm_matmul_swiglu(x, g, w, backend="pallas")
+    want = cj.rms_norm_matmul_swiglu(x, g, w, backend="xla")
+    assert float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32))) < 2e-2
+    assert vars(cache.stats) == {"hits": 0, "misses": 0, "writes": 0, "bad_entries": 0}
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_training_step_lowers_through_the_cache_under_vmap_and_remat(tmp_path, monkeypatch):
+    """The fused ops' forward and backward kernels, under jax.grad, jax.checkpoint and
+    jax.vmap: the cached step has the generated step's kernels, and a second trace finds
+    them all on disk."""
+    from coda_jax import backend as B
+
+    real = B.backend_unavailable_reason
+    monkeypatch.setattr(B, "backend_unavailable_reason", lambda n: None if n == "pallas" else real(n))
+    x = jax.ShapeDtypeStruct((2, 128, 128), BF)
+    g = jax.ShapeDtypeStruct((128,), BF)
+    w = jax.ShapeDtypeStruct((128, 512), BF)
+    w_down = jax.ShapeDtypeStruct((256, 128), BF)
+
+    def loss(x, g, w, w_down):
+        x1, carry = cj.swiglu_mlp(x, g, w, w_down, g, backend="pallas")
+        return jnp.sum(x1.astype(jnp.float32) ** 2)
+
+    def step():  # a fresh trace each time: JAX's trace caches would reuse the first one
+        jax.clear_caches()
+        return jax.vmap(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3)), in_axes=(0, None, None, None))
+
+    plain = _lower(step(), x, g, w, w_down)
+    cache = KC.enable_kernel_cache(tmp_path)
+    first = _lower(step(), x, g, w, w_down)
+    n = cache.stats.misses
+    assert n >= 2 and cache.stats.hits == 0
+    cache = KC.enable_kernel_cache(tmp_path)
+    second = _lower(step(), x, g, w, w_down)
+    assert cache.stats.hits == n and cache.stats.misses == 0
+    # (Module bytes are compared across processes above: within one, Mosaic GPU numbers
+    # each kernel it generates, and the number is part of the module.)
+    assert plain.count("@mosaic_gpu_v2") == first.count("@mosaic_gpu_v2") == second.count("@mosaic_gpu_v2")
+    assert len(set(module_digests(plain))) == len(set(module_digests(second)))
