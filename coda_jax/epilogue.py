@@ -181,6 +181,15 @@ class Epilogue:
         if self.pair_block is not None and self.uses_col_index:
             raise ValueError(f"epilogue {self.name!r}: col_index is not defined in pair mode")
 
+    def __reduce_ex__(self, protocol):
+        # An epilogue built by a @program_factory pickles as (factory, arguments): its body is
+        # usually a closure, which pickle cannot carry (a kernel generated in another
+        # process rebuilds it there). Others pickle field by field (module-level bodies).
+        recipe = self.__dict__.get("_recipe")
+        if recipe is not None:
+            return recipe
+        return super().__reduce_ex__(protocol)
+
     @property
     def paired_acc(self) -> bool:
         """The body receives the accumulator as ``(lo, hi)`` (pair mode without ``half_acc``)."""
@@ -234,6 +243,25 @@ class Epilogue:
 
 
 @functools.cache
+def program_factory(fn: Callable[..., Epilogue]) -> Callable[..., Epilogue]:
+    """Decorates a function that builds an :class:`Epilogue` from hashable positional
+    arguments (e.g. a head size): one epilogue per arguments (cached), and that epilogue
+    pickles as a call of the factory, so it can be rebuilt in another process although
+    its body is a closure. The factory must be a module-level name."""
+
+    @functools.cache
+    def build(*args):
+        epi = fn(*args)
+        object.__setattr__(epi, "_recipe", (factory, args))  # not a field: equality ignores it
+        return epi
+
+    @functools.wraps(fn)
+    def factory(*args):
+        return build(*args)
+
+    return factory
+
+
 def body_uses_row_sum(epi: Epilogue) -> bool:
     """Whether ``epi.body`` calls ``ctx.row_sum`` (found by tracing it on abstract values).
 

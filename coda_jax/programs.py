@@ -79,7 +79,7 @@ ROW_SCALE = E.Epilogue(
 """RMSNorm-scaled GEMM: z = rstd * (h @ W)."""
 
 
-@functools.cache
+@E.program_factory
 def rms_swiglu(save_preactivation: bool) -> E.Epilogue:
     """z = rstd * (h @ W_gu); y = silu(z_gate) * z_up (gate/up in SWIGLU_BLOCK pairs)."""
 
@@ -101,7 +101,7 @@ def rms_swiglu(save_preactivation: bool) -> E.Epilogue:
     )
 
 
-@functools.cache
+@E.program_factory
 def rms_rope(half_head: int, qk_norm_eps: float | None, save_preactivation: bool) -> E.Epilogue:
     """qkv = RoPE(rstd * (h @ W_qkv)) with rotate-half pairs inside each head.
 
@@ -178,7 +178,7 @@ the backward reads them instead of recomputing the GEMM (:func:`ce_grad_from_log
 
 
 # ---------------------------------------------------------------- backward ---------
-@functools.cache
+@E.program_factory
 def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
     """RMSNorm (+ residual) backward on the dgrad GEMM ``g = dz @ W^T``.
 

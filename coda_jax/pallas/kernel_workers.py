@@ -1,0 +1,161 @@
+"""Worker processes that generate Pallas kernels for the kernel cache in parallel.
+
+Mosaic GPU's code generation is Python (about a second per kernel, under the GIL), so a
+step with a dozen distinct kernels lowers them one after another. With the kernel cache on
+(:mod:`coda_jax.pallas.kernel_cache`), a kernel it does not hold is sent to one of these
+workers while the step is still being traced; the step's lowering then waits for the
+entries and reads them from disk. The workers are plain ``python -m
+coda_jax.pallas.kernel_workers`` processes (no ``multiprocessing``: a user's script is never
+re-imported), started on the first job, on the CPU platform (they never touch the GPU),
+and stopped after ``IDLE_SECONDS`` without work.
+
+Protocol: the parent writes a job (8-byte little-endian length, then a pickle of
+:class:`Job`), the worker writes the entry to the cache directory and answers one JSON line
+(``{"ok": true}`` or ``{"ok": false, "error": "..."}``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from concurrent.futures import Future
+from typing import Any
+
+IDLE_SECONDS = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One kernel to generate: what ``PallasLowering`` passes to ``build_kernel``, the
+    argument types, and the cache entry to write."""
+
+    directory: str
+    key: str
+    epilogue: Any
+    shape: Any
+    config: Any
+    load_dtypes: tuple
+    avals: tuple[tuple[tuple[int, ...], str], ...]
+
+
+def run_job(job: Job) -> None:
+    """Generates the job's kernel and writes its cache entry (in a worker)."""
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+
+    from coda_jax.pallas.gemm_epilogue import build_kernel
+    from coda_jax.pallas.kernel_cache import KernelCache, export_kernel
+
+    kernel = jax.jit(build_kernel(job.epilogue, job.shape, job.config, False, job.load_dtypes))
+    avals = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in job.avals]
+    KernelCache.store_entry(Path(job.directory), job.key, export_kernel(kernel, avals))
+
+
+class KernelWorkers:
+    """``n`` worker processes, each served by a thread of this process."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._jobs: queue.Queue = queue.Queue()
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        for i in range(n):
+            threading.Thread(target=self._serve, name=f"coda-jax-kernel-worker-{i}", daemon=True).start()
+        atexit.register(self.close)
+
+    def submit(self, job: Job) -> Future:
+        """Queues ``job``; the future's result is None once the entry is on disk, or the
+        worker's error (a ``RuntimeError``)."""
+        data = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)  # raises here if it cannot travel
+        fut: Future = Future()
+        self._jobs.put((data, fut))
+        return fut
+
+    def close(self) -> None:
+        with self._lock:
+            procs, self._procs = self._procs, []
+        for p in procs:
+            _stop(p)
+
+    def _start(self) -> subprocess.Popen:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env.pop("CODA_JAX_PALLAS_INTERPRET", None)
+        p = subprocess.Popen([sys.executable, "-m", "coda_jax.pallas.kernel_workers"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        with self._lock:
+            self._procs.append(p)
+        return p
+
+    def _serve(self) -> None:
+        proc = None
+        while True:
+            try:
+                data, fut = self._jobs.get(timeout=IDLE_SECONDS)
+            except queue.Empty:
+                if proc is not None:  # idle: give the memory back
+                    with self._lock:
+                        if proc in self._procs:
+                            self._procs.remove(proc)
+                    _stop(proc)
+                    proc = None
+                continue
+            try:
+                if proc is None or proc.poll() is not None:
+                    proc = self._start()
+                proc.stdin.write(struct.pack("<Q", len(data)) + data)
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the kernel worker exited (code {proc.wait()})")
+                reply = json.loads(line)
+                if reply.get("ok"):
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(RuntimeError(reply.get("error", "unknown error")))
+            except Exception as err:  # noqa: BLE001 - reported through the future
+                if proc is not None:
+                    _stop(proc)
+                    proc = None
+                fut.set_exception(RuntimeError(f"kernel worker failed: {err}"))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=5)
+    except Exception:  # noqa: BLE001
+        proc.kill()
+
+
+def _worker_main() -> None:
+    # The protocol owns the original stdout; anything else printed goes to stderr.
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout = sys.stderr
+    stdin = sys.stdin.buffer
+    while True:
+        header = stdin.read(8)
+        if len(header) < 8:
+            return
+        (size,) = struct.unpack("<Q", header)
+        try:
+            run_job(pickle.loads(stdin.read(size)))
+            reply = {"ok": True}
+        except Exception:  # noqa: BLE001 - sent back to the parent
+            reply = {"ok": False, "error": traceback.format_exc(limit=8)[-4000:]}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    _worker_main()
