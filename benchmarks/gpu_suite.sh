@@ -17,7 +17,8 @@
 # COMPILE_CACHE="1b:8:1024" compiles that train step in two fresh processes sharing JAX's persistent
 # compilation cache (cold, then warm) and prints each run's compile time.
 # COMPILE_TIME="1b:8:1024" times the first train step's stages (trace, lower, compile, run) per
-# backend in fresh processes, cold and warm cache (benchmarks/compile_time.py, COMPILE_BACKENDS).
+# backend in fresh processes, cold and warm cache (benchmarks/compile_time.py, COMPILE_BACKENDS;
+# add pallas@kernel_cache to time coda-jax's kernel cache, CODA_JAX_KERNEL_CACHE_WORKERS its workers).
 # GRAD_PROBE=1 prints each backend's error per gradient of one training step against float32
 # math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).

@@ -121,3 +121,47 @@ def test_shipped_tuned_configs_on_gpu(entry):
     _compare(epi, 2048, 2048, 1024, config=entry.config, **kw)
     if epi.pair_block is None:
         _compare(epi, 1000, 1500, 520, config=entry.config, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["here", "workers"])
+def test_kernel_cache_runs_the_same_kernels_on_gpu(tmp_path, workers):
+    """coda_jax/pallas/kernel_cache.py on the GPU: a fused op's forward and gradients with
+    the kernels generated into the cache (here or by worker processes) and then read back
+    from it are those of the uncached kernels (the same kernels; the tolerance leaves room
+    for XLA fusing the code around them differently)."""
+    import jax
+
+    import coda_jax as cj
+    from coda_jax.pallas import kernel_cache as KC
+
+    ks = jax.random.split(jax.random.key(11), 4)
+    x = jax.random.normal(ks[0], (1024, 512)).astype(jnp.bfloat16)
+    g = (1 + 0.1 * jax.random.normal(ks[1], (512,))).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[2], (512, 2048)) * 512 ** -0.5).astype(jnp.bfloat16)
+    w_down = (jax.random.normal(ks[3], (1024, 512)) * 1024 ** -0.5).astype(jnp.bfloat16)
+
+    def run():
+        jax.clear_caches()  # trace again: the kernels are looked up in the cache again
+
+        def loss(x, g, w, w_down):
+            y, _ = cj.swiglu_mlp(x, g, w, w_down, g, backend="pallas")
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, g, w, w_down)
+
+    KC.disable_kernel_cache()
+    want = run()
+    try:
+        cache = KC.enable_kernel_cache(tmp_path, workers=workers)
+        fresh = run()
+        assert cache.stats.misses >= 3 and cache.stats.worker_failures == 0, vars(cache.stats)
+        cache = KC.enable_kernel_cache(tmp_path, workers=workers)
+        cached = run()
+        assert cache.stats.hits >= 3 and cache.stats.misses == 0, vars(cache.stats)
+    finally:
+        KC.disable_kernel_cache()
+    from op_cases import rel_err
+
+    for got in (fresh, cached):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert rel_err(a, b) < 1e-5, "a cached kernel computed something else"
