@@ -6,13 +6,13 @@ RMSNorm(x) @ W = rstd * ((x * gamma) @ W): the row scale commutes with the GEMM,
 GEMM that produces ``x`` writes ``h`` and per-tile partial sums of squares, and the GEMM
 that consumes the norm multiplies its accumulator by ``rstd``.
 
-Programs are built by cached factories so that the same parameters give the *same*
-object (kernel caches key on it).
+Programs with parameters are built by ``@E.program_factory`` functions: the same
+parameters give the *same* object (kernel caches key on it), and the object pickles as a
+call of its factory (a kernel can be generated in a worker process, although its body is
+a closure: ``coda_jax/pallas/kernel_workers.py``).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
