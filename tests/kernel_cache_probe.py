@@ -1,9 +1,14 @@
-"""One process of tests/test_kernel_cache.py: lowers one Pallas kernel for CUDA (no GPU
-needed) and prints, as JSON, a digest of each Mosaic GPU custom call's module and the
-kernel cache's counters. Run fresh each time, so that Mosaic GPU's per-process kernel
-counter (part of the module) starts from zero in every process.
+"""One process of tests/test_kernel_cache.py: lowers Pallas kernels for CUDA (no GPU
+needed) and prints, as JSON, a digest of each Mosaic GPU custom call's module, the number
+of kernel call sites and the kernel cache's counters. Each run is a fresh process: Mosaic
+GPU numbers the kernels it generates in a process (the number is part of the module), and
+JAX's trace caches would otherwise keep an earlier trace's kernels.
 
-    python tests/kernel_cache_probe.py [CACHE_DIR]     (no CACHE_DIR: the cache is off)
+    python tests/kernel_cache_probe.py CASE [CACHE_DIR]     (no CACHE_DIR: the cache is off)
+
+CASE: ``one_kernel`` (a residual + RMS GEMM) or ``swiglu_step`` (``swiglu_mlp``'s
+forward and backward kernels under ``jax.grad(jax.checkpoint(...))``) or
+``swiglu_step_vmap`` (the same under ``jax.vmap``). Workers: ``$CODA_JAX_KERNEL_CACHE_WORKERS``.
 """
 
 import hashlib
@@ -14,11 +19,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from coda_jax import programs
-from coda_jax.pallas import kernel_cache
-from coda_jax.pallas.lowering import PallasLowering
-
 MODULE = re.compile(r'module = "((?:[^"\\]|\\.)*)"')
+BF = jnp.bfloat16
 
 
 def module_digests(text: str) -> list[str]:
@@ -26,19 +28,56 @@ def module_digests(text: str) -> list[str]:
     return [hashlib.sha256(m.encode()).hexdigest() for m in MODULE.findall(text)]
 
 
-def main() -> None:
-    cache = kernel_cache.enable_kernel_cache(sys.argv[1]) if len(sys.argv) > 1 else None
-    if cache is None:
-        kernel_cache.disable_kernel_cache()
+def one_kernel():
+    from coda_jax import programs
+    from coda_jax.pallas.lowering import PallasLowering
+
     m, n, k = 512, 256, 128
     epi = programs.RESIDUAL_RMS
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16),
-            {"residual": jax.ShapeDtypeStruct((m, n), jnp.bfloat16), "gamma": jax.ShapeDtypeStruct((n,), jnp.float32)})
+    args = (jax.ShapeDtypeStruct((m, k), BF), jax.ShapeDtypeStruct((k, n), BF),
+            {"residual": jax.ShapeDtypeStruct((m, n), BF), "gamma": jax.ShapeDtypeStruct((n,), jnp.float32)})
     low = PallasLowering(plain_gemm="pallas")
-    f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l))
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    stats = vars(cache.stats) if cache is not None else None
-    print(json.dumps({"modules": module_digests(text), "calls": text.count("@mosaic_gpu_v2"), "stats": stats}))
+    return jax.jit(lambda a, b, l: low.gemm(epi, a, b, l)), args
+
+
+def swiglu_step(vmap: bool):
+    import coda_jax as cj
+    from coda_jax import backend as B
+
+    real = B.backend_unavailable_reason
+    B.backend_unavailable_reason = lambda n: None if n == "pallas" else real(n)  # lowering needs no GPU
+
+    def loss(x, g, w, w_down):
+        y, _ = cj.swiglu_mlp(x, g, w, w_down, g, backend="pallas")
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    step = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3))
+    x = jax.ShapeDtypeStruct((2, 128, 128) if vmap else (256, 128), BF)
+    if vmap:
+        step = jax.vmap(step, in_axes=(0, None, None, None))
+    args = (x, jax.ShapeDtypeStruct((128,), BF), jax.ShapeDtypeStruct((128, 512), BF),
+            jax.ShapeDtypeStruct((256, 128), BF))
+    return jax.jit(step), args
+
+
+CASES = {"one_kernel": one_kernel, "swiglu_step": lambda: swiglu_step(False),
+         "swiglu_step_vmap": lambda: swiglu_step(True)}
+
+
+def main() -> None:
+    from coda_jax.pallas import kernel_cache
+
+    case, cache_dir = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    cache = kernel_cache.enable_kernel_cache(cache_dir) if cache_dir else None
+    if cache is None:
+        kernel_cache.disable_kernel_cache()
+    fn, args = CASES[case]()
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    if cache is not None:
+        cache.wait()
+    print(json.dumps({"modules": module_digests(text), "calls": text.count("@mosaic_gpu_v2"),
+                      "stats": vars(cache.stats) if cache is not None else None,
+                      "workers_started": bool(cache is not None and cache._pool is not None)}))
 
 
 if __name__ == "__main__":
