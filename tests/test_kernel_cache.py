@@ -260,3 +260,12 @@ def test_worker_count_rules(monkeypatch):
     assert KC.resolve_workers(None) == 0
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert KC.resolve_workers(None) == 8
+
+
+def test_a_worker_that_cannot_start_is_reported_and_the_kernel_generated_here(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the worker process exits at once
+    cache = KC.enable_kernel_cache(tmp_path, workers=1)
+    with pytest.warns(RuntimeWarning, match="a worker could not generate a kernel"):
+        text = _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args())
+    assert cache.stats.worker_failures == 1 and cache.stats.writes == 1
+    assert text.count("@mosaic_gpu_v2") == 1 and len(list(tmp_path.glob("*.kernel.pkl"))) == 1

@@ -25,6 +25,7 @@ import queue
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from concurrent.futures import Future
@@ -91,8 +92,10 @@ class KernelWorkers:
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         env.pop("CODA_JAX_PALLAS_INTERPRET", None)
+        log = tempfile.TemporaryFile()  # the worker's stderr: its tail explains a crash
         p = subprocess.Popen([sys.executable, "-m", "coda_jax.pallas.kernel_workers"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+                             stdout=subprocess.PIPE, stderr=log, env=env)
+        p.log = log
         with self._lock:
             self._procs.append(p)
         return p
@@ -117,7 +120,8 @@ class KernelWorkers:
                 proc.stdin.flush()
                 line = proc.stdout.readline()
                 if not line:
-                    raise RuntimeError(f"the kernel worker exited (code {proc.wait()})")
+                    code = proc.wait()
+                    raise RuntimeError(f"the kernel worker exited (code {code}): {_tail(proc)}")
                 reply = json.loads(line)
                 if reply.get("ok"):
                     fut.set_result(None)
@@ -130,12 +134,24 @@ class KernelWorkers:
                 fut.set_exception(RuntimeError(f"kernel worker failed: {err}"))
 
 
+def _tail(proc: subprocess.Popen, size: int = 2000) -> str:
+    """The end of a worker's stderr."""
+    try:
+        proc.log.seek(0, os.SEEK_END)
+        proc.log.seek(max(0, proc.log.tell() - size))
+        return proc.log.read().decode(errors="replace").strip() or "(no output)"
+    except Exception:  # noqa: BLE001
+        return "(no output)"
+
+
 def _stop(proc: subprocess.Popen) -> None:
     try:
         proc.stdin.close()
         proc.wait(timeout=5)
     except Exception:  # noqa: BLE001
         proc.kill()
+    finally:
+        proc.log.close()
 
 
 def _worker_main() -> None:
