@@ -242,7 +242,6 @@ class Epilogue:
                 )
 
 
-@functools.cache
 def program_factory(fn: Callable[..., Epilogue]) -> Callable[..., Epilogue]:
     """Decorates a function that builds an :class:`Epilogue` from hashable positional
     arguments (e.g. a head size): one epilogue per arguments (cached), and that epilogue
@@ -262,6 +261,7 @@ def program_factory(fn: Callable[..., Epilogue]) -> Callable[..., Epilogue]:
     return factory
 
 
+@functools.cache
 def body_uses_row_sum(epi: Epilogue) -> bool:
     """Whether ``epi.body`` calls ``ctx.row_sum`` (found by tracing it on abstract values).
 
