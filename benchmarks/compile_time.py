@@ -129,12 +129,17 @@ def child(args) -> dict:
         if name == "train":
             state = out[0]
     res["cache_hits"], res["cache_misses"] = (counts[e] for e in CACHE_EVENTS)
-    if args.backend.endswith(KERNEL_CACHE_SUFFIX):
-        from coda_jax.pallas.kernel_cache import active_kernel_cache
+    return res | _kernel_cache_counts(args)
 
-        kc = active_kernel_cache()
-        res["kernel_cache_hits"], res["kernel_cache_misses"] = (kc.stats.hits, kc.stats.misses) if kc else (0, 0)
-    return res
+
+def _kernel_cache_counts(args) -> dict:
+    """The kernel cache's hits and misses, for a ``pallas@kernel_cache`` process."""
+    if not args.backend.endswith(KERNEL_CACHE_SUFFIX):
+        return {}
+    from coda_jax.pallas.kernel_cache import active_kernel_cache
+
+    kc = active_kernel_cache()
+    return {"kernel_cache_hits": kc.stats.hits if kc else 0, "kernel_cache_misses": kc.stats.misses if kc else 0}
 
 
 def _lower_only(args, train_step, state, inputs, targets) -> dict:
@@ -150,12 +155,7 @@ def _lower_only(args, train_step, state, inputs, targets) -> dict:
     res["train_trace_lower_s"] = round(time.perf_counter() - t, 3)
     res["train_hlo_mb"] = round(len(text) / 1e6, 2)
     res["kernel_custom_calls"] = text.count("@mosaic_gpu")
-    if args.backend.endswith(KERNEL_CACHE_SUFFIX):
-        from coda_jax.pallas.kernel_cache import active_kernel_cache
-
-        kc = active_kernel_cache()
-        res["kernel_cache_hits"], res["kernel_cache_misses"] = (kc.stats.hits, kc.stats.misses) if kc else (0, 0)
-    return res
+    return res | _kernel_cache_counts(args)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

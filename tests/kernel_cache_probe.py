@@ -28,16 +28,18 @@ def module_digests(text: str) -> list[str]:
     return [hashlib.sha256(m.encode()).hexdigest() for m in MODULE.findall(text)]
 
 
+def residual_rms_args(m=512, n=256, k=128):
+    """Abstract operands and loads of a residual + RMS GEMM (``programs.RESIDUAL_RMS``)."""
+    return (jax.ShapeDtypeStruct((m, k), BF), jax.ShapeDtypeStruct((k, n), BF),
+            {"residual": jax.ShapeDtypeStruct((m, n), BF), "gamma": jax.ShapeDtypeStruct((n,), jnp.float32)})
+
+
 def one_kernel():
     from coda_jax import programs
     from coda_jax.pallas.lowering import PallasLowering
 
-    m, n, k = 512, 256, 128
-    epi = programs.RESIDUAL_RMS
-    args = (jax.ShapeDtypeStruct((m, k), BF), jax.ShapeDtypeStruct((k, n), BF),
-            {"residual": jax.ShapeDtypeStruct((m, n), BF), "gamma": jax.ShapeDtypeStruct((n,), jnp.float32)})
     low = PallasLowering(plain_gemm="pallas")
-    return jax.jit(lambda a, b, l: low.gemm(epi, a, b, l)), args
+    return jax.jit(lambda a, b, l: low.gemm(programs.RESIDUAL_RMS, a, b, l)), residual_rms_args()
 
 
 def swiglu_step(vmap: bool):

@@ -66,6 +66,12 @@ def install_opaque_kernel() -> None:
     B.backend_unavailable_reason = lambda name: None
 
 
+def allow_backend(name: str) -> None:
+    """Lets backend ``name`` trace here (no GPU): the cases that only lower for CUDA."""
+    real = B.backend_unavailable_reason
+    B.backend_unavailable_reason = lambda n: None if n == name else real(n)
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -295,8 +301,7 @@ def case_vocab_parallel_ce(shape: tuple[int, int, int], mode: str) -> None:
 def case_cutedsl_lowers_under_mesh() -> None:
     """The CuTeDSL ops trace and lower for CUDA under a data-parallel mesh (no GPU needed)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    real = B.backend_unavailable_reason
-    B.backend_unavailable_reason = lambda n: None if n == "cutedsl" else real(n)
+    allow_backend("cutedsl")
     args = _op_inputs()
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     with jax.set_mesh(mesh):
@@ -332,8 +337,7 @@ def case_kernel_cache_under_mesh(mode: str) -> None:
     from coda_jax.pallas import kernel_cache as KC
     from coda_jax.pallas.interpret import interpret_mode
 
-    real = B.backend_unavailable_reason
-    B.backend_unavailable_reason = lambda n: None if n == "pallas" else real(n)
+    allow_backend("pallas")
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _op_inputs()]
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))

@@ -24,6 +24,7 @@ from coda_jax import programs
 from coda_jax.pallas import kernel_cache as KC
 from coda_jax.pallas.lowering import PallasLowering
 from kernel_cache_probe import module_digests
+from kernel_cache_probe import residual_rms_args as _residual_rms_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BF = jnp.bfloat16
@@ -58,11 +59,6 @@ def test_a_cached_kernel_is_the_generated_kernel_byte_for_byte_in_a_new_process(
     assert second["stats"] == {"hits": 1, "misses": 0, "writes": 0, **none}
     assert plain["modules"] == first["modules"] == second["modules"]
     assert len(list(tmp_path.glob("*.kernel.pkl"))) == 1
-
-
-def _residual_rms_args(m=512, n=256, k=128):
-    return (jax.ShapeDtypeStruct((m, k), BF), jax.ShapeDtypeStruct((k, n), BF),
-            {"residual": jax.ShapeDtypeStruct((m, n), BF), "gamma": jax.ShapeDtypeStruct((n,), jnp.float32)})
 
 
 def _lower(fn, *args) -> str:

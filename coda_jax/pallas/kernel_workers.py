@@ -55,10 +55,10 @@ def run_job(job: Job) -> None:
     import jax
     import jax.numpy as jnp
 
-    from coda_jax.pallas.gemm_epilogue import build_kernel
     from coda_jax.pallas.kernel_cache import KernelCache, export_kernel
+    from coda_jax.pallas.lowering import _kernel  # the compiled kernel, as PallasLowering builds it
 
-    kernel = jax.jit(build_kernel(job.epilogue, job.shape, job.config, False, job.load_dtypes))
+    kernel = _kernel(job.epilogue, job.shape, job.config, False, job.load_dtypes)
     avals = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in job.avals]
     KernelCache.store_entry(Path(job.directory), job.key, export_kernel(kernel, avals))
 
@@ -67,7 +67,6 @@ class KernelWorkers:
     """``n`` worker processes, each served by a thread of this process."""
 
     def __init__(self, n: int):
-        self.n = n
         self._jobs: queue.Queue = queue.Queue()
         self._procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()
@@ -100,6 +99,13 @@ class KernelWorkers:
             self._procs.append(p)
         return p
 
+    def _retire(self, proc: subprocess.Popen) -> None:
+        """Stops ``proc`` and forgets it."""
+        with self._lock:
+            if proc in self._procs:
+                self._procs.remove(proc)
+        _stop(proc)
+
     def _serve(self) -> None:
         proc = None
         while True:
@@ -107,10 +113,7 @@ class KernelWorkers:
                 data, fut = self._jobs.get(timeout=IDLE_SECONDS)
             except queue.Empty:
                 if proc is not None:  # idle: give the memory back
-                    with self._lock:
-                        if proc in self._procs:
-                            self._procs.remove(proc)
-                    _stop(proc)
+                    self._retire(proc)
                     proc = None
                 continue
             try:
@@ -129,7 +132,7 @@ class KernelWorkers:
                     fut.set_exception(RuntimeError(reply.get("error", "unknown error")))
             except Exception as err:  # noqa: BLE001 - reported through the future
                 if proc is not None:
-                    _stop(proc)
+                    self._retire(proc)
                     proc = None
                 fut.set_exception(RuntimeError(f"kernel worker failed: {err}"))
 
