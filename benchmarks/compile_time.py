@@ -19,8 +19,9 @@ and count JAX's persistent-cache hits and misses (``jax.monitoring`` events). Wi
 second process's ``*_first_s`` minus ``*_next_s`` is the compile time the cache saves; the
 CuTeDSL kernels also get ``CUTE_DSL_CACHE_DIR`` under it (the DSL's own file cache: its kernels
 compile while JAX lowers, before JAX's cache is consulted). A backend named
-``pallas@kernel_cache`` is ``pallas`` with coda-jax's kernel cache on, under ``--cache-dir``
-(``coda_jax/pallas/kernel_cache.py``: a warm process skips Mosaic GPU's code generation);
+``pallas@kernel_cache`` is ``pallas`` with coda-jax's kernel cache on where it is by default,
+beside JAX's cache under ``--cache-dir`` (``coda_jax/pallas/kernel_cache.py``: a warm process
+skips Mosaic GPU's code generation; every other backend runs with it off);
 its results add ``kernel_cache_hits`` / ``kernel_cache_misses``. Prints one JSON line per
 process.
 """
@@ -202,9 +203,11 @@ def main(argv=None) -> list[dict]:
             if args.cache_dir:
                 cmd += ["--cache-dir", args.cache_dir]
                 env.setdefault("CUTE_DSL_CACHE_DIR", str(Path(args.cache_dir) / "cute_dsl"))
+            # The kernel cache's default: on beside JAX's persistent cache (--cache-dir). The
+            # @kernel_cache variant gets that default, every other backend runs without it.
             env.pop("CODA_JAX_KERNEL_CACHE_DIR", None)
-            if backend.endswith(KERNEL_CACHE_SUFFIX):
-                env["CODA_JAX_KERNEL_CACHE_DIR"] = str(Path(args.cache_dir) / "coda_kernels")
+            if not backend.endswith(KERNEL_CACHE_SUFFIX):
+                env["CODA_JAX_KERNEL_CACHE_DIR"] = "off"
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if out.returncode:
                 raise RuntimeError(f"{backend} run {run} failed:\n{out.stderr[-4000:]}")

@@ -74,10 +74,13 @@ def main() -> None:
     if cache is None:
         kernel_cache.disable_kernel_cache()
     fn, args = CASES[case]()
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    lowered = fn.trace(*args).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
     if cache is not None:
         cache.wait()
-    print(json.dumps({"modules": module_digests(text), "calls": text.count("@mosaic_gpu_v2"),
+    # The step without debug info: what JAX's persistent compilation cache keys on.
+    step = hashlib.sha256(lowered.as_text(debug_info=False).encode()).hexdigest()
+    print(json.dumps({"modules": module_digests(text), "calls": text.count("@mosaic_gpu_v2"), "step": step,
                       "stats": vars(cache.stats) if cache is not None else None,
                       "workers_started": bool(cache is not None and cache._pool is not None)}))
 

@@ -58,6 +58,7 @@ def test_a_cached_kernel_is_the_generated_kernel_byte_for_byte_in_a_new_process(
     assert first["stats"] == {"hits": 0, "misses": 1, "writes": 1, **none}
     assert second["stats"] == {"hits": 1, "misses": 0, "writes": 0, **none}
     assert plain["modules"] == first["modules"] == second["modules"]
+    assert first["step"] == second["step"]
     assert len(list(tmp_path.glob("*.kernel.pkl"))) == 1
 
 
@@ -161,6 +162,34 @@ def test_the_environment_variable_turns_it_on_and_off(tmp_path, monkeypatch):
     assert KC.active_kernel_cache() is None
 
 
+@pytest.fixture
+def jax_cache_dir():
+    """Sets JAX's persistent cache directory for one test (nothing compiles meanwhile)."""
+    before = jax.config.jax_compilation_cache_dir
+    yield lambda d: jax.config.update("jax_compilation_cache_dir", d)
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_jax_persistent_cache_turns_it_on_beside_its_own(tmp_path, monkeypatch, jax_cache_dir):
+    monkeypatch.delenv(KC.ENV_DIR, raising=False)
+    KC.disable_kernel_cache()
+    jax_cache_dir(str(tmp_path / "jax"))
+    cache = KC.active_kernel_cache()
+    assert cache is not None and cache.directory == tmp_path / "jax" / KC.JAX_CACHE_SUBDIR
+    assert KC.active_kernel_cache() is cache
+    for off in ("off", "0", "FALSE", "none"):  # the variable turns it off ...
+        monkeypatch.setenv(KC.ENV_DIR, off)
+        assert KC.active_kernel_cache() is None
+    monkeypatch.setenv(KC.ENV_DIR, str(tmp_path / "mine"))  # ... or puts it elsewhere
+    assert KC.active_kernel_cache().directory == tmp_path / "mine"
+    monkeypatch.setenv(KC.ENV_DIR, "")  # empty: as unset
+    assert KC.active_kernel_cache().directory == tmp_path / "jax" / KC.JAX_CACHE_SUBDIR
+    jax_cache_dir("gs://bucket/jax_cache")  # a remote JAX cache: no kernel cache
+    assert KC.active_kernel_cache() is None
+    jax_cache_dir(None)
+    assert KC.active_kernel_cache() is None
+
+
 def test_interpret_mode_never_uses_it(tmp_path):
     from coda_jax.pallas.interpret import interpret_mode
 
@@ -196,6 +225,12 @@ def test_a_training_step_lowers_through_the_cache(tmp_path, case, workers):
     # (Mosaic GPU numbers the kernels of a process in the order it generates them, and the
     # number is part of each module: byte equality is checked on one kernel, above.)
     assert len(plain["modules"]) == len(first["modules"]) == len(second["modules"])
+    # A cold process (kernels pending in workers) lowers the step a warm one lowers, so the
+    # warm process finds the cold one's executable in JAX's persistent compilation cache.
+    # (Not under vmap: its batched kernels are generated in each process, numbered after
+    # the cold process's cached ones.)
+    if case != "swiglu_step_vmap":
+        assert first["step"] == second["step"]
 
 
 def _fails_in_a_worker(acc, ctx, residual, gamma):

@@ -47,6 +47,8 @@ from jax.interpreters import mlir
 
 ENV_DIR = "CODA_JAX_KERNEL_CACHE_DIR"
 ENV_WORKERS = "CODA_JAX_KERNEL_CACHE_WORKERS"
+JAX_CACHE_SUBDIR = "coda_jax_kernels"  # the default cache, inside JAX's persistent cache dir
+_OFF = ("off", "0", "false", "none")
 # Workers lower on the CPU platform, where Mosaic GPU targets sm_90a: used only when this
 # process targets the same (a Hopper GPU, or none).
 WORKER_ARCHS = ("9.0", "none")
@@ -222,8 +224,11 @@ class _Pending:
         return _deferred_kernel_p.bind(*args, pending=self)
 
     def resolve(self) -> Callable:
-        """The exported kernel, jitted, returning a flat tuple (waits for the worker; a
-        failed or lost job is reported and the kernel generated here)."""
+        """The exported kernel's call, returning a flat tuple (waits for the worker; a
+        failed or lost job is reported and the kernel generated here). Not jitted: the
+        lowering inlines it into the jitted ``coda_kernel`` of :func:`_with_batching_fallback`,
+        so the step's StableHLO is the same as a warm cache's, and JAX's persistent
+        compilation cache finds the cold process's executable."""
         with self._lock:
             if self._fn is None:
                 exported = None
@@ -237,8 +242,7 @@ class _Pending:
                 if exported is None:
                     exported = export_kernel(self.kernel, self.avals)
                     self.cache._store(self.key, exported)
-                call = exported.call
-                self._fn = jax.jit(lambda *a: tuple(jax.tree.leaves(call(*a))))
+                self._fn = _flat(exported.call)
             return self._fn
 
     def __repr__(self) -> str:
@@ -265,7 +269,9 @@ def _with_batching_fallback(cached: Callable, kernel: Callable) -> Callable:
     kernel does, not one copy per layer; and under ``jax.vmap`` the kernel itself: an
     exported call has no batching rule, the Pallas kernel has one (a vmapped kernel is
     generated, not cached)."""
-    cached = jax.jit(cached)
+    # One name and one flat output for a loaded and a pending kernel: the StableHLO (and so
+    # JAX's persistent-cache key) of a step does not depend on which of the two it held.
+    cached = jax.jit(_flat(cached))
 
     @jax.custom_batching.custom_vmap
     def call(*args):
@@ -273,10 +279,19 @@ def _with_batching_fallback(cached: Callable, kernel: Callable) -> Callable:
 
     @call.def_vmap
     def _batched(axis_size, in_batched, *args):
-        out = jax.vmap(kernel, in_axes=tuple(0 if b else None for b in in_batched), axis_size=axis_size)(*args)
-        return out, jax.tree.map(lambda _: True, out)
+        out = jax.vmap(_flat(kernel), in_axes=tuple(0 if b else None for b in in_batched), axis_size=axis_size)(*args)
+        return out, tuple(True for _ in out)
 
     return call
+
+
+def _flat(fn: Callable) -> Callable:
+    """``fn`` returning its outputs as a flat tuple, under one fixed function name."""
+
+    def coda_kernel(*args):
+        return tuple(jax.tree.leaves(fn(*args)))
+
+    return coda_kernel
 
 
 def export_kernel(kernel: Callable, avals: Sequence[jax.ShapeDtypeStruct]):
@@ -364,7 +379,7 @@ def _stable(x):
 
 
 _active: KernelCache | None = None
-_env_seen: str | None = None
+_default_seen: str | None = None
 
 
 def enable_kernel_cache(directory: str | os.PathLike, workers: int | None = None) -> KernelCache:
@@ -378,22 +393,41 @@ def enable_kernel_cache(directory: str | os.PathLike, workers: int | None = None
 
 
 def disable_kernel_cache() -> None:
-    """Turns the cache off (``$CODA_JAX_KERNEL_CACHE_DIR`` is then ignored until it changes)."""
-    global _active, _env_seen
+    """Turns the cache off (:func:`default_directory` is then ignored until it changes)."""
+    global _active, _default_seen
     if _active is not None:
         _active.close()
     _active = None
-    _env_seen = os.environ.get(ENV_DIR) or None
+    _default_seen = default_directory()
+
+
+def default_directory() -> str | None:
+    """Where the cache lives unless :func:`enable_kernel_cache` / :func:`disable_kernel_cache`
+    said otherwise: ``$CODA_JAX_KERNEL_CACHE_DIR`` (``off``, ``0``, ``false`` or ``none``:
+    no cache); unset or empty, ``<JAX's persistent cache dir>/coda_jax_kernels`` when JAX's
+    persistent compilation cache is on in a local directory; else None (no cache)."""
+    env = os.environ.get(ENV_DIR, "").strip()
+    if env:
+        return None if env.lower() in _OFF else env
+    try:
+        if not jax.config.jax_enable_compilation_cache:
+            return None
+        jax_dir = jax.config.jax_compilation_cache_dir
+    except AttributeError:  # a jax without these options
+        return None
+    if not jax_dir or "://" in str(jax_dir):  # a remote cache (gs://...): not written by coda-jax
+        return None
+    return os.path.join(os.path.expanduser(str(jax_dir)), JAX_CACHE_SUBDIR)
 
 
 def active_kernel_cache() -> KernelCache | None:
-    """The cache in use: the one :func:`enable_kernel_cache` set, or one in
-    ``$CODA_JAX_KERNEL_CACHE_DIR`` (when the variable changes), or None."""
-    global _active, _env_seen
-    env = os.environ.get(ENV_DIR) or None
-    if env != _env_seen:
-        _env_seen = env
+    """The cache in use: the one :func:`enable_kernel_cache` set, else the one in
+    :func:`default_directory` (re-read when it changes), or None."""
+    global _active, _default_seen
+    wanted = default_directory()
+    if wanted != _default_seen:
+        _default_seen = wanted
         if _active is not None:
             _active.close()
-        _active = KernelCache(env) if env else None
+        _active = KernelCache(wanted) if wanted else None
     return _active
