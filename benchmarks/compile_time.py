@@ -29,6 +29,7 @@ process.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -112,7 +113,6 @@ def child(args) -> dict:
         t1 = time.perf_counter()
         lowered = traced.lower()
         res[f"{name}_lower_s"] = round(time.perf_counter() - t1, 3)
-        res[f"{name}_hlo_mb"] = round(len(lowered.as_text()) / 1e6, 2)
         t1 = time.perf_counter()
         compiled = lowered.compile()
         res[f"{name}_compile_s"] = round(time.perf_counter() - t1, 3)
@@ -121,6 +121,7 @@ def child(args) -> dict:
         jax.block_until_ready(out)
         res[f"{name}_first_run_s"] = round(time.perf_counter() - t1, 3)
         res[f"{name}_first_s"] = round(time.perf_counter() - t, 3)
+        res |= _module_facts(name, lowered, args.dump_hlo)
         if name == "train":
             state = out[0]
         t = time.perf_counter()
@@ -131,6 +132,20 @@ def child(args) -> dict:
             state = out[0]
     res["cache_hits"], res["cache_misses"] = (counts[e] for e in CACHE_EVENTS)
     return res | _kernel_cache_counts(args)
+
+
+def _module_facts(name: str, lowered, dump_dir: str | None = None) -> dict:
+    """The lowered step's size, and a digest of it without debug info (what JAX's persistent
+    cache keys on, with the compile options): two processes with the same digest share the
+    cached executable. ``dump_dir``: also write that text there, named by backend, step and
+    digest (to diff two processes whose digests differ)."""
+    text = lowered.as_text(debug_info=False)
+    sha = hashlib.sha256(text.encode()).hexdigest()[:12]
+    if dump_dir:
+        backend = os.environ.get("CODA_JAX_COMPILE_TIME_BACKEND", "step").replace("@", "_")
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        (Path(dump_dir) / f"{backend}_{name}_{sha}.mlir").write_text(text)
+    return {f"{name}_hlo_mb": round(len(lowered.as_text()) / 1e6, 2), f"{name}_hlo_sha": sha}
 
 
 def _kernel_cache_counts(args) -> dict:
@@ -151,11 +166,11 @@ def _lower_only(args, train_step, state, inputs, targets) -> dict:
     traced = train_step.trace(state, inputs, targets)
     res["train_trace_s"] = round(time.perf_counter() - t, 3)
     t1 = time.perf_counter()
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    lowered = traced.lower(lowering_platforms=("cuda",))
     res["train_lower_s"] = round(time.perf_counter() - t1, 3)
     res["train_trace_lower_s"] = round(time.perf_counter() - t, 3)
-    res["train_hlo_mb"] = round(len(text) / 1e6, 2)
-    res["kernel_custom_calls"] = text.count("@mosaic_gpu")
+    res |= _module_facts("train", lowered, args.dump_hlo)
+    res["kernel_custom_calls"] = lowered.as_text().count("@mosaic_gpu")
     return res | _kernel_cache_counts(args)
 
 
@@ -172,6 +187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lower-only", action="store_true",
                    help="only trace and lower the train step for CUDA (no GPU needed): times Mosaic GPU's code generation")
     p.add_argument("--out", type=Path, default=None, help="write every process's result here (JSON)")
+    p.add_argument("--dump-hlo", default=None,
+                   help="write each lowered step (StableHLO without debug info) here, named by backend, step and digest")
     args = p.parse_args(argv)
     for flag in ("batch", "seq", "runs"):
         if getattr(args, flag) < 1:
@@ -196,7 +213,9 @@ def main(argv=None) -> list[dict]:
                    "--batch", str(args.batch), "--seq", str(args.seq)]
             if args.layers is not None:
                 cmd += ["--layers", str(args.layers)]
-            env = dict(os.environ)
+            if args.dump_hlo:
+                cmd += ["--dump-hlo", args.dump_hlo]
+            env = dict(os.environ, CODA_JAX_COMPILE_TIME_BACKEND=backend)
             if args.lower_only:
                 cmd += ["--lower-only"]
                 env.pop("CODA_JAX_PALLAS_INTERPRET", None)  # the compiled kernels, not the interpreter
@@ -216,7 +235,32 @@ def main(argv=None) -> list[dict]:
             results.append(res)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+    if args.dump_hlo:
+        diff_dumps(results, Path(args.dump_hlo))
     return results
+
+
+def diff_dumps(results: list[dict], dump_dir: Path, lines: int = 60) -> None:
+    """Per backend and step: did every process lower the same module? If not, writes the
+    unified diff of the first two that differ to ``<dump_dir>/<backend>_<step>.diff`` and
+    prints its first ``lines`` lines (long lines cut)."""
+    import difflib
+
+    for backend in dict.fromkeys(r["backend"] for r in results):
+        for step in ("train", "eval"):
+            shas = list(dict.fromkeys(r[f"{step}_hlo_sha"] for r in results
+                                      if r["backend"] == backend and f"{step}_hlo_sha" in r))
+            if not shas:
+                continue
+            print(f"{backend} {step}: {'same module in every process' if len(shas) == 1 else 'modules differ'} "
+                  f"({', '.join(shas)})")
+            if len(shas) < 2:
+                continue
+            name = backend.replace("@", "_")
+            a, b = ((dump_dir / f"{name}_{step}_{sha}.mlir").read_text().splitlines() for sha in shas[:2])
+            diff = list(difflib.unified_diff(a, b, shas[0], shas[1], n=1, lineterm=""))
+            (dump_dir / f"{name}_{step}.diff").write_text("\n".join(diff))
+            print("\n".join(line[:300] for line in diff[:lines]))
 
 
 if __name__ == "__main__":

@@ -79,10 +79,13 @@ if [ -n "${COMPILE_TIME:-}" ]; then
   echo "== compile time ==" | tee "$OUT/compile_time.log"
   IFS=':' read -r preset_layers ct_batch ct_seq <<< "$COMPILE_TIME"
   ct_layers=(); [[ $preset_layers == *-* ]] && ct_layers=(--layers "${preset_layers#*-}")
-  rm -rf /tmp/coda_jax_ct_cache
+  # The step modules of every process go to /tmp/coda_jax_ct_hlo; the log says, per backend and step,
+  # whether the processes lowered the same module (else $OUT gets the diff).
+  rm -rf /tmp/coda_jax_ct_cache /tmp/coda_jax_ct_hlo
   timeout "${COMPILE_TIMEOUT:-300}" python3 benchmarks/compile_time.py --backends "${COMPILE_BACKENDS:-plain,$BACKENDS}" \
     --preset "${preset_layers%%-*}" "${ct_layers[@]}" --batch "$ct_batch" --seq "$ct_seq" --cache-dir /tmp/coda_jax_ct_cache \
-    --out "$OUT/compile_time.json" 2>&1 | tee -a "$OUT/compile_time.log" | tail -n 12
+    --dump-hlo /tmp/coda_jax_ct_hlo --out "$OUT/compile_time.json" 2>&1 | tee -a "$OUT/compile_time.log" | grep -v '^[-+@ ]' | tail -n 20
+  cp /tmp/coda_jax_ct_hlo/*.diff "$OUT/" 2>/dev/null
 fi
 if [ -n "${NCU_PROGRAMS:-}" ]; then
   # Nsight Compute on one kernel launch per program label (benchmarks/kernel_probe.py), e.g.

@@ -13,7 +13,8 @@ def test_compile_time_second_process_hits_the_persistent_cache(tmp_path):
     # xla backend: the Pallas interpreter's host callbacks are never cached; the kernel
     # backends are measured on the GPU (docs/compile_cache.md).
     first, second = compile_time.main(["--backends", "xla", "--preset", "tiny", "--layers", "1", "--batch", "2",
-                                       "--seq", "32", "--cache-dir", str(tmp_path / "cache")])
+                                       "--seq", "32", "--cache-dir", str(tmp_path / "cache"),
+                                       "--dump-hlo", str(tmp_path / "hlo")])
     assert first["cache_misses"] > 0 and first["cache_hits"] == 0
     assert second["cache_hits"] == first["cache_misses"] and second["cache_misses"] == 0
     assert second["train_first_s"] < first["train_first_s"]
@@ -22,6 +23,9 @@ def test_compile_time_second_process_hits_the_persistent_cache(tmp_path):
         assert 0 < stages <= r["train_first_s"] + 1e-3
         assert r["train_hlo_mb"] > 0
     assert second["train_compile_s"] < first["train_compile_s"]  # the cache hit is in the compile stage
+    assert first["train_hlo_sha"] == second["train_hlo_sha"] and first["eval_hlo_sha"] == second["eval_hlo_sha"]
+    dumped = sorted(p.name for p in (tmp_path / "hlo").iterdir())
+    assert dumped == sorted({f"xla_{s}_{first[f'{s}_hlo_sha']}.mlir" for s in ("train", "eval")})
 
 
 def test_the_kernel_cache_variant_needs_the_cache_dir():
