@@ -80,7 +80,11 @@ def main() -> None:
         cache.wait()
     # The step without debug info: what JAX's persistent compilation cache keys on.
     step = hashlib.sha256(lowered.as_text(debug_info=False).encode()).hexdigest()
+    # Whether the step's results come back committed to a device (then the next call of a
+    # jitted step on them would trace again): as without the cache.
+    committed = lowered._lowering.compile_args["committed"]
     print(json.dumps({"modules": module_digests(text), "calls": text.count("@mosaic_gpu_v2"), "step": step,
+                      "committed": committed,
                       "stats": vars(cache.stats) if cache is not None else None,
                       "workers_started": bool(cache is not None and cache._pool is not None)}))
 

@@ -59,6 +59,7 @@ def test_a_cached_kernel_is_the_generated_kernel_byte_for_byte_in_a_new_process(
     assert second["stats"] == {"hits": 1, "misses": 0, "writes": 0, **none}
     assert plain["modules"] == first["modules"] == second["modules"]
     assert first["step"] == second["step"]
+    assert plain["committed"] is first["committed"] is second["committed"] is False
     assert len(list(tmp_path.glob("*.kernel.pkl"))) == 1
 
 
@@ -222,6 +223,7 @@ def test_a_training_step_lowers_through_the_cache(tmp_path, case, workers):
     assert first["workers_started"] == (workers > 0)
     assert second["stats"]["hits"] == n and second["stats"]["misses"] == 0 and not second["workers_started"]
     assert plain["calls"] == first["calls"] == second["calls"] > 0
+    assert plain["committed"] is first["committed"] is second["committed"] is False
     # (Mosaic GPU numbers the kernels of a process in the order it generates them, and the
     # number is part of each module: byte equality is checked on one kernel, above.)
     assert len(plain["modules"]) == len(first["modules"]) == len(second["modules"])

@@ -106,20 +106,17 @@ class KernelCache:
         if fn is not None:
             return fn
         key, out_avals = _key_and_outputs(kernel, ident, avals)
-        exported = self._load(key)
+        exported, future = self._load(key), None
         if exported is not None:
             self.stats.hits += 1
-            call = exported.call
         else:
             self.stats.misses += 1
             future = self._submit(key, ident, avals)
             if future is None:
                 exported = export_kernel(kernel, avals)
                 self._store(key, exported)
-                call = exported.call
-            else:
-                call = _Pending(self, key, kernel, avals, out_avals, future).bind
-        fn = _with_batching_fallback(call, kernel)
+        entry = _CachedKernel(self, key, kernel, avals, out_avals, exported, future)
+        fn = _with_batching_fallback(entry.bind, kernel)
         with self._lock:
             self._memo[memo_key] = fn
         return fn
@@ -209,68 +206,70 @@ def _entry_path(directory: Path, key: str) -> Path:
     return directory / f"{key}.kernel.pkl"
 
 
-class _Pending:
-    """A kernel a worker is generating: its outputs' types now, its export when the step
-    is lowered (:data:`_deferred_kernel_p`'s lowering waits for the worker)."""
+class _CachedKernel:
+    """One cached kernel in a traced step: its outputs' types now, its export when the step
+    is lowered (loaded from disk, generated here, or awaited from a worker).
 
-    def __init__(self, cache: KernelCache, key: str, kernel: Callable, avals, out_avals, future):
+    The step's jaxpr holds it as :data:`_cached_kernel_p`, never as JAX's ``call_exported``:
+    a jitted function whose jaxpr holds ``call_exported`` returns *committed* arrays (JAX
+    counts the exported results' memory space as a transfer), so the next call of a jitted
+    train step on them would trace and compile again, and an evaluation step on them would
+    lower differently. The lowering inlines ``exported.call``, so a loaded, a generated and
+    a worker-generated kernel lower to the same StableHLO.
+    """
+
+    def __init__(self, cache: KernelCache, key: str, kernel: Callable, avals, out_avals, exported, future):
         self.cache, self.key, self.kernel, self.avals = cache, key, kernel, avals
         self.out_avals = tuple(out_avals)
-        self.future = future
-        self._fn = None
+        self.exported, self.future = exported, future
         self._lock = threading.Lock()
 
     def bind(self, *args):
-        return _deferred_kernel_p.bind(*args, pending=self)
+        return _cached_kernel_p.bind(*args, entry=self)
 
     def resolve(self) -> Callable:
         """The exported kernel's call, returning a flat tuple (waits for the worker; a
-        failed or lost job is reported and the kernel generated here). Not jitted: the
-        lowering inlines it into the jitted ``coda_kernel`` of :func:`_with_batching_fallback`,
-        so the step's StableHLO is the same as a warm cache's, and JAX's persistent
-        compilation cache finds the cold process's executable."""
+        failed or lost job is reported and the kernel generated here)."""
         with self._lock:
-            if self._fn is None:
-                exported = None
+            if self.exported is None:
                 try:
                     self.future.result(timeout=WORKER_TIMEOUT_SECONDS)
-                    exported = self.cache._load(self.key)
+                    self.exported = self.cache._load(self.key)
                 except Exception as err:  # noqa: BLE001 - fall back to this process
                     self.cache.stats.worker_failures += 1
                     warnings.warn(f"coda-jax kernel cache: a worker could not generate a kernel ({err}); "
                                   "generating it in this process", RuntimeWarning, stacklevel=2)
-                if exported is None:
-                    exported = export_kernel(self.kernel, self.avals)
-                    self.cache._store(self.key, exported)
-                self._fn = _flat(exported.call)
-            return self._fn
+                if self.exported is None:
+                    self.exported = export_kernel(self.kernel, self.avals)
+                    self.cache._store(self.key, self.exported)
+            return _flat(self.exported.call)
 
     def __repr__(self) -> str:
         return f"<kernel {self.key[:12]}>"
 
 
-def _deferred_abstract_eval(*avals, pending: _Pending):
-    return pending.out_avals
+def _cached_abstract_eval(*avals, entry: _CachedKernel):
+    return entry.out_avals
 
 
-def _deferred_lowering(ctx, *args, pending: _Pending):
-    return mlir.lower_fun(pending.resolve(), multiple_results=True)(ctx, *args)
+def _cached_lowering(ctx, *args, entry: _CachedKernel):
+    return mlir.lower_fun(entry.resolve(), multiple_results=True)(ctx, *args)
 
 
-_deferred_kernel_p = jax.extend.core.Primitive("coda_jax_deferred_kernel")
-_deferred_kernel_p.multiple_results = True
-_deferred_kernel_p.def_abstract_eval(_deferred_abstract_eval)
-mlir.register_lowering(_deferred_kernel_p, _deferred_lowering)
+_cached_kernel_p = jax.extend.core.Primitive("coda_jax_cached_kernel")
+_cached_kernel_p.multiple_results = True
+_cached_kernel_p.def_abstract_eval(_cached_abstract_eval)
+mlir.register_lowering(_cached_kernel_p, _cached_lowering)
 
 
 def _with_batching_fallback(cached: Callable, kernel: Callable) -> Callable:
-    """``cached`` (the exported kernel's call, or a pending one's), jitted: every call site
+    """``cached`` (a :class:`_CachedKernel`'s call), jitted: every call site
     of a kernel shares one lowered function in the step's StableHLO, as the uncached jitted
     kernel does, not one copy per layer; and under ``jax.vmap`` the kernel itself: an
     exported call has no batching rule, the Pallas kernel has one (a vmapped kernel is
     generated, not cached)."""
-    # One name and one flat output for a loaded and a pending kernel: the StableHLO (and so
-    # JAX's persistent-cache key) of a step does not depend on which of the two it held.
+    # One fixed name and a flat output: the step's StableHLO (and so JAX's persistent-cache
+    # key) is the same in every process.
     cached = jax.jit(_flat(cached))
 
     @jax.custom_batching.custom_vmap
