@@ -124,6 +124,8 @@ def child(args) -> dict:
         res |= _module_facts(name, lowered, args.dump_hlo)
         if name == "train":
             state = out[0]
+            # Committed results make the next call of the jitted step trace and compile again.
+            res["train_out_committed"] = any(getattr(x, "committed", False) for x in jax.tree.leaves(state))
         t = time.perf_counter()
         out = compiled(state, inputs, targets)
         jax.block_until_ready(out)
