@@ -1,5 +1,7 @@
 """Shared test fixtures: float32 math on the CPU, GPU tests skipped without a Hopper GPU."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,11 @@ from coda_jax.pallas.interpret import ensure_interpreter_threads
 # 16 of the warp-specialized kernel tests. The pool is sized when JAX creates its CPU client,
 # so this must run before any test touches a device (see coda_jax/pallas/interpret.py).
 ensure_interpreter_threads()
+
+# The Pallas kernel cache is on by default (in ~/.cache/coda_jax/kernels); tests that lower
+# kernels for CUDA must neither read nor fill a developer's cache: off here and in every
+# subprocess, on only where tests/test_kernel_cache.py turns it on.
+os.environ["CODA_JAX_KERNEL_CACHE_DIR"] = "off"
 
 
 def _hopper() -> bool:

@@ -159,7 +159,7 @@ def test_the_environment_variable_turns_it_on_and_off(tmp_path, monkeypatch):
     assert KC.active_kernel_cache() is cache  # one cache while the variable stays
     _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args())
     assert cache.stats.writes == 1
-    monkeypatch.delenv(KC.ENV_DIR)
+    monkeypatch.setenv(KC.ENV_DIR, "off")
     assert KC.active_kernel_cache() is None
 
 
@@ -171,7 +171,7 @@ def jax_cache_dir():
     jax.config.update("jax_compilation_cache_dir", before)
 
 
-def test_jax_persistent_cache_turns_it_on_beside_its_own(tmp_path, monkeypatch, jax_cache_dir):
+def test_where_it_lives_by_default(tmp_path, monkeypatch, jax_cache_dir):
     monkeypatch.delenv(KC.ENV_DIR, raising=False)
     KC.disable_kernel_cache()
     jax_cache_dir(str(tmp_path / "jax"))
@@ -185,10 +185,27 @@ def test_jax_persistent_cache_turns_it_on_beside_its_own(tmp_path, monkeypatch, 
     assert KC.active_kernel_cache().directory == tmp_path / "mine"
     monkeypatch.setenv(KC.ENV_DIR, "")  # empty: as unset
     assert KC.active_kernel_cache().directory == tmp_path / "jax" / KC.JAX_CACHE_SUBDIR
-    jax_cache_dir("gs://bucket/jax_cache")  # a remote JAX cache: no kernel cache
-    assert KC.active_kernel_cache() is None
+    # Without JAX's cache (or with a remote one), the user's cache directory.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    jax_cache_dir("gs://bucket/jax_cache")
+    assert KC.active_kernel_cache().directory == tmp_path / "xdg" / "coda_jax" / "kernels"
     jax_cache_dir(None)
-    assert KC.active_kernel_cache() is None
+    assert KC.active_kernel_cache().directory == tmp_path / "xdg" / "coda_jax" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert KC.active_kernel_cache().directory == tmp_path / "home" / ".cache" / "coda_jax" / "kernels"
+
+
+def test_an_unwritable_directory_is_reported_once_and_the_kernels_generated_here(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    cache = KC.enable_kernel_cache(blocker / "kernels", workers=2)
+    with pytest.warns(RuntimeWarning, match="cannot write") as caught:
+        text = _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args())
+        _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args(n=512))
+    assert sum("cannot write" in str(w.message) for w in caught) == 1
+    assert text.count("@mosaic_gpu_v2") == 1
+    assert cache.stats.misses == 2 and cache.stats.writes == 0 and cache._pool is None
 
 
 def test_interpret_mode_never_uses_it(tmp_path):
