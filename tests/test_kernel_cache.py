@@ -319,3 +319,40 @@ def test_a_worker_that_cannot_start_is_reported_and_the_kernel_generated_here(tm
         text = _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args())
     assert cache.stats.worker_failures == 1 and cache.stats.writes == 1
     assert text.count("@mosaic_gpu_v2") == 1 and len(list(tmp_path.glob("*.kernel.pkl"))) == 1
+
+
+def test_a_cached_kernel_runs_jitted_eagerly_vmapped_and_without_jit(tmp_path):
+    """The wrapping of a cached kernel, run for real on the CPU: an export of a small CPU
+    function stands in for the CUDA kernel's. The step's results are not committed (as a
+    jitted step's are not without the cache), and the kernel runs under jax.jit, eagerly,
+    under jax.vmap (the fallback to the kernel itself) and under jax.disable_jit()."""
+    def kernel(a, b):
+        return (a @ b, jnp.sum(a * a, axis=1))
+
+    avals = (jax.ShapeDtypeStruct((8, 4), jnp.float32), jax.ShapeDtypeStruct((4, 4), jnp.float32))
+    exported = jax.export.export(jax.jit(kernel), platforms=("cpu",))(*avals)
+    cache = KC.KernelCache(tmp_path, workers=0)
+    out_avals = jax.make_jaxpr(kernel)(*avals).out_avals
+    entry = KC._CachedKernel(cache, "k" * 64, kernel, avals, out_avals, exported, None)
+    call = KC._with_batching_fallback(entry.bind, kernel)
+    a = jax.random.normal(jax.random.key(0), (8, 4))
+    b = jax.random.normal(jax.random.key(1), (4, 4))
+    want = kernel(a, b)
+
+    def close(got, ref):
+        assert len(got) == len(ref)
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape and float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 1e-6
+
+    step = jax.jit(lambda a, b: call(a, b))
+    got = step(a, b)
+    close(got, want)
+    assert not any(x.committed for x in got)
+    close(step(got[0], b), kernel(want[0], b))  # a step on its own result: no second trace
+    assert step._cache_size() == 1
+    close(call(a, b), want)
+    with jax.disable_jit():
+        close(call(a, b), want)
+    av = jnp.stack([a, 2 * a])
+    got = jax.vmap(call, in_axes=(0, None))(av, b)
+    close(got, jax.vmap(kernel, in_axes=(0, None))(av, b))

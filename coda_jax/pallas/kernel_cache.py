@@ -282,9 +282,17 @@ def _cached_lowering(ctx, *args, entry: _CachedKernel):
     return mlir.lower_fun(entry.resolve(), multiple_results=True)(ctx, *args)
 
 
+def _cached_impl(*args, entry: _CachedKernel):
+    # Reached only outside jit, i.e. under jax.disable_jit() (the kernel is called through a
+    # jitted wrapper otherwise): run the exported kernel as one compiled call.
+    with jax.disable_jit(False):
+        return jax.jit(entry.resolve())(*args)
+
+
 _cached_kernel_p = jax.extend.core.Primitive("coda_jax_cached_kernel")
 _cached_kernel_p.multiple_results = True
 _cached_kernel_p.def_abstract_eval(_cached_abstract_eval)
+_cached_kernel_p.def_impl(_cached_impl)
 mlir.register_lowering(_cached_kernel_p, _cached_lowering)
 
 
