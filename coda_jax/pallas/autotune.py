@@ -247,7 +247,7 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     rows = [] if rows is None else rows
     done = {row_key(r): r for r in rows}
     log(f"TUNE {len(calls)} distinct kernel calls")
-    t0, entries, left = time.perf_counter(), [], len(calls)
+    t0, tuned, left = time.perf_counter(), [], len(calls)
     for call in calls:
         key = (call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk)
         row = done.get(key)
@@ -266,8 +266,8 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
             rows.append(new_row)
             row = new_row
         left -= 1
-        entries.append(best_entry(row, min_gain))
-    return {"device_kinds": [dev.device_kind], "num_sms": gpu_sm_count(), "jax": jax.__version__, "entries": entries}
+        tuned.append(row)
+    return table_from_rows(tuned, dev.device_kind, gpu_sm_count(), min_gain)
 
 
 def merge_tables(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
