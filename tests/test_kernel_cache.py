@@ -306,10 +306,19 @@ def test_worker_count_rules(monkeypatch):
     with pytest.raises(ValueError, match="workers must be a number of processes >= 0, got -1"):
         KC.resolve_workers(-1)
     monkeypatch.delenv(KC.ENV_WORKERS)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(KC, "usable_cores", lambda: 2)
     assert KC.resolve_workers(None) == 0
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(KC, "usable_cores", lambda: 16)
     assert KC.resolve_workers(None) == 8
+    monkeypatch.setattr(KC, "usable_cores", lambda: 6)
+    assert KC.resolve_workers(None) == 5
+    monkeypatch.setattr(KC.jax, "process_count", lambda: 4)  # four processes of one job share them
+    assert KC.resolve_workers(None) == 1
+    monkeypatch.setattr(KC, "usable_cores", lambda: 64)
+    assert KC.resolve_workers(None) == 2
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)  # a process pinned to 3 cores
+    assert KC.usable_cores() == 3
 
 
 def test_a_worker_that_cannot_start_is_reported_and_the_kernel_generated_here(tmp_path, monkeypatch):

@@ -375,11 +375,26 @@ def _key_and_outputs(kernel: Callable, ident: tuple, avals: Sequence[jax.ShapeDt
     return hashlib.sha256("\n".join(parts).encode()).hexdigest(), jaxpr.out_avals
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
+
 def default_workers() -> int:
-    """Worker processes by default: one per core but one, at most 8; none below 4 cores
-    (a worker's start, importing JAX, costs seconds that few cores do not win back)."""
-    cores = os.cpu_count() or 1
-    return 0 if cores < 4 else min(8, cores - 1)
+    """Worker processes by default: one per usable core but one, at most 8, shared among a
+    multi-process job's processes (each gets its share, at least 1); none below 4 cores (a
+    worker's start, importing JAX, costs seconds that few cores do not win back)."""
+    cores = usable_cores()
+    if cores < 4:
+        return 0
+    try:
+        processes = max(1, jax.process_count())
+    except RuntimeError:  # no backend
+        processes = 1
+    return max(1, min(8, cores - 1) // min(processes, 8))
 
 
 def resolve_workers(workers: int | None) -> int:
