@@ -159,10 +159,14 @@ def test_kernel_cache_runs_the_same_kernels_on_gpu(tmp_path, workers):
         cache = KC.enable_kernel_cache(tmp_path, workers=workers)
         cached = run(1e-5 * (1 + 4e-6 + 1e-6 * workers))
         assert cache.stats.hits >= 3 and cache.stats.misses == 0, vars(cache.stats)
+        with jax.disable_jit():  # the cached kernels called op by op
+            eager = run(1e-5 * (1 + 6e-6 + 1e-6 * workers))
     finally:
         KC.disable_kernel_cache()
     from op_cases import rel_err
 
-    for got in (fresh, cached):
+    # Committed results would make the next call of a jitted step trace again.
+    assert [x.committed for x in jax.tree.leaves(cached)] == [x.committed for x in jax.tree.leaves(want)]
+    for got in (fresh, cached, eager):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert rel_err(a, b) < 1e-5, "a cached kernel computed something else"
