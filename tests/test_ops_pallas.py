@@ -1,9 +1,11 @@
 """Every op's forward and custom backward on the Pallas backend (GPU interpret mode), bf16,
 against jax.grad of the naive unfused definition."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
+import coda_jax as cj
 import op_cases as C
 from coda_jax.pallas import interpret_mode
 
@@ -138,6 +140,25 @@ def test_vmap_pallas():
     # remat is not checked here: the GPU interpreter's IO callbacks are effects that
     # jax.checkpoint refuses; tests/test_gpu_pallas.py checks remat on the compiled kernels.
     _remat_vmap_case("pallas", check_remat=False)
+
+
+def test_a_pallas_op_and_its_gradient_under_disable_jit():
+    """Under jax.disable_jit() the fused op runs op by op, but each kernel still runs as one
+    kernel (Mosaic GPU's pipeline cannot be traced op by op; it crashed in Pallas before)."""
+    ks = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(ks[0], (128, 128)).astype(BF)
+    g = (1 + 0.1 * jax.random.normal(ks[1], (128,))).astype(BF)
+    w = (jax.random.normal(ks[2], (128, 256)) * 128 ** -0.5).astype(BF)
+
+    def loss(x, g, w):
+        return jnp.sum(cj.rms_norm_matmul(x, g, w, backend="pallas").astype(jnp.float32) ** 2)
+
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, g, w)
+    with jax.disable_jit():
+        got = jax.value_and_grad(loss, argnums=(0, 1, 2))(x, g, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 2e-2
 
 
 @pytest.mark.parametrize("head_dim", [256, 96])

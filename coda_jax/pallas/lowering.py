@@ -161,7 +161,10 @@ class PallasLowering:
         cache = None if interpret else active_kernel_cache()
         if cache is not None:  # the kernel's Mosaic GPU module from disk (kernel_cache.py)
             kernel = cache.callable_for(kernel, (epilogue, shape, cfg, load_dtypes), (a_p, b_p, *args))
-        res = kernel(a_p, b_p, *args)
+        # A kernel is one compiled unit, also under jax.disable_jit() (its Pallas body cannot
+        # be traced op by op: Mosaic GPU's pipeline needs its fori_loop traced).
+        with jax.disable_jit(False):
+            res = kernel(a_p, b_p, *args)
         out = {}
         for o, v in zip(epilogue.outputs, res):
             if o.kind is OutputKind.TILE:
