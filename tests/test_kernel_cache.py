@@ -365,3 +365,18 @@ def test_a_cached_kernel_runs_jitted_eagerly_vmapped_and_without_jit(tmp_path):
     av = jnp.stack([a, 2 * a])
     got = jax.vmap(call, in_axes=(0, None))(av, b)
     close(got, jax.vmap(kernel, in_axes=(0, None))(av, b))
+
+
+def test_the_command_line_tells_where_and_how_big_and_clears(tmp_path, monkeypatch, capsys):
+    KC.enable_kernel_cache(tmp_path, workers=0)
+    _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args())
+    (tmp_path / "notes.txt").write_text("not an entry")
+    info = KC.describe(tmp_path)
+    assert info["entries"] == 1 and info["bytes"] == next(tmp_path.glob("*.kernel.pkl")).stat().st_size > 0
+    monkeypatch.setenv(KC.ENV_DIR, str(tmp_path))
+    assert KC.main([]) == 0 and "1 entries" in capsys.readouterr().out
+    assert KC.main(["--clear"]) == 0 and "removed 1 entries" in capsys.readouterr().out
+    assert KC.describe(tmp_path)["entries"] == 0 and (tmp_path / "notes.txt").exists()
+    monkeypatch.setenv(KC.ENV_DIR, "off")
+    assert KC.main([]) == 0 and "off" in capsys.readouterr().out
+    assert KC.describe(tmp_path / "missing") == {"directory": str(tmp_path / "missing"), "entries": 0, "bytes": 0}

@@ -487,3 +487,48 @@ def active_kernel_cache() -> KernelCache | None:
             _active.close()
         _active = KernelCache(wanted) if wanted else None
     return _active
+
+
+def describe(directory: str | os.PathLike) -> dict[str, Any]:
+    """``{"directory", "entries", "bytes"}`` of a cache directory (missing: 0 entries)."""
+    d = Path(directory).expanduser()
+    files = list(d.glob("*.kernel.pkl")) if d.is_dir() else []
+    return {"directory": str(d), "entries": len(files), "bytes": sum(f.stat().st_size for f in files)}
+
+
+def clear(directory: str | os.PathLike) -> int:
+    """Removes a cache directory's entries (and leftover temporary files); returns how many
+    entries it removed. Other files are left alone."""
+    d = Path(directory).expanduser()
+    if not d.is_dir():
+        return 0
+    entries = list(d.glob("*.kernel.pkl"))
+    for f in [*entries, *d.glob("*.tmp")]:
+        f.unlink(missing_ok=True)
+    return len(entries)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m coda_jax.pallas.kernel_cache [--clear] [--dir DIR]``: where the kernel
+    cache is and how big, or empty it."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m coda_jax.pallas.kernel_cache",
+                                description="coda-jax's Pallas kernel cache: where it is, its size; --clear empties it.")
+    p.add_argument("--dir", default=None, help="a cache directory (default: where this process would use one)")
+    p.add_argument("--clear", action="store_true", help="remove every entry")
+    args = p.parse_args(argv)
+    directory = args.dir or default_directory()
+    if directory is None:
+        print(f"kernel cache: off (${ENV_DIR}={os.environ.get(ENV_DIR)!r})")
+        return 0
+    if args.clear:
+        print(f"kernel cache: removed {clear(directory)} entries from {Path(directory).expanduser()}")
+        return 0
+    info = describe(directory)
+    print(f"kernel cache: {info['directory']}: {info['entries']} entries, {info['bytes'] / 2 ** 20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
