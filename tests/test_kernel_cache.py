@@ -362,6 +362,8 @@ def test_a_cached_kernel_runs_jitted_eagerly_vmapped_and_without_jit(tmp_path):
     close(call(a, b), want)
     with jax.disable_jit():
         close(call(a, b), want)
+        close(call(a, b), want)
+    assert entry._eager._cache_size() == 1  # compiled once, not at every eager call
     av = jnp.stack([a, 2 * a])
     got = jax.vmap(call, in_axes=(0, None))(av, b)
     close(got, jax.vmap(kernel, in_axes=(0, None))(av, b))

@@ -249,6 +249,7 @@ class _CachedKernel:
         self.out_avals = tuple(out_avals)
         self.exported, self.future = exported, future
         self._lock = threading.Lock()
+        self._eager: Callable | None = None  # the compiled call under jax.disable_jit()
 
     def bind(self, *args):
         return _cached_kernel_p.bind(*args, entry=self)
@@ -286,7 +287,9 @@ def _cached_impl(*args, entry: _CachedKernel):
     # Reached only outside jit, i.e. under jax.disable_jit() (the kernel is called through a
     # jitted wrapper otherwise): run the exported kernel as one compiled call.
     with jax.disable_jit(False):
-        return jax.jit(entry.resolve())(*args)
+        if entry._eager is None:
+            entry._eager = jax.jit(entry.resolve())
+        return entry._eager(*args)
 
 
 _cached_kernel_p = jax.extend.core.Primitive("coda_jax_cached_kernel")
