@@ -137,9 +137,9 @@ def child(args) -> dict:
 
 
 def _module_facts(name: str, lowered, dump_dir: str | None = None) -> dict:
-    """The lowered step's size, and a digest of it without debug info (what JAX's persistent
-    cache keys on, with the compile options): two processes with the same digest share the
-    cached executable. ``dump_dir``: also write that text there, named by backend, step and
+    """The lowered step's size, its number of Mosaic GPU kernel calls, and a digest of it
+    without debug info (what JAX's persistent cache keys on, with the compile options): two
+    processes with the same digest share the cached executable. ``dump_dir``: also write that text there, named by backend, step and
     digest (to diff two processes whose digests differ)."""
     text = lowered.as_text(debug_info=False)
     sha = hashlib.sha256(text.encode()).hexdigest()[:12]
@@ -147,7 +147,9 @@ def _module_facts(name: str, lowered, dump_dir: str | None = None) -> dict:
         backend = os.environ.get("CODA_JAX_COMPILE_TIME_BACKEND", "step").replace("@", "_")
         Path(dump_dir).mkdir(parents=True, exist_ok=True)
         (Path(dump_dir) / f"{backend}_{name}_{sha}.mlir").write_text(text)
-    return {f"{name}_hlo_mb": round(len(lowered.as_text()) / 1e6, 2), f"{name}_hlo_sha": sha}
+    full = lowered.as_text()
+    return {f"{name}_hlo_mb": round(len(full) / 1e6, 2), f"{name}_hlo_sha": sha,
+            f"{name}_kernel_custom_calls": full.count("@mosaic_gpu")}
 
 
 def _kernel_cache_counts(args) -> dict:
@@ -172,7 +174,6 @@ def _lower_only(args, train_step, state, inputs, targets) -> dict:
     res["train_lower_s"] = round(time.perf_counter() - t1, 3)
     res["train_trace_lower_s"] = round(time.perf_counter() - t, 3)
     res |= _module_facts("train", lowered, args.dump_hlo)
-    res["kernel_custom_calls"] = lowered.as_text().count("@mosaic_gpu")
     return res | _kernel_cache_counts(args)
 
 
