@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 import pickle
@@ -44,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.extend
+from jax._src import dispatch
 from jax.interpreters import mlir
 
 ENV_DIR = "CODA_JAX_KERNEL_CACHE_DIR"
@@ -249,7 +251,6 @@ class _CachedKernel:
         self.out_avals = tuple(out_avals)
         self.exported, self.future = exported, future
         self._lock = threading.Lock()
-        self._eager: Callable | None = None  # the compiled call under jax.disable_jit()
 
     def bind(self, *args):
         return _cached_kernel_p.bind(*args, entry=self)
@@ -283,19 +284,12 @@ def _cached_lowering(ctx, *args, entry: _CachedKernel):
     return mlir.lower_fun(entry.resolve(), multiple_results=True)(ctx, *args)
 
 
-def _cached_impl(*args, entry: _CachedKernel):
-    # Reached only outside jit, i.e. under jax.disable_jit() (the kernel is called through a
-    # jitted wrapper otherwise): run the exported kernel as one compiled call.
-    with jax.disable_jit(False):
-        if entry._eager is None:
-            entry._eager = jax.jit(entry.resolve())
-        return entry._eager(*args)
-
-
 _cached_kernel_p = jax.extend.core.Primitive("coda_jax_cached_kernel")
 _cached_kernel_p.multiple_results = True
 _cached_kernel_p.def_abstract_eval(_cached_abstract_eval)
-_cached_kernel_p.def_impl(_cached_impl)
+# Bound outside jit (under jax.disable_jit()): JAX's rule for one primitive, compiled once
+# per kernel and run with jit on.
+_cached_kernel_p.def_impl(functools.partial(dispatch.apply_primitive, _cached_kernel_p))
 mlir.register_lowering(_cached_kernel_p, _cached_lowering)
 
 
@@ -437,21 +431,12 @@ def enable_kernel_cache(directory: str | os.PathLike, workers: int | None = None
     """Turns the cache on for this process, in ``directory`` (created on first write),
     with ``workers`` worker processes (see :class:`KernelCache`); this stands until
     :func:`default_directory` changes (e.g. ``$CODA_JAX_KERNEL_CACHE_DIR`` is set)."""
-    global _active, _default_seen
-    if _active is not None:
-        _active.close()
-    _active = KernelCache(directory, workers)
-    _default_seen = default_directory()  # this choice stands until the default changes
-    return _active
+    return _set_active(KernelCache(directory, workers), default_directory())
 
 
 def disable_kernel_cache() -> None:
     """Turns the cache off (:func:`default_directory` is then ignored until it changes)."""
-    global _active, _default_seen
-    if _active is not None:
-        _active.close()
-    _active = None
-    _default_seen = default_directory()
+    _set_active(None, default_directory())
 
 
 def default_directory() -> str | None:
@@ -482,14 +467,20 @@ def default_directory() -> str | None:
 def active_kernel_cache() -> KernelCache | None:
     """The cache in use: the one :func:`enable_kernel_cache` set, else the one in
     :func:`default_directory` (re-read when it changes), or None."""
-    global _active, _default_seen
     wanted = default_directory()
     if wanted != _default_seen:
-        _default_seen = wanted
-        if _active is not None:
-            _active.close()
-        _active = KernelCache(wanted) if wanted else None
+        _set_active(KernelCache(wanted) if wanted else None, wanted)
     return _active
+
+
+def _set_active(cache: KernelCache | None, default_seen: str | None) -> KernelCache | None:
+    """Makes ``cache`` the process's cache (closing the one it replaces); it stands until
+    :func:`default_directory` differs from ``default_seen``."""
+    global _active, _default_seen
+    if _active is not None:
+        _active.close()
+    _active, _default_seen = cache, default_seen
+    return cache
 
 
 def describe(directory: str | os.PathLike) -> dict[str, Any]:
