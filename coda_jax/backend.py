@@ -206,11 +206,9 @@ def lowering_for(op: str, backend: str | None = None) -> GemmLowering:
     """The GEMM lowering that runs ``op`` (resolving the backend, applying fallback)."""
     name = resolve_backend(backend)
     _ensure_registered(name)
-    if op in _ops[name]:
-        if name == "xla":  # ordinary XLA ops: the SPMD partitioner splits them itself
-            return _lowerings[name]()
-        from coda_jax.partitioning import PartitionedLowering
+    from coda_jax.partitioning import PartitionedLowering
 
+    if op in _ops[name]:
         return PartitionedLowering(_lowerings[name]())
     if not _fallback_allowed():
         raise BackendOpMissingError(
@@ -222,4 +220,4 @@ def lowering_for(op: str, backend: str | None = None) -> GemmLowering:
         _fallback_warned.add((op, name))
         logger.warning("coda-jax: op %r is not implemented by backend %r; falling back to 'xla'", op, name)
     _ensure_registered("xla")
-    return _lowerings["xla"]()
+    return PartitionedLowering(_lowerings["xla"]())

@@ -2,7 +2,7 @@
 
 A kernel backend's GEMM is one opaque custom call (a Mosaic GPU kernel, a CuTeDSL FFI call):
 XLA's SPMD partitioner cannot split it, so without rules it gathers every operand and each
-device computes the whole problem. :class:`PartitionedLowering` wraps a kernel backend's
+device computes the whole problem. :class:`PartitionedLowering` wraps a backend's
 :class:`~coda_jax.lowering.GemmLowering` at the one seam every op goes through and runs the
 kernel under :func:`jax.shard_map` over the context mesh (``jax.set_mesh``), with
 shardings derived from the epilogue declaration:
@@ -30,9 +30,15 @@ shardings derived from the epilogue declaration:
 Which mesh axes shard tokens: :data:`TOKEN_AXES` (``("data", "fsdp")``), those present in
 the context mesh with size > 1; :func:`set_token_axes` changes them. Without a context mesh,
 or when the token count is not a multiple of the token axes' size, the kernel runs
-unpartitioned (logged once). The ``"xla"`` backend needs none of this: its GEMMs and
-epilogues are ordinary XLA ops that the partitioner splits itself. ``docs/multi_gpu.md``
-has the rules per op.
+unpartitioned (logged once).
+
+GEMMs that are ordinary XLA ops (every GEMM of the ``"xla"`` backend; the plain GEMMs that
+the kernel backends route to XLA's dot) follow the same rules when the mesh splits the
+parameters (an :data:`FSDP_AXIS` among the token axes). Left to the partitioner there, they
+gathered activations instead of the weight: the ``xla`` backend's 1B step ran at 0.71x
+plain JAX on two H100s (benchmarks/RESULTS.md, run 140). With the weights whole (data
+parallel) the partitioner splits them by tokens itself, as measured (runs 96, 139).
+``docs/multi_gpu.md`` has the rules per op.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ from coda_jax.lowering import GemmLowering, gemm_dims, routes_to_xla
 logger = logging.getLogger("coda_jax")
 
 TOKEN_AXES: tuple[str, ...] = ("data", "fsdp")
+# The token axis over which the parameters are split too (FSDP, ZeRO-3).
+FSDP_AXIS = "fsdp"
 PARTIAL_SUMS_ENV = "CODA_JAX_PARTIAL_SUMS"
 _warned: set[str] = set()
 
@@ -125,7 +133,7 @@ def _row_specs(epi: Epilogue, tok) -> tuple[dict[str, P], dict[str, P]]:
 
 
 class PartitionedLowering:
-    """A kernel backend's :class:`GemmLowering`, partitioned over the context mesh."""
+    """A backend's :class:`GemmLowering`, partitioned over the context mesh."""
 
     def __init__(self, inner: GemmLowering):
         self.inner = inner
@@ -137,9 +145,9 @@ class PartitionedLowering:
         kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes)
         mesh = context_mesh()
         axes = token_axes(mesh)
-        m, n, k = gemm_dims(a, b, transpose_a, transpose_b)
-        on_xla = routes_to_xla(self.inner.name, epilogue, m, n, k, getattr(self.inner, "plain_gemm", None))
-        if not axes or on_xla:  # no mesh; or ordinary XLA ops, which the partitioner splits itself
+        if not axes or (FSDP_AXIS not in axes and self._xla_ops(epilogue, a, b, transpose_a, transpose_b)):
+            # No mesh; or XLA ops with the weights whole (data parallel), which the
+            # partitioner splits by tokens itself (runs 96 and 139: `xla` 1.00-1.01x plain JAX).
             return self.inner.gemm(epilogue, a, b, loads, **kw)
         shards = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[x] for x in axes)
         tok = axes if len(axes) > 1 else axes[0]
@@ -175,6 +183,15 @@ class PartitionedLowering:
             # gradient is FSDP-split), which it can schedule and combine with the other gradients'.
             return {k: _sum_shards(v).astype(dtypes[k]) for k, v in partials.items()}
         return shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
+
+
+    def _xla_ops(self, epilogue: Epilogue, a, b, transpose_a: bool, transpose_b: bool) -> bool:
+        """Whether this GEMM runs as ordinary XLA ops (the ``xla`` backend; a kernel backend's
+        plain GEMMs and the programs it routes to XLA), not as an opaque kernel."""
+        if self.inner.name == "xla":
+            return True
+        m, n, k = gemm_dims(a, b, transpose_a, transpose_b)
+        return routes_to_xla(self.inner.name, epilogue, m, n, k, getattr(self.inner, "plain_gemm", None))
 
 
 def shard_map_over(mesh, body, in_specs, out_specs, *args):

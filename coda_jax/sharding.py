@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from coda_jax import partitioning
 
-FSDP_AXIS = "fsdp"
+FSDP_AXIS = partitioning.FSDP_AXIS
 # Logical axis names the layers attach to their parameters (``nnx.Param`` metadata
 # ``out_sharding``, :func:`logical_param`) and the mesh axis each maps to: FSDP splits the
 # model width, tensor parallelism the MLP features and the attention heads (of ``w_o``; the

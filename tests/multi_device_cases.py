@@ -184,6 +184,94 @@ def case_wgrad_partials() -> None:
     print("OK wgrad_partials")
 
 
+def _float_activation_gathers(hlo: str, batch: int, seq: int) -> list[str]:
+    """Floating-point all-gathers whose result is shaped like an activation (leading
+    ``[batch*seq]`` or ``[batch, seq]``): a GEMM's operands gathered over the token axes."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(-start)?\(", line)
+        if not m or not m.group(1).startswith(("f", "bf")):
+            continue
+        dims = [int(x) for x in m.group(2).split(",") if x]
+        if dims and (dims[0] == batch * seq or dims[:2] == [batch, seq]):
+            out.append(line.strip()[:160])
+    return out
+
+
+def _token_dots_outside_shard_map(jaxpr, tokens: int) -> list[str]:
+    """2-D ``dot_general``s over a ``tokens``-long dimension that are not inside a
+    ``shard_map``: GEMMs on activations left to the partitioner (in any sub-jaxpr)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            continue
+        if eqn.primitive.name == "dot_general":
+            shapes = [v.aval.shape for v in eqn.invars]
+            if all(len(x) == 2 for x in shapes) and any(tokens in x for x in shapes):
+                found.append(" x ".join(map(str, shapes)))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _token_dots_outside_shard_map(sub, tokens)
+    return found
+
+
+def case_fsdp_step_gathers(backend: str) -> None:
+    """The example's train step (``examples/train_llama.make_steps``: loss, gradients, AdamW)
+    of CodaLlama with FSDP-split state on ``fsdp=2``: no activation-shaped all-gather in the
+    compiled step, on the ``xla`` backend and the kernel stand-in. The partitioner, left to
+    place the ``xla`` backend's GEMMs (and the kernel backends' plain GEMMs), gathered the
+    per-token ``rstd``, the SwiGLU input and the logits instead of the weights: 0.71x plain
+    JAX on two H100s (RESULTS.md, run 140). Tokens (384) differ from every weight
+    dimension, so no weight gather is counted."""
+    from pathlib import Path
+
+    from flax import nnx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_llama
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
+
+    if backend == "pallas":
+        install_opaque_kernel()
+    cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=640, num_layers=3, num_heads=4,
+                           num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    batch, seq = 8, 48
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
+    mesh = mesh_from_spec("fsdp=2", jax.devices()[:2])
+
+    def compiled_step():
+        with jax.set_mesh(mesh):
+            model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
+            opt = nnx.Optimizer(model, train_llama.make_tx(3e-4, 10, 1000), wrt=nnx.Param)
+            state = shard_state(nnx.state((model, opt)), mesh)
+            step, _, _ = train_llama.make_steps(model, opt, jax.tree.map(lambda x: x.sharding, state))
+            t = jax.device_put(tokens, batch_sharding(mesh))
+            traced = step.trace(state, t[:, :-1], t[:, 1:])
+            compiled = traced.lower().compile()
+            dots = _token_dots_outside_shard_map(traced.jaxpr.jaxpr, batch * seq)
+            return float(compiled(state, t[:, :-1], t[:, 1:])[1]), compiled.as_text(), dots
+
+    loss, hlo, dots = compiled_step()
+    assert np.isfinite(loss), loss
+    # Every GEMM on activations runs in a token-split shard_map (the plain ones routed to XLA's
+    # dot too: on the GPU the partitioner gathered around those, 15 per 1B step, run 140).
+    assert not dots, f"{backend}: GEMMs on activations left to the partitioner: {dots}"
+    gathers = _float_activation_gathers(hlo, batch, seq)
+    assert not gathers, f"{backend}: activation-shaped all-gathers under FSDP:\n" + "\n".join(gathers)
+    if backend == "xla":  # GEMMs left to the partitioner (the code before run 140): it gathers
+        rules = partitioning.PartitionedLowering.gemm
+        partitioning.PartitionedLowering.gemm = lambda self, *a, **kw: self.inner.gemm(*a, **kw)
+        try:
+            loss0, hlo0, dots0 = compiled_step()
+        finally:
+            partitioning.PartitionedLowering.gemm = rules
+        assert _float_activation_gathers(hlo0, batch, seq), "expected activation all-gathers without the rules"
+        assert dots0, "expected GEMMs outside shard_map without the rules"
+        assert abs(loss0 - loss) <= 1e-3 * abs(loss), (loss0, loss)
+    print(f"OK fsdp_gathers_{backend}")
+
+
 def _model_step(backend: str, cfg):
     """(jitted ``value_and_grad`` of ``CodaLlama(cfg).loss``, its state, tokens ``[8, 33]``,
     the one-device result)."""
@@ -456,6 +544,8 @@ CASES = {
     "ops_dp_auto": lambda: case_ops_data_parallel("auto"),
     "ops_dp_explicit": lambda: case_ops_data_parallel("explicit"),
     "wgrad_partials": case_wgrad_partials,
+    "fsdp_gathers_xla": lambda: case_fsdp_step_gathers("xla"),
+    "fsdp_gathers_pallas": lambda: case_fsdp_step_gathers("pallas"),
     "kernel_cache_auto": lambda: case_kernel_cache_under_mesh("auto"),
     "kernel_cache_explicit": lambda: case_kernel_cache_under_mesh("explicit"),
     "vocab_ce_2x1x4_explicit": lambda: case_vocab_parallel_ce((2, 1, 4), "explicit"),
