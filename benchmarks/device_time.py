@@ -15,30 +15,56 @@ import tempfile
 import jax
 
 
-def device_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(kernel name, start, duration) in microseconds of every event on a GPU stream."""
-    paths = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))
-    if not paths:
-        return []
-    events = json.load(gzip.open(paths[-1]))["traceEvents"]
-    gpu_pids = {e["pid"] for e in events
-                if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"].get("name", "")}
+def kernels_by_gpu(events: list[dict]) -> dict[str, list[tuple[str, float, float]]]:
+    """``{GPU process name: [(kernel name, start, duration), ...]}`` (microseconds) of the
+    events on each GPU's streams in a Perfetto trace's ``traceEvents``: one entry per GPU
+    that ran something (a trace of a step on a mesh has one per device)."""
+    gpu_names = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"].get("name", "")}
     streams = {(e["pid"], e["tid"]) for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu_pids
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu_names
                and e["args"].get("name", "").lower().startswith("stream")}
-    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-            if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams]
+    out: dict[str, list[tuple[str, float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams:
+            out.setdefault(gpu_names[e["pid"]], []).append((e["name"], float(e["ts"]), float(e["dur"])))
+    return out
 
 
-def trace_kernels(fn, args, calls: int) -> list[tuple[str, float, float]]:
-    """:func:`device_kernels` of ``calls`` calls of ``fn(*args)`` dispatched back to back
-    under ``jax.profiler`` (no warm-up: compile before)."""
+def trace_events(trace_dir: str) -> list[dict]:
+    """The ``traceEvents`` of the newest Perfetto trace under ``trace_dir`` ([] if none)."""
+    paths = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))
+    return json.load(gzip.open(paths[-1]))["traceEvents"] if paths else []
+
+
+def device_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start, duration) in microseconds of every event on a GPU stream (of
+    every GPU in the trace)."""
+    return [k for ks in kernels_by_gpu(trace_events(trace_dir)).values() for k in ks]
+
+
+def busy_us(kernels: list[tuple[str, float, float]]) -> float:
+    """Microseconds in which at least one of ``kernels`` runs (the union of their
+    intervals: kernels on concurrent streams, e.g. a collective beside a GEMM, count once)."""
+    total, end = 0.0, None
+    for _, t, d in sorted(kernels, key=lambda k: k[1]):
+        if end is None or t >= end:
+            total, end = total + d, t + d
+        elif t + d > end:
+            total, end = total + (t + d - end), t + d
+    return total
+
+
+def trace_kernels(fn, args, calls: int, per_gpu: bool = False):
+    """:func:`device_kernels` (or with ``per_gpu``, :func:`kernels_by_gpu`) of ``calls``
+    calls of ``fn(*args)`` dispatched back to back under ``jax.profiler`` (no warm-up:
+    compile before)."""
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
         outs = [fn(*args) for _ in range(calls)]
         jax.block_until_ready(outs)
         jax.profiler.stop_trace()
-        return device_kernels(tmp)
+        return kernels_by_gpu(trace_events(tmp)) if per_gpu else device_kernels(tmp)
 
 
 def device_ms_per_call(fn, args, calls: int = 5) -> float | None:

@@ -9,7 +9,8 @@
 # TRAIN_BACKENDS="xla xla cutedsl cutedsl:CODA_JAX_CUTEDSL_SCHEDULE=pingpong" picks the runs: an
 # entry "backend:VAR=VALUE[,VAR=VALUE]" trains under those environment settings (a variant); a
 # repeated entry is a rerun (label <spec>_run2), which measures run-to-run noise. PROFILE=1 profiles the block's fwd+bwd per
-# kernel (benchmarks/profile_block.py, PROFILE_ARGS; "--model 1b --layers 4" profiles a training step).
+# kernel (benchmarks/profile_block.py, PROFILE_ARGS; "--model 1b --layers 4" profiles a training step;
+# "--model 1b --mesh data=2 --batch 16" the step on all GPUs, per GPU, with the NCCL kernels' overlap).
 # REPEAT_PROBE="cutedsl cutedsl xla xla" runs one training step per entry, each in its own process,
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
 # STEP_BENCH="1b:8:1024 8b-4:4:1024" times the train step of CodaLlama per backend against the

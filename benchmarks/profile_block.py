@@ -2,23 +2,28 @@
 
     python benchmarks/profile_block.py --out $OUT [--width 2048] [--backends xla,pallas]
     python benchmarks/profile_block.py --out $OUT --model 1b [--layers 4] [--batch 8 --seq 1024]
+    python benchmarks/profile_block.py --out $OUT --model 1b --mesh data=2 --batch 16 --backends plain,pallas
 
 Traces ``--steps`` fwd+bwd steps of the plain XLA block (``baseline``) and of
 ``CodaLlamaBlock`` on each backend with ``jax.profiler`` (CUPTI kernel events), then sums
 the device time of every kernel per step. Kernels are put in classes by name: ``coda``
-(this library's Pallas and CuTeDSL kernels, named ``coda_<epilogue>...``), ``gemm`` (cuBLAS / XLA GEMMs),
-``attention`` (cuDNN), ``cutedsl`` and ``other`` (XLA fusions: elementwise passes,
-reductions, transposes, copies). Prints, per variant, the class totals and the top kernels;
-writes ``<out>/profile_<width>.json``. With ``--model``, the same for one training step's
-fwd+bwd (no optimizer update) of ``CodaLlama`` on each backend and of the plain JAX Llama
-(``--backends plain,xla,pallas``), to find where an end-to-end difference comes from; writes
-``<out>/profile_<model>.json``.
+(this library's Pallas and CuTeDSL kernels, named ``coda_<epilogue>...``), ``collective``
+(NCCL), ``gemm`` (cuBLAS / XLA GEMMs), ``attention`` (cuDNN), ``cutedsl`` and ``other`` (XLA
+fusions: elementwise passes, reductions, transposes, copies). Prints, per variant, the class
+totals, the busy time (kernels on concurrent streams counted once), the overlap and the idle
+time, and the top kernels; writes ``<out>/profile_<width>.json``. With ``--model``, the same
+for one training step's fwd+bwd (no optimizer update) of ``CodaLlama`` on each backend and
+of the plain JAX Llama (``--backends plain,xla,pallas``), to find where an end-to-end
+difference comes from; writes ``<out>/profile_<model>.json``. ``--mesh`` runs that step on a
+mesh over all GPUs (gradients all-reduced or reduce-scattered inside it) and reports the
+mean over the GPUs and each GPU's totals: how much of the collectives overlaps compute.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import sys
@@ -29,10 +34,11 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench  # noqa: E402
-from device_time import trace_kernels  # noqa: E402
+from device_time import busy_us, trace_kernels  # noqa: E402
 
 CLASSES = (  # first match wins; matched against the lower-cased kernel name
     ("coda", ("coda_",)),
+    ("collective", ("nccl", "allreduce", "all_reduce", "allgather", "all_gather", "reducescatter", "reduce_scatter")),
     ("attention", ("cudnn", "flash", "fmha", "sdpa", "attn")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "wgmma")),
     ("cutedsl", ("kernel_cutlass", "cute")),
@@ -47,16 +53,12 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
-    """Per-step device time by kernel and by class (milliseconds), the wall time, and the
-    idle time: the steps are dispatched back to back, so GPU time not covered by a kernel
-    within their span is launch gaps and host waits."""
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    wall_ms = bench.median_ms(fn, *args, iters=10, min_sample_ms=30.0)
-    if hlo_path is not None:  # to look up which ops an XLA fusion holds
-        hlo_path.write_text(fn.lower(*args).compile().as_text())
-    kernels = trace_kernels(fn, args, steps)
+def gpu_summary(kernels: list[tuple[str, float, float]], steps: int) -> dict:
+    """One GPU's kernels of ``steps`` back-to-back steps, per step (milliseconds): the
+    summed kernel time by kernel and by class, the busy time (the union of the kernels'
+    intervals: a collective beside a GEMM on another stream counts once), the overlap
+    (summed minus busy) and the idle time (the span not covered by any kernel: launch gaps,
+    host waits, a collective waiting for the other GPUs)."""
     span_ms = (max(t + d for _, t, d in kernels) - min(t for _, t, _ in kernels)) / 1e3 / steps if kernels else 0.0
     by_kernel = collections.defaultdict(float)
     count = collections.Counter()
@@ -66,11 +68,51 @@ def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
     by_class = collections.defaultdict(float)
     for name, ms in by_kernel.items():
         by_class[kernel_class(name)] += ms
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])
     device_ms = sum(by_kernel.values())
-    return {"wall_ms": wall_ms, "device_ms": device_ms, "idle_ms": max(span_ms - device_ms, 0.0), "by_class": dict(by_class),
-            "kernels": [{"name": n[:160], "ms": ms, "calls_per_step": count[n] / steps, "class": kernel_class(n)}
-                        for n, ms in top]}
+    busy_ms = busy_us(kernels) / 1e3 / steps
+    return {"device_ms": device_ms, "busy_ms": busy_ms, "overlap_ms": device_ms - busy_ms,
+            "idle_ms": max(span_ms - busy_ms, 0.0), "by_class": dict(by_class), "by_kernel": dict(by_kernel),
+            "calls": {n: c / steps for n, c in count.items()}}
+
+
+def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
+    """Per-step device time by kernel and by class (milliseconds), the wall time, and the
+    busy, overlap and idle times (:func:`gpu_summary`): the steps are dispatched back to
+    back. With several GPUs (a step on a mesh), each figure is the mean over the GPUs, and
+    ``per_gpu`` holds each GPU's class totals."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    wall_ms = bench.median_ms(fn, *args, iters=10, min_sample_ms=30.0)
+    if hlo_path is not None:  # to look up which ops an XLA fusion holds
+        hlo_path.write_text(fn.lower(*args).compile().as_text())
+    gpus = {name: gpu_summary(ks, steps) for name, ks in sorted(trace_kernels(fn, args, steps, per_gpu=True).items())}
+    n = max(len(gpus), 1)
+    mean = lambda key: sum(g[key] for g in gpus.values()) / n  # noqa: E731
+    by_kernel, by_class, calls = collections.defaultdict(float), collections.defaultdict(float), collections.Counter()
+    for g in gpus.values():
+        for k, ms in g["by_kernel"].items():
+            by_kernel[k] += ms / n
+            calls[k] += g["calls"][k] / n
+        for c, ms in g["by_class"].items():
+            by_class[c] += ms / n
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])
+    out = {"wall_ms": wall_ms, "device_ms": mean("device_ms"), "busy_ms": mean("busy_ms"),
+           "overlap_ms": mean("overlap_ms"), "idle_ms": mean("idle_ms"), "by_class": dict(by_class),
+           "kernels": [{"name": k[:160], "ms": ms, "calls_per_step": calls[k], "class": kernel_class(k)}
+                       for k, ms in top]}
+    if len(gpus) > 1:
+        out["per_gpu"] = {name: {k: g[k] for k in ("device_ms", "busy_ms", "overlap_ms", "idle_ms", "by_class")}
+                          for name, g in gpus.items()}
+    return out
+
+
+def on_mesh(fb, a, mesh):
+    """``(fb, args)`` of a model's fwd+bwd with its state placed by ``shard_state`` and the
+    tokens split by ``batch_sharding`` over ``mesh``."""
+    from coda_jax.sharding import batch_sharding, shard_state
+
+    state, tokens = a
+    return fb, (shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh)))
 
 
 def main():
@@ -84,6 +126,9 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="with --model: fewer layers than the preset")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--mesh", default=None,
+                    help="with --model: the step on a mesh over all GPUs (e.g. data=2 or fsdp=2; --batch is global), "
+                         "state and tokens placed as in train_step_bench.py; reports each GPU and the collectives")
     ap.add_argument("--op", default=None,
                     help="profile one op of bench.py's ops part (e.g. norm_qkv_rope) at --width instead; "
                          "backend 'plain' is its plain JAX version (plain_ops.py)")
@@ -117,12 +162,18 @@ def main():
             results[b] = profile(jax.jit(jax.value_and_grad(loss, argnums)), a, args.steps,
                                  out / f"hlo_{tag}_{b}.txt")
     elif args.model:
-        tag = args.model
-        results.update(model=args.model, layers=args.layers, batch=args.batch, seq=args.seq)
+        from coda_jax.sharding import mesh_from_spec
+
+        mesh = mesh_from_spec(args.mesh) if args.mesh else None
+        tag = args.model + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
+        results.update(model=args.model, layers=args.layers, batch=args.batch, seq=args.seq, mesh=args.mesh)
         for b in args.backends.split(","):  # "plain": the plain JAX Llama (benchmarks/plain_llama.py)
             model = bench.plain_model if b == "plain" else functools.partial(bench.coda_model, backend=b)
-            fb, a = model(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
-            results[b] = profile(fb, a, args.steps, out / f"hlo_{tag}_{b}.txt")
+            with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+                fb, a = model(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
+                if mesh is not None:
+                    fb, a = on_mesh(fb, a, mesh)
+                results[b] = profile(fb, a, args.steps, out / f"hlo_{tag}_{b}.txt")
     else:
         tag = str(args.width)
         _, fb, a = bench.baseline_block(args.width)
@@ -138,8 +189,13 @@ def main():
         classes = "  ".join(f"{c} {ms:.3f}" for c, ms in sorted(r["by_class"].items(), key=lambda kv: -kv[1]))
         what = (f"{args.model} x{args.layers or 'all'} layers, {args.batch}x{args.seq}" if args.model
                 else f"{args.op}, d={args.width}" if args.op else f"d={args.width}")
+        if args.mesh:
+            what += f", mesh {args.mesh}, per GPU (mean)"
         print(f"\n## {label} ({what}, fwd+bwd): wall {r['wall_ms']:.3f} ms, device {r['device_ms']:.3f} ms, "
-              f"idle {r['idle_ms']:.3f} ms: {classes}")
+              f"busy {r['busy_ms']:.3f} ms (overlap {r['overlap_ms']:.3f}), idle {r['idle_ms']:.3f} ms: {classes}")
+        for gpu, g in r.get("per_gpu", {}).items():
+            gc = "  ".join(f"{c} {ms:.3f}" for c, ms in sorted(g["by_class"].items(), key=lambda kv: -kv[1]))
+            print(f"  {gpu}: busy {g['busy_ms']:.3f} overlap {g['overlap_ms']:.3f} idle {g['idle_ms']:.3f}: {gc}")
         for k in r["kernels"][: args.top]:
             print(f"  {k['ms']:8.3f} ms  x{k['calls_per_step']:<4g} {k['class']:9s} {k['name'][:110]}")
 

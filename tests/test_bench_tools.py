@@ -271,3 +271,50 @@ def test_untuned_variant_turns_the_tuned_table_off(monkeypatch):
     with bench.backend_variant("pallas@untuned") as base:
         assert base == "pallas" and active_table_path() is None
     assert active_table_path() is not None
+
+
+def test_per_gpu_trace_analysis_counts_overlapping_streams_once():
+    """kernels_by_gpu splits a trace's GPU stream events by device; busy time is the union
+    of the kernel intervals (a collective beside a GEMM on another stream counts once), the
+    overlap the rest; gpu_summary classes NCCL kernels as collectives."""
+    from device_time import busy_us, kernels_by_gpu
+    from profile_block import gpu_summary
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:1"}},
+            {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "Stream #8(nccl)"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #7"}},
+            {"ph": "M", "name": "thread_name", "pid": 3, "tid": 1, "args": {"name": "python"}}]
+    x = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = meta + [x(1, 7, "coda_rms_swiglu_train", 0, 100), x(1, 8, "ncclDevKernel_AllReduce_Sum_bf16", 50, 100),
+                     x(1, 7, "loop_add_fusion", 300, 50), x(2, 7, "coda_rms_swiglu_train", 10, 100),
+                     x(3, 1, "PjitFunction(step)", 0, 400)]
+    gpus = kernels_by_gpu(events)
+    assert sorted(gpus) == ["/device:GPU:0", "/device:GPU:1"]
+    assert len(gpus["/device:GPU:0"]) == 3 and len(gpus["/device:GPU:1"]) == 1
+    assert busy_us(gpus["/device:GPU:0"]) == 200.0  # [0, 150) and [300, 350)
+    g = gpu_summary(gpus["/device:GPU:0"], steps=1)
+    assert g["device_ms"] == 0.25 and g["busy_ms"] == 0.2
+    assert abs(g["overlap_ms"] - 0.05) < 1e-12 and abs(g["idle_ms"] - 0.15) < 1e-12  # span 350 us, busy 200
+    assert g["by_class"] == {"coda": 0.1, "collective": 0.1, "other": 0.05}
+
+
+def test_model_profile_on_a_mesh_runs_on_cpu_devices(tmp_path):
+    """``profile_block.py --model ... --mesh data=2`` builds the sharded step (state and tokens
+    placed over two CPU devices) and writes its profile; the CPU trace has no GPU kernels,
+    so only the bookkeeping runs here."""
+    import json
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_block.py"), "--model", "tiny",
+                        "--mesh", "data=2", "--batch", "4", "--seq", "32", "--backends", "plain,xla", "--steps", "1",
+                        "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+                                XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "profile_tiny_data2.json").read_text())
+    assert result["mesh"] == "data=2" and {"plain", "xla"} <= set(result)
+    assert result["xla"]["wall_ms"] > 0 and "busy_ms" in result["xla"]
+    assert "mesh data=2, per GPU (mean)" in r.stdout
