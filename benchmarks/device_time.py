@@ -37,12 +37,6 @@ def trace_events(trace_dir: str) -> list[dict]:
     return json.load(gzip.open(paths[-1]))["traceEvents"] if paths else []
 
 
-def device_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(kernel name, start, duration) in microseconds of every event on a GPU stream (of
-    every GPU in the trace)."""
-    return [k for ks in kernels_by_gpu(trace_events(trace_dir)).values() for k in ks]
-
-
 def busy_us(kernels: list[tuple[str, float, float]]) -> float:
     """Microseconds in which at least one of ``kernels`` runs (the union of their
     intervals: kernels on concurrent streams, e.g. a collective beside a GEMM, count once)."""
@@ -55,16 +49,15 @@ def busy_us(kernels: list[tuple[str, float, float]]) -> float:
     return total
 
 
-def trace_kernels(fn, args, calls: int, per_gpu: bool = False):
-    """:func:`device_kernels` (or with ``per_gpu``, :func:`kernels_by_gpu`) of ``calls``
-    calls of ``fn(*args)`` dispatched back to back under ``jax.profiler`` (no warm-up:
-    compile before)."""
+def trace_kernels(fn, args, calls: int) -> dict[str, list[tuple[str, float, float]]]:
+    """:func:`kernels_by_gpu` of ``calls`` calls of ``fn(*args)`` dispatched back to back
+    under ``jax.profiler`` (no warm-up: compile before)."""
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
         outs = [fn(*args) for _ in range(calls)]
         jax.block_until_ready(outs)
         jax.profiler.stop_trace()
-        return kernels_by_gpu(trace_events(tmp)) if per_gpu else device_kernels(tmp)
+        return kernels_by_gpu(trace_events(tmp))
 
 
 def device_ms_per_call(fn, args, calls: int = 5) -> float | None:
@@ -72,7 +65,7 @@ def device_ms_per_call(fn, args, calls: int = 5) -> float | None:
     dispatched back to back after a warm-up), or None where the trace holds no GPU kernels
     (a CPU run)."""
     jax.block_until_ready(fn(*args))
-    kernels = trace_kernels(fn, args, calls)
+    kernels = [k for ks in trace_kernels(fn, args, calls).values() for k in ks]
     if not kernels:
         return None
     return sum(d for _, _, d in kernels) / 1e3 / calls

@@ -85,7 +85,7 @@ def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
     wall_ms = bench.median_ms(fn, *args, iters=10, min_sample_ms=30.0)
     if hlo_path is not None:  # to look up which ops an XLA fusion holds
         hlo_path.write_text(fn.lower(*args).compile().as_text())
-    gpus = {name: gpu_summary(ks, steps) for name, ks in sorted(trace_kernels(fn, args, steps, per_gpu=True).items())}
+    gpus = {name: gpu_summary(ks, steps) for name, ks in sorted(trace_kernels(fn, args, steps).items())}
     n = max(len(gpus), 1)
     mean = lambda key: sum(g[key] for g in gpus.values()) / n  # noqa: E731
     by_kernel, by_class, calls = collections.defaultdict(float), collections.defaultdict(float), collections.Counter()

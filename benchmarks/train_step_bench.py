@@ -51,17 +51,27 @@ def parse_mesh(spec: str | None):
     return mesh_from_spec(spec) if spec else None
 
 
-def activation_all_gathers(hlo: str, batch: int, seq: int) -> int:
-    """All-gathers in compiled HLO text whose result is shaped like an activation
-    (``[batch*seq, ...]`` or ``[batch, seq, ...]``): a kernel's operands gathered. Weight
-    gathers (FSDP) are not counted."""
+def activation_gathers(hlo: str, batch: int, seq: int, floating_only: bool = False) -> list[str]:
+    """The all-gathers in compiled HLO text whose result is shaped like an activation
+    (``[batch*seq, ...]`` or ``[batch, seq, ...]``: a kernel's operands gathered), each as
+    its line; with ``floating_only``, those of floating-point arrays. Weight gathers (FSDP)
+    do not match."""
     import re
 
-    n = 0
-    for m in re.finditer(r"= \w+\[([\d,]*)\][^ ]* all-gather(-start)?\(", hlo):
-        dims = [int(x) for x in m.group(1).split(",") if x]
-        n += bool(dims) and (dims[0] == batch * seq or dims[:2] == [batch, seq])
-    return n
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(-start)?\(", line)
+        if not m or (floating_only and not m.group(1).startswith(("f", "bf"))):
+            continue
+        dims = [int(x) for x in m.group(2).split(",") if x]
+        if dims and (dims[0] == batch * seq or dims[:2] == [batch, seq]):
+            out.append(line.strip()[:160])
+    return out
+
+
+def activation_all_gathers(hlo: str, batch: int, seq: int) -> int:
+    """How many :func:`activation_gathers` the step has."""
+    return len(activation_gathers(hlo, batch, seq))
 
 
 def parse_run(spec: str) -> tuple[str, dict[str, str]]:

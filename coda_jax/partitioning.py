@@ -184,7 +184,6 @@ class PartitionedLowering:
             return {k: _sum_shards(v).astype(dtypes[k]) for k, v in partials.items()}
         return shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
 
-
     def _xla_ops(self, epilogue: Epilogue, a, b, transpose_a: bool, transpose_b: bool) -> bool:
         """Whether this GEMM runs as ordinary XLA ops (the ``xla`` backend; a kernel backend's
         plain GEMMs and the programs it routes to XLA), not as an opaque kernel."""

@@ -184,20 +184,6 @@ def case_wgrad_partials() -> None:
     print("OK wgrad_partials")
 
 
-def _float_activation_gathers(hlo: str, batch: int, seq: int) -> list[str]:
-    """Floating-point all-gathers whose result is shaped like an activation (leading
-    ``[batch*seq]`` or ``[batch, seq]``): a GEMM's operands gathered over the token axes."""
-    out = []
-    for line in hlo.splitlines():
-        m = re.search(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(-start)?\(", line)
-        if not m or not m.group(1).startswith(("f", "bf")):
-            continue
-        dims = [int(x) for x in m.group(2).split(",") if x]
-        if dims and (dims[0] == batch * seq or dims[:2] == [batch, seq]):
-            out.append(line.strip()[:160])
-    return out
-
-
 def _token_dots_outside_shard_map(jaxpr, tokens: int) -> list[str]:
     """2-D ``dot_general``s over a ``tokens``-long dimension that are not inside a
     ``shard_map``: GEMMs on activations left to the partitioner (in any sub-jaxpr)."""
@@ -226,8 +212,11 @@ def case_fsdp_step_gathers(backend: str) -> None:
 
     from flax import nnx
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    root = Path(__file__).resolve().parents[1]
+    for p in (root / "benchmarks", root / "examples"):
+        sys.path.insert(0, str(p))
     import train_llama
+    from train_step_bench import activation_gathers
 
     from coda_jax.layers import CodaLlama, LlamaConfig
     from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
@@ -257,7 +246,7 @@ def case_fsdp_step_gathers(backend: str) -> None:
     # Every GEMM on activations runs in a token-split shard_map (the plain ones routed to XLA's
     # dot too: on the GPU the partitioner gathered around those, 15 per 1B step, run 140).
     assert not dots, f"{backend}: GEMMs on activations left to the partitioner: {dots}"
-    gathers = _float_activation_gathers(hlo, batch, seq)
+    gathers = activation_gathers(hlo, batch, seq, floating_only=True)
     assert not gathers, f"{backend}: activation-shaped all-gathers under FSDP:\n" + "\n".join(gathers)
     if backend == "xla":  # GEMMs left to the partitioner (the code before run 140): it gathers
         rules = partitioning.PartitionedLowering.gemm
@@ -266,7 +255,7 @@ def case_fsdp_step_gathers(backend: str) -> None:
             loss0, hlo0, dots0 = compiled_step()
         finally:
             partitioning.PartitionedLowering.gemm = rules
-        assert _float_activation_gathers(hlo0, batch, seq), "expected activation all-gathers without the rules"
+        assert activation_gathers(hlo0, batch, seq, floating_only=True), "expected activation all-gathers without the rules"
         assert dots0, "expected GEMMs outside shard_map without the rules"
         assert abs(loss0 - loss) <= 1e-3 * abs(loss), (loss0, loss)
     print(f"OK fsdp_gathers_{backend}")
