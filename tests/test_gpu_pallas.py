@@ -31,6 +31,10 @@ CONFIGS = {
     # Each consumer owns whole tiles in turn: one's epilogue overlaps the other's MMAs.
     "ws_pingpong": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None),
     "ws_pingpong_cluster_m": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong"),
+    # Cooperative on the stage ring, one K step's MMAs in flight per consumer.
+    "ws_ring": dataclasses.replace(CONFIG_TABLE["default"], delay_release=1),
+    "ws_ring_no_cluster_split_m": dataclasses.replace(CONFIG_TABLE["default"], delay_release=1,
+                                                      cluster_dimension=None, wg_dimension="m"),
 }
 
 

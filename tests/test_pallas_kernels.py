@@ -200,6 +200,38 @@ def test_pingpong_cluster_multicast(cluster):
     _compare(programs.rms_dgrad(True), 200, 300, 130, transpose_b=True, config=cfg, seed=17)
 
 
+RING = dataclasses.replace(WS_N, delay_release=1)
+
+
+@pytest.mark.parametrize("epi,kw", [c for c in CASES if c[0].name in (
+    "identity", "residual_rms", "rms_swiglu_train", "rms_rope", "rms_lse", "rms_dgrad_res", "norm_wgrad",
+    "swiglu_dgrad")], ids=lambda c: getattr(c, "name", ""))
+def test_cooperative_stage_ring(epi, kw):
+    # delay_release=1: both consumers on every 64 x 256 CTA tile (split along N), each keeping
+    # one K step's MMAs in flight. 4 CTAs, 8 tiles, 4 K steps a tile through 2 stages: the
+    # ring wraps inside a tile and across the CTA's two tiles.
+    shape = _shape(256, 512, 256, {o.name: jnp.bfloat16 for o in epi.outputs}, num_sms=4, **kw)
+    ldt = _dtypes(**{l.name: jnp.float32 if l.kind in (LoadKind.ROW, LoadKind.COL, LoadKind.ROW_BLOCK) else jnp.bfloat16
+                     for l in epi.loads})
+    planned = plan_kernel(epi, shape, RING, ldt)
+    assert planned.warp_specialized and not planned.pingpong and planned.delay_release == 1
+    _compare(epi, 256, 512, 256, config=RING, seed=23, **kw)
+
+
+@pytest.mark.parametrize("cfg", [dataclasses.replace(RING, wg_dimension="m"),
+                                 dataclasses.replace(RING, cluster_dimension="m", grid_minor_dim="m"),
+                                 dataclasses.replace(RING, cluster_dimension="n", max_concurrent_steps=3)],
+                         ids=["split_m", "cluster_m", "cluster_n_3_stages"])
+def test_cooperative_stage_ring_variants(cfg):
+    # M split of the CTA tile; CTA pairs sharing B (or A) by multicast, where a stage is
+    # refilled only after the consumers of both CTAs released it; ragged shapes; a
+    # transposed B (dgrad) and, on the N split, a transposed A (wgrad).
+    _compare(programs.RESIDUAL_RMS, 256, 512, 256, config=cfg, seed=24)
+    _compare(programs.rms_dgrad(True), 200, 300, 130, transpose_b=True, config=cfg, seed=25)
+    if cfg.wg_dimension == "n":
+        _compare(programs.NORM_WGRAD, 128, 256, 192, transpose_a=True, config=cfg, seed=26)
+
+
 def test_plan_fits_heavy_epilogues_in_smem():
     # QK-norm RoPE training epilogue: f32 cos/sin staging + two tile outputs do not fit beside
     # 4 stages of the 256x128 warp-specialized CTA tile; the plan falls back until it fits.
@@ -445,6 +477,23 @@ def test_choose_config_schedule(monkeypatch):
     monkeypatch.setenv(SCHEDULE_ENV, "pingpang")
     with pytest.raises(ValueError, match="CODA_JAX_PALLAS_SCHEDULE"):
         choose_config(*big)
+
+
+def test_delay_release_env(monkeypatch):
+    from coda_jax.pallas.tuning import DELAY_RELEASE_ENV, with_delay_release_env
+
+    coop, pp = CONFIG_TABLE["default"], dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong")
+    monkeypatch.delenv(DELAY_RELEASE_ENV, raising=False)
+    assert with_delay_release_env(coop) is coop
+    monkeypatch.setenv(DELAY_RELEASE_ENV, "1")
+    assert with_delay_release_env(coop).delay_release == 1
+    assert with_delay_release_env(pp) is pp and with_delay_release_env(SMALL) is SMALL  # not cooperative WS
+    assert PallasLowering.default_config(programs.IDENTITY, 8192, 2048, 2048, False, False, True).delay_release == 1
+    monkeypatch.setenv(DELAY_RELEASE_ENV, "2")
+    with pytest.raises(ValueError, match="CODA_JAX_PALLAS_DELAY_RELEASE"):
+        with_delay_release_env(coop)
+    with pytest.raises(ValueError, match="delay_release must be 0 or 1"):
+        dataclasses.replace(coop, delay_release=2)
 
 
 def test_every_program_config_names_a_real_program():

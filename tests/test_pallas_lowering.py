@@ -26,6 +26,7 @@ CONFIGS = {
     "no_cluster": dataclasses.replace(CONFIG_TABLE["default"], cluster_dimension=None),
     "pingpong": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None),
     "pingpong_cluster_m": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong"),
+    "ring": dataclasses.replace(CONFIG_TABLE["default"], delay_release=1),
 }
 
 

@@ -9,7 +9,7 @@ epilogue's tile loads are issued before the MMAs so they land during the mainloo
 default CTAs run in clusters of two along M that share each B block through one multicast
 TMA load (``TuningConfig.cluster_dimension``). Both consumers run their epilogues at the same
 time, while the tensor cores wait. The ping-pong kernel (``TuningConfig.schedule="pingpong"``,
-:func:`_pingpong_body`) instead gives each consumer whole ``[tile_m, tile_n]`` tiles in turn,
+:func:`_ring_body`) instead gives each consumer whole ``[tile_m, tile_n]`` tiles in turn,
 so one consumer's epilogue runs beside the other's MMAs. :func:`coda_jax.pallas.tuning.choose_config`
 picks it for the programs where it measured faster. The
 single-warpgroup kernel (``plgpu.emit_pipeline``) serves what does not fit beside it.
@@ -503,8 +503,8 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
     emitter = _EpilogueEmitter(epi, shape, cfg, dict(load_dtypes))
     ldt = dict(load_dtypes)
     ws = cfg.warp_specialized
-    if cfg.pingpong:
-        body = _pingpong_body(emitter, shape, cfg, ldt)
+    if cfg.pingpong or (ws and cfg.delay_release):
+        body = _ring_body(emitter, shape, cfg, ldt)
     else:
         body = _ws_body(emitter, shape, cfg, ldt) if ws else _simple_body(emitter, shape, cfg, ldt)
     body.__name__ = body.__qualname__ = f"coda_{epi.name}"  # the kernel's name in profiles
@@ -684,25 +684,36 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232
 
 
-def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
-    """Warp-specialized, ping-pong: a producer warpgroup feeds two consumers that take turns.
+def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
+    """Warp-specialized on a hand-written stage ring: a producer warpgroup feeds two consumers.
 
-    The CTA's output tiles (``lin = sm, sm + n_programs, ...``, planar-snake order) alternate
-    between the consumers: consumer ``c`` owns the CTA's tiles ``i = c, c + 2, ...`` and
-    computes each ``[tm, tn]`` tile whole, mainloop and epilogue. The producer walks all the
-    CTA's tiles and K steps in that order and loads them through ONE ring of
-    ``S = max_concurrent_steps`` stages. So while a consumer runs its epilogue, the other
-    consumer's MMAs run on the blocks that were streaming in meanwhile. This is the overlap
-    that the cooperative kernel lacks.
+    Two schedules share the producer and the ring:
+
+    * **ping-pong** (``cfg.pingpong``): the CTA's output tiles (``lin = sm, sm + n_programs,
+      ...``, planar-snake order) alternate between the consumers: consumer ``c`` owns the
+      CTA's tiles ``i = c, c + 2, ...`` and computes each ``[tm, tn]`` tile whole, mainloop
+      and epilogue. While a consumer runs its epilogue, the other consumer's MMAs run on the
+      blocks that were streaming in meanwhile. This is the overlap that the cooperative
+      kernel lacks.
+    * **cooperative** (``cfg.delay_release == 1``): both consumers take every CTA tile, each
+      its ``[tm, tn]`` half (``wg_dimension``), as in :func:`_ws_body`; but each consumer
+      issues K step ``k+1``'s MMAs before it waits for step ``k``'s (``wgmma_wait(1)``), so
+      the tensor cores do not drain between steps, and releases step ``k``'s stage then.
+
+    The producer walks all the CTA's tiles and K steps in order and loads them through ONE
+    ring of ``S = max_concurrent_steps`` stages, running into the next tile while the
+    consumers run their epilogues.
 
     Barriers. Step ``t`` (tile ``t // K``, K step ``t % K``) lives in stage ``t % S``.
-    * ``full[c, s]`` is filled by the A and B loads of consumer ``c``'s steps in stage ``s``.
-      Each consumer waits on its own barriers only, so it waits on every phase of them (the
-      Pallas phase-bit invariant), although the stages are shared.
-    * ``free[s]`` is arrived at by the consumer that used stage ``s`` once its MMA has read
-      the stage, and waited on by the producer before it refills the stage.
+    * ``full[c, s]`` (ping-pong) is filled by the A and B loads of consumer ``c``'s steps in
+      stage ``s``. Each consumer waits on its own barriers only, so it waits on every phase
+      of them (the Pallas phase-bit invariant), although the stages are shared. Cooperative:
+      ``full[s]``, waited on by both consumers, each at every phase.
+    * ``free[s]`` is arrived at by the consumer(s) that used stage ``s`` (one, or both when
+      cooperative) once their MMAs have read the stage, and waited on by the producer before
+      it refills the stage. A tile's last stage is released after ``wgmma_wait(0)``.
     No barrier can complete twice before its waiter sees the first completion: a stage is
-    refilled only after its previous user has released it.
+    refilled only after its previous users have released it.
 
     Clusters (``cluster_dimension="m"``): two CTAs take vertically neighbouring tiles of
     the same column at the same time, and the B block they share arrives by one multicast
@@ -712,28 +723,41 @@ def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, 
     """
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     ta, tb = shape.transpose_a, shape.transpose_b
+    coop = not cfg.pingpong
+    split_n = cfg.wg_dimension == "n"
+    cta_m, cta_n = cfg.cta_tile()
     cl_m, cl_n = cfg.cluster_tile()
     grid_m, grid_n, k_iters = shape.m // cl_m, shape.n // cl_n, shape.k // tk
     cluster = _cluster_size(cfg)
     n_tiles, n_programs, stages = grid_m * grid_n, shape.num_sms // cluster, cfg.max_concurrent_steps
-    a_block, b_block = _specs(shape, cfg, tm, tn)
+    a_block, b_block = _specs(shape, cfg, cta_m, cta_n)
     dt = shape.operand_dtype
     n_bar = em.n_barriers
     a_shared = "cluster" if cfg.cluster_dimension == "n" else None
     b_shared = "cluster" if cfg.cluster_dimension == "m" else None
+    users = 2 if coop else 1  # consumers that read each stage
     if cluster > 1:
-        free_type = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=stages)
+        free_type = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=users, num_barriers=stages)
     else:
-        free_type = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
+        free_type = plgpu.Barrier(num_arrivals=users, num_barriers=stages)
 
     def tile_origin(i, sm):
-        """(mi, ni) of this CTA's ``i``-th tile (its half of the cluster's tile)."""
+        """(mi, ni) of this CTA's ``i``-th CTA tile (its half of the cluster's tile)."""
         mi, ni = _tile_order(sm + i * n_programs, grid_m, grid_n, cfg)
         if cfg.cluster_dimension == "m":
             mi = 2 * mi + lax.axis_index("cluster")
         elif cfg.cluster_dimension == "n":
             ni = 2 * ni + lax.axis_index("cluster")
         return mi, ni
+
+    def operand_views(a_smem, b_smem, slot, wg):
+        """Consumer ``wg``'s wgmma operands in stage ``slot``."""
+        a, b = a_smem.at[slot], b_smem.at[slot]
+        if coop and split_n:
+            b = b.at[pl.ds(wg * tn, tn)] if tb else b.at[:, pl.ds(wg * tn, tn)]
+        elif coop:
+            a = a.at[pl.ds(wg * tm, tm)]  # ws_applies: no transposed A with an M split
+        return a.transpose((1, 0)) if ta else a, b.transpose((1, 0)) if tb else b
 
     def body(a_gmem, b_gmem, *refs):
         load_refs, out_refs = _split_refs(em.epi, refs)
@@ -744,7 +768,8 @@ def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, 
             pl.run_scoped,
             a_smem=plgpu.SMEM((stages, *a_block), dt, transforms=_transforms(a_block[1], dt)),
             b_smem=plgpu.SMEM((stages, *b_block), dt, transforms=_transforms(b_block[1], dt)),
-            full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # [consumer, stage]: A + B
+            # [consumer, stage] (ping-pong) or [stage]: A + B loads arrive.
+            full=plgpu.Barrier(num_arrivals=2, num_barriers=stages if coop else 2 * stages),
             free=free_type,
             collective_axes="wg", **em.scratch_types(ldt, copies=2))
         def _scope(a_smem, b_smem, full, free, **scr):
@@ -758,7 +783,7 @@ def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, 
                 @pl.loop(0, my_tiles)
                 def _tile(i):
                     mi, ni = tile_origin(i, sm)
-                    owner = lax.rem(i, 2)
+                    owner = 0 if coop else lax.rem(i, 2)
 
                     @pl.loop(0, k_iters)
                     def _k(kk):
@@ -769,10 +794,10 @@ def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, 
                         def _():
                             plgpu.barrier_wait(free.at[slot])
 
-                        a_src = (a_gmem.at[pl.ds(kk * tk, tk), pl.ds(mi * tm, tm)] if ta
-                                 else a_gmem.at[pl.ds(mi * tm, tm), pl.ds(kk * tk, tk)])
-                        b_src = (b_gmem.at[pl.ds(ni * tn, tn), pl.ds(kk * tk, tk)] if tb
-                                 else b_gmem.at[pl.ds(kk * tk, tk), pl.ds(ni * tn, tn)])
+                        a_src = (a_gmem.at[pl.ds(kk * tk, tk), pl.ds(mi * cta_m, cta_m)] if ta
+                                 else a_gmem.at[pl.ds(mi * cta_m, cta_m), pl.ds(kk * tk, tk)])
+                        b_src = (b_gmem.at[pl.ds(ni * cta_n, cta_n), pl.ds(kk * tk, tk)] if tb
+                                 else b_gmem.at[pl.ds(kk * tk, tk), pl.ds(ni * cta_n, cta_n)])
                         bar = full.at[owner * stages + slot]
                         plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], bar, collective_axes=a_shared)
                         plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], bar, collective_axes=b_shared)
@@ -787,24 +812,29 @@ def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, 
                 plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
                 mine = {k: (v if k == "barrier" else v.at[wg]) for k, v in scr.items()}
 
-                @pl.loop(0, lax.div(my_tiles - wg + 1, 2))
+                # Ping-pong: this consumer's tiles i = 2j + wg; cooperative: every tile i = j.
+                @pl.loop(0, my_tiles if coop else lax.div(my_tiles - wg + 1, 2))
                 def _tile(j):
-                    i = 2 * j + wg
+                    i = j if coop else 2 * j + wg
                     mi, ni = tile_origin(i, sm)
-                    m0, n0 = mi * tm, ni * tn
+                    if not coop:
+                        m0, n0, mi_c, ni_c = mi * tm, ni * tn, mi, ni
+                    elif split_n:
+                        m0, n0, mi_c, ni_c = mi * cta_m, ni * cta_n + wg * tn, mi, 2 * ni + wg
+                    else:
+                        m0, n0, mi_c, ni_c = mi * cta_m + wg * tm, ni * cta_n, 2 * mi + wg, ni
                     step_base = j * len(em.chunks)  # epilogue chunks this consumer did before
                     # The epilogue's tile loads stream in while the MMAs run.
                     pre = em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
+                    full_base = 0 if coop else wg * stages
 
                     def mainloop(acc_ref):
                         @pl.loop(0, k_iters)
                         def _k(kk):
                             step = i * k_iters + kk
                             slot = lax.rem(step, stages)
-                            plgpu.barrier_wait(full.at[wg * stages + slot])
-                            a = a_smem.at[slot]
-                            b = b_smem.at[slot]
-                            plgpu.wgmma(acc_ref, a.transpose((1, 0)) if ta else a, b.transpose((1, 0)) if tb else b)
+                            plgpu.barrier_wait(full.at[full_base + slot])
+                            plgpu.wgmma(acc_ref, *operand_views(a_smem, b_smem, slot, wg))
                             plgpu.wgmma_wait(1)  # step - 1's MMA is done: its stage can be refilled
 
                             @pl.when(kk > 0)
@@ -816,7 +846,7 @@ def _pingpong_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, 
                         return acc_ref[...]
 
                     acc = pl.run_scoped(mainloop, plgpu.ACC((tm, tn), jnp.float32))
-                    em.emit(acc, m0, n0, mi, ni, lax.rem(j, 2), load_refs, out_refs, mine,
+                    em.emit(acc, m0, n0, mi_c, ni_c, lax.rem(j, 2), load_refs, out_refs, mine,
                             barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging dies with this scope

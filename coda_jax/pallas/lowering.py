@@ -30,7 +30,7 @@ from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enab
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
 from coda_jax.pallas.tuned import tuned_config
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves, with_delay_release_env
 from coda_jax.reference import REFERENCE
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
@@ -91,16 +91,17 @@ class PallasLowering:
         """The configuration of a GEMM when none was given: the measured one for this GPU
         (:func:`coda_jax.pallas.tuned.tuned_config`), else the heuristics (the shape-class
         table, the ping-pong programs, the wave fit). The interpreter uses the heuristics
-        alone: its 4 "SMs" say nothing about waves."""
+        alone: its 4 "SMs" say nothing about waves. ``$CODA_JAX_PALLAS_DELAY_RELEASE``
+        overrides ``delay_release`` on cooperative warp-specialized configurations."""
         pw = epilogue.pair_width if epilogue.pair_block is not None else None
         if interpret:
-            return choose_config(m, n, k, epilogue.name)
+            return with_delay_release_env(choose_config(m, n, k, epilogue.name))
         dev = _default_device()
         tuned = tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, dev.device_kind,
                              _num_sms(False), pw) if dev.platform == "gpu" else None
-        if tuned is not None:
-            return tuned
-        return fit_waves(choose_config(m, n, k, epilogue.name), m, n, _num_sms(False), pw)
+        if tuned is None:
+            tuned = fit_waves(choose_config(m, n, k, epilogue.name), m, n, _num_sms(False), pw)
+        return with_delay_release_env(tuned)
 
     def gemm(
         self,

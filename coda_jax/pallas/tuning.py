@@ -62,6 +62,15 @@ class TuningConfig:
         With a cluster, the two CTAs of a cluster take neighbouring tiles at the same time
         and share one operand block by multicast, as in the cooperative kernel; on the
         H100 that was slower than ping-pong without one (benchmarks/RESULTS.md, run 109).
+      delay_release: cooperative warp-specialized kernel only. ``0``: JAX's warp-specialized
+        pipeline (``plgpu.emit_pipeline_warp_specialized``), where each consumer waits for its
+        K step's MMAs to finish (``wgmma_wait(0)``) before it releases the step's SMEM stage
+        and issues the next step, so the tensor cores drain between steps. ``1``: the
+        hand-written stage ring of the ping-pong kernel, with both consumers on every CTA
+        tile: each issues step ``k+1``'s MMAs while step ``k``'s still run (``wgmma_wait(1)``)
+        and releases step ``k``'s stage then (one stage fewer in flight for the producer,
+        which also runs on into the next tile while the consumers run their epilogues).
+        The ping-pong and single-warpgroup kernels always keep one step in flight.
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -81,6 +90,7 @@ class TuningConfig:
     epilogue_load_slots: int = 2
     epilogue_regs: int = 128
     schedule: str = "cooperative"
+    delay_release: int = 0
     approx_math: bool = False
 
     def __post_init__(self):
@@ -100,6 +110,8 @@ class TuningConfig:
             raise ValueError(f"epilogue_load_slots must be >= 2, got {self.epilogue_load_slots}")
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
+        if self.delay_release not in (0, 1):
+            raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
 
     @property
     def pingpong(self) -> bool:
@@ -143,6 +155,20 @@ CONFIG_TABLE: dict[str, TuningConfig] = {
 
 
 SCHEDULE_ENV = "CODA_JAX_PALLAS_SCHEDULE"
+DELAY_RELEASE_ENV = "CODA_JAX_PALLAS_DELAY_RELEASE"
+
+
+def with_delay_release_env(cfg: TuningConfig) -> TuningConfig:
+    """``cfg`` with ``delay_release`` from ``$CODA_JAX_PALLAS_DELAY_RELEASE`` (``0`` or ``1``),
+    where it applies (the cooperative warp-specialized kernel); ``cfg`` if the variable is unset."""
+    raw = os.environ.get(DELAY_RELEASE_ENV, "").strip()
+    if not raw:
+        return cfg
+    if raw not in ("0", "1"):
+        raise ValueError(f"${DELAY_RELEASE_ENV} must be 0 or 1, got {raw!r}")
+    if not cfg.warp_specialized or cfg.pingpong:
+        return cfg
+    return dataclasses.replace(cfg, delay_release=int(raw))
 # Per-program changes to the default configuration, for GEMMs the tuned table
 # (:mod:`coda_jax.pallas.tuned`) has no entry for. Each won at both the 1B and the 8B-width
 # training step's shapes on the H100 (benchmarks/RESULTS.md, runs 124 and 126):
