@@ -69,11 +69,6 @@ def activation_gathers(hlo: str, batch: int, seq: int, floating_only: bool = Fal
     return out
 
 
-def activation_all_gathers(hlo: str, batch: int, seq: int) -> int:
-    """How many :func:`activation_gathers` the step has."""
-    return len(activation_gathers(hlo, batch, seq))
-
-
 def parse_run(spec: str) -> tuple[str, dict[str, str]]:
     """``"pallas:A=1,B=2"`` -> ``("pallas", {"A": "1", "B": "2"})``."""
     name, _, rest = spec.partition(":")
@@ -127,7 +122,9 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         first_loss = float(loss)
         first_step_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    gathers = activation_all_gathers(compiled.as_text(), *inputs.shape) if mesh is not None else 0
+    gather_lines = activation_gathers(compiled.as_text(), *inputs.shape) if mesh is not None else []
+    for line in gather_lines[:20]:
+        print(f"{spec}: activation-shaped all-gather: {line}", flush=True)
     for _ in range(2):  # warm-up
         state, loss = compiled(state, inputs, targets)
     jax.block_until_ready(loss)
@@ -145,7 +142,9 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     return {"run": spec, "ms_per_step": ms, "rounds_ms": per_round, "tokens_per_s": n_tok / ms * 1e3,
             "compile_s": compile_s, "first_step_s": first_step_s, "first_loss": first_loss,
             "last_loss": float(loss), "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
-            "devices": len(jax.devices()) if mesh is not None else 1, "activation_all_gathers": gathers}
+            "devices": len(jax.devices()) if mesh is not None else 1, "activation_all_gathers": len(gather_lines),
+            # the HLO of each (first 20), to tell a gathered kernel operand from an index vector
+            "activation_gather_lines": gather_lines[:20]}
 
 
 def table(rows: list[dict], title: str) -> str:
