@@ -199,7 +199,14 @@ class ReferenceLowering:
         if (any(o.kind is OutputKind.ROW_LOGSUMEXP for o in epilogue.outputs) and n > LSE_CHUNK
                 and not any(o.kind is OutputKind.TILE for o in epilogue.outputs)):  # [M, N] is written anyway
             return self._chunked_rows(epilogue, a, b, loads, transpose_a, transpose_b, m, n)
-        acc = _dot(a, b, transpose_a, transpose_b, self.round_acc)
+        # A plain GEMM asked for a 16-bit product of 16-bit operands: the dot writes that dtype
+        # itself (float32 accumulation, one rounding: the same values as rounding a float32
+        # product). Then XLA moves, and the SPMD partitioner all-reduces for a wgrad over
+        # split tokens, the bytes plain JAX's dot does; a float32 product was all-reduced in
+        # float32, twice the bytes (the W_o / W_down / LM-head gradients, run 143).
+        plain_16 = (epilogue.name == "identity" and a.dtype == b.dtype == jnp.dtype(dtypes["out"])
+                    and jnp.dtype(a.dtype).itemsize == 2)
+        acc = _dot(a, b, transpose_a, transpose_b, self.round_acc or plain_16)
         res = self._run_body(epilogue, acc, _prepare_loads(epilogue, loads), n, 0)
         return self._finish(epilogue, res, m, n, dtypes)
 

@@ -134,3 +134,27 @@ def test_cross_entropy_logits_dtype_from_the_environment(monkeypatch):
     monkeypatch.setenv(LOGITS_DTYPE_ENV, "float16")
     with pytest.raises(ValueError, match=r"\$CODA_JAX_CE_LOGITS_DTYPE must be float32 or bfloat16"):
         resolve_logits_dtype(None)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_plain_gemm_writes_the_dtype_asked_for(out_dtype):
+    """A plain GEMM (the identity epilogue, what the kernel backends hand to XLA) asked for a
+    bfloat16 product of bfloat16 operands writes it from the dot itself: a wgrad over split
+    tokens is then all-reduced in bfloat16, as plain JAX's is (float32 moved twice the bytes
+    on two H100s, run 143). A float32 product stays float32. Values: f32 accumulation, one
+    rounding."""
+    from coda_jax import programs
+    from coda_jax.reference import REFERENCE
+
+    k1, k2 = jax.random.split(jax.random.key(3))
+    a = jax.random.normal(k1, (192, 96)).astype(jnp.bfloat16)  # [K, M]: the wgrad layout
+    b = jax.random.normal(k2, (192, 80)).astype(jnp.bfloat16)
+
+    def f(a, b):
+        return REFERENCE.gemm(programs.IDENTITY, a, b, {}, transpose_a=True, out_dtypes={"out": out_dtype})["out"]
+
+    dots = [e for e in jax.make_jaxpr(f)(a, b).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [jnp.dtype(e.params["preferred_element_type"]) for e in dots] == [jnp.dtype(out_dtype)]
+    got = f(a, b)
+    want = jnp.dot(a.astype(jnp.float32).T, b.astype(jnp.float32), precision="highest")
+    assert got.dtype == out_dtype and C.rel_err(got, want) < 1e-2
