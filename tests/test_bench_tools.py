@@ -318,3 +318,19 @@ def test_model_profile_on_a_mesh_runs_on_cpu_devices(tmp_path):
     assert result["mesh"] == "data=2" and {"plain", "xla"} <= set(result)
     assert result["xla"]["wall_ms"] > 0 and "busy_ms" in result["xla"]
     assert "mesh data=2, per GPU (mean)" in r.stdout
+
+
+def test_activation_gathers_count_computed_arrays_not_the_state():
+    """An all-gather of a ``[batch*seq, ...]`` array computed in the step counts; one of a
+    step parameter (FSDP gathering a weight whose dimension happens to equal the token
+    count, run 143) does not; ``floating_only`` drops integer arrays."""
+    from train_step_bench import activation_gathers
+
+    hlo = "\n".join([
+        "  %all-gather.1 = bf16[16384,2048]{1,0} all-gather(%fusion.7), channel_id=1, dimensions={0}",
+        "  %all-gather.2 = f32[16384,1024]{1,0} all-gather(%param.834), channel_id=2, dimensions={0}",
+        "  %all-gather-start.3 = s32[16,1024]{1,0} all-gather-start(%copy.5), channel_id=3, dimensions={0}",
+        "  %all-gather.4 = f32[2048,8192]{1,0} all-gather(%fusion.9), channel_id=4, dimensions={0}",
+    ])
+    assert [g.split(" =")[0] for g in activation_gathers(hlo, 16, 1024)] == ["%all-gather.1", "%all-gather-start.3"]
+    assert [g.split(" =")[0] for g in activation_gathers(hlo, 16, 1024, floating_only=True)] == ["%all-gather.1"]

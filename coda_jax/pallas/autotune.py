@@ -74,8 +74,8 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, max_concurrent_steps=6),
     "pingpong_cluster_deep": dataclasses.replace(_D, schedule="pingpong", max_concurrent_steps=6),
     # The cooperative kernel on the stage ring, one K step's MMAs in flight. Runs 141-142:
-    # identity GEMMs 2-9 % faster at 4 of 5 shapes (10 % slower vocab-wide), every fused
-    # program but residual_rms 4-23 % slower. (Unconfirmed reading: beside a fused epilogue's
+    # identity GEMMs 2-9 % faster at 5 of 6 shapes (10 % slower vocab-wide), every fused
+    # program 1-23 % slower. (Unconfirmed reading: beside a fused epilogue's
     # staging the kernel keeps 3 stages, and the ring's delayed release leaves the producer 2.)
     "ring": dataclasses.replace(_D, delay_release=1),
     "ring_no_cluster": dataclasses.replace(_D, delay_release=1, cluster_dimension=None),
