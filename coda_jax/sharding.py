@@ -96,13 +96,38 @@ def logical_partition_specs(state: Any, mesh, rules=LOGICAL_AXIS_RULES) -> Any:
     with spmd.logical_axis_rules(rules):
         specs = nnx.get_partition_spec(state)
 
-    def fit(x, spec):
-        spec = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
-        out = [a if a is not None and _axis_size(mesh, a) > 1 and x.shape[i] % _axis_size(mesh, a) == 0
-               and a in mesh.axis_names else None for i, a in enumerate(spec[:x.ndim])]
-        return P(*out) if any(out) else P()
+    return jax.tree.map(lambda x, spec: _fit_spec(x.shape, spec, mesh), state, specs)
 
-    return jax.tree.map(fit, state, specs)
+
+def _fit_spec(shape: tuple[int, ...], spec, mesh) -> P:
+    """``spec`` with every mesh axis the mesh lacks, of size 1, or not dividing its
+    dimension replaced by ``None``."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    out = [a if a is not None and a in mesh.axis_names and _axis_size(mesh, a) > 1 and shape[i] % _axis_size(mesh, a) == 0
+           else None for i, a in enumerate(spec[:len(shape)])]
+    return P(*out) if any(out) else P()
+
+
+def cast_for_use(var, dtype=None) -> jax.Array:
+    """The value of parameter ``var`` (an ``nnx.Variable``) as a layer uses it: cast to
+    ``dtype``, then whole on every device (:func:`gathered`).
+
+    The cast comes before the gather (a 16-bit copy moves half the bytes). Under an Auto
+    mesh the partitioner places the gather, and it gathered the float32 parameter and cast
+    after. So the cast copy is pinned to the parameter's own split (its logical axis names,
+    :data:`LOGICAL_AXIS_RULES`), and the gather has to follow the cast."""
+    v = var[...]
+    if dtype is None or v.dtype == dtype:
+        return gathered(v)
+    c = v.astype(dtype)
+    mesh = partitioning.context_mesh()
+    names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
+    if mesh is not None and names and not mesh.are_all_axes_explicit and not getattr(mesh, "manual_axes", ()):
+        rules = dict(LOGICAL_AXIS_RULES)
+        spec = _fit_spec(c.shape, [rules.get(n) for n in names], mesh)
+        if any(spec):
+            c = jax.lax.with_sharding_constraint(c, spec)
+    return gathered(c)
 
 
 def _leaf_name(path) -> str | None:

@@ -248,6 +248,13 @@ def case_fsdp_step_gathers(backend: str) -> None:
     assert not dots, f"{backend}: GEMMs on activations left to the partitioner: {dots}"
     gathers = activation_gathers(hlo, batch, seq, floating_only=True)
     assert not gathers, f"{backend}: activation-shaped all-gathers under FSDP:\n" + "\n".join(gathers)
+    # Each block weight is gathered after its cast to bfloat16 (half the bytes), not as the
+    # float32 parameter (the partitioner's choice before sharding.cast_for_use pinned the
+    # cast copy to the parameter's split; on two H100s, runs 143-144).
+    weights = {(cfg.hidden_size, cfg.qkv_size), (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+               (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)}
+    raw = _weight_gathers_of_parameters(hlo, weights)
+    assert not raw, f"{backend}: float32 parameters gathered before their cast:\n" + "\n".join(raw)
     if backend == "xla":  # GEMMs left to the partitioner (the code before run 140): it gathers
         rules = partitioning.PartitionedLowering.gemm
         partitioning.PartitionedLowering.gemm = lambda self, *a, **kw: self.inner.gemm(*a, **kw)
@@ -259,6 +266,17 @@ def case_fsdp_step_gathers(backend: str) -> None:
         assert dots0, "expected GEMMs outside shard_map without the rules"
         assert abs(loss0 - loss) <= 1e-3 * abs(loss), (loss0, loss)
     print(f"OK fsdp_gathers_{backend}")
+
+
+def _weight_gathers_of_parameters(hlo: str, shapes) -> list[str]:
+    """All-gathers in compiled HLO text whose result has one of the 2-D ``shapes`` and whose
+    operand is a step parameter or a bare copy of one (the uncast weight), each as its line."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[(\d+),(\d+)\][^ ]* all-gather(?:-start)?\((%[\w.-]+)", line)
+        if m and (int(m.group(1)), int(m.group(2))) in shapes and re.match(r"%(param|Arg_|wrapped_copy|copy)", m.group(3)):
+            found.append(line.strip()[:160])
+    return found
 
 
 def _model_step(backend: str, cfg):

@@ -15,7 +15,7 @@ from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
 from coda_jax.ops.swiglu_mlp import swiglu_mlp
 from coda_jax.ops.rope_frequencies import rope_inv_freq
 from coda_jax.partitioning import context_mesh
-from coda_jax.sharding import gathered, logical_param, reshape_tokens
+from coda_jax.sharding import cast_for_use, logical_param, reshape_tokens
 
 
 def _normal(rngs: nnx.Rngs, shape, std, dtype):
@@ -74,9 +74,8 @@ class CodaLlamaBlock(nnx.Module):
 
     def _param(self, name: str, dtype=None) -> jax.Array:
         """Parameter ``name`` as the layer uses it: cast to ``dtype`` (before any gather: half
-        the bytes), then whole on every device (:func:`coda_jax.sharding.gathered`)."""
-        v = getattr(self, name)[...]
-        return gathered(v if dtype is None else v.astype(dtype))
+        the bytes), then whole on every device (:func:`coda_jax.sharding.cast_for_use`)."""
+        return cast_for_use(getattr(self, name), dtype)
 
     def __call__(
         self,

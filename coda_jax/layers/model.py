@@ -12,7 +12,7 @@ from coda_jax.layers.tensor_parallel import tensor_parallel_size, vocab_parallel
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
 from coda_jax.partitioning import context_mesh
-from coda_jax.sharding import explicit_sharding, gathered, logical_param, reshape_tokens
+from coda_jax.sharding import cast_for_use, explicit_sharding, gathered, logical_param, reshape_tokens
 
 
 def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -72,8 +72,7 @@ class CodaLlama(nnx.Module):
 
     def vocab_weight(self) -> jax.Array:
         """``[V, d]`` LM-head weight in the compute dtype."""
-        w = self.embed[...] if self.config.tie_word_embeddings else self.lm_head[...]
-        return gathered(w.astype(self.config.dtype))
+        return cast_for_use(self.embed if self.config.tie_word_embeddings else self.lm_head, self.config.dtype)
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None):
         """``tokens [B, S]`` -> final residual stream ``[B*S, d]`` and its norm carry."""
