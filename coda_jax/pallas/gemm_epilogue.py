@@ -11,7 +11,9 @@ TMA load (``TuningConfig.cluster_dimension``). Both consumers run their epilogue
 time, while the tensor cores wait. The ping-pong kernel (``TuningConfig.schedule="pingpong"``,
 :func:`_ring_body`) instead gives each consumer whole ``[tile_m, tile_n]`` tiles in turn,
 so one consumer's epilogue runs beside the other's MMAs. :func:`coda_jax.pallas.tuning.choose_config`
-picks it for the programs where it measured faster. The
+picks it for the programs where it measured faster. The same hand-written stage ring also runs
+the cooperative schedule with one K step's MMAs in flight (``TuningConfig.delay_release=1``,
+opt-in: it sped up plain GEMMs and slowed fused ones, RESULTS.md run 141). The
 single-warpgroup kernel (``plgpu.emit_pipeline``) serves what does not fit beside it.
 :func:`plan_kernel` picks the kernel, pipeline depth and epilogue chunk width that fit in
 SMEM. Transposed operands (``[K, M]`` A for wgrad, ``[N, K]`` B for dgrad and the LM head)

@@ -169,6 +169,8 @@ def with_delay_release_env(cfg: TuningConfig) -> TuningConfig:
     if not cfg.warp_specialized or cfg.pingpong:
         return cfg
     return dataclasses.replace(cfg, delay_release=int(raw))
+
+
 # Per-program changes to the default configuration, for GEMMs the tuned table
 # (:mod:`coda_jax.pallas.tuned`) has no entry for. Each won at both the 1B and the 8B-width
 # training step's shapes on the H100 (benchmarks/RESULTS.md, runs 124 and 126):
