@@ -106,13 +106,13 @@ def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
     return out
 
 
-def on_mesh(fb, a, mesh):
-    """``(fb, args)`` of a model's fwd+bwd with its state placed by ``shard_state`` and the
-    tokens split by ``batch_sharding`` over ``mesh``."""
+def on_mesh(args, mesh):
+    """A model fwd+bwd's ``(state, tokens)`` with the state placed by ``shard_state`` and
+    the tokens split by ``batch_sharding`` over ``mesh``."""
     from coda_jax.sharding import batch_sharding, shard_state
 
-    state, tokens = a
-    return fb, (shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh)))
+    state, tokens = args
+    return shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh))
 
 
 def main():
@@ -172,7 +172,7 @@ def main():
             with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
                 fb, a = model(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
                 if mesh is not None:
-                    fb, a = on_mesh(fb, a, mesh)
+                    a = on_mesh(a, mesh)
                 results[b] = profile(fb, a, args.steps, out / f"hlo_{tag}_{b}.txt")
     else:
         tag = str(args.width)

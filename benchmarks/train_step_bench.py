@@ -51,26 +51,29 @@ def parse_mesh(spec: str | None):
     return mesh_from_spec(spec) if spec else None
 
 
-def activation_gathers(hlo: str, batch: int, seq: int, floating_only: bool = False) -> list[str]:
-    """The all-gathers in compiled HLO text whose result is shaped like an activation
-    (``[batch*seq, ...]`` or ``[batch, seq, ...]``: a kernel's operands gathered), each as
-    its line; with ``floating_only``, those of floating-point arrays. Gathers of the step's
-    parameters (the state: FSDP's weight gathers) are not counted."""
+def all_gathers(hlo: str) -> list[tuple[str, list[int], str, str]]:
+    """``(dtype, dims, operand, line)`` of each all-gather in compiled HLO text (``operand``:
+    the gathered value's name, e.g. ``%param.834`` or ``%fusion.7``)."""
     import re
 
     out = []
     for line in hlo.splitlines():
-        m = re.search(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(-start)?\(", line)
-        if not m or (floating_only and not m.group(1).startswith(("f", "bf"))):
-            continue
-        if re.search(r"all-gather(-start)?\(%(param|Arg_)", line):
-            # A gather of the step's own input, i.e. of the state (FSDP's weight gathers): at
-            # 16 x 1024 tokens the 1B model's 2F = 16384 matched the token count (run 143).
-            continue
-        dims = [int(x) for x in m.group(2).split(",") if x]
-        if dims and (dims[0] == batch * seq or dims[:2] == [batch, seq]):
-            out.append(line.strip()[:160])
+        m = re.search(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(?:-start)?\(([^,)\s]*)", line)
+        if m:
+            out.append((m.group(1), [int(x) for x in m.group(2).split(",") if x], m.group(3), line.strip()))
     return out
+
+
+def activation_gathers(hlo: str, batch: int, seq: int, floating_only: bool = False) -> list[str]:
+    """The all-gathers in compiled HLO text whose result is shaped like an activation
+    (``[batch*seq, ...]`` or ``[batch, seq, ...]``: a kernel's operands gathered), each as
+    its line; with ``floating_only``, those of floating-point arrays. Gathers of the step's
+    parameters (the state: FSDP's weight gathers) are not counted: at 16 x 1024 tokens the
+    1B model's 2F = 16384 matched the token count (run 143)."""
+    return [line[:160] for dtype, dims, operand, line in all_gathers(hlo)
+            if not (floating_only and not dtype.startswith(("f", "bf")))
+            and not operand.startswith(("%param", "%Arg_"))
+            and dims and (dims[0] == batch * seq or dims[:2] == [batch, seq])]
 
 
 def parse_run(spec: str) -> tuple[str, dict[str, str]]:

@@ -271,12 +271,10 @@ def case_fsdp_step_gathers(backend: str) -> None:
 def _weight_gathers_of_parameters(hlo: str, shapes) -> list[str]:
     """All-gathers in compiled HLO text whose result has one of the 2-D ``shapes`` and whose
     operand is a step parameter or a bare copy of one (the uncast weight), each as its line."""
-    found = []
-    for line in hlo.splitlines():
-        m = re.search(r"= \w+\[(\d+),(\d+)\][^ ]* all-gather(?:-start)?\((%[\w.-]+)", line)
-        if m and (int(m.group(1)), int(m.group(2))) in shapes and re.match(r"%(param|Arg_|wrapped_copy|copy)", m.group(3)):
-            found.append(line.strip()[:160])
-    return found
+    from train_step_bench import all_gathers
+
+    return [line[:160] for _, dims, operand, line in all_gathers(hlo)
+            if tuple(dims) in shapes and re.match(r"%(param|Arg_|wrapped_copy|copy)", operand)]
 
 
 def _model_step(backend: str, cfg):

@@ -539,6 +539,33 @@ def _split_refs(epi, refs):
     return (dict(zip([l.name for l in epi.loads], refs[:n])), dict(zip([o.name for o in epi.outputs], refs[n:])))
 
 
+def _as_operands(a, b, shape: KernelShape):
+    """wgmma operands from SMEM blocks: transposed views where the layout stores them so."""
+    return a.transpose((1, 0)) if shape.transpose_a else a, b.transpose((1, 0)) if shape.transpose_b else b
+
+
+def _consumer_operands(a, b, shape: KernelShape, cfg: TuningConfig, wg):
+    """Cooperative kernels: consumer ``wg``'s wgmma operands from one stage's CTA-wide A and
+    B blocks, its half along ``cfg.wg_dimension`` (an M split never meets a transposed A:
+    :func:`plan_kernel` does not pick it)."""
+    if cfg.wg_dimension == "n":
+        tn = cfg.tile_n
+        b = b.at[pl.ds(wg * tn, tn)] if shape.transpose_b else b.at[:, pl.ds(wg * tn, tn)]
+    else:
+        a = a.at[pl.ds(wg * cfg.tile_m, cfg.tile_m)]
+    return _as_operands(a, b, shape)
+
+
+def _consumer_tile(cfg: TuningConfig, mi, ni, wg):
+    """Cooperative kernels: ``(m0, n0, mi_c, ni_c)``, the origin of consumer ``wg``'s
+    ``[tile_m, tile_n]`` half of CTA tile ``(mi, ni)`` and that half's index in the
+    ``[tile_m, tile_n]`` grid (whose row / column partials it writes)."""
+    cta_m, cta_n = cfg.cta_tile()
+    if cfg.wg_dimension == "n":
+        return mi * cta_m, ni * cta_n + wg * cfg.tile_n, mi, 2 * ni + wg
+    return mi * cta_m + wg * cfg.tile_m, ni * cta_n, 2 * mi + wg, ni
+
+
 def _simple_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
     """One warpgroup per CTA: TMA pipeline, wgmma, then the epilogue (SMEM reused)."""
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
@@ -595,7 +622,6 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
     """
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     ta, tb = shape.transpose_a, shape.transpose_b
-    split_n = cfg.wg_dimension == "n"
     cta_m, cta_n = cfg.cta_tile()
     cl_m, cl_n = cfg.cluster_tile()
     grid_m, grid_n, k_iters = shape.m // cl_m, shape.n // cl_n, shape.k // tk
@@ -643,10 +669,7 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
                     ni = 2 * ni + lax.axis_index("cluster")
                 local = lax.div(lin, n_programs)  # tiles this CTA has done before
                 tile_slot = lax.rem(local, 2)
-                if split_n:
-                    m0, n0, mi_c, ni_c = mi * cta_m, ni * cta_n + wg * tn, mi, 2 * ni + wg
-                else:
-                    m0, n0, mi_c, ni_c = mi * cta_m + wg * tm, ni * cta_n, 2 * mi + wg, ni
+                m0, n0, mi_c, ni_c = _consumer_tile(cfg, mi, ni, wg)
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
@@ -661,14 +684,7 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
                                 barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
 
                 def step(_, a_smem, b_smem, acc_ref):
-                    if split_n:
-                        a_view = a_smem.transpose((1, 0)) if ta else a_smem
-                        b_view = (b_smem.at[pl.ds(wg * tn, tn)].transpose((1, 0)) if tb
-                                  else b_smem.at[:, pl.ds(wg * tn, tn)])
-                    else:
-                        a_view = a_smem.at[pl.ds(wg * tm, tm)]
-                        b_view = b_smem.transpose((1, 0)) if tb else b_smem
-                    plgpu.wgmma(acc_ref, a_view, b_view)
+                    plgpu.wgmma(acc_ref, *_consumer_operands(a_smem, b_smem, shape, cfg, wg))
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
@@ -726,7 +742,6 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     ta, tb = shape.transpose_a, shape.transpose_b
     coop = not cfg.pingpong
-    split_n = cfg.wg_dimension == "n"
     cta_m, cta_n = cfg.cta_tile()
     cl_m, cl_n = cfg.cluster_tile()
     grid_m, grid_n, k_iters = shape.m // cl_m, shape.n // cl_n, shape.k // tk
@@ -751,15 +766,6 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
         elif cfg.cluster_dimension == "n":
             ni = 2 * ni + lax.axis_index("cluster")
         return mi, ni
-
-    def operand_views(a_smem, b_smem, slot, wg):
-        """Consumer ``wg``'s wgmma operands in stage ``slot``."""
-        a, b = a_smem.at[slot], b_smem.at[slot]
-        if coop and split_n:
-            b = b.at[pl.ds(wg * tn, tn)] if tb else b.at[:, pl.ds(wg * tn, tn)]
-        elif coop:
-            a = a.at[pl.ds(wg * tm, tm)]  # ws_applies: no transposed A with an M split
-        return a.transpose((1, 0)) if ta else a, b.transpose((1, 0)) if tb else b
 
     def body(a_gmem, b_gmem, *refs):
         load_refs, out_refs = _split_refs(em.epi, refs)
@@ -819,12 +825,7 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
                 def _tile(j):
                     i = j if coop else 2 * j + wg
                     mi, ni = tile_origin(i, sm)
-                    if not coop:
-                        m0, n0, mi_c, ni_c = mi * tm, ni * tn, mi, ni
-                    elif split_n:
-                        m0, n0, mi_c, ni_c = mi * cta_m, ni * cta_n + wg * tn, mi, 2 * ni + wg
-                    else:
-                        m0, n0, mi_c, ni_c = mi * cta_m + wg * tm, ni * cta_n, 2 * mi + wg, ni
+                    m0, n0, mi_c, ni_c = _consumer_tile(cfg, mi, ni, wg) if coop else (mi * tm, ni * tn, mi, ni)
                     step_base = j * len(em.chunks)  # epilogue chunks this consumer did before
                     # The epilogue's tile loads stream in while the MMAs run.
                     pre = em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
@@ -836,7 +837,9 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
                             step = i * k_iters + kk
                             slot = lax.rem(step, stages)
                             plgpu.barrier_wait(full.at[full_base + slot])
-                            plgpu.wgmma(acc_ref, *operand_views(a_smem, b_smem, slot, wg))
+                            a, b = a_smem.at[slot], b_smem.at[slot]
+                            plgpu.wgmma(acc_ref, *(_consumer_operands(a, b, shape, cfg, wg) if coop
+                                                   else _as_operands(a, b, shape)))
                             plgpu.wgmma_wait(1)  # step - 1's MMA is done: its stage can be refilled
 
                             @pl.when(kk > 0)
