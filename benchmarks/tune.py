@@ -282,7 +282,9 @@ def model_sweep(args, out: Path):
     for spec in args.model:
         step, step_args = model_step(spec)
         new = at.autotune(step, *step_args, names=names, iters=2 * args.iters, budget_s=args.budget,
-                          rows=rows, log=lambda s: print(s, flush=True))
+                          rows=rows, log=lambda s: print(s, flush=True),
+                          incumbent=at.incumbents(table) if args.with_incumbents else None,
+                          skip_programs=tuple(p for p in args.skip_programs.split(",") if p))
         table = at.merge_tables(table, new)
         at.write_table(table, out / "tuned_h100.json", merge=False)
         (out / "tune_model.json").write_text(json.dumps(rows, indent=1))
@@ -305,6 +307,10 @@ def main():
                     help="autotune this CodaLlama training step: preset[-layers]:batch:seq (repeatable)")
     ap.add_argument("--table", default=None, help="--model: the table to merge into (default: the shipped one)")
     ap.add_argument("--budget", type=float, default=None, help="--model: seconds per model before it stops tuning")
+    ap.add_argument("--with-incumbents", action="store_true",
+                    help="--model: also time each GEMM's winner in the table merged into (so a sweep of "
+                         "other --variants keeps the best of both)")
+    ap.add_argument("--skip-programs", default="", help="--model: comma-separated epilogue names not to tune")
     ap.add_argument("--resume", default=None, help="--model: an earlier tune_model.json; its calls that have every wanted candidate are not measured again")
     args = ap.parse_args()
     out = Path(args.out)

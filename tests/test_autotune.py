@@ -333,3 +333,30 @@ def test_autotune_resumes_only_calls_with_every_wanted_candidate(monkeypatch):
     assert measured == [((16, 8, 8), ["band8", "default", "pingpong"])]  # c1 had both: skipped
     assert len(rows) == 2 and rows[0] == old[0] and sorted(rows[1]["results"]) == ["band8", "default", "pingpong"]
     assert [e["candidate"] for e in table["entries"]] == ["band8", "band8"]
+
+
+def test_autotune_measures_each_gemms_incumbent_beside_the_sweep(monkeypatch):
+    """A sweep of other candidates also times the table's current winner of each GEMM (and
+    only that GEMM's), so the entry written is the best of both; skipped programs are not
+    measured and get no entry."""
+    monkeypatch.setattr(at.jax, "devices", lambda: [_FakeGpu()])
+    c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), (), False, False, (), (8, 8, 8))
+    c2 = dataclasses.replace(c1, mnk=(16, 8, 8))
+    c3 = dataclasses.replace(c1, epilogue=programs.RMS_LSE, mnk=(32, 8, 8))
+    monkeypatch.setattr(at, "kernel_calls", lambda fn, *a: [c1, c2, c3])
+    measured = []
+
+    def fake_tune(call, names, *a):
+        measured.append((call.mnk, sorted(names)))
+        return {"program": call.epilogue.name, "layout": "nn", "m": call.mnk[0], "n": 8, "k": 8, "heuristic_ms": 1.0,
+                "results": {n: {"ms": 0.5 if n == "pingpong" else 0.9, "config": {}} for n in names}}
+
+    monkeypatch.setattr(at, "tune_call", fake_tune)
+    table = {"entries": [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8, "candidate": "pingpong"},
+                         {"program": "residual_rms", "layout": "nn", "m": 16, "n": 8, "k": 8, "candidate": "heuristic"}]}
+    assert at.incumbents(table) == {("residual_rms", "nn", 8, 8, 8): "pingpong"}
+    out = at.autotune(lambda: None, names=["slots3"], log=lambda s: None, incumbent=at.incumbents(table),
+                      skip_programs=("rms_lse",))
+    assert measured == [((8, 8, 8), ["pingpong", "slots3"]), ((16, 8, 8), ["slots3"])]
+    assert [(e["m"], e["candidate"]) for e in out["entries"]] == [(8, "pingpong"), (16, "slots3")]

@@ -238,18 +238,31 @@ def row_key(row: dict[str, Any]) -> tuple:
     return row["program"], row["layout"], row["m"], row["n"], row["k"]
 
 
+def incumbents(table: dict[str, Any] | None) -> dict[tuple, str]:
+    """{(program, layout, m, n, k): candidate name} of a table's entries won by a candidate
+    (not the heuristic): pass it to :func:`autotune` so that a sweep of other candidates
+    measures each GEMM's current winner beside them, in the same process."""
+    known = {**CANDIDATES, **EXTENDED_CANDIDATES}
+    return {row_key(e): e["candidate"] for e in (table or {}).get("entries", []) if e.get("candidate") in known}
+
+
 def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,
              min_gain: float = 0.02, budget_s: float | None = None, rows: list | None = None,
-             log: Callable[[str], None] = print, timer: Callable[..., float] = kernel_ms) -> dict[str, Any]:
+             log: Callable[[str], None] = print, timer: Callable[..., float] = kernel_ms,
+             incumbent: dict[tuple, str] | None = None, skip_programs: tuple[str, ...] = ()) -> dict[str, Any]:
     """A tuned table (the JSON object of :mod:`coda_jax.pallas.tuned`) for ``fn(*args)``'s
     kernel calls on the current GPU. ``budget_s``: stop starting new calls after that many
     seconds (the table then holds the calls tuned so far). ``rows``: a list that receives
     every call's measurements; a call it already holds (an earlier run's rows) with every
-    wanted candidate is not measured again, and its winner enters the table."""
+    wanted candidate is not measured again, and its winner enters the table.
+    ``incumbent``: {GEMM key: candidate} (:func:`incumbents` of the table in use), each
+    measured beside ``names`` for its GEMM, so that the table entry written is the best of
+    both. ``skip_programs``: epilogue names whose calls are left out (and out of the table)."""
     dev = jax.devices()[0]
     if dev.platform != "gpu":
         raise RuntimeError(f"autotune times kernels on a GPU; the default device is {dev.platform!r}")
-    calls = kernel_calls(fn, *args)
+    calls = [c for c in kernel_calls(fn, *args) if c.epilogue.name not in skip_programs]
+    incumbent = incumbent or {}
     rows = [] if rows is None else rows
     done = {row_key(r): r for r in rows}
     log(f"TUNE {len(calls)} distinct kernel calls")
@@ -257,7 +270,8 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     for call in calls:
         key = (call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk)
         row = done.get(key)
-        wanted = list(candidate_configs(call, names))
+        extra = [incumbent[key]] if key in incumbent else []
+        wanted = list(candidate_configs(call, list(names or CANDIDATES) + extra))
         if row is None or set(wanted) - set(row["results"]):
             if budget_s is not None and time.perf_counter() - t0 > budget_s:
                 log(f"TUNE budget of {budget_s:.0f} s spent; {left} calls left untuned")
