@@ -72,6 +72,8 @@ VARIANTS = {
     "wide_chunks": dataclasses.replace(_D, epilogue_regs=1 << 20),  # no register-budget narrowing
     "regs_64": dataclasses.replace(_D, epilogue_regs=64),
     "swizzled": dataclasses.replace(_D, swizzle_epilogue=True),
+    # Pipeline depth: what a fused epilogue's staging costs the mainloop (it leaves 3 stages).
+    "stages3": dataclasses.replace(_D, max_concurrent_steps=3),
     # Other tile shapes (name them with --variants).
     "single_wg_128x128": TuningConfig(tile_m=128, tile_n=128, max_concurrent_steps=4, approx_math=True),
     "ws_n_64x128_s6": dataclasses.replace(_D, tile_m=64, max_concurrent_steps=6),
