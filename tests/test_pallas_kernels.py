@@ -231,6 +231,25 @@ def test_cooperative_stage_ring_variants(cfg):
         _compare(programs.NORM_WGRAD, 128, 256, 192, transpose_a=True, config=cfg, seed=26)
 
 
+@pytest.mark.parametrize("cfg", [dataclasses.replace(RING, tile_k=32, max_concurrent_steps=3),
+                                 dataclasses.replace(WS_N, tile_k=32, max_concurrent_steps=2)],
+                         ids=["ring", "cooperative"])
+def test_k32_steps_in_the_dgrad_layout(cfg):
+    # 32-wide K steps (64-byte swizzled rows) with both operands K-major: 8 K steps a tile
+    # (K = 256) through 3 (or 2) stages, a ragged K (130 -> 160), a pair epilogue.
+    _compare(programs.rms_dgrad(True), 256, 512, 256, transpose_b=True, config=cfg, seed=27)
+    _compare(programs.rms_dgrad(True), 200, 300, 130, transpose_b=True, config=cfg, seed=28)
+    _compare(programs.SWIGLU_DGRAD, 256, 512, 128, transpose_b=True, config=cfg, seed=29)
+
+
+def test_k32_steps_need_both_operands_k_major():
+    shape = _shape(256, 256, 256, {"out": jnp.bfloat16})
+    with pytest.raises(ValueError, match=r"tile_k=32 needs both operands K-major"):
+        plan_kernel(programs.IDENTITY, shape, dataclasses.replace(WS_N, tile_k=32), ())
+    with pytest.raises(ValueError, match=r"tile_k must be a multiple of 32"):
+        dataclasses.replace(WS_N, tile_k=48)
+
+
 def test_plan_fits_heavy_epilogues_in_smem():
     # QK-norm RoPE training epilogue: f32 cos/sin staging + two tile outputs do not fit beside
     # 4 stages of the 256x128 warp-specialized CTA tile; the plan falls back until it fits.

@@ -79,6 +79,13 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # staging the kernel keeps 3 stages, and the ring's delayed release leaves the producer 2.)
     "ring": dataclasses.replace(_D, delay_release=1),
     "ring_no_cluster": dataclasses.replace(_D, delay_release=1, cluster_dimension=None),
+    # K steps of 32 (dgrad layout only): a stage is half the bytes, so the ring's held-back
+    # stage costs half as much lookahead, and 6 stages fit beside a fused epilogue's staging
+    # (the bytes of 3 stages of 64).
+    "ring_k32": dataclasses.replace(_D, tile_k=32, max_concurrent_steps=8, delay_release=1),
+    "ring_k32_no_cluster": dataclasses.replace(_D, tile_k=32, max_concurrent_steps=8, delay_release=1,
+                                               cluster_dimension=None),
+    "k32": dataclasses.replace(_D, tile_k=32, max_concurrent_steps=8),
 }
 
 
@@ -96,6 +103,8 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
         if name not in known:
             raise ValueError(f"unknown candidate {name!r}; known: {sorted(known)}, 'extended', 'all'")
         cfg = known[name]
+        if cfg.tile_k % 64 and (call.transpose_a or not call.transpose_b):
+            continue  # 32-wide K steps: both operands K-major only (gemm_epilogue.plan_kernel)
         if pw is None or cfg.tile_n % pw == 0:
             out[name] = cfg
     return out

@@ -451,6 +451,11 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     """
     ldt = dict(load_dtypes)
     itemsize = jnp.dtype(shape.operand_dtype).itemsize
+    if cfg.tile_k % 64 and (shape.transpose_a or not shape.transpose_b):
+        # A 32-element K step is a 64-byte row: Mosaic GPU's wgmma takes it only where both
+        # operands keep K minor-most (A [M, K], B stored [N, K]: the dgrad layout).
+        raise ValueError(f"tile_k={cfg.tile_k} needs both operands K-major (A [M, K], B given as [N, K]: "
+                         f"transpose_a=False, transpose_b=True); use a multiple of 64")
 
     def fits(c: TuningConfig) -> bool:
         scratch = _EpilogueEmitter(epi, shape, c, ldt).scratch_bytes(ldt)

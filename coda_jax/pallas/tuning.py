@@ -15,7 +15,8 @@ class TuningConfig:
       tile_m, tile_n: output tile per CTA (one consumer warpgroup; ``tile_m`` a multiple
         of 64, ``tile_n`` a multiple of 64 and of the epilogue's pair block ``2*b``).
       tile_k: K step of the TMA/wgmma pipeline (64 for 16-bit operands: one 128-byte
-        swizzled row).
+        swizzled row; 32, a 64-byte row, only where both operands are K-major: half the
+        SMEM per stage, so twice the stages in the same bytes).
       max_concurrent_steps: pipeline depth (SMEM stages in flight).
       grid_tile_width: width of the planar-snake band of tiles, for L2 reuse.
       grid_minor_dim: ``"n"`` or ``"m"``: the dimension the planar-snake band runs across
@@ -102,8 +103,10 @@ class TuningConfig:
             raise ValueError(f"cluster_dimension must be None, 'm' or 'n', got {self.cluster_dimension!r}")
         if self.schedule not in ("cooperative", "pingpong"):
             raise ValueError(f"schedule must be 'cooperative' or 'pingpong', got {self.schedule!r}")
-        if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
-            raise ValueError(f"tile_m, tile_n and tile_k must be multiples of 64, got {self}")
+        if self.tile_m % 64 or self.tile_n % 64:
+            raise ValueError(f"tile_m and tile_n must be multiples of 64, got {self}")
+        if self.tile_k % 32:
+            raise ValueError(f"tile_k must be a multiple of 32 (64 unless both operands are K-major), got {self}")
         if self.epilogue_cols not in (16, 32, 64):
             raise ValueError(f"epilogue_cols must be 16, 32 or 64, got {self.epilogue_cols}")
         if self.epilogue_load_slots < 2:
