@@ -45,6 +45,22 @@ def test_program_on_gpu(epi, kw, cfg):
     _compare(epi, 2048, 1024, 1024, config=CONFIGS[cfg], **kw)
 
 
+K32_CONFIGS = {  # 32-wide K steps (64-byte rows): both operands K-major only
+    "ring_k32": dataclasses.replace(CONFIG_TABLE["default"], tile_k=32, max_concurrent_steps=8, delay_release=1),
+    "k32_no_cluster": dataclasses.replace(CONFIG_TABLE["default"], tile_k=32, max_concurrent_steps=8,
+                                          cluster_dimension=None),
+}
+
+
+@pytest.mark.parametrize("cfg", list(K32_CONFIGS), ids=list(K32_CONFIGS))
+@pytest.mark.parametrize("epi,kw", [c for c in CASES if c[1].get("transpose_b") and not c[1].get("transpose_a")],
+                         ids=lambda c: getattr(c, "name", ""))
+def test_k32_steps_in_the_dgrad_layout_on_gpu(epi, kw, cfg):
+    poison_allocator([(2048, 1024)] * 8)
+    _compare(epi, 2048, 1024, 1024, config=K32_CONFIGS[cfg], **kw)
+    _compare(epi, 1000, 1536, 520, config=K32_CONFIGS[cfg], **kw)  # ragged M and K
+
+
 @pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
 def test_ragged_shapes_on_gpu(cfg):
     poison_allocator([(1024, 5000)] * 8)
