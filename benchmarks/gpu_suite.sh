@@ -14,7 +14,8 @@
 # REPEAT_PROBE="cutedsl cutedsl xla xla" runs one training step per entry, each in its own process,
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
 # STEP_BENCH="1b:8:1024 8b-4:4:1024" times the train step of CodaLlama per backend against the
-# plain JAX Llama in one process per configuration (benchmarks/train_step_bench.py, STEP_RUNS).
+# plain JAX Llama in one process per configuration (benchmarks/train_step_bench.py, STEP_RUNS;
+# STEP_PROFILE=1 also traces each run's whole step, optimizer included, and prints its kernel classes).
 # COMPILE_CACHE="1b:8:1024" compiles that train step in two fresh processes sharing JAX's persistent
 # compilation cache (cold, then warm) and prints each run's compile time.
 # COMPILE_TIME="1b:8:1024" times the first train step's stages (trace, lower, compile, run) per
@@ -134,8 +135,9 @@ if [ -n "${STEP_BENCH:-}" ]; then
     sb_preset="${preset_layers%%-*}"; sb_layers=(); [[ $preset_layers == *-* ]] && sb_layers=(--layers "${preset_layers#*-}")
     sb_mesh_arg=(); [ -n "${sb_mesh:-}" ] && sb_mesh_arg=(--mesh "$sb_mesh")
     timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/train_step_bench.py --preset "$sb_preset" "${sb_layers[@]}" "${sb_mesh_arg[@]}" \
-      --batch "$sb_batch" --seq "$sb_seq" --runs "${STEP_RUNS:-$RUNS_DEFAULT}" --out "$OUT" 2>&1 \
+      --batch "$sb_batch" --seq "$sb_seq" --runs "${STEP_RUNS:-$RUNS_DEFAULT}" --out "$OUT" ${STEP_PROFILE:+--profile} 2>&1 \
       | grep -v '^{' | tee -a "$OUT/train_step.log" | tail -n 14
+    [ -n "${STEP_PROFILE:-}" ] && grep '^PROFILE' "$OUT/train_step.log" | tail -n 60
   done
 fi
 if [ -n "${COMPILE_CACHE:-}" ]; then

@@ -104,9 +104,37 @@ def environment(settings: dict[str, str]):
                 os.environ[k] = v
 
 
-def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, mesh=None) -> dict:
+def step_profile(compiled, state, inputs, targets, steps: int):
+    """``(state, summary)``: ``steps`` train steps traced back to back (optimizer included,
+    each step's donated state fed to the next) and the per-step kernel summary of
+    ``profile_block.gpu_summary`` (mean over the GPUs: device, busy, overlap, idle ms and
+    ms by kernel class)."""
+    from device_time import trace_kernels
+    from profile_block import gpu_summary
+
+    box = [state]
+
+    def one():
+        box[0], loss = compiled(box[0], inputs, targets)
+        return loss
+
+    gpus = [gpu_summary(ks, steps) for ks in trace_kernels(one, (), steps).values()]
+    n = max(len(gpus), 1)
+    keys = ("device_ms", "busy_ms", "overlap_ms", "idle_ms")
+    summary = {k: sum(g[k] for g in gpus) / n for k in keys}
+    classes = {c for g in gpus for c in g["by_class"]}
+    summary["by_class"] = {c: sum(g["by_class"].get(c, 0.0) for g in gpus) / n for c in sorted(classes)}
+    kernels = {k for g in gpus for k in g["by_kernel"]}
+    by_kernel = {k: sum(g["by_kernel"].get(k, 0.0) for g in gpus) / n for k in kernels}
+    summary["top_kernels"] = sorted(([k[:100], round(ms, 3)] for k, ms in by_kernel.items()), key=lambda kv: -kv[1])[:15]
+    return box[0], summary
+
+
+def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, mesh=None,
+            profile: bool = False) -> dict:
     """One run: build, compile, time. ``tokens [B, S+1]`` int32. With ``mesh``: the state
-    FSDP-split over its "fsdp" axis (replicated over "data"), the batch over both."""
+    FSDP-split over its "fsdp" axis (replicated over "data"), the batch over both. With
+    ``profile``, also the kernel summary of the whole step (:func:`step_profile`)."""
     name, settings = parse_run(spec)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
@@ -143,6 +171,14 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         jax.block_until_ready(loss)
         per_round.append((time.perf_counter() - t) / steps * 1e3)
     ms = statistics.median(per_round)
+    prof = None
+    if profile:
+        state, prof = step_profile(compiled, state, inputs, targets, steps)
+        cls = "  ".join(f"{c} {v:.2f}" for c, v in sorted(prof["by_class"].items(), key=lambda kv: -kv[1]))
+        print(f"PROFILE {spec}: device {prof['device_ms']:.2f} busy {prof['busy_ms']:.2f} overlap "
+              f"{prof['overlap_ms']:.2f} idle {prof['idle_ms']:.2f} ms/step: {cls}", flush=True)
+        for k, kms in prof["top_kernels"]:
+            print(f"PROFILE {spec}:   {kms:8.3f} ms  {k}", flush=True)
     n_tok = inputs.shape[0] * inputs.shape[1]
     del state, compiled, train_step
     gc.collect()
@@ -151,7 +187,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             "last_loss": float(loss), "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
             "devices": len(jax.devices()) if mesh is not None else 1, "activation_all_gathers": len(gather_lines),
             # the HLO of each (first 20), to tell a gathered kernel operand from an index vector
-            "activation_gather_lines": gather_lines[:20]}
+            "activation_gather_lines": gather_lines[:20], **({"profile": prof} if prof else {})}
 
 
 def table(rows: list[dict], title: str) -> str:
@@ -184,6 +220,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default=None, help="name of this configuration in train_step.json")
     ap.add_argument("--mesh", default=None, help="e.g. data=2 or fsdp=2 or data=2,fsdp=4 (all devices of the host)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace --steps whole train steps per run (optimizer included) and print the kernel "
+                         "classes' device time (PROFILE lines; 'profile' in train_step.json)")
     args = ap.parse_args(argv)
     for flag in ("batch", "seq", "steps", "rounds"):
         if getattr(args, flag) < 1:
@@ -208,7 +247,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for spec in specs:
         try:
-            rows.append(measure(spec, cfg, tokens, args.steps, args.rounds, mesh=mesh))
+            rows.append(measure(spec, cfg, tokens, args.steps, args.rounds, mesh=mesh, profile=args.profile))
             print(json.dumps(rows[-1]), flush=True)
         except Exception as e:  # noqa: BLE001  (one failing run must not hide the others)
             print(f"RUN FAILED {spec}: {type(e).__name__}: {e}", flush=True)

@@ -222,6 +222,11 @@ def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_p
     assert "CODA_JAX_CE_SAVE_LOGITS" not in os.environ
     assert list(json.loads((tmp_path / "train_step.json").read_text())) == ["tiny-1L 2x16"]
     assert "| xla:CODA_JAX_CE_SAVE_LOGITS=0 |" in (tmp_path / "train_step.md").read_text()
+    # --profile traces whole steps, each feeding its donated state to the next (a CPU trace
+    # holds no GPU kernels: zeros, but the chain of steps must run).
+    prof = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "2",
+                     "--rounds", "1", "--runs", "xla", "--profile"])
+    assert set(prof[0]["profile"]) == {"device_ms", "busy_ms", "overlap_ms", "idle_ms", "by_class", "top_kernels"}
     with pytest.raises(ValueError, match="plain, xla, pallas or cutedsl"):
         tsb.parse_run("torch")
     with pytest.raises(ValueError, match="VAR=VALUE"):
