@@ -90,6 +90,33 @@ def parse_run(spec: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
+PGLE_ON = ("1", "yes", "true")
+
+
+@contextlib.contextmanager
+def pgle(runs: int):
+    """Within (``runs`` > 0): JAX's automatic PGLE on, ``runs`` profiled runs per function."""
+    if not runs:
+        yield
+        return
+    old = jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs
+    jax.config.update("jax_enable_pgle", True)
+    jax.config.update("jax_pgle_profiling_runs", runs)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_pgle", old[0])
+        jax.config.update("jax_pgle_profiling_runs", old[1])
+
+
+@contextlib.contextmanager
+def run_context(settings: dict[str, str], mesh, pgle_runs: int):
+    """A run's environment settings, its mesh (if any) and PGLE (if asked for)."""
+    with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), \
+            pgle(pgle_runs):
+        yield
+
+
 @contextlib.contextmanager
 def environment(settings: dict[str, str]):
     old = {k: os.environ.get(k) for k in settings}
@@ -136,8 +163,13 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     FSDP-split over its "fsdp" axis (replicated over "data"), the batch over both. With
     ``profile``, also the kernel summary of the whole step (:func:`step_profile`)."""
     name, settings = parse_run(spec)
+    # JAX_ENABLE_PGLE=1 (JAX_PGLE_PROFILING_RUNS=N, default 3): JAX's automatic profile-guided
+    # latency estimation. The step is then called through jit dispatch (not compiled ahead of
+    # time): its first N runs are profiled and it is compiled again with the measured op
+    # costs, so XLA's scheduler can place collectives beside the custom kernels.
+    pgle_runs = int(settings.get("JAX_PGLE_PROFILING_RUNS", "3")) if settings.get("JAX_ENABLE_PGLE") in PGLE_ON else 0
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+    with run_context(settings, mesh, pgle_runs):
         model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
         opt = nnx.Optimizer(model, train_llama.make_tx(lr, 10, 1000), wrt=nnx.Param)
         state = nnx.state((model, opt))
@@ -151,29 +183,39 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         train_step, _, _ = train_llama.make_steps(model, opt, shardings)
         del model, opt
         t0 = time.perf_counter()
-        compiled = train_step.lower(state, inputs, targets).compile()
+        if pgle_runs:
+            hlo_source = train_step.lower(state, inputs, targets).compile()  # the step's HLO and memory
+            compiled = train_step
+        else:
+            compiled = hlo_source = train_step.lower(state, inputs, targets).compile()
         compile_s = time.perf_counter() - t0
         state, loss = compiled(state, inputs, targets)
         first_loss = float(loss)
         first_step_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    gather_lines = activation_gathers(compiled.as_text(), *inputs.shape) if mesh is not None else []
-    for line in gather_lines[:20]:
-        print(f"{spec}: activation-shaped all-gather: {line}", flush=True)
-    for _ in range(2):  # warm-up
-        state, loss = compiled(state, inputs, targets)
-    jax.block_until_ready(loss)
-    per_round = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(pgle_runs + 1):  # the profiled runs, then the recompiled step's first run
             state, loss = compiled(state, inputs, targets)
         jax.block_until_ready(loss)
-        per_round.append((time.perf_counter() - t) / steps * 1e3)
+    mem = hlo_source.memory_analysis()
+    gather_lines = activation_gathers(hlo_source.as_text(), *inputs.shape) if mesh is not None else []
+    for line in gather_lines[:20]:
+        print(f"{spec}: activation-shaped all-gather: {line}", flush=True)
+    # A jit-dispatched (PGLE) step is called in its tracing context, lest a call retrace it.
+    with run_context(settings, mesh, pgle_runs) if pgle_runs else contextlib.nullcontext():
+        for _ in range(2):  # warm-up
+            state, loss = compiled(state, inputs, targets)
+        jax.block_until_ready(loss)
+        per_round = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for _ in range(steps):
+                state, loss = compiled(state, inputs, targets)
+            jax.block_until_ready(loss)
+            per_round.append((time.perf_counter() - t) / steps * 1e3)
+        prof = None
+        if profile:
+            state, prof = step_profile(compiled, state, inputs, targets, steps)
     ms = statistics.median(per_round)
-    prof = None
-    if profile:
-        state, prof = step_profile(compiled, state, inputs, targets, steps)
+    if prof:
         cls = "  ".join(f"{c} {v:.2f}" for c, v in sorted(prof["by_class"].items(), key=lambda kv: -kv[1]))
         print(f"PROFILE {spec}: device {prof['device_ms']:.2f} busy {prof['busy_ms']:.2f} overlap "
               f"{prof['overlap_ms']:.2f} idle {prof['idle_ms']:.2f} ms/step: {cls}", flush=True)
