@@ -232,6 +232,15 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             "activation_gather_lines": gather_lines[:20], **({"profile": prof} if prof else {})}
 
 
+def write_rows(out: Path, tag: str, rows: list[dict]) -> None:
+    """``rows`` as configuration ``tag`` of ``<out>/train_step.json`` (other tags kept)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "train_step.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[tag] = rows
+    path.write_text(json.dumps(data, indent=1))
+
+
 def table(rows: list[dict], title: str) -> str:
     plain = [r["tokens_per_s"] for r in rows if r["run"] == "plain"]
     base = statistics.mean(plain) if plain else None
@@ -287,20 +296,23 @@ def main(argv=None) -> list[dict]:
                        + (f" mesh {args.mesh}" if args.mesh else ""))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {tag}", flush=True)
     rows = []
+    out = Path(args.out) if args.out else None
     for spec in specs:
         try:
             rows.append(measure(spec, cfg, tokens, args.steps, args.rounds, mesh=mesh, profile=args.profile))
             print(json.dumps(rows[-1]), flush=True)
+            r = rows[-1]
+            # One line per finished run, and train_step.json rewritten: a run cut by a timeout
+            # leaves the runs before it on record.
+            print(f"DONE {spec}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
+                  f"compile + first step {r['first_step_s']:.1f} s", flush=True)
+            if out is not None:
+                write_rows(out, tag, rows)
         except Exception as e:  # noqa: BLE001  (one failing run must not hide the others)
             print(f"RUN FAILED {spec}: {type(e).__name__}: {e}", flush=True)
     md = table(rows, f"train step, {tag}")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "train_step.json"
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[tag] = rows
-        path.write_text(json.dumps(data, indent=1))
+    if out is not None:
+        write_rows(out, tag, rows)
         with open(out / "train_step.md", "a") as f:
             f.write(md + "\n\n")
     print(md, flush=True)
