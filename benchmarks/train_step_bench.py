@@ -24,6 +24,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -131,6 +132,30 @@ def environment(settings: dict[str, str]):
                 os.environ[k] = v
 
 
+_FUSION = re.compile(r"^\s*%(\S+) = (\S+) fusion\((.*?)\), kind=")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_DEDUP = re.compile(r'deduplicated_name="([^"]*)"')
+
+
+def hlo_fusions(hlo: str, kernel: str) -> dict | None:
+    """What an XLA kernel of a profile is in the compiled ``hlo``: the fusion instructions
+    named ``kernel`` (its last ``_N`` read as ``.N``), directly or as their deduplicated
+    kernel: ``{"count", "shape", "operands", "op_name"}`` of the first, or None."""
+    dotted = re.sub(r"_(\d+)$", r".\1", kernel)
+    hits = []
+    for line in hlo.splitlines():
+        if " fusion(" not in line or (dotted not in line and kernel not in line):
+            continue
+        m, dedup = _FUSION.match(line), _DEDUP.search(line)
+        if m and dotted in (m.group(1), dedup and dedup.group(1)):
+            hits.append((m, _OP_NAME.search(line)))
+    if not hits:
+        return None
+    m, op = hits[0]
+    return {"count": len(hits), "shape": m.group(2), "operands": m.group(3)[:160],
+            "op_name": op.group(1)[-120:] if op else ""}
+
+
 def step_profile(compiled, state, inputs, targets, steps: int):
     """``(state, summary)``: ``steps`` train steps traced back to back (optimizer included,
     each step's donated state fed to the next) and the per-step kernel summary of
@@ -219,8 +244,12 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         cls = "  ".join(f"{c} {v:.2f}" for c, v in sorted(prof["by_class"].items(), key=lambda kv: -kv[1]))
         print(f"PROFILE {spec}: device {prof['device_ms']:.2f} busy {prof['busy_ms']:.2f} overlap "
               f"{prof['overlap_ms']:.2f} idle {prof['idle_ms']:.2f} ms/step: {cls}", flush=True)
+        hlo = hlo_source.as_text()
+        prof["fusions"] = {k: f for k, _ in prof["top_kernels"] if (f := hlo_fusions(hlo, k)) is not None}
         for k, kms in prof["top_kernels"]:
-            print(f"PROFILE {spec}:   {kms:8.3f} ms  {k}", flush=True)
+            f = prof["fusions"].get(k)
+            what = f"  = {f['count']} x {f['shape']} fusion({f['operands'][:60]}) {f['op_name'][-50:]}" if f else ""
+            print(f"PROFILE {spec}:   {kms:8.3f} ms  {k}{what}", flush=True)
     n_tok = inputs.shape[0] * inputs.shape[1]
     del state, compiled, train_step
     gc.collect()

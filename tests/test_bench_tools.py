@@ -226,7 +226,8 @@ def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_p
     # holds no GPU kernels: zeros, but the chain of steps must run).
     prof = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "2",
                      "--rounds", "1", "--runs", "xla", "--profile"])
-    assert set(prof[0]["profile"]) == {"device_ms", "busy_ms", "overlap_ms", "idle_ms", "by_class", "top_kernels"}
+    assert set(prof[0]["profile"]) == {"device_ms", "busy_ms", "overlap_ms", "idle_ms", "by_class", "top_kernels",
+                                         "fusions"}
     with pytest.raises(ValueError, match="plain, xla, pallas or cutedsl"):
         tsb.parse_run("torch")
     with pytest.raises(ValueError, match="VAR=VALUE"):
@@ -339,3 +340,23 @@ def test_activation_gathers_count_computed_arrays_not_the_state():
     ])
     assert [g.split(" =")[0] for g in activation_gathers(hlo, 16, 1024)] == ["%all-gather.1", "%all-gather-start.3"]
     assert [g.split(" =")[0] for g in activation_gathers(hlo, 16, 1024, floating_only=True)] == ["%all-gather.1"]
+
+
+def test_hlo_fusions_names_a_profiled_xla_kernel():
+    """A profile's XLA kernel name maps to its fusion instructions in the compiled HLO: by
+    instruction name (``_N`` -> ``.N``) or as the deduplicated kernel several share."""
+    import train_step_bench as tsb
+
+    hlo = "\n".join([
+        '  %input_transpose_fusion.33 = bf16[4096,2048]{1,0} fusion(%param.11), kind=kInput, calls=%f.33, '
+        'metadata={op_name="jit(step)/convert_element_type" deduplicated_name="input_transpose_fusion.2"}',
+        '  %input_transpose_fusion.2 = bf16[4096,2048]{1,0} fusion(%param.12), kind=kInput, calls=%f.2, '
+        'metadata={op_name="jit(step)/convert_element_type"}',
+        '  %loop_add_fusion.7 = f32[8,16]{1,0} fusion(%a, %b), kind=kLoop, calls=%g, metadata={op_name="jit(step)/add"}',
+    ])
+    f = tsb.hlo_fusions(hlo, "input_transpose_fusion_2")
+    assert f == {"count": 2, "shape": "bf16[4096,2048]{1,0}", "operands": "%param.11",
+                 "op_name": "jit(step)/convert_element_type"}
+    assert tsb.hlo_fusions(hlo, "loop_add_fusion_7")["operands"] == "%a, %b"
+    assert tsb.hlo_fusions(hlo, "loop_add_fusion_70") is None
+    assert tsb.hlo_fusions(hlo, "nvjet_sm90_tst_256x128") is None
