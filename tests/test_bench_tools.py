@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,6 +229,13 @@ def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_p
                      "--rounds", "1", "--runs", "xla", "--profile"])
     assert set(prof[0]["profile"]) == {"device_ms", "busy_ms", "overlap_ms", "idle_ms", "by_class", "top_kernels",
                                          "fusions"}
+    # JAX_ENABLE_PGLE=1: the step called through jit dispatch (profiled runs, then compiled
+    # again); the PGLE settings are JAX's again afterwards.
+    before = jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs
+    pgle = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
+                     "--rounds", "1", "--runs", "xla:JAX_ENABLE_PGLE=1"])
+    assert pgle[0]["tokens_per_s"] > 0 and pgle[0]["first_loss"] == rows[1]["first_loss"]
+    assert (jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs) == before
     with pytest.raises(ValueError, match="plain, xla, pallas or cutedsl"):
         tsb.parse_run("torch")
     with pytest.raises(ValueError, match="VAR=VALUE"):
