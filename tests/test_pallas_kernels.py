@@ -235,11 +235,12 @@ def test_cooperative_stage_ring_variants(cfg):
                                  dataclasses.replace(WS_N, tile_k=32, max_concurrent_steps=2)],
                          ids=["ring", "cooperative"])
 def test_k32_steps_in_the_dgrad_layout(cfg):
-    # 32-wide K steps (64-byte swizzled rows) with both operands K-major: 8 K steps a tile
-    # (K = 256) through 3 (or 2) stages, a ragged K (130 -> 160), a pair epilogue.
-    _compare(programs.rms_dgrad(True), 256, 512, 256, transpose_b=True, config=cfg, seed=27)
+    # 32-wide K steps (64-byte swizzled rows) with both operands K-major: a ragged K
+    # (130 -> 160: 5 K steps a tile through 3 or 2 stages) and M; on the ring also a pair
+    # epilogue (K = 128, 4 steps; 2 tiles a CTA, so the ring wraps across tiles).
     _compare(programs.rms_dgrad(True), 200, 300, 130, transpose_b=True, config=cfg, seed=28)
-    _compare(programs.SWIGLU_DGRAD, 256, 512, 128, transpose_b=True, config=cfg, seed=29)
+    if cfg.delay_release:
+        _compare(programs.SWIGLU_DGRAD, 256, 512, 128, transpose_b=True, config=cfg, seed=29)
 
 
 def test_k32_steps_need_both_operands_k_major():
