@@ -11,6 +11,10 @@ plain JAX, for the train step (tokens/s over the plain JAX Llama's, same process
 (fwd+bwd of the op in plain JAX, ``plain_ops.py``, over the backend's). With ``--update``, the section between
 ``<!-- current:begin -->`` and ``<!-- current:end -->`` of that file is replaced and the chart
 is copied beside it as ``results.png``.
+
+``benchmarks/current/run<N>/`` keeps the inputs of runs whose numbers the section may be
+rebuilt from (run 148: the train step at one commit, every backend): pass such a directory
+after a new run's to rebuild the section from both.
 """
 
 from __future__ import annotations
