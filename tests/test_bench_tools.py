@@ -210,6 +210,7 @@ def test_grad_error_probe_measures_the_bf16_rounding_of_a_training_step(capsys):
 
 
 
+@pytest.mark.filterwarnings("ignore:PGLE collected an empty trace")  # a CPU trace has no GPU kernels
 def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_path, monkeypatch):
     import json
 
