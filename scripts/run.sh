@@ -41,6 +41,8 @@ fi
 cmd="${1:-}"; shift || true
 case "$cmd" in
   train) exec "$VENV/bin/python" examples/train_llama.py "$@" ;;
-  test)  exec "$VENV/bin/python" -m pytest -n "${CODA_JAX_TEST_WORKERS:-auto}" tests "$@" ;;  # xdist: one worker a core
+  # xdist: one worker a core; an idle worker takes queued tests from the other (the longest run
+  # first, tests/conftest.py), so no worker waits alone on a long test at the end.
+  test)  exec "$VENV/bin/python" -m pytest -n "${CODA_JAX_TEST_WORKERS:-auto}" --dist worksteal tests "$@" ;;
   *) echo "usage: bash scripts/run.sh {train|test} [args...]" >&2; exit 2 ;;
 esac

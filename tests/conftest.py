@@ -28,7 +28,27 @@ def _hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 
 
+# The CPU suite's longest tests (40-95 s each on 2 cores, fresh-clone CI of 22381c6), run
+# first: with pytest-xdist's two workers, a long test left for the end keeps one worker busy
+# while the other idles.
+SLOW_FIRST = (
+    "test_partitioning.py::test_on_eight_devices",
+    "test_cutedsl_lowering.py::test_kernels_do_not_spill",
+    "test_autotune.py::test_extended_candidates_lower_for_cuda",
+    "test_partitioning.py::test_train_example_on_meshes_matches_one_device",
+    "test_shape_fuzz.py::test_model_draw_on_pallas",
+    "test_ops_pallas.py::test_block_on_pallas_matches_xla_backend",
+    "test_train_example.py::test_short_training_run_learns_and_resumes",
+)
+
+
+def _slow_rank(item) -> int:
+    nodeid = item.nodeid.rsplit("/", 1)[-1]
+    return next((i for i, p in enumerate(SLOW_FIRST) if nodeid.startswith(p)), len(SLOW_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_slow_rank)  # stable: the rest keep their order
     if _hopper():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU (run benchmarks/gpu_suite.sh on the device)")
