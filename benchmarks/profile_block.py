@@ -75,6 +75,21 @@ def gpu_summary(kernels: list[tuple[str, float, float]], steps: int) -> dict:
             "calls": {n: c / steps for n, c in count.items()}}
 
 
+def mean_over_gpus(gpus) -> dict:
+    """The mean of :func:`gpu_summary` results (one per GPU): device, busy, overlap and idle
+    ms, and ms (and calls) by class and by kernel. One GPU: its own summary."""
+    gpus = list(gpus)
+    n = max(len(gpus), 1)
+    out = {k: sum(g[k] for g in gpus) / n for k in ("device_ms", "busy_ms", "overlap_ms", "idle_ms")}
+    for key in ("by_class", "by_kernel", "calls"):
+        acc = collections.defaultdict(float)
+        for g in gpus:
+            for name, v in g[key].items():
+                acc[name] += v / n
+        out[key] = dict(acc)
+    return out
+
+
 def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
     """Per-step device time by kernel and by class (milliseconds), the wall time, and the
     busy, overlap and idle times (:func:`gpu_summary`): the steps are dispatched back to
@@ -86,19 +101,10 @@ def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
     if hlo_path is not None:  # to look up which ops an XLA fusion holds
         hlo_path.write_text(fn.lower(*args).compile().as_text())
     gpus = {name: gpu_summary(ks, steps) for name, ks in sorted(trace_kernels(fn, args, steps).items())}
-    n = max(len(gpus), 1)
-    mean = lambda key: sum(g[key] for g in gpus.values()) / n  # noqa: E731
-    by_kernel, by_class, calls = collections.defaultdict(float), collections.defaultdict(float), collections.Counter()
-    for g in gpus.values():
-        for k, ms in g["by_kernel"].items():
-            by_kernel[k] += ms / n
-            calls[k] += g["calls"][k] / n
-        for c, ms in g["by_class"].items():
-            by_class[c] += ms / n
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])
-    out = {"wall_ms": wall_ms, "device_ms": mean("device_ms"), "busy_ms": mean("busy_ms"),
-           "overlap_ms": mean("overlap_ms"), "idle_ms": mean("idle_ms"), "by_class": dict(by_class),
-           "kernels": [{"name": k[:160], "ms": ms, "calls_per_step": calls[k], "class": kernel_class(k)}
+    m = mean_over_gpus(gpus.values())
+    top = sorted(m["by_kernel"].items(), key=lambda kv: -kv[1])
+    out = {"wall_ms": wall_ms, **{k: m[k] for k in ("device_ms", "busy_ms", "overlap_ms", "idle_ms", "by_class")},
+           "kernels": [{"name": k[:160], "ms": ms, "calls_per_step": m["calls"][k], "class": kernel_class(k)}
                        for k, ms in top]}
     if len(gpus) > 1:
         out["per_gpu"] = {name: {k: g[k] for k in ("device_ms", "busy_ms", "overlap_ms", "idle_ms", "by_class")}

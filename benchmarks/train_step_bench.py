@@ -162,7 +162,7 @@ def step_profile(compiled, state, inputs, targets, steps: int):
     ``profile_block.gpu_summary`` (mean over the GPUs: device, busy, overlap, idle ms and
     ms by kernel class)."""
     from device_time import trace_kernels
-    from profile_block import gpu_summary
+    from profile_block import gpu_summary, mean_over_gpus
 
     box = [state]
 
@@ -170,15 +170,11 @@ def step_profile(compiled, state, inputs, targets, steps: int):
         box[0], loss = compiled(box[0], inputs, targets)
         return loss
 
-    gpus = [gpu_summary(ks, steps) for ks in trace_kernels(one, (), steps).values()]
-    n = max(len(gpus), 1)
-    keys = ("device_ms", "busy_ms", "overlap_ms", "idle_ms")
-    summary = {k: sum(g[k] for g in gpus) / n for k in keys}
-    classes = {c for g in gpus for c in g["by_class"]}
-    summary["by_class"] = {c: sum(g["by_class"].get(c, 0.0) for g in gpus) / n for c in sorted(classes)}
-    kernels = {k for g in gpus for k in g["by_kernel"]}
-    by_kernel = {k: sum(g["by_kernel"].get(k, 0.0) for g in gpus) / n for k in kernels}
-    summary["top_kernels"] = sorted(([k[:100], round(ms, 3)] for k, ms in by_kernel.items()), key=lambda kv: -kv[1])[:15]
+    m = mean_over_gpus(gpu_summary(ks, steps) for ks in trace_kernels(one, (), steps).values())
+    summary = {k: m[k] for k in ("device_ms", "busy_ms", "overlap_ms", "idle_ms")}
+    summary["by_class"] = dict(sorted(m["by_class"].items()))
+    summary["top_kernels"] = sorted(([k[:100], round(ms, 3)] for k, ms in m["by_kernel"].items()),
+                                    key=lambda kv: -kv[1])[:15]
     return box[0], summary
 
 
@@ -221,7 +217,8 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             state, loss = compiled(state, inputs, targets)
         jax.block_until_ready(loss)
     mem = hlo_source.memory_analysis()
-    gather_lines = activation_gathers(hlo_source.as_text(), *inputs.shape) if mesh is not None else []
+    hlo = hlo_source.as_text() if mesh is not None or profile else ""  # tens of MB at 1B: once
+    gather_lines = activation_gathers(hlo, *inputs.shape) if mesh is not None else []
     for line in gather_lines[:20]:
         print(f"{spec}: activation-shaped all-gather: {line}", flush=True)
     # A jit-dispatched (PGLE) step is called in its tracing context, lest a call retrace it.
@@ -244,7 +241,6 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         cls = "  ".join(f"{c} {v:.2f}" for c, v in sorted(prof["by_class"].items(), key=lambda kv: -kv[1]))
         print(f"PROFILE {spec}: device {prof['device_ms']:.2f} busy {prof['busy_ms']:.2f} overlap "
               f"{prof['overlap_ms']:.2f} idle {prof['idle_ms']:.2f} ms/step: {cls}", flush=True)
-        hlo = hlo_source.as_text()
         prof["fusions"] = {k: f for k, _ in prof["top_kernels"] if (f := hlo_fusions(hlo, k)) is not None}
         for k, kms in prof["top_kernels"]:
             f = prof["fusions"].get(k)

@@ -89,13 +89,18 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
 }
 
 
+def known_candidates() -> dict[str, TuningConfig]:
+    """Every candidate by name: :data:`CANDIDATES` and :data:`EXTENDED_CANDIDATES`."""
+    return {**CANDIDATES, **EXTENDED_CANDIDATES}
+
+
 def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[str, TuningConfig]:
     """The named candidates (default: :data:`CANDIDATES`; ``"extended"``:
     :data:`EXTENDED_CANDIDATES`; ``"all"``: both) that can run ``call``: those whose tile
-    holds the epilogue's pair block. The heuristic's own configuration is timed separately."""
+    holds the epilogue's pair block and whose K step suits the call's layout. The heuristic's own configuration is timed separately."""
     epi = call.epilogue
     pw = epi.pair_width if epi.pair_block is not None else None
-    known = {**CANDIDATES, **EXTENDED_CANDIDATES}
+    known = known_candidates()
     groups = {"extended": list(EXTENDED_CANDIDATES), "all": list(known)}
     chosen = [x for name in (names or list(CANDIDATES)) for x in groups.get(name, [name])]
     out = {}
@@ -103,8 +108,8 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
         if name not in known:
             raise ValueError(f"unknown candidate {name!r}; known: {sorted(known)}, 'extended', 'all'")
         cfg = known[name]
-        if cfg.tile_k % 64 and (call.transpose_a or not call.transpose_b):
-            continue  # 32-wide K steps: both operands K-major only (gemm_epilogue.plan_kernel)
+        if not cfg.k_step_fits(call.transpose_a, call.transpose_b):
+            continue  # plan_kernel would refuse it
         if pw is None or cfg.tile_n % pw == 0:
             out[name] = cfg
     return out
@@ -251,7 +256,7 @@ def incumbents(table: dict[str, Any] | None) -> dict[tuple, str]:
     """{(program, layout, m, n, k): candidate name} of a table's entries won by a candidate
     (not the heuristic): pass it to :func:`autotune` so that a sweep of other candidates
     measures each GEMM's current winner beside them, in the same process."""
-    known = {**CANDIDATES, **EXTENDED_CANDIDATES}
+    known = known_candidates()
     return {row_key(e): e["candidate"] for e in (table or {}).get("entries", []) if e.get("candidate") in known}
 
 

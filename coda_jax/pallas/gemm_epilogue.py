@@ -451,9 +451,7 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     """
     ldt = dict(load_dtypes)
     itemsize = jnp.dtype(shape.operand_dtype).itemsize
-    if cfg.tile_k % 64 and (shape.transpose_a or not shape.transpose_b):
-        # A 32-element K step is a 64-byte row: Mosaic GPU's wgmma takes it only where both
-        # operands keep K minor-most (A [M, K], B stored [N, K]: the dgrad layout).
+    if not cfg.k_step_fits(shape.transpose_a, shape.transpose_b):
         raise ValueError(f"tile_k={cfg.tile_k} needs both operands K-major (A [M, K], B given as [N, K]: "
                          f"transpose_a=False, transpose_b=True); use a multiple of 64")
 

@@ -116,6 +116,12 @@ class TuningConfig:
         if self.delay_release not in (0, 1):
             raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
 
+    def k_step_fits(self, transpose_a: bool, transpose_b: bool) -> bool:
+        """Whether ``tile_k`` suits the layout: a 32-element K step is a 64-byte row, which
+        Mosaic GPU's wgmma takes only where both operands keep K minor-most (A ``[M, K]``,
+        B stored ``[N, K]``: the dgrad layout)."""
+        return self.tile_k % 64 == 0 or (not transpose_a and transpose_b)
+
     @property
     def pingpong(self) -> bool:
         """Whether the warp-specialized kernel runs the ping-pong schedule."""
