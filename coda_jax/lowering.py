@@ -118,8 +118,40 @@ H100_SMS = 132
 
 
 def gpu_sm_count() -> int:
-    """SMs of the default device (a persistent grid's size); an H100's 132 without a GPU."""
+    """SMs of the default device; an H100's 132 without a GPU."""
     return getattr(jax.devices()[0], "core_count", None) or H100_SMS
+
+
+RESERVED_SMS_ENV = "CODA_JAX_RESERVED_SMS"
+
+
+def reserved_sms() -> int:
+    """SMs the persistent kernels leave free: ``$CODA_JAX_RESERVED_SMS`` (default 0).
+
+    A persistent kernel launches one CTA per SM, each holding most of its SM's shared memory
+    until the kernel ends, so a kernel launched beside it on another stream (NCCL's
+    all-reduce or reduce-scatter of the gradients under data parallelism) gets no SM until it
+    ends. Reserving SMs gives such kernels room to run concurrently, at the cost of the
+    GEMMs' share of those SMs. Read when a kernel is traced.
+    """
+    text = os.environ.get(RESERVED_SMS_ENV, "0").strip() or "0"
+    try:
+        r = int(text)
+    except ValueError:
+        raise ValueError(f"${RESERVED_SMS_ENV} must be a non-negative integer, got {text!r}") from None
+    if r < 0:
+        raise ValueError(f"${RESERVED_SMS_ENV} must be a non-negative integer, got {r}")
+    return r
+
+
+def persistent_grid_sms(num_sms: int) -> int:
+    """SMs a persistent kernel's grid covers on a GPU of ``num_sms``: all but
+    :func:`reserved_sms`, which must leave at least 2 (a CTA pair's cluster)."""
+    r = reserved_sms()
+    if num_sms - r < 2:
+        raise ValueError(f"${RESERVED_SMS_ENV}={r} leaves {num_sms - r} of the GPU's {num_sms} SMs to the "
+                         f"kernels; it must leave at least 2")
+    return num_sms - r
 
 
 def plain_gemm_env(backend: str) -> str:

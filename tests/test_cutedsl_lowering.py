@@ -351,6 +351,10 @@ def test_kernel_plan_stages_outputs_and_is_persistent(monkeypatch):
         a, b = jax.ShapeDtypeStruct((m, 64), BF), jax.ShapeDtypeStruct((64, 384), BF)
         _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
     assert [p.ctas for p in plans] == [6, 7]
+    # $CODA_JAX_RESERVED_SMS leaves SMs free for kernels beside it (NCCL): 7 - 2 -> 5 CTAs
+    monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "2")
+    _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
+    assert plans[-1].ctas == 5
 
 
 def test_tile_width_choice(monkeypatch):

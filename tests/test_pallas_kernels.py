@@ -328,6 +328,33 @@ def test_logsumexp_of_a_consumer_tile_that_is_all_padding():
     _compare(programs.RMS_LSE, 37, 64, 64, transpose_b=True, config=WS_N, seed=4)  # 1 CTA tile
 
 
+@pytest.mark.parametrize("config", [WS, PINGPONG], ids=["cooperative", "pingpong"])
+def test_reserved_sms_shrink_the_persistent_grid(monkeypatch, config):
+    # $CODA_JAX_RESERVED_SMS=1 leaves one of the interpreter's 4 "SMs" free: 3 CTAs walk 8
+    # tiles (an uneven share), and every tile is still written.
+    from coda_jax.pallas import lowering as L
+
+    grids = []
+    real = L.build_kernel
+    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
+    monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "1")
+    L._kernel.cache_clear()
+    _compare(programs.RESIDUAL_RMS, 256, 512, 128, config=config, seed=21)
+    assert grids == [L.INTERPRET_SMS - 1]
+
+
+def test_reserved_sms_errors(monkeypatch):
+    from coda_jax.lowering import persistent_grid_sms
+
+    assert persistent_grid_sms(132) == 132
+    for bad, rule in (("x", "non-negative integer"), ("-1", "non-negative integer"), ("131", "at least 2")):
+        monkeypatch.setenv("CODA_JAX_RESERVED_SMS", bad)
+        with pytest.raises(ValueError, match=rf"CODA_JAX_RESERVED_SMS.*{rule}"):
+            persistent_grid_sms(132)
+    monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "16")
+    assert persistent_grid_sms(132) == 116
+
+
 def test_default_config():
     _compare(programs.ROW_SCALE, 128, 128, 256, config=TuningConfig())
 

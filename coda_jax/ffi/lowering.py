@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, routes_to_xla
+from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, persistent_grid_sms, routes_to_xla
 from coda_jax.reference import REFERENCE
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
@@ -172,7 +172,7 @@ class CuteDslLowering:
                 raise TypeError(f"epilogue {epilogue.name!r}: output {name!r} dtype {dt} is not bf16/f16/f32")
         op_dt = jnp.dtype(a.dtype)
         itemsize = op_dt.itemsize
-        sms = gpu_sm_count()
+        sms = persistent_grid_sms(gpu_sm_count())  # $CODA_JAX_RESERVED_SMS left free
         pingpong = choose_schedule(epilogue, schedule_request())
         tn = 128 if pingpong else choose_tile_n(epilogue, m, n, itemsize, dtypes, sms, tile_n_request())
         mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, TILE_K)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, routes_to_xla
+from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, persistent_grid_sms, routes_to_xla
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_cache import active_kernel_cache
@@ -42,9 +42,15 @@ def _round_up(x: int, q: int) -> int:
 
 
 def _num_sms(interpret: bool) -> int:
+    """The GPU's SMs (the interpreter's :data:`INTERPRET_SMS`): what the tuned table is keyed by."""
     if interpret:
         return INTERPRET_SMS
     return gpu_sm_count()
+
+
+def _grid_sms(interpret: bool) -> int:
+    """SMs the persistent grid covers: :func:`_num_sms` less ``$CODA_JAX_RESERVED_SMS``."""
+    return persistent_grid_sms(_num_sms(interpret))
 
 
 @functools.lru_cache(maxsize=256)
@@ -100,7 +106,7 @@ class PallasLowering:
         tuned = tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, dev.device_kind,
                              _num_sms(False), pw) if dev.platform == "gpu" else None
         if tuned is None:
-            tuned = fit_waves(choose_config(m, n, k, epilogue.name), m, n, _num_sms(False), pw)
+            tuned = fit_waves(choose_config(m, n, k, epilogue.name), m, n, _grid_sms(False), pw)
         return with_delay_release_env(tuned)
 
     def gemm(
@@ -155,7 +161,7 @@ class PallasLowering:
                        for o in epilogue.outputs)
         shape = KernelShape(m=mp, n=np_, k=kp, m_real=m, n_real=n, transpose_a=transpose_a,
                             transpose_b=transpose_b, operand_dtype=jnp.dtype(a.dtype), out_dtypes=dtypes,
-                            num_sms=_num_sms(interpret))
+                            num_sms=_grid_sms(interpret))
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
         kernel = _kernel(epilogue, shape, cfg, interpret, load_dtypes)
