@@ -22,6 +22,7 @@ mean over the GPUs and each GPU's totals: how much of the collectives overlaps c
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import contextlib
 import functools
@@ -70,9 +71,64 @@ def gpu_summary(kernels: list[tuple[str, float, float]], steps: int) -> dict:
         by_class[kernel_class(name)] += ms
     device_ms = sum(by_kernel.values())
     busy_ms = busy_us(kernels) / 1e3 / steps
-    return {"device_ms": device_ms, "busy_ms": busy_ms, "overlap_ms": device_ms - busy_ms,
-            "idle_ms": max(span_ms - busy_ms, 0.0), "by_class": dict(by_class), "by_kernel": dict(by_kernel),
-            "calls": {n: c / steps for n, c in count.items()}}
+    out = {"device_ms": device_ms, "busy_ms": busy_ms, "overlap_ms": device_ms - busy_ms,
+           "idle_ms": max(span_ms - busy_ms, 0.0), "by_class": dict(by_class), "by_kernel": dict(by_kernel),
+           "calls": {n: c / steps for n, c in count.items()}}
+    placement = collective_placement(kernels, steps)
+    if placement is not None:
+        out["collectives"] = placement
+    return out
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint intervals."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _covered(a: float, b: float, union: list[tuple[float, float]], starts: list[float]) -> float:
+    """Length of ``[a, b)`` that the disjoint sorted intervals ``union`` cover."""
+    i, total = max(bisect.bisect_right(starts, a) - 1, 0), 0.0
+    while i < len(union) and union[i][0] < b:
+        total += max(0.0, min(b, union[i][1]) - max(a, union[i][0]))
+        i += 1
+    return total
+
+
+def collective_placement(kernels: list[tuple[str, float, float]], steps: int, parts: int = 10) -> dict | None:
+    """Where one GPU's collectives fall in its ``steps`` back-to-back steps (milliseconds per
+    step), or None without collectives: their time (``ms``), the part of it that other
+    kernels cover (``hidden_ms``), both per tenth of the step (``by_part``, ``hidden_by_part``:
+    a collective is counted in the part where it starts; steps are cut into equal spans of
+    the traced time), and the time of each class of kernel that runs beside a collective
+    (``beside``). Tells collectives bunched at the end of the backward pass (nothing left to
+    hide them behind) from collectives that run beside compute yet do not overlap it."""
+    coll = [(t, t + d) for n, t, d in kernels if kernel_class(n) == "collective"]
+    if not coll:
+        return None
+    compute = sorted((t, t + d, kernel_class(n)) for n, t, d in kernels if kernel_class(n) != "collective")
+    union = _merged([(a, b) for a, b, _ in compute])
+    starts = [a for a, _ in union]
+    t0 = min(t for _, t, _ in kernels)
+    step_us = (max(t + d for _, t, d in kernels) - t0) / steps
+    by_part, hidden_by_part = [0.0] * parts, [0.0] * parts
+    beside: dict[str, float] = collections.defaultdict(float)
+    c_starts = [a for a, _, _ in compute]
+    longest = max((b - a for a, b, _ in compute), default=0.0)
+    for a, b in coll:
+        part = min(int(((a - t0) % step_us) / step_us * parts), parts - 1) if step_us > 0 else 0
+        by_part[part] += (b - a) / 1e3 / steps
+        hidden_by_part[part] += _covered(a, b, union, starts) / 1e3 / steps
+        for j in range(bisect.bisect_left(c_starts, a - longest), bisect.bisect_left(c_starts, b)):
+            ca, cb, cls = compute[j]
+            beside[cls] += max(0.0, min(b, cb) - max(a, ca)) / 1e3 / steps
+    return {"ms": sum(by_part), "hidden_ms": sum(hidden_by_part), "by_part": by_part,
+            "hidden_by_part": hidden_by_part, "beside": {k: v for k, v in sorted(beside.items()) if v > 0}}
 
 
 def mean_over_gpus(gpus) -> dict:
@@ -87,6 +143,14 @@ def mean_over_gpus(gpus) -> dict:
             for name, v in g[key].items():
                 acc[name] += v / n
         out[key] = dict(acc)
+    placements = [g["collectives"] for g in gpus if "collectives" in g]
+    if placements:  # the mean over the GPUs that ran collectives
+        k = len(placements)
+        out["collectives"] = {
+            "ms": sum(p["ms"] for p in placements) / k, "hidden_ms": sum(p["hidden_ms"] for p in placements) / k,
+            **{key: [sum(v) / k for v in zip(*(p[key] for p in placements))] for key in ("by_part", "hidden_by_part")},
+            "beside": {c: sum(p["beside"].get(c, 0.0) for p in placements) / k
+                       for c in sorted({c for p in placements for c in p["beside"]})}}
     return out
 
 

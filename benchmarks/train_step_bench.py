@@ -173,6 +173,8 @@ def step_profile(compiled, state, inputs, targets, steps: int):
     m = mean_over_gpus(gpu_summary(ks, steps) for ks in trace_kernels(one, (), steps).values())
     summary = {k: m[k] for k in ("device_ms", "busy_ms", "overlap_ms", "idle_ms")}
     summary["by_class"] = dict(sorted(m["by_class"].items()))
+    if "collectives" in m:
+        summary["collectives"] = m["collectives"]
     summary["top_kernels"] = sorted(([k[:100], round(ms, 3)] for k, ms in m["by_kernel"].items()),
                                     key=lambda kv: -kv[1])[:15]
     return box[0], summary
@@ -241,6 +243,11 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         cls = "  ".join(f"{c} {v:.2f}" for c, v in sorted(prof["by_class"].items(), key=lambda kv: -kv[1]))
         print(f"PROFILE {spec}: device {prof['device_ms']:.2f} busy {prof['busy_ms']:.2f} overlap "
               f"{prof['overlap_ms']:.2f} idle {prof['idle_ms']:.2f} ms/step: {cls}", flush=True)
+        if (c := prof.get("collectives")) is not None:
+            parts = " ".join(f"{h:.1f}/{t:.1f}" for h, t in zip(c["hidden_by_part"], c["by_part"]))
+            near = "  ".join(f"{k} {v:.2f}" for k, v in sorted(c["beside"].items(), key=lambda kv: -kv[1]))
+            print(f"PROFILE {spec}: collectives {c['ms']:.2f} ms/step, hidden {c['hidden_ms']:.2f}; per tenth of "
+                  f"the step (hidden/all ms): {parts}; beside them: {near}", flush=True)
         prof["fusions"] = {k: f for k, _ in prof["top_kernels"] if (f := hlo_fusions(hlo, k)) is not None}
         for k, kms in prof["top_kernels"]:
             f = prof["fusions"].get(k)

@@ -316,6 +316,28 @@ def test_per_gpu_trace_analysis_counts_overlapping_streams_once():
     assert g["by_class"] == {"coda": 0.1, "collective": 0.1, "other": 0.05}
 
 
+def test_collective_placement_within_the_step():
+    """collective_placement: a collective's time per tenth of the step where it starts, the
+    part of it that compute kernels cover, and which classes run beside it; the mean over
+    GPUs keeps it."""
+    from profile_block import collective_placement, gpu_summary, mean_over_gpus
+
+    # Two back-to-back steps of 1000 us: compute [0, 900) then an all-reduce [900, 1000) that
+    # nothing covers; in step 2 the all-reduce starts at 1150 beside a GEMM [1100, 1200) and
+    # a fused kernel [1200, 1900), then the rest of the compute.
+    ks = [("coda_residual_rms", 0, 900), ("ncclDevKernel_AllReduce_Sum_bf16", 900, 100),
+          ("nvjet_sm90_gemm", 1100, 100), ("ncclDevKernel_AllReduce_Sum_bf16", 1150, 100),
+          ("coda_rms_swiglu_train", 1200, 700), ("loop_add_fusion", 1900, 100)]
+    p = collective_placement(ks, steps=2)
+    assert abs(p["ms"] - 0.1) < 1e-12 and abs(p["hidden_ms"] - 0.05) < 1e-12  # (100 + 100 us) / 2; 100 us hidden / 2
+    assert [round(v, 6) for v in p["by_part"]] == [0, 0.05, 0, 0, 0, 0, 0, 0, 0, 0.05]
+    assert [round(v, 6) for v in p["hidden_by_part"]] == [0, 0.05, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert {k: round(v, 6) for k, v in p["beside"].items()} == {"coda": 0.025, "gemm": 0.025}
+    assert collective_placement([("coda_x", 0, 10)], steps=1) is None
+    m = mean_over_gpus([gpu_summary(ks, 2), gpu_summary(ks[:2], 1)])
+    assert abs(m["collectives"]["ms"] - 0.1) < 1e-12 and abs(m["collectives"]["hidden_ms"] - 0.025) < 1e-12
+
+
 def test_model_profile_on_a_mesh_runs_on_cpu_devices(tmp_path):
     """``profile_block.py --model ... --mesh data=2`` builds the sharded step (state and tokens
     placed over two CPU devices) and writes its profile; the CPU trace has no GPU kernels,
