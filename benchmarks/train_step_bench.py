@@ -40,6 +40,7 @@ for p in (ROOT / "examples", ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 import train_llama  # noqa: E402
+from hlo_schedule import collective_windows, window_summary  # noqa: E402
 from plain_llama import PlainLlama  # noqa: E402
 
 from coda_jax.layers import PRESETS, CodaLlama  # noqa: E402
@@ -223,6 +224,10 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     gather_lines = activation_gathers(hlo, *inputs.shape) if mesh is not None else []
     for line in gather_lines[:20]:
         print(f"{spec}: activation-shaped all-gather: {line}", flush=True)
+    # What the schedule puts between each async collective's start and done (hlo_schedule.py)
+    schedule = window_summary(collective_windows(hlo)) if mesh is not None else ""
+    for line in filter(None, schedule.splitlines()):
+        print(f"SCHEDULE {spec}: {line}", flush=True)
     # A jit-dispatched (PGLE) step is called in its tracing context, lest a call retrace it.
     with run_context(settings, mesh, pgle_runs) if pgle_runs else contextlib.nullcontext():
         for _ in range(2):  # warm-up
@@ -261,7 +266,8 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             "last_loss": float(loss), "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
             "devices": len(jax.devices()) if mesh is not None else 1, "activation_all_gathers": len(gather_lines),
             # the HLO of each (first 20), to tell a gathered kernel operand from an index vector
-            "activation_gather_lines": gather_lines[:20], **({"profile": prof} if prof else {})}
+            "activation_gather_lines": gather_lines[:20], **({"collective_windows": schedule} if schedule else {}),
+            **({"profile": prof} if prof else {})}
 
 
 def write_rows(out: Path, tag: str, rows: list[dict]) -> None:

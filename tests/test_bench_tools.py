@@ -391,3 +391,42 @@ def test_hlo_fusions_names_a_profiled_xla_kernel():
     assert tsb.hlo_fusions(hlo, "loop_add_fusion_7")["operands"] == "%a, %b"
     assert tsb.hlo_fusions(hlo, "loop_add_fusion_70") is None
     assert tsb.hlo_fusions(hlo, "nvjet_sm90_tst_256x128") is None
+
+
+def test_collective_windows_count_what_the_schedule_overlaps():
+    """hlo_schedule: the instructions scheduled between each async collective's start and
+    done, by kind (a Mosaic GPU custom call, XLA's GEMM fusion, other fusions)."""
+    from hlo_schedule import collective_windows, window_summary
+
+    hlo = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p: bf16[8,8]) -> (bf16[8,8], bf16[4,8]) {
+  %p = bf16[8,8]{1,0} parameter(0)
+  %all-reduce-start = bf16[8,8]{1,0} all-reduce-start(%p), channel_id=1, to_apply=%add
+  %custom-call.1 = (bf16[8,8]{1,0}, f32[8]{0}) custom-call(%p), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI
+  %get-tuple-element.1 = bf16[8,8]{1,0} get-tuple-element(%custom-call.1), index=0
+  %fusion.2 = bf16[8,8]{1,0} fusion(%get-tuple-element.1), kind=kLoop, calls=%fused
+  %all-reduce-done = bf16[8,8]{1,0} all-reduce-done(%all-reduce-start)
+  %reduce-scatter-start = ((bf16[8,8]{1,0}), bf16[4,8]{1,0}) async-start(%fusion.2), calls=%reduce-scatter.3
+  %reduce-scatter-done = bf16[4,8]{1,0} async-done(%reduce-scatter-start)
+  %all-gather-start = (bf16[4,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%reduce-scatter-done), dimensions={0}
+  %gemm_fusion_dot.4 = bf16[8,8]{1,0} fusion(%fusion.2, %fusion.2), kind=kCustom, calls=%gemm_fusion_dot_computation
+  %all-gather-done = bf16[8,8]{1,0} all-gather-done(%all-gather-start)
+  ROOT %t = (bf16[8,8]{1,0}, bf16[4,8]{1,0}) tuple(%all-gather-done, %reduce-scatter-done)
+}
+"""
+    ws = collective_windows(hlo)
+    assert [(w["op"], w["between"]) for w in ws] == [
+        ("all-reduce", {"mosaic": 1, "other": 1, "fusion": 1}), ("async:reduce-scatter.3", {}),
+        ("all-gather", {"gemm_fusion": 1})]
+    s = window_summary(ws).splitlines()
+    assert s[0].startswith("all-gather: 1 async, 0 with no kernel inside")
+    assert s[1].startswith("all-reduce: 1 async, 0 with no kernel inside; mean ops inside: fusion 1.0  mosaic 1.0")
+    assert s[2].startswith("reduce-scatter: 1 async, 1 with no kernel inside; mean ops inside: none")
+    assert window_summary([]) == "no async collectives"

@@ -1,0 +1,107 @@
+"""What XLA's schedule puts between each async collective's start and its done.
+
+A compiled module's HLO text (``compiled.as_text()``) lists each computation's instructions
+in schedule order. A collective overlaps compute only where the scheduler placed compute
+between its ``*-start`` and ``*-done``; this module counts, for each async collective, the
+instructions in that window by kind, so a profile that shows collectives never running
+beside some kernel (e.g. the Mosaic GPU custom calls) can be told apart: the scheduler kept
+those kernels out of the windows, or the runtime serialized them although they were in.
+
+    from hlo_schedule import collective_windows, window_summary
+    print(window_summary(collective_windows(compiled.as_text())))
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*.*?\s([a-z][a-z0-9-]*)\((.*)$")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_WRAPPED = re.compile(r"calls=%([\w.\-]+)")
+
+
+def op_kind(opcode: str, line: str) -> str:
+    """An instruction's kind for the window counts: ``mosaic`` (a Mosaic GPU custom call:
+    a Pallas kernel), ``ffi`` (another custom call that is not cuBLAS: e.g. a CuTeDSL
+    kernel), ``cublas``, ``gemm_fusion`` (XLA's Triton or cuBLAS GEMM fusions), ``fusion``
+    (other fusions), ``collective``, or ``other``."""
+    if opcode == "custom-call":
+        target = (_TARGET.search(line) or [None, ""])[1]
+        if target.startswith("mosaic_gpu"):
+            return "mosaic"
+        if "cublas" in target or "gemm" in target.lower():
+            return "cublas"
+        if "cudnn" in target:
+            return "cudnn"
+        return "ffi"
+    if opcode == "fusion":
+        return "gemm_fusion" if "gemm_fusion" in line.split("=", 1)[0] or '"kind":"__triton_gemm"' in line \
+            or "__cublas" in line else "fusion"
+    if opcode.endswith("-start") or opcode.endswith("-done") or opcode in (
+            "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+        return "collective"
+    return "other"
+
+
+def _computations(hlo: str):
+    """``(name, [lines])`` of each computation of the module text, in order."""
+    name, body = None, []
+    for line in hlo.splitlines():
+        stripped = line.strip()
+        if name is None:
+            if stripped.endswith("{") and not stripped.startswith("HloModule"):
+                name, body = stripped.split("(", 1)[0].replace("ENTRY", "").strip().lstrip("%"), []
+            continue
+        if stripped == "}":
+            yield name, body
+            name = None
+        else:
+            body.append(line)
+
+
+def collective_windows(hlo: str) -> list[dict]:
+    """One record per async collective of ``hlo`` (scheduled module text): its computation,
+    ``op`` (e.g. ``all-reduce`` or the wrapped op of an ``async-start``), and ``between``,
+    the count of each :func:`op_kind` scheduled between its start and its done."""
+    out = []
+    for comp, lines in _computations(hlo):
+        parsed = []
+        for line in lines:
+            m = _INSTR.match(line)
+            if m:
+                parsed.append((m.group(1), m.group(2), m.group(3), line))
+        open_at: dict[str, tuple[int, str]] = {}
+        for i, (name, opcode, rest, line) in enumerate(parsed):
+            if opcode.endswith("-start") and opcode != "copy-start":
+                op = opcode[:-len("-start")]
+                if opcode == "async-start":
+                    wrapped = _WRAPPED.search(line)
+                    op = f"async:{wrapped.group(1) if wrapped else '?'}"
+                open_at[name] = (i, op)
+            elif opcode.endswith("-done") and opcode != "copy-done":
+                first = _OPERAND.search(rest)
+                if first and first.group(1) in open_at:
+                    j, op = open_at.pop(first.group(1))
+                    between = collections.Counter(op_kind(o, ln) for _, o, _, ln in parsed[j + 1:i])
+                    out.append({"computation": comp, "op": op, "start": parsed[j][0], "between": dict(between)})
+    return out
+
+
+def window_summary(windows: list[dict]) -> str:
+    """One line per collective op kind: how many, and the mean count of each instruction kind
+    in their windows (e.g. ``mosaic 0.0`` where no Pallas kernel is ever overlapped)."""
+    by_op: dict[str, list[dict]] = collections.defaultdict(list)
+    for w in windows:
+        op = w["op"]
+        if op.startswith("async:"):
+            op = re.sub(r"[.\d]+$", "", op[len("async:"):]) or "async"
+        by_op[op].append(w["between"])
+    lines = []
+    for op, bs in sorted(by_op.items()):
+        kinds = sorted({k for b in bs for k in b})
+        mean = "  ".join(f"{k} {sum(b.get(k, 0) for b in bs) / len(bs):.1f}" for k in kinds)
+        empty = sum(1 for b in bs if not any(v for k, v in b.items() if k != "other"))
+        lines.append(f"{op}: {len(bs)} async, {empty} with no kernel inside; mean ops inside: {mean or 'none'}")
+    return "\n".join(lines) if lines else "no async collectives"
