@@ -61,17 +61,49 @@ def _computations(hlo: str):
             body.append(line)
 
 
+_CALLED = re.compile(r"to_apply=%([\w.\-]+)")
+# The kind a call takes from the kernels of the computation it calls (the first found).
+_KERNEL_KINDS = ("mosaic", "ffi", "cublas", "cudnn", "gemm_fusion", "fusion", "collective")
+
+
+def _kinds(comps: dict[str, list[tuple[str, str, str, str]]]) -> dict[str, str]:
+    """The kind of each computation's kernels: a ``call`` of it counts as that kind."""
+    memo: dict[str, str] = {}
+
+    def kind_of(name: str, depth: int = 0) -> str:
+        if name in memo:
+            return memo[name]
+        found = set()
+        for _, opcode, _, line in comps.get(name, ()):
+            k = op_kind(opcode, line)
+            if opcode == "call" and depth < 8 and (c := _CALLED.search(line)):
+                k = kind_of(c.group(1), depth + 1)
+            found.add(k)
+        memo[name] = next((k for k in _KERNEL_KINDS if k in found), "other")
+        return memo[name]
+
+    return {name: kind_of(name) for name in comps}
+
+
 def collective_windows(hlo: str) -> list[dict]:
     """One record per async collective of ``hlo`` (scheduled module text): its computation,
-    ``op`` (e.g. ``all-reduce`` or the wrapped op of an ``async-start``), and ``between``,
-    the count of each :func:`op_kind` scheduled between its start and its done."""
-    out = []
+    ``op`` (e.g. ``all-reduce`` or the wrapped op of an ``async-start``), ``between``, the
+    count of each :func:`op_kind` scheduled between its start and its done (a ``call``
+    counts as the kind of the kernels it calls, e.g. a jitted Pallas kernel as ``mosaic``),
+    and ``before`` / ``after``: the kinds of the instructions just before the start and
+    just after the done."""
+    comps = {}
     for comp, lines in _computations(hlo):
-        parsed = []
-        for line in lines:
-            m = _INSTR.match(line)
-            if m:
-                parsed.append((m.group(1), m.group(2), m.group(3), line))
+        comps[comp] = [(m.group(1), m.group(2), m.group(3), line) for line in lines if (m := _INSTR.match(line))]
+    call_kinds = _kinds(comps)
+
+    def kind(opcode: str, line: str) -> str:
+        if opcode == "call" and (c := _CALLED.search(line)):
+            return call_kinds.get(c.group(1), "other")
+        return op_kind(opcode, line)
+
+    out = []
+    for comp, parsed in comps.items():
         open_at: dict[str, tuple[int, str]] = {}
         for i, (name, opcode, rest, line) in enumerate(parsed):
             if opcode.endswith("-start") and opcode != "copy-start":
@@ -84,8 +116,10 @@ def collective_windows(hlo: str) -> list[dict]:
                 first = _OPERAND.search(rest)
                 if first and first.group(1) in open_at:
                     j, op = open_at.pop(first.group(1))
-                    between = collections.Counter(op_kind(o, ln) for _, o, _, ln in parsed[j + 1:i])
-                    out.append({"computation": comp, "op": op, "start": parsed[j][0], "between": dict(between)})
+                    between = collections.Counter(kind(o, ln) for _, o, _, ln in parsed[j + 1:i])
+                    near = lambda idx: kind(parsed[idx][1], parsed[idx][3]) if 0 <= idx < len(parsed) else "none"  # noqa: E731
+                    out.append({"computation": comp, "op": op, "start": parsed[j][0], "between": dict(between),
+                                "before": near(j - 1), "after": near(i + 1)})
     return out
 
 
@@ -103,5 +137,8 @@ def window_summary(windows: list[dict]) -> str:
         kinds = sorted({k for b in bs for k in b})
         mean = "  ".join(f"{k} {sum(b.get(k, 0) for b in bs) / len(bs):.1f}" for k in kinds)
         empty = sum(1 for b in bs if not any(v for k, v in b.items() if k != "other"))
-        lines.append(f"{op}: {len(bs)} async, {empty} with no kernel inside; mean ops inside: {mean or 'none'}")
+        ws = [w for w in windows if (w["op"] == op or w["op"].startswith(f"async:{op}"))]
+        after = collections.Counter(w["after"] for w in ws)
+        lines.append(f"{op}: {len(bs)} async, {empty} with no kernel inside; mean ops inside: {mean or 'none'}; "
+                     f"after the done: " + " ".join(f"{k} {v}" for k, v in after.most_common()))
     return "\n".join(lines) if lines else "no async collectives"

@@ -406,6 +406,11 @@ def test_collective_windows_count_what_the_schedule_overlaps():
   ROOT %s = f32[] add(%a, %b)
 }
 
+%wrapped_kernel.5 (x: bf16[8,8]) -> bf16[8,8] {
+  %x = bf16[8,8]{1,0} parameter(0)
+  ROOT %custom-call.9 = bf16[8,8]{1,0} custom-call(%x), custom_call_target="mosaic_gpu_v2"
+}
+
 ENTRY %main (p: bf16[8,8]) -> (bf16[8,8], bf16[4,8]) {
   %p = bf16[8,8]{1,0} parameter(0)
   %all-reduce-start = bf16[8,8]{1,0} all-reduce-start(%p), channel_id=1, to_apply=%add
@@ -417,16 +422,18 @@ ENTRY %main (p: bf16[8,8]) -> (bf16[8,8], bf16[4,8]) {
   %reduce-scatter-done = bf16[4,8]{1,0} async-done(%reduce-scatter-start)
   %all-gather-start = (bf16[4,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%reduce-scatter-done), dimensions={0}
   %gemm_fusion_dot.4 = bf16[8,8]{1,0} fusion(%fusion.2, %fusion.2), kind=kCustom, calls=%gemm_fusion_dot_computation
+  %call.6 = bf16[8,8]{1,0} call(%gemm_fusion_dot.4), to_apply=%wrapped_kernel.5
   %all-gather-done = bf16[8,8]{1,0} all-gather-done(%all-gather-start)
   ROOT %t = (bf16[8,8]{1,0}, bf16[4,8]{1,0}) tuple(%all-gather-done, %reduce-scatter-done)
 }
 """
     ws = collective_windows(hlo)
-    assert [(w["op"], w["between"]) for w in ws] == [
-        ("all-reduce", {"mosaic": 1, "other": 1, "fusion": 1}), ("async:reduce-scatter.3", {}),
-        ("all-gather", {"gemm_fusion": 1})]
+    assert [(w["op"], w["between"], w["after"]) for w in ws] == [
+        ("all-reduce", {"mosaic": 1, "other": 1, "fusion": 1}, "collective"), ("async:reduce-scatter.3", {}, "collective"),
+        ("all-gather", {"gemm_fusion": 1, "mosaic": 1}, "other")]  # the call of a jitted kernel counts as mosaic
     s = window_summary(ws).splitlines()
-    assert s[0].startswith("all-gather: 1 async, 0 with no kernel inside")
+    assert s[0].startswith("all-gather: 1 async, 0 with no kernel inside; mean ops inside: gemm_fusion 1.0  mosaic 1.0")
+    assert s[0].endswith("after the done: other 1")
     assert s[1].startswith("all-reduce: 1 async, 0 with no kernel inside; mean ops inside: fusion 1.0  mosaic 1.0")
     assert s[2].startswith("reduce-scatter: 1 async, 1 with no kernel inside; mean ops inside: none")
     assert window_summary([]) == "no async collectives"
