@@ -71,6 +71,22 @@ def test_ragged_shapes_on_gpu(cfg):
     _compare(programs.IDENTITY, 1000, 1500, 520, transpose_a=True, config=CONFIGS[cfg])
 
 
+@pytest.mark.parametrize("cfg", ["warp_specialized", "ws_pingpong_cluster_m"])
+def test_reserved_sms_on_gpu(monkeypatch, cfg):
+    # $CODA_JAX_RESERVED_SMS=9: 123 SMs, an odd count (61 CTA pairs, one SM idle besides)
+    from coda_jax.pallas import lowering as L
+
+    monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "9")
+    grids = []
+    real = L.build_kernel
+    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
+    L._kernel.cache_clear()
+    poison_allocator([(2048, 2048)] * 8)
+    _compare(programs.RESIDUAL_RMS, 2048, 2048, 1024, config=CONFIGS[cfg])
+    _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg])
+    assert grids and set(grids) == {L.gpu_sm_count() - 9}
+
+
 def test_vocab_leaving_a_consumer_tile_of_padding_on_gpu():
     # Issue 20, item 1: V = 50257 pads to 50432 on the default [128, 256] CTA tile; the second
     # consumer of the last tile sees padding only, and its partial LSE was NaN.
