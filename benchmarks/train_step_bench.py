@@ -14,7 +14,10 @@ device queue stays full; the host is not in the step time); the median round giv
 and tokens/s. Runs go one after another (a 1B model with its AdamW state is ~15 GB; several
 would not fit together): list ``plain`` first and last, and the table reports the drift
 between them. The compiled step's temp memory (XLA's memory analysis) is reported too.
-Results: ``<out>/train_step.json`` and a table, ratios against the mean of the plain runs.
+Two settings are not environment variables: ``JAX_ENABLE_PGLE=1`` (JAX's automatic
+profile-guided latency estimation, through jit dispatch) and ``PGLE_AOT=N`` (the same from N
+traced steps, compiled ahead of time, so that the schedule XLA made with the measured costs
+can be read: the ``SCHEDULE`` lines on a mesh). Results: ``<out>/train_step.json`` and a table, ratios against the mean of the plain runs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -138,6 +142,36 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _DEDUP = re.compile(r'deduplicated_name="([^"]*)"')
 
 
+PGLE_FLAG = "xla_gpu_pgle_profile_file_or_directory_path"
+
+
+def aot_pgle_compile(train_step, state, inputs, targets, compiled, steps: int, workdir: Path):
+    """JAX's manual (ahead-of-time) profile-guided latency estimation: ``steps`` runs of
+    ``compiled`` traced, the trace turned into XLA's profiled-instructions proto (each
+    instruction's measured time: the Mosaic GPU custom calls included where the trace
+    attributes their kernels), and the step compiled again with it
+    (``xla_gpu_pgle_profile_file_or_directory_path``). Unlike the automatic mode, the result
+    is a compiled executable, so its schedule can be read (``hlo_schedule.py``).
+
+    Returns ``(state, recompiled, info)``; ``info``: the proto's size and how many
+    custom-call instructions it names (0 on a CPU, whose trace has no GPU kernels)."""
+    import glob
+
+    from jax.experimental.profiler import get_profiled_instructions_proto
+
+    trace_dir = workdir / "trace"
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(steps):
+            state, loss = compiled(state, inputs, targets)
+        jax.block_until_ready(loss)
+    runs = sorted(glob.glob(str(trace_dir / "plugins" / "profile" / "*")))
+    proto = get_profiled_instructions_proto(runs[-1]) if runs else b""
+    path = workdir / "pgle_profile.pb"
+    path.write_bytes(proto)
+    recompiled = train_step.lower(state, inputs, targets).compile({PGLE_FLAG: str(path)})
+    return state, recompiled, {"bytes": len(proto), "custom_calls": proto.count(b"custom-call")}
+
+
 def hlo_fusions(hlo: str, kernel: str) -> dict | None:
     """What an XLA kernel of a profile is in the compiled ``hlo``: the fusion instructions
     named ``kernel`` (its last ``_N`` read as ``.N``), directly or as their deduplicated
@@ -192,6 +226,10 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     # time): its first N runs are profiled and it is compiled again with the measured op
     # costs, so XLA's scheduler can place collectives beside the custom kernels.
     pgle_runs = int(settings.get("JAX_PGLE_PROFILING_RUNS", "3")) if settings.get("JAX_ENABLE_PGLE") in PGLE_ON else 0
+    # PGLE_AOT=N: the same from N traced steps, ahead of time (aot_pgle_compile); the
+    # recompiled step is the one timed and whose schedule is read.
+    aot_steps = int(settings.pop("PGLE_AOT", "0") or 0)
+    pgle_info = None
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with run_context(settings, mesh, pgle_runs):
         model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
@@ -219,6 +257,15 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         for _ in range(pgle_runs + 1):  # the profiled runs, then the recompiled step's first run
             state, loss = compiled(state, inputs, targets)
         jax.block_until_ready(loss)
+        if aot_steps:
+            with tempfile.TemporaryDirectory() as tmp:
+                t1 = time.perf_counter()
+                state, compiled, pgle_info = aot_pgle_compile(train_step, state, inputs, targets, compiled,
+                                                              aot_steps, Path(tmp))
+                hlo_source = compiled
+                compile_s += time.perf_counter() - t1  # the profiled steps and the second compile
+            print(f"{spec}: PGLE profile of {aot_steps} steps: {pgle_info['bytes']} bytes, "
+                  f"{pgle_info['custom_calls']} custom-call instructions named", flush=True)
     mem = hlo_source.memory_analysis()
     hlo = hlo_source.as_text() if mesh is not None or profile else ""  # tens of MB at 1B: once
     gather_lines = activation_gathers(hlo, *inputs.shape) if mesh is not None else []
@@ -267,6 +314,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             "devices": len(jax.devices()) if mesh is not None else 1, "activation_all_gathers": len(gather_lines),
             # the HLO of each (first 20), to tell a gathered kernel operand from an index vector
             "activation_gather_lines": gather_lines[:20], **({"collective_windows": schedule} if schedule else {}),
+            **({"pgle_profile": pgle_info} if pgle_info else {}),
             **({"profile": prof} if prof else {})}
 
 

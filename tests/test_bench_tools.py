@@ -237,6 +237,12 @@ def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_p
                      "--rounds", "1", "--runs", "xla:JAX_ENABLE_PGLE=1"])
     assert pgle[0]["tokens_per_s"] > 0 and pgle[0]["first_loss"] == rows[1]["first_loss"]
     assert (jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs) == before
+    # PGLE_AOT=2: two traced steps, their profile (empty on a CPU) handed to a second
+    # ahead-of-time compile, which is the step timed; the setting is not exported.
+    aot = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
+                    "--rounds", "1", "--runs", "xla:PGLE_AOT=2"])
+    assert aot[0]["tokens_per_s"] > 0 and aot[0]["first_loss"] == rows[1]["first_loss"]
+    assert aot[0]["pgle_profile"]["custom_calls"] == 0 and "PGLE_AOT" not in os.environ
     with pytest.raises(ValueError, match="plain, xla, pallas or cutedsl"):
         tsb.parse_run("torch")
     with pytest.raises(ValueError, match="VAR=VALUE"):
