@@ -9,8 +9,9 @@ tiles, the CuTeDSL backend does the same through the XLA FFI.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -152,6 +153,50 @@ def persistent_grid_sms(num_sms: int) -> int:
         raise ValueError(f"${RESERVED_SMS_ENV}={r} leaves {num_sms - r} of the GPU's {num_sms} SMs to the "
                          f"kernels; it must leave at least 2")
     return num_sms - r
+
+
+LATENCY_HINTS_ENV = "CODA_JAX_LATENCY_HINTS"
+# Rates of the estimate that XLA's scheduler is given for a kernel (one H100 SXM's worth of
+# SMs; scaled by the GPU's SM count): dense bf16 at the rate the fused kernels reach (about
+# 75 % of the 989 TFLOP/s peak, benchmarks/RESULTS.md), and HBM3 bandwidth.
+HINT_FLOPS_PER_S = 0.75 * 989e12
+HINT_BYTES_PER_S = 3.35e12
+
+
+def latency_hints_enabled() -> bool:
+    """``$CODA_JAX_LATENCY_HINTS`` (``1`` on; default off): whether each kernel call tells
+    XLA's scheduler its estimated run time (:func:`with_latency_hint`)."""
+    text = os.environ.get(LATENCY_HINTS_ENV, "0").strip().lower()
+    if text not in ("0", "1", "", "false", "true", "off", "on"):
+        raise ValueError(f"${LATENCY_HINTS_ENV} must be 0 or 1, got {text!r}")
+    return text in ("1", "true", "on")
+
+
+def estimated_kernel_ns(m: int, n: int, k: int, bytes_moved: int, num_sms: int = H100_SMS) -> int:
+    """A roofline estimate of one ``[m, k] @ [k, n]`` kernel's run time in nanoseconds:
+    the larger of its MMA time and its memory time (``bytes_moved``: operands, loads and
+    outputs), at :data:`HINT_FLOPS_PER_S` scaled to ``num_sms`` and :data:`HINT_BYTES_PER_S`."""
+    flops_s = 2.0 * m * n * k / (HINT_FLOPS_PER_S * num_sms / H100_SMS)
+    return max(1, round(1e9 * max(flops_s, bytes_moved / HINT_BYTES_PER_S)))
+
+
+def with_latency_hint(fn: Callable, ns: int) -> Callable:
+    """``fn`` with every op it creates annotated for XLA's latency-hiding scheduler: the
+    frontend attribute ``latency_metadata`` (nanoseconds), which XLA's GPU latency
+    estimators take as the op's cost. Without it a custom call costs the scheduler next to
+    nothing (the analytical estimator charges it 10 us; a fused GEMM takes 0.1-7 ms), and
+    under data parallelism the scheduler kept every Pallas call out of the windows in which
+    the gradient all-reduces run (benchmarks/RESULTS.md, runs 154-157). ``fn`` must create
+    the kernel's custom call and nothing else."""
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    @functools.wraps(fn)
+    def hinted(*args):
+        with set_xla_metadata(latency_metadata=str(int(ns))):
+            return fn(*args)
+
+    hinted.latency_ns = int(ns)
+    return hinted
 
 
 def plain_gemm_env(backend: str) -> str:

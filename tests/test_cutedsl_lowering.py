@@ -351,6 +351,12 @@ def test_kernel_plan_stages_outputs_and_is_persistent(monkeypatch):
         a, b = jax.ShapeDtypeStruct((m, 64), BF), jax.ShapeDtypeStruct((64, 384), BF)
         _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
     assert [p.ctas for p in plans] == [6, 7]
+    # $CODA_JAX_LATENCY_HINTS=1: the kernel's custom call tells XLA's scheduler its cost
+    assert "latency_metadata" not in _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
+    monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "1")
+    hinted = _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
+    assert any("latency_metadata" in line and "custom_call" in line for line in hinted.splitlines())
+    monkeypatch.delenv("CODA_JAX_LATENCY_HINTS")
     # $CODA_JAX_RESERVED_SMS leaves SMs free for kernels beside it (NCCL): 7 - 2 -> 5 CTAs
     monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "2")
     _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)

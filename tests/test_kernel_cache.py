@@ -132,6 +132,23 @@ def test_the_key_follows_the_kernel(tmp_path):
     assert cache.stats.misses == 4 and len(list(tmp_path.glob("*.kernel.pkl"))) == 4
 
 
+def test_a_latency_hint_is_part_of_the_cached_kernel(tmp_path, monkeypatch):
+    """$CODA_JAX_LATENCY_HINTS=1: the cached kernel's custom call carries the hint (a
+    separate entry from the kernel without it), also when a worker generated it."""
+    from coda_jax.pallas import lowering as L
+
+    cache = KC.enable_kernel_cache(tmp_path, workers=1)
+    args = _residual_rms_args()
+    plain = _lower(_gemm(programs.RESIDUAL_RMS), *args)
+    monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "1")
+    L._kernel.cache_clear()
+    hinted = _lower(_gemm(programs.RESIDUAL_RMS), *args)
+    assert "latency_metadata" not in plain and hinted.count("latency_metadata") == 1
+    assert cache.stats.misses == 2 and cache.stats.worker_failures == 0
+    cache.wait()
+    assert len(list(tmp_path.glob("*.kernel.pkl"))) == 2
+
+
 def test_an_unreadable_entry_is_reported_and_regenerated(tmp_path):
     cache = KC.enable_kernel_cache(tmp_path)
     args = _residual_rms_args()

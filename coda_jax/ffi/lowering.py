@@ -26,6 +26,7 @@ regeneration on cache hits), so a training step does not recompile.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -34,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, persistent_grid_sms, routes_to_xla
+from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, estimated_kernel_ns, gpu_sm_count,
+                               latency_hints_enabled, persistent_grid_sms, routes_to_xla, with_latency_hint)
 from coda_jax.reference import REFERENCE
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
@@ -225,7 +227,11 @@ class CuteDslLowering:
                     TensorSpec(static=True, mode=None if transpose_b else (1, 0))]
         in_specs += [TensorSpec(static=True) for _ in args]
         out_specs = [TensorSpec(static=True) for _ in out_types]
-        res = _cutlass_call(launch, out_types, in_specs, out_specs, ("coda_jax.ffi", epilogue, plan))(a_p, b_p, *args)
+        call = _cutlass_call(launch, out_types, in_specs, out_specs, ("coda_jax.ffi", epilogue, plan))
+        if latency_hints_enabled():  # XLA's scheduler is told what the kernel costs
+            moved = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (a_p, b_p, *args, *out_types))
+            call = with_latency_hint(call, estimated_kernel_ns(mp, np_, kp, moved, gpu_sm_count()))
+        res = call(a_p, b_p, *args)
         out = {}
         for o, v in zip(epilogue.outputs, res):
             if o.kind is OutputKind.TILE:

@@ -46,6 +46,7 @@ class Job:
     config: Any
     load_dtypes: tuple
     avals: tuple[tuple[tuple[int, ...], str], ...]
+    latency_ns: int | None = None  # the scheduler's hint (coda_jax.lowering.with_latency_hint)
 
 
 def run_job(job: Job) -> None:
@@ -58,7 +59,7 @@ def run_job(job: Job) -> None:
     from coda_jax.pallas.kernel_cache import KernelCache, export_kernel
     from coda_jax.pallas.lowering import _kernel  # the compiled kernel, as PallasLowering builds it
 
-    kernel = _kernel(job.epilogue, job.shape, job.config, False, job.load_dtypes)
+    kernel = _kernel(job.epilogue, job.shape, job.config, False, job.load_dtypes, job.latency_ns)
     avals = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in job.avals]
     KernelCache.store_entry(Path(job.directory), job.key, export_kernel(kernel, avals))
 

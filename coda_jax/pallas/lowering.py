@@ -17,6 +17,7 @@ run 33). ``plain_gemm="pallas"`` (or the environment variable
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,8 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import check_kernel_gemm, check_plain_gemm, gpu_sm_count, persistent_grid_sms, routes_to_xla
-from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, plan_kernel
+from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, estimated_kernel_ns, gpu_sm_count,
+                               latency_hints_enabled, persistent_grid_sms, routes_to_xla, with_latency_hint)
+from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, out_types, plan_kernel
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
@@ -54,7 +56,10 @@ def _grid_sms(interpret: bool) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool, load_dtypes):
+def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool, load_dtypes,
+            latency_ns: int | None = None):
+    """The kernel as a callable; ``latency_ns``: the estimate XLA's scheduler is given
+    (:func:`coda_jax.lowering.with_latency_hint`), or None for none."""
     kernel = build_kernel(epi, shape, cfg, interpret, load_dtypes)
     # Compiled: one jitted function per distinct kernel, so a model that calls the same
     # kernel in every layer carries one copy of its Mosaic GPU module in the StableHLO, not
@@ -62,7 +67,32 @@ def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: boo
     # H100, benchmarks/RESULTS.md run 113). Interpreted: not wrapped; the interpreter's IO
     # callbacks dispatch JAX ops of their own, which deadlocked under an eager call of the
     # jitted kernel (tests/test_ops_pallas.py::test_vmap_pallas).
-    return kernel if interpret else jax.jit(kernel)
+    if interpret:
+        return kernel
+    if latency_ns is not None:  # the scheduler is told what the kernel costs
+        kernel = with_latency_hint(kernel, latency_ns)
+    return jax.jit(kernel)
+
+
+def _latency_hint(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, load_dtypes) -> int | None:
+    """The run time XLA's scheduler is told for this kernel (``$CODA_JAX_LATENCY_HINTS=1``), else None."""
+    if not latency_hints_enabled():
+        return None
+    return estimated_kernel_ns(shape.m, shape.n, shape.k, _bytes_moved(epi, shape, cfg, load_dtypes), gpu_sm_count())
+
+
+def _bytes_moved(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, load_dtypes) -> int:
+    """HBM bytes a kernel reads and writes at least once: its operands, loads and outputs."""
+    itemsize = jnp.dtype(shape.operand_dtype).itemsize
+    total = (shape.m + shape.n) * shape.k * itemsize
+    total += sum(math.prod(t.shape) * jnp.dtype(t.dtype).itemsize for t in out_types(epi, shape, cfg))
+    ldt = dict(load_dtypes)
+    for l in epi.loads:
+        width = epi.width(shape.n, l.half)
+        elems = {LoadKind.TILE: shape.m * width, LoadKind.ROW_BLOCK: shape.m * (epi.pair_block or 1),
+                 LoadKind.ROW: shape.m, LoadKind.COL: width}.get(l.kind, 1)
+        total += elems * jnp.dtype(ldt.get(l.name, jnp.float32)).itemsize
+    return total
 
 
 def _default_device():
@@ -164,10 +194,11 @@ class PallasLowering:
                             num_sms=_grid_sms(interpret))
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
-        kernel = _kernel(epilogue, shape, cfg, interpret, load_dtypes)
+        hint = None if interpret else _latency_hint(epilogue, shape, cfg, load_dtypes)
+        kernel = _kernel(epilogue, shape, cfg, interpret, load_dtypes, hint)
         cache = None if interpret else active_kernel_cache()
         if cache is not None:  # the kernel's Mosaic GPU module from disk (kernel_cache.py)
-            kernel = cache.callable_for(kernel, (epilogue, shape, cfg, load_dtypes), (a_p, b_p, *args))
+            kernel = cache.callable_for(kernel, (epilogue, shape, cfg, load_dtypes, hint), (a_p, b_p, *args))
         # A kernel is one compiled unit, also under jax.disable_jit() (its Pallas body cannot
         # be traced op by op: Mosaic GPU's pipeline needs its fori_loop traced).
         with jax.disable_jit(False):
