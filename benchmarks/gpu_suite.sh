@@ -15,7 +15,9 @@
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
 # STEP_BENCH="1b:8:1024 8b-4:4:1024" times the train step of CodaLlama per backend against the
 # plain JAX Llama in one process per configuration (benchmarks/train_step_bench.py, STEP_RUNS;
-# STEP_PROFILE=1 also traces each run's whole step, optimizer included, and prints its kernel classes).
+# STEP_PROFILE=1 also traces each run's whole step, optimizer included, and prints its kernel classes;
+# a run "pallas:VAR=VALUE" runs under one setting, e.g. CODA_JAX_LATENCY_HINTS=1, JAX_ENABLE_PGLE=1 or
+# PGLE_AOT=3; on a mesh the SCHEDULE lines say what XLA's schedule overlaps with each collective).
 # COMPILE_CACHE="1b:8:1024" compiles that train step in two fresh processes sharing JAX's persistent
 # compilation cache (cold, then warm) and prints each run's compile time.
 # COMPILE_TIME="1b:8:1024" times the first train step's stages (trace, lower, compile, run) per
