@@ -85,7 +85,7 @@ def test_latency_hint_on_the_kernel_call_only(monkeypatch):
     assert ns == estimated_kernel_ns(m, n, k, 0) and abs(ns - 370_580) < 1_000
 
 
-def test_latency_estimate_and_setting():
+def test_latency_estimate_and_setting(monkeypatch):
     from coda_jax.lowering import HINT_BYTES_PER_S, estimated_kernel_ns, latency_hints_enabled
 
     compute = estimated_kernel_ns(8192, 8192, 2048, 0)
@@ -93,15 +93,10 @@ def test_latency_estimate_and_setting():
     assert estimated_kernel_ns(8192, 8192, 2048, 0, num_sms=66) == pytest.approx(2 * compute, abs=2)
     memory = estimated_kernel_ns(8192, 128, 64, 10**9)  # a skinny GEMM: memory-bound
     assert memory == round(1e9 * 10**9 / HINT_BYTES_PER_S)
-    import os
-
-    old = os.environ.pop("CODA_JAX_LATENCY_HINTS", None)
-    try:
-        assert not latency_hints_enabled()
-        os.environ["CODA_JAX_LATENCY_HINTS"] = "maybe"
-        with pytest.raises(ValueError, match="CODA_JAX_LATENCY_HINTS must be 0 or 1"):
-            latency_hints_enabled()
-    finally:
-        os.environ.pop("CODA_JAX_LATENCY_HINTS", None)
-        if old is not None:
-            os.environ["CODA_JAX_LATENCY_HINTS"] = old
+    monkeypatch.delenv("CODA_JAX_LATENCY_HINTS", raising=False)
+    assert not latency_hints_enabled()
+    monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "1")
+    assert latency_hints_enabled()
+    monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "maybe")
+    with pytest.raises(ValueError, match="CODA_JAX_LATENCY_HINTS must be 0 or 1"):
+        latency_hints_enabled()
