@@ -90,8 +90,7 @@ def collective_windows(hlo: str) -> list[dict]:
     ``op`` (e.g. ``all-reduce`` or the wrapped op of an ``async-start``), ``between``, the
     count of each :func:`op_kind` scheduled between its start and its done (a ``call``
     counts as the kind of the kernels it calls, e.g. a jitted Pallas kernel as ``mosaic``),
-    and ``before`` / ``after``: the kinds of the instructions just before the start and
-    just after the done."""
+    and ``after``: the kind of the instruction just after the done."""
     comps = {}
     for comp, lines in _computations(hlo):
         comps[comp] = [(m.group(1), m.group(2), m.group(3), line) for line in lines if (m := _INSTR.match(line))]
@@ -117,9 +116,9 @@ def collective_windows(hlo: str) -> list[dict]:
                 if first and first.group(1) in open_at:
                     j, op = open_at.pop(first.group(1))
                     between = collections.Counter(kind(o, ln) for _, o, _, ln in parsed[j + 1:i])
-                    near = lambda idx: kind(parsed[idx][1], parsed[idx][3]) if 0 <= idx < len(parsed) else "none"  # noqa: E731
+                    after = kind(parsed[i + 1][1], parsed[i + 1][3]) if i + 1 < len(parsed) else "none"
                     out.append({"computation": comp, "op": op, "start": parsed[j][0], "between": dict(between),
-                                "before": near(j - 1), "after": near(i + 1)})
+                                "after": after})
     return out
 
 
@@ -131,13 +130,13 @@ def window_summary(windows: list[dict]) -> str:
         op = w["op"]
         if op.startswith("async:"):
             op = re.sub(r"[.\d]+$", "", op[len("async:"):]) or "async"
-        by_op[op].append(w["between"])
+        by_op[op].append(w)
     lines = []
-    for op, bs in sorted(by_op.items()):
+    for op, ws in sorted(by_op.items()):
+        bs = [w["between"] for w in ws]
         kinds = sorted({k for b in bs for k in b})
         mean = "  ".join(f"{k} {sum(b.get(k, 0) for b in bs) / len(bs):.1f}" for k in kinds)
         empty = sum(1 for b in bs if not any(v for k, v in b.items() if k != "other"))
-        ws = [w for w in windows if (w["op"] == op or w["op"].startswith(f"async:{op}"))]
         after = collections.Counter(w["after"] for w in ws)
         lines.append(f"{op}: {len(bs)} async, {empty} with no kernel inside; mean ops inside: {mean or 'none'}; "
                      f"after the done: " + " ".join(f"{k} {v}" for k, v in after.most_common()))

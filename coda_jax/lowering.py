@@ -10,6 +10,7 @@ tiles, the CuTeDSL backend does the same through the XLA FFI.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -195,8 +196,17 @@ def with_latency_hint(fn: Callable, ns: int) -> Callable:
         with set_xla_metadata(latency_metadata=str(int(ns))):
             return fn(*args)
 
-    hinted.latency_ns = int(ns)
     return hinted
+
+
+def kernel_latency_hint(m: int, n: int, k: int, arrays) -> int | None:
+    """The run time XLA's scheduler is told for a kernel backend's ``[m, k] @ [k, n]`` kernel
+    (:func:`estimated_kernel_ns`; ``arrays``: its operands, loads and outputs, arrays or
+    shape-dtype structs, whose bytes it moves), or None unless ``$CODA_JAX_LATENCY_HINTS=1``."""
+    if not latency_hints_enabled():
+        return None
+    moved = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays)
+    return estimated_kernel_ns(m, n, k, moved, gpu_sm_count())
 
 
 def plain_gemm_env(backend: str) -> str:

@@ -26,7 +26,6 @@ regeneration on cache hits), so a training step does not recompile.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -35,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, estimated_kernel_ns, gpu_sm_count,
-                               latency_hints_enabled, persistent_grid_sms, routes_to_xla, with_latency_hint)
+from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, gpu_sm_count, kernel_latency_hint,
+                               persistent_grid_sms, routes_to_xla, with_latency_hint)
 from coda_jax.reference import REFERENCE
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
@@ -228,9 +227,8 @@ class CuteDslLowering:
         in_specs += [TensorSpec(static=True) for _ in args]
         out_specs = [TensorSpec(static=True) for _ in out_types]
         call = _cutlass_call(launch, out_types, in_specs, out_specs, ("coda_jax.ffi", epilogue, plan))
-        if latency_hints_enabled():  # XLA's scheduler is told what the kernel costs
-            moved = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (a_p, b_p, *args, *out_types))
-            call = with_latency_hint(call, estimated_kernel_ns(mp, np_, kp, moved, gpu_sm_count()))
+        if (hint := kernel_latency_hint(mp, np_, kp, (a_p, b_p, *args, *out_types))) is not None:
+            call = with_latency_hint(call, hint)  # XLA's scheduler is told what the kernel costs
         res = call(a_p, b_p, *args)
         out = {}
         for o, v in zip(epilogue.outputs, res):

@@ -17,7 +17,6 @@ run 33). ``plain_gemm="pallas"`` (or the environment variable
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, estimated_kernel_ns, gpu_sm_count,
-                               latency_hints_enabled, persistent_grid_sms, routes_to_xla, with_latency_hint)
+from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, gpu_sm_count, kernel_latency_hint,
+                               persistent_grid_sms, routes_to_xla, with_latency_hint)
 from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, out_types, plan_kernel
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_cache import active_kernel_cache
@@ -72,27 +71,6 @@ def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: boo
     if latency_ns is not None:  # the scheduler is told what the kernel costs
         kernel = with_latency_hint(kernel, latency_ns)
     return jax.jit(kernel)
-
-
-def _latency_hint(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, load_dtypes) -> int | None:
-    """The run time XLA's scheduler is told for this kernel (``$CODA_JAX_LATENCY_HINTS=1``), else None."""
-    if not latency_hints_enabled():
-        return None
-    return estimated_kernel_ns(shape.m, shape.n, shape.k, _bytes_moved(epi, shape, cfg, load_dtypes), gpu_sm_count())
-
-
-def _bytes_moved(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, load_dtypes) -> int:
-    """HBM bytes a kernel reads and writes at least once: its operands, loads and outputs."""
-    itemsize = jnp.dtype(shape.operand_dtype).itemsize
-    total = (shape.m + shape.n) * shape.k * itemsize
-    total += sum(math.prod(t.shape) * jnp.dtype(t.dtype).itemsize for t in out_types(epi, shape, cfg))
-    ldt = dict(load_dtypes)
-    for l in epi.loads:
-        width = epi.width(shape.n, l.half)
-        elems = {LoadKind.TILE: shape.m * width, LoadKind.ROW_BLOCK: shape.m * (epi.pair_block or 1),
-                 LoadKind.ROW: shape.m, LoadKind.COL: width}.get(l.kind, 1)
-        total += elems * jnp.dtype(ldt.get(l.name, jnp.float32)).itemsize
-    return total
 
 
 def _default_device():
@@ -194,7 +172,9 @@ class PallasLowering:
                             num_sms=_grid_sms(interpret))
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
-        hint = None if interpret else _latency_hint(epilogue, shape, cfg, load_dtypes)
+        # The scheduler's estimate of the kernel ($CODA_JAX_LATENCY_HINTS), from the bytes it moves.
+        hint = None if interpret else kernel_latency_hint(
+            mp, np_, kp, (a_p, b_p, *args, *out_types(epilogue, shape, cfg)))
         kernel = _kernel(epilogue, shape, cfg, interpret, load_dtypes, hint)
         cache = None if interpret else active_kernel_cache()
         if cache is not None:  # the kernel's Mosaic GPU module from disk (kernel_cache.py)
