@@ -18,9 +18,9 @@ def test_compile_time_second_process_hits_the_persistent_cache(tmp_path):
     assert first["cache_misses"] > 0 and first["cache_hits"] == 0
     assert second["cache_hits"] == first["cache_misses"] and second["cache_misses"] == 0
     assert second["train_first_s"] < first["train_first_s"]
-    for r in (first, second):  # the first call's stages add up to it (the timer also runs between them)
-        stages = sum(r[f"train_{s}_s"] for s in ("trace", "lower", "compile", "first_run"))
-        assert 0 < stages <= r["train_first_s"] + 1e-3
+    for r in (first, second):  # the first call's stages add up to it, up to rounding each of 5 times to 1 ms
+        stages = [r[f"train_{s}_s"] for s in compile_time.FIRST_CALL_STAGES]
+        assert min(stages) >= 0 and abs(sum(stages) - r["train_first_s"]) <= 5 * 0.0005 + 1e-9
         assert r["train_hlo_mb"] > 0
     assert second["train_compile_s"] < first["train_compile_s"]  # the cache hit is in the compile stage
     assert first["train_hlo_sha"] == second["train_hlo_sha"] and first["eval_hlo_sha"] == second["eval_hlo_sha"]
