@@ -104,6 +104,13 @@ def collective_windows(hlo: str) -> list[dict]:
     out = []
     for comp, parsed in comps.items():
         open_at: dict[str, tuple[int, str]] = {}
+        defined = {name: i for i, (name, *_) in enumerate(parsed)}
+
+        def kernels(lo: int, hi: int) -> dict[str, int]:
+            # what runs on the GPU between two schedule positions (exclusive)
+            c = collections.Counter(kind(o, ln) for _, o, _, ln in parsed[lo + 1:hi])
+            return {k: v for k, v in c.items() if k in _KERNEL_KINDS and k != "collective"}
+
         for i, (name, opcode, rest, line) in enumerate(parsed):
             if opcode.endswith("-start") and opcode != "copy-start":
                 op = opcode[:-len("-start")]
@@ -117,8 +124,15 @@ def collective_windows(hlo: str) -> list[dict]:
                     j, op = open_at.pop(first.group(1))
                     between = collections.Counter(kind(o, ln) for _, o, _, ln in parsed[j + 1:i])
                     after = kind(parsed[i + 1][1], parsed[i + 1][3]) if i + 1 < len(parsed) else "none"
+                    # Slack on either side: the kernels scheduled after the start's operands
+                    # were ready but before the start, and after the done but before its
+                    # first user (both empty: the window is as wide as the data allows).
+                    ready = max((defined[o] for o in _OPERAND.findall(parsed[j][2].split("),", 1)[0])
+                                 if defined.get(o, j) < j), default=-1)
+                    user = next((u for u in range(i + 1, len(parsed)) if f"%{name}" in parsed[u][2]
+                                 and re.search(rf"%{re.escape(name)}(?![\w.\-])", parsed[u][2])), len(parsed))
                     out.append({"computation": comp, "op": op, "start": parsed[j][0], "between": dict(between),
-                                "after": after})
+                                "after": after, "before_start": kernels(ready, j), "before_use": kernels(i, user)})
     return out
 
 
@@ -138,6 +152,13 @@ def window_summary(windows: list[dict]) -> str:
         mean = "  ".join(f"{k} {sum(b.get(k, 0) for b in bs) / len(bs):.1f}" for k in kinds)
         empty = sum(1 for b in bs if not any(v for k, v in b.items() if k != "other"))
         after = collections.Counter(w["after"] for w in ws)
+
+        def mean_of(key: str) -> str:
+            got = sorted({k for w in ws for k in w.get(key, {})})
+            return "  ".join(f"{k} {sum(w[key].get(k, 0) for w in ws) / len(ws):.1f}" for k in got) or "none"
+
         lines.append(f"{op}: {len(bs)} async, {empty} with no kernel inside; mean ops inside: {mean or 'none'}; "
-                     f"after the done: " + " ".join(f"{k} {v}" for k, v in after.most_common()))
+                     f"after the done: " + " ".join(f"{k} {v}" for k, v in after.most_common())
+                     + f"; kernels between operands ready and start: {mean_of('before_start')}"
+                     + f"; between done and first use: {mean_of('before_use')}")
     return "\n".join(lines) if lines else "no async collectives"

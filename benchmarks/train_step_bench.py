@@ -6,7 +6,7 @@
 Every run is the same step: ``examples/train_llama.py``'s optimizer (AdamW after global-norm
 clipping) and functional jitted step with donated state (:func:`train_llama.make_steps`), on
 one fixed batch of random tokens. ``plain`` is :class:`plain_llama.PlainLlama`, the baseline
-of record; ``backend[:VAR=VALUE,...]`` is ``CodaLlama`` on that backend with those environment
+of record; ``backend[:VAR=VALUE+...]`` is ``CodaLlama`` on that backend with those environment
 settings while it is traced (e.g. ``CODA_JAX_CE_SAVE_LOGITS=0``: the cross-entropy recomputes
 its logits). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
 ``--steps`` steps dispatched back to back and closed by one ``jax.block_until_ready`` (the
@@ -83,10 +83,11 @@ def activation_gathers(hlo: str, batch: int, seq: int, floating_only: bool = Fal
 
 
 def parse_run(spec: str) -> tuple[str, dict[str, str]]:
-    """``"pallas:A=1,B=2"`` -> ``("pallas", {"A": "1", "B": "2"})``."""
+    """``"pallas:A=1+B=2"`` -> ``("pallas", {"A": "1", "B": "2"})`` (``--runs`` separates
+    runs by commas, so one run's settings are joined by ``+``)."""
     name, _, rest = spec.partition(":")
     env = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, rest.split("+")):
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"run {spec!r}: settings are VAR=VALUE, got {item!r}")

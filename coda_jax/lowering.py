@@ -156,6 +156,31 @@ def persistent_grid_sms(num_sms: int) -> int:
     return num_sms - r
 
 
+TILES_PER_CTA_ENV = "CODA_JAX_TILES_PER_CTA"
+
+
+def tiles_per_cta() -> int:
+    """``$CODA_JAX_TILES_PER_CTA`` (default 0): 0 keeps the persistent grid (one CTA, or CTA
+    pair, per SM, each walking its share of the output tiles in a fixed order); ``N > 0``
+    launches one CTA (pair) per ``N`` output tiles instead, so the GPU hands the tiles to
+    whichever SMs are free.
+
+    Why: a persistent CTA whose SM is held by a kernel on another stream (NCCL beside the
+    GEMM under data parallelism or FSDP) starts late, and the whole GEMM waits for its
+    share; with more, shorter CTAs the other SMs take over the work. The price: a CTA's
+    pipeline fill is no longer hidden behind the previous tile's epilogue. Pallas only;
+    read when a kernel is traced.
+    """
+    text = os.environ.get(TILES_PER_CTA_ENV, "0").strip() or "0"
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"${TILES_PER_CTA_ENV} must be a non-negative integer, got {text!r}") from None
+    if n < 0:
+        raise ValueError(f"${TILES_PER_CTA_ENV} must be a non-negative integer, got {n}")
+    return n
+
+
 LATENCY_HINTS_ENV = "CODA_JAX_LATENCY_HINTS"
 # Rates of the estimate that XLA's scheduler is given for a kernel (one H100 SXM's worth of
 # SMs; scaled by the GPU's SM count): dense bf16 at the rate the fused kernels reach (about

@@ -247,6 +247,7 @@ def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_p
         tsb.parse_run("torch")
     with pytest.raises(ValueError, match="VAR=VALUE"):
         tsb.parse_run("xla:FOO")
+    assert tsb.parse_run("pallas:A=1+B=x=2") == ("pallas", {"A": "1", "B": "x=2"})
 
 
 def test_backend_variant_replaces_and_restores_pallas_config_fields():
@@ -426,6 +427,7 @@ ENTRY %main (p: bf16[8,8]) -> (bf16[8,8], bf16[4,8]) {
   %all-reduce-done = bf16[8,8]{1,0} all-reduce-done(%all-reduce-start)
   %reduce-scatter-start = ((bf16[8,8]{1,0}), bf16[4,8]{1,0}) async-start(%fusion.2), calls=%reduce-scatter.3
   %reduce-scatter-done = bf16[4,8]{1,0} async-done(%reduce-scatter-start)
+  %fusion.8 = bf16[8,8]{1,0} fusion(%p), kind=kLoop, calls=%fused
   %all-gather-start = (bf16[4,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%reduce-scatter-done), dimensions={0}
   %gemm_fusion_dot.4 = bf16[8,8]{1,0} fusion(%fusion.2, %fusion.2), kind=kCustom, calls=%gemm_fusion_dot_computation
   %call.6 = bf16[8,8]{1,0} call(%gemm_fusion_dot.4), to_apply=%wrapped_kernel.5
@@ -435,11 +437,16 @@ ENTRY %main (p: bf16[8,8]) -> (bf16[8,8], bf16[4,8]) {
 """
     ws = collective_windows(hlo)
     assert [(w["op"], w["between"], w["after"]) for w in ws] == [
-        ("all-reduce", {"mosaic": 1, "other": 1, "fusion": 1}, "collective"), ("async:reduce-scatter.3", {}, "collective"),
+        ("all-reduce", {"mosaic": 1, "other": 1, "fusion": 1}, "collective"), ("async:reduce-scatter.3", {}, "fusion"),
         ("all-gather", {"gemm_fusion": 1, "mosaic": 1}, "other")]  # the call of a jitted kernel counts as mosaic
+    # slack: kernels after the operands are ready and before the start; after the done and
+    # before its first user (the all-reduce's result has none: to the end)
+    assert [(w["before_start"], w["before_use"]) for w in ws] == [
+        ({}, {"fusion": 1, "gemm_fusion": 1, "mosaic": 1}), ({}, {"fusion": 1}), ({"fusion": 1}, {})]
     s = window_summary(ws).splitlines()
+    assert s[0].endswith("kernels between operands ready and start: fusion 1.0; between done and first use: none")
     assert s[0].startswith("all-gather: 1 async, 0 with no kernel inside; mean ops inside: gemm_fusion 1.0  mosaic 1.0")
-    assert s[0].endswith("after the done: other 1")
+    assert "after the done: other 1;" in s[0]
     assert s[1].startswith("all-reduce: 1 async, 0 with no kernel inside; mean ops inside: fusion 1.0  mosaic 1.0")
     assert s[2].startswith("reduce-scatter: 1 async, 1 with no kernel inside; mean ops inside: none")
     assert window_summary([]) == "no async collectives"

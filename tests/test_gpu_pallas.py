@@ -87,6 +87,22 @@ def test_reserved_sms_on_gpu(monkeypatch, cfg):
     assert grids and set(grids) == {L.gpu_sm_count() - 9}
 
 
+@pytest.mark.parametrize("cfg,per_cta", [("warp_specialized", 1), ("ws_pingpong_cluster_m", 2)])
+def test_tiles_per_cta_on_gpu(monkeypatch, cfg, per_cta):
+    # $CODA_JAX_TILES_PER_CTA: more CTAs (pairs) than SMs, each taking at most per_cta tiles
+    from coda_jax.pallas import lowering as L
+
+    monkeypatch.setenv("CODA_JAX_TILES_PER_CTA", str(per_cta))
+    grids = []
+    real = L.build_kernel
+    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
+    L._kernel.cache_clear()
+    poison_allocator([(4096, 4096)] * 8)
+    _compare(programs.RESIDUAL_RMS, 4096, 4096, 1024, config=CONFIGS[cfg])
+    _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg])
+    assert grids and grids[0] > L.gpu_sm_count()  # 4096 x 4096 has more tiles than SMs
+
+
 def test_vocab_leaving_a_consumer_tile_of_padding_on_gpu():
     # Issue 20, item 1: V = 50257 pads to 50432 on the default [128, 256] CTA tile; the second
     # consumer of the last tile sees padding only, and its partial LSE was NaN.

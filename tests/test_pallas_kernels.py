@@ -343,6 +343,36 @@ def test_reserved_sms_shrink_the_persistent_grid(monkeypatch, config):
     assert grids == [L.INTERPRET_SMS - 1]
 
 
+@pytest.mark.parametrize("config,per_cta,programs_expected", [
+    (WS, 1, 8), (WS, 3, 3),  # CTA tile 128 x 128: 8 tiles of 256 x 512; 3 CTAs take 3, 3, 2
+    (PINGPONG, 2, 8),  # 64 x 128: 16 tiles, a consumer each per CTA
+    (dataclasses.replace(PINGPONG, cluster_dimension="m", grid_minor_dim="m"), 1, 16),  # 8 pairs
+    (TuningConfig(tile_m=64, tile_n=128, tile_k=64), 5, 4),  # not warp-specialized: 16 tiles
+], ids=["cooperative-1", "cooperative-3", "pingpong-2", "pingpong-pairs-1", "simple-5"])
+def test_tiles_per_cta_grid(monkeypatch, config, per_cta, programs_expected):
+    # $CODA_JAX_TILES_PER_CTA=N: one CTA (pair) per N tiles, more CTAs than the interpreter's
+    # 4 "SMs" (or fewer); poisoned outputs show any tile left unwritten.
+    from coda_jax.pallas import lowering as L
+
+    grids = []
+    real = L.build_kernel
+    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
+    monkeypatch.setenv("CODA_JAX_TILES_PER_CTA", str(per_cta))
+    L._kernel.cache_clear()
+    _compare(programs.RESIDUAL_RMS, 256, 512, 128, config=config, seed=22)
+    assert grids == [programs_expected]
+
+
+def test_tiles_per_cta_errors(monkeypatch):
+    from coda_jax.lowering import tiles_per_cta
+
+    assert tiles_per_cta() == 0
+    for bad in ("x", "-2", "1.5"):
+        monkeypatch.setenv("CODA_JAX_TILES_PER_CTA", bad)
+        with pytest.raises(ValueError, match="CODA_JAX_TILES_PER_CTA must be a non-negative integer"):
+            tiles_per_cta()
+
+
 def test_reserved_sms_errors(monkeypatch):
     from coda_jax.lowering import persistent_grid_sms
 

@@ -527,6 +527,21 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
     )
 
 
+def tile_grid(shape: KernelShape, cfg: TuningConfig, per_cta: int) -> KernelShape:
+    """``shape`` whose grid (``num_sms``) launches one program (a CTA, or a CTA pair when
+    clustered) per ``per_cta`` cluster tiles instead of one per SM (``per_cta`` 0: unchanged).
+
+    The tile loop is the persistent one either way: with as many programs as tiles / ``per_cta``,
+    each walks at most ``per_cta`` tiles, and the GPU schedules the programs onto free SMs.
+    ``cfg`` must be planned (:func:`plan_kernel`): its cluster tile decides the count.
+    """
+    if per_cta <= 0:
+        return shape
+    cl_m, cl_n = cfg.cluster_tile()
+    tiles = (shape.m // cl_m) * (shape.n // cl_n)
+    return dataclasses.replace(shape, num_sms=_cluster_size(cfg) * -(-tiles // per_cta))
+
+
 def _cluster_size(cfg: TuningConfig) -> int:
     return 2 if cfg.warp_specialized and cfg.cluster_dimension is not None else 1
 

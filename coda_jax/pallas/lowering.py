@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, gpu_sm_count, kernel_latency_hint,
-                               persistent_grid_sms, routes_to_xla, with_latency_hint)
-from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, out_types, plan_kernel
+                               persistent_grid_sms, routes_to_xla, tiles_per_cta, with_latency_hint)
+from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, out_types, plan_kernel, tile_grid
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
@@ -172,6 +172,7 @@ class PallasLowering:
                             num_sms=_grid_sms(interpret))
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
+        shape = tile_grid(shape, cfg, tiles_per_cta())  # $CODA_JAX_TILES_PER_CTA: a grid of tiles, not SMs
         # The scheduler's estimate of the kernel ($CODA_JAX_LATENCY_HINTS), from the bytes it moves.
         hint = None if interpret else kernel_latency_hint(
             mp, np_, kp, (a_p, b_p, *args, *out_types(epilogue, shape, cfg)))
