@@ -126,7 +126,7 @@ def op_cases(d):
     y, wo = r.normal((m, d)), r.normal((d, d), d ** -0.5)
     cases.append(("residual_rms", lambda b: lambda y, w, res, g: _residual_out(cj.matmul_residual_rms(y, w, res, g, backend=b)),
                   lambda y, w, res, g: naive.matmul_residual(y, w, res), (y, wo, x, g), (0, 1, 2),
-                  plain_ops.matmul_residual))
+                  plain_ops.matmul_residual_rms))
     wgu = r.normal((d, 2 * f), d ** -0.5)
     cases.append(("norm_swiglu", lambda b: lambda x, g, w: cj.rms_norm_matmul_swiglu(x, g, w, backend=b),
                   naive.rms_norm_matmul_swiglu, (x, g, wgu), (0, 1, 2), plain_ops.rms_norm_matmul_swiglu))
@@ -150,6 +150,18 @@ def op_cases(d):
                       lambda x, g, w: naive.linear_cross_entropy(x, g, w, t), (x, g, wv), (0, 1, 2),
                       lambda x, g, w: plain_ops.linear_cross_entropy(x, g, w, t)))
     return cases
+
+
+def _loss(out, rnd):
+    """The scalar an op's fwd+bwd is timed on: its first output weighted by ``rnd`` (a random
+    cotangent; XLA cannot fold it into the backward), plus the plain sum of any further
+    outputs (the carry a fused op writes for the next op: consumed, so that the plain
+    version's computing it is not dropped; neither version differentiates it)."""
+    main, *rest = out if isinstance(out, tuple) else (out,)
+    if not main.ndim:
+        return main
+    total = jnp.sum(main.astype(jnp.float32) * (rnd if rnd is not None else 1.0))
+    return total + sum(jnp.sum(o.astype(jnp.float32)) for o in rest)
 
 
 def _residual_out(res):
@@ -179,8 +191,7 @@ def bench_op(name, fused, ref, args, argnums, backends, iters, check, plain=None
                 if fn is None:
                     raise ValueError(f"op {name!r} has no plain JAX version")
                 fwd = jax.jit(fn)
-                scalar = lambda *a: jnp.sum(first(fn(*a)).astype(jnp.float32) * (rnd if rnd is not None else 1.0)) \
-                    if first(jax.eval_shape(fn, *args)).ndim else first(fn(*a))
+                scalar = lambda *a: _loss(fn(*a), rnd)
                 fb = jax.jit(jax.value_and_grad(scalar, argnums))
                 out, (_, grads) = fwd(*args), fb(*args)
                 if check:

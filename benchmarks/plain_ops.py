@@ -26,6 +26,16 @@ def matmul_residual(y, w, residual, gamma_next):
     return residual + y @ w
 
 
+def matmul_residual_rms(y, w, residual, gamma_next):
+    """``residual + y @ w`` and what the fused op also hands the next RMSNorm: ``h = x *
+    gamma_next`` and the per-row sum of ``x^2`` (float32). Like the fused op's carry, they are
+    a forward-only cache (no gradient flows through them)."""
+    x = residual + y @ w
+    xs, gs = jax.lax.stop_gradient((x, gamma_next))
+    h = (xs.astype(jnp.float32) * gs.astype(jnp.float32)).astype(x.dtype)
+    return x, h, jnp.sum(jnp.square(xs.astype(jnp.float32)), axis=1)
+
+
 def rms_norm_matmul(x, gamma, w):
     return rms_norm(x, gamma, EPS) @ w
 

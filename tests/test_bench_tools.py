@@ -450,3 +450,32 @@ ENTRY %main (p: bf16[8,8]) -> (bf16[8,8], bf16[4,8]) {
     assert s[1].startswith("all-reduce: 1 async, 0 with no kernel inside; mean ops inside: fusion 1.0  mosaic 1.0")
     assert s[2].startswith("reduce-scatter: 1 async, 1 with no kernel inside; mean ops inside: none")
     assert window_summary([]) == "no async collectives"
+
+
+def test_plain_residual_rms_computes_the_carry_the_fused_op_writes():
+    """The per-op baseline of ``residual_rms`` does the fused op's whole job (``x``, and the
+    next RMSNorm's ``h`` and row sums of squares as a forward-only cache), and the timed loss
+    consumes every output, so XLA cannot drop the plain version's carry."""
+    import jax.numpy as jnp
+
+    import coda_jax as cj
+    import plain_ops
+
+    r = bench.Inputs(5)
+    y, w, res, g = r.normal((64, 128)), r.normal((128, 128), 128 ** -0.5), r.normal((64, 128)), r.normal((128,), 0.1, 1.0)
+    x, h, ss = plain_ops.matmul_residual_rms(y, w, res, g)
+    fx, carry = cj.matmul_residual_rms(y, w, res, g, backend="xla")
+    f32 = lambda a: a.astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(f32(x) - f32(fx)))) < 0.05
+    assert float(jnp.max(jnp.abs(f32(h) - f32(carry.h)))) < 0.05
+    assert float(jnp.max(jnp.abs(ss - carry.sumsq.sum(0)) / ss)) < 1e-2
+    rnd = jax.random.normal(jax.random.key(0), x.shape)
+    # the carry is in the loss's value, not in its gradient (both versions)
+    for fn in (plain_ops.matmul_residual_rms,
+               lambda *a: bench._residual_out(cj.matmul_residual_rms(*a, backend="xla"))):
+        val = bench._loss(fn(y, w, res, g), rnd)
+        assert float(val) != float(jnp.sum(f32(fn(y, w, res, g)[0]) * rnd))
+        grads = jax.grad(lambda *a: bench._loss(fn(*a), rnd), (0, 1, 2, 3))(y, w, res, g)
+        ref = jax.grad(lambda *a: jnp.sum(f32(fn(*a)[0]) * rnd), (0, 1, 2, 3))(y, w, res, g)
+        for a, b in zip(grads, ref):
+            assert float(jnp.max(jnp.abs(f32(a) - f32(b)))) == 0.0
