@@ -47,6 +47,14 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 echo "== GPU tests ==" | tee "$OUT/tests.log"
+# GPU_TEST_WORKERS=N: the GPU tests and the shape fuzz run in N pytest-xdist processes sharing
+# the GPU (they are bound by the kernels' lowering on the CPU), each allocating on demand.
+# Default: 6 where pytest-xdist is installed (runs 162-163: 217 Pallas tests in 142 s, 59
+# CuTeDSL in 95 s); 0 = one process.
+if [ -z "${GPU_TEST_WORKERS+x}" ]; then
+  GPU_TEST_WORKERS=0; python3 -c "import xdist" 2>/dev/null && GPU_TEST_WORKERS=6
+fi
+xdist=(); [ "$GPU_TEST_WORKERS" != 0 ] && xdist=(-n "$GPU_TEST_WORKERS")
 if [ -z "${SKIP_TESTS:-}" ]; then
   if [ -z "${GPU_TESTS:-}" ]; then
     GPU_TESTS="tests/test_gpu_pallas.py"; [[ $BACKENDS == *cutedsl* ]] && GPU_TESTS="$GPU_TESTS tests/test_gpu_cutedsl.py"
@@ -54,13 +62,6 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     GPU_TESTS="$GPU_TESTS tests/test_gpu_multi.py"
   fi
   # GPU_TESTS_K: a pytest -k expression (it may contain spaces; GPU_TESTS is split on them).
-  # GPU_TEST_WORKERS=N: N pytest-xdist processes share the GPU (the tests are bound by the
-  # kernels' lowering on the CPU), each allocating on demand. Default: 6 where pytest-xdist
-  # is installed (runs 162-163: 217 Pallas tests in 142 s, 59 CuTeDSL in 95 s), 0 = serial.
-  if [ -z "${GPU_TEST_WORKERS+x}" ]; then
-    GPU_TEST_WORKERS=0; python3 -c "import xdist" 2>/dev/null && GPU_TEST_WORKERS=6
-  fi
-  xdist=(); [ "$GPU_TEST_WORKERS" != 0 ] && xdist=(-n "$GPU_TEST_WORKERS")
   ( [ "$GPU_TEST_WORKERS" != 0 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
     timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu "${xdist[@]}" $GPU_TESTS ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
       -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log" )
@@ -68,8 +69,9 @@ fi
 if [ -n "${FUZZ:-}" ]; then
   # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math.
   echo "== shape fuzz (seed ${FUZZ_SEED:-0}) ==" | tee "$OUT/fuzz.log"
-  FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -q -s -m gpu \
-    tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -n 60 | tee -a "$OUT/fuzz.log"
+  ( [ "$GPU_TEST_WORKERS" != 0 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -q -s -m gpu "${xdist[@]}" \
+      tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -n 60 | tee -a "$OUT/fuzz.log" )
 fi
 if [ -n "${TUNE:-}" ]; then
   echo "== tuning sweep =="
