@@ -136,14 +136,19 @@ def reserved_sms() -> int:
     ends. Reserving SMs gives such kernels room to run concurrently, at the cost of the
     GEMMs' share of those SMs. Read when a kernel is traced.
     """
-    text = os.environ.get(RESERVED_SMS_ENV, "0").strip() or "0"
+    return _env_count(RESERVED_SMS_ENV)
+
+
+def _env_count(name: str) -> int:
+    """A non-negative integer environment setting (unset or empty: 0), or an error naming it."""
+    text = os.environ.get(name, "0").strip() or "0"
     try:
-        r = int(text)
+        n = int(text)
     except ValueError:
-        raise ValueError(f"${RESERVED_SMS_ENV} must be a non-negative integer, got {text!r}") from None
-    if r < 0:
-        raise ValueError(f"${RESERVED_SMS_ENV} must be a non-negative integer, got {r}")
-    return r
+        raise ValueError(f"${name} must be a non-negative integer, got {text!r}") from None
+    if n < 0:
+        raise ValueError(f"${name} must be a non-negative integer, got {n}")
+    return n
 
 
 def persistent_grid_sms(num_sms: int) -> int:
@@ -171,14 +176,7 @@ def tiles_per_cta() -> int:
     pipeline fill is no longer hidden behind the previous tile's epilogue. Pallas only;
     read when a kernel is traced.
     """
-    text = os.environ.get(TILES_PER_CTA_ENV, "0").strip() or "0"
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"${TILES_PER_CTA_ENV} must be a non-negative integer, got {text!r}") from None
-    if n < 0:
-        raise ValueError(f"${TILES_PER_CTA_ENV} must be a non-negative integer, got {n}")
-    return n
+    return _env_count(TILES_PER_CTA_ENV)
 
 
 LATENCY_HINTS_ENV = "CODA_JAX_LATENCY_HINTS"

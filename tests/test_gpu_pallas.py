@@ -17,7 +17,7 @@ import pytest
 from coda_jax import programs
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 from op_cases import poison_allocator
-from test_pallas_kernels import CASES, _compare
+from test_pallas_kernels import CASES, _compare, record_grids
 
 pytestmark = pytest.mark.gpu
 
@@ -77,10 +77,7 @@ def test_reserved_sms_on_gpu(monkeypatch, cfg):
     from coda_jax.pallas import lowering as L
 
     monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "9")
-    grids = []
-    real = L.build_kernel
-    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
-    L._kernel.cache_clear()
+    grids = record_grids(monkeypatch)
     poison_allocator([(2048, 2048)] * 8)
     _compare(programs.RESIDUAL_RMS, 2048, 2048, 1024, config=CONFIGS[cfg])
     _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg])
@@ -93,10 +90,7 @@ def test_tiles_per_cta_on_gpu(monkeypatch, cfg, per_cta):
     from coda_jax.pallas import lowering as L
 
     monkeypatch.setenv("CODA_JAX_TILES_PER_CTA", str(per_cta))
-    grids = []
-    real = L.build_kernel
-    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
-    L._kernel.cache_clear()
+    grids = record_grids(monkeypatch)
     poison_allocator([(4096, 4096)] * 8)
     _compare(programs.RESIDUAL_RMS, 4096, 4096, 1024, config=CONFIGS[cfg])
     _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg])

@@ -328,17 +328,26 @@ def test_logsumexp_of_a_consumer_tile_that_is_all_padding():
     _compare(programs.RMS_LSE, 37, 64, 64, transpose_b=True, config=WS_N, seed=4)  # 1 CTA tile
 
 
+def record_grids(monkeypatch) -> list[int]:
+    """The grid (``KernelShape.num_sms``: CTAs of the kernel) of every Pallas kernel built from
+    now on, in order; the lowering's kernel cache is cleared so that each is built."""
+    from coda_jax.pallas import lowering as L
+
+    grids = []
+    real = L.build_kernel
+    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
+    L._kernel.cache_clear()
+    return grids
+
+
 @pytest.mark.parametrize("config", [WS, PINGPONG], ids=["cooperative", "pingpong"])
 def test_reserved_sms_shrink_the_persistent_grid(monkeypatch, config):
     # $CODA_JAX_RESERVED_SMS=1 leaves one of the interpreter's 4 "SMs" free: 3 CTAs walk 8
     # tiles (an uneven share), and every tile is still written.
     from coda_jax.pallas import lowering as L
 
-    grids = []
-    real = L.build_kernel
-    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
+    grids = record_grids(monkeypatch)
     monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "1")
-    L._kernel.cache_clear()
     _compare(programs.RESIDUAL_RMS, 256, 512, 128, config=config, seed=21)
     assert grids == [L.INTERPRET_SMS - 1]
 
@@ -352,13 +361,8 @@ def test_reserved_sms_shrink_the_persistent_grid(monkeypatch, config):
 def test_tiles_per_cta_grid(monkeypatch, config, per_cta, programs_expected):
     # $CODA_JAX_TILES_PER_CTA=N: one CTA (pair) per N tiles, more CTAs than the interpreter's
     # 4 "SMs" (or fewer); poisoned outputs show any tile left unwritten.
-    from coda_jax.pallas import lowering as L
-
-    grids = []
-    real = L.build_kernel
-    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
+    grids = record_grids(monkeypatch)
     monkeypatch.setenv("CODA_JAX_TILES_PER_CTA", str(per_cta))
-    L._kernel.cache_clear()
     _compare(programs.RESIDUAL_RMS, 256, 512, 128, config=config, seed=22)
     assert grids == [programs_expected]
 
