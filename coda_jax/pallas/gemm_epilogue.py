@@ -70,7 +70,7 @@ class KernelShape:
     transpose_b: bool
     operand_dtype: Any
     out_dtypes: tuple[tuple[str, Any], ...]
-    num_sms: int
+    num_sms: int  # the grid's CTAs: the SMs of the persistent grid, or one (pair) per N tiles (tile_grid)
 
 
 def _transforms(minor_elems: int, dtype) -> tuple:
