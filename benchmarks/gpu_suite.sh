@@ -54,7 +54,8 @@ echo "== GPU tests ==" | tee "$OUT/tests.log"
 if [ -z "${GPU_TEST_WORKERS+x}" ]; then
   GPU_TEST_WORKERS=0; python3 -c "import xdist" 2>/dev/null && GPU_TEST_WORKERS=6
 fi
-xdist=(); [ "$GPU_TEST_WORKERS" != 0 ] && xdist=(-n "$GPU_TEST_WORKERS")
+xdist=(); test_env=()
+[ "$GPU_TEST_WORKERS" != 0 ] && xdist=(-n "$GPU_TEST_WORKERS") && test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
 if [ -z "${SKIP_TESTS:-}" ]; then
   if [ -z "${GPU_TESTS:-}" ]; then
     GPU_TESTS="tests/test_gpu_pallas.py"; [[ $BACKENDS == *cutedsl* ]] && GPU_TESTS="$GPU_TESTS tests/test_gpu_cutedsl.py"
@@ -62,16 +63,14 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     GPU_TESTS="$GPU_TESTS tests/test_gpu_multi.py"
   fi
   # GPU_TESTS_K: a pytest -k expression (it may contain spaces; GPU_TESTS is split on them).
-  ( [ "$GPU_TEST_WORKERS" != 0 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu "${xdist[@]}" $GPU_TESTS ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
-      -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log" )
+  env "${test_env[@]}" timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu "${xdist[@]}" $GPU_TESTS \
+    ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
 fi
 if [ -n "${FUZZ:-}" ]; then
   # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math.
   echo "== shape fuzz (seed ${FUZZ_SEED:-0}) ==" | tee "$OUT/fuzz.log"
-  ( [ "$GPU_TEST_WORKERS" != 0 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -q -s -m gpu "${xdist[@]}" \
-      tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -n 60 | tee -a "$OUT/fuzz.log" )
+  env "${test_env[@]}" FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -q -s \
+    -m gpu "${xdist[@]}" tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -n 60 | tee -a "$OUT/fuzz.log"
 fi
 if [ -n "${TUNE:-}" ]; then
   echo "== tuning sweep =="
