@@ -180,35 +180,39 @@ the backward reads them instead of recomputing the GEMM (:func:`ce_grad_from_log
 # ---------------------------------------------------------------- backward ---------
 @E.program_factory
 def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
-    """RMSNorm (+ residual) backward on the dgrad GEMM ``g = dz @ W^T``.
+    """RMSNorm (+ residual) backward on the dgrad GEMM ``g' = dz' @ W^T``.
 
-    With x_hat = rstd * x and zdz = sum_N(z * dz) / d (equal to mean_d(x_hat*gamma*g):
-    the inner product is preserved through the GEMM, so no row reduction of g is
-    needed here):   dx = dres + rstd * (gamma * g - x_hat * zdz).
-    Also writes ``xh = x_hat``, the A^T operand of the wgrad GEMM (:data:`NORM_WGRAD`),
-    which also produces d_gamma: no column reduction is needed in this epilogue.
+    The GEMM's left operand is the *row-scaled* gradient ``dz' = rstd * dz`` (made where
+    ``dz`` is made, so it costs no pass of its own), hence ``g' = rstd * g``. With
+    ``zdz = sum_N(z * dz) / d`` (equal to mean_d(x_hat*gamma*g): the inner product is
+    preserved through the GEMM, so no row reduction of g is needed here):
+
+        dx = dres + rstd * (gamma * g - rstd * x * zdz) = dres + gamma * g' - x * xcoef,
+
+    with the row coefficient ``xcoef = rstd^2 * zdz``. The wgrad GEMM (:data:`NORM_WGRAD`)
+    contracts ``x^T @ dz'`` (= ``x_hat^T @ dz``): it reads ``x`` itself, so this epilogue
+    writes one tile (``dx``), not a second ``x_hat`` tile for the wgrad.
     """
 
-    def body(acc, ctx, x, rstd, zdz, gamma, **kw):
-        xh = x * rstd
-        dx = rstd * (gamma * acc - xh * zdz)
+    def body(acc, ctx, x, xcoef, gamma, **kw):
+        dx = gamma * acc - x * xcoef
         if with_residual_grad:
             dx = dx + kw["dres"]
-        return {"dx": dx, "xh": xh}
+        return {"dx": dx}
 
-    loads = (E.tile("x"), E.row("rstd"), E.row("zdz"), E.col("gamma"))
+    loads = (E.tile("x"), E.row("xcoef"), E.col("gamma"))
     if with_residual_grad:
         loads += (E.tile("dres"),)
     return E.Epilogue(
         name=f"rms_dgrad{'_res' if with_residual_grad else ''}",
         loads=loads,
-        outputs=(E.tile_out("dx"), E.tile_out("xh")),
+        outputs=(E.tile_out("dx"),),
         body=body,
     )
 
 
 def _norm_wgrad_body(acc, ctx, gamma, w):
-    # acc = P = x_hat^T @ dz  [d, N].  dW = gamma_row * P, and
+    # acc = P = x^T @ dz' = x_hat^T @ dz  [d, N] (dz' = rstd * dz).  dW = gamma_row * P, and
     # d_gamma_j = sum_i g_ij x_hat_ij = sum_i x_hat_ij sum_n dz_in W_jn = sum_n W_jn P_jn:
     # a row sum over this tile (d_gamma moves from a column reduction of the dgrad
     # epilogue to a row reduction of the wgrad epilogue).
@@ -222,7 +226,8 @@ NORM_WGRAD = E.Epilogue(
     body=_norm_wgrad_body,
     linear=True,
 )
-"""wgrad of an RMSNorm-scaled GEMM: ``dW = gamma * (x_hat^T @ dz)`` and d_gamma partials."""
+"""wgrad of an RMSNorm-scaled GEMM: ``dW = gamma * (x^T @ dz')`` with ``dz' = rstd * dz`` (that is,
+``gamma * (x_hat^T @ dz)``), and d_gamma partials."""
 
 
 def swiglu_grad(gate, up, dy):
@@ -234,25 +239,27 @@ def swiglu_grad(gate, up, dy):
     return d_gate, d_up, silu * up
 
 
-def _swiglu_dgrad_body(acc, ctx, z):
+def _swiglu_dgrad_body(acc, ctx, z, rstd):
     # acc = dy = dout @ W_down^T [M, f] (one column per gate/up pair); z = (gate, up).
     gate, up = z
     d_gate, d_up, _ = swiglu_grad(gate, up, acc)
-    # zdz: the MLP norm's row term sum_2f(z * dz), reduced per tile (see rms_dgrad).
-    return {"dz": (d_gate, d_up), "zdz": gate * d_gate + up * d_up}
+    # zdz: the MLP norm's row term sum_2f(z * dz) of the unscaled dz, reduced per tile (see
+    # rms_dgrad); the dz written is row-scaled by rstd, the operand of the norm's backward.
+    return {"dz": (d_gate * rstd, d_up * rstd), "zdz": gate * d_gate + up * d_up}
 
 
 SWIGLU_DGRAD = E.Epilogue(
     name="swiglu_dgrad",
-    loads=(E.tile("z"),),
+    loads=(E.tile("z"), E.row("rstd")),
     outputs=(E.tile_out("dz"), E.row_sum("zdz")),
     body=_swiglu_dgrad_body,
     pair_block=SWIGLU_BLOCK,
     half_acc=True,
 )
 """SwiGLU backward on the down projection's dgrad GEMM ``dy = dout @ W_down^T``: loads the
-saved pre-activation ``z [M, 2f]`` (gate/up pairs), writes ``dz [M, 2f]`` and the row
-partials of ``sum(z * dz)``; ``dy`` itself never reaches HBM."""
+saved pre-activation ``z [M, 2f]`` (gate/up pairs) and the MLP norm's ``rstd [M]``; writes
+``dz' = rstd * dz [M, 2f]`` (the left operand of the norm's backward GEMMs, see
+:func:`rms_dgrad`) and the row partials of ``sum(z * dz)``; ``dy`` never reaches HBM."""
 
 
 def _dlogits(logits, col_index, target, lse, gscale, zcoef):

@@ -409,10 +409,10 @@ def test_errors_name_the_rule():
 
 
 def test_plan_narrows_epilogue_chunks_before_dropping_stages():
-    # The norm backward (two tile loads, two tile outputs) on the dgrad GEMM.
+    # The norm backward (two tile loads, one tile output) on the dgrad GEMM.
     epi = programs.rms_dgrad(True)
-    shape = _shape(8192, 2048, 16384, {"dx": jnp.bfloat16, "xh": jnp.bfloat16}, transpose_b=True)
-    ldt = _dtypes(x=jnp.bfloat16, rstd=jnp.float32, zdz=jnp.float32, gamma=jnp.float32, dres=jnp.bfloat16)
+    shape = _shape(8192, 2048, 16384, {"dx": jnp.bfloat16}, transpose_b=True)
+    ldt = _dtypes(x=jnp.bfloat16, xcoef=jnp.float32, gamma=jnp.float32, dres=jnp.bfloat16)
     planned = plan_kernel(epi, shape, CONFIG_TABLE["default"], ldt)
     assert planned.warp_specialized and planned.max_concurrent_steps >= 3 and planned.epilogue_cols < 64
 

@@ -6,10 +6,14 @@ Math (CODA section 1 and 3). With ``h = x * gamma``, ``rstd = 1/sqrt(mean(x^2)+e
     backward:  dz = f'(z)^T dout           (variant-specific, elementwise)
                zdz = sum_N(z * dz) / d      (row term; = mean_d(x_hat*gamma*g) because the
                                             inner product is preserved through the GEMM)
-               g = dz @ W^T                 dgrad GEMM, whose epilogue does the norm backward:
-               dx = dres + rstd*(gamma*g - x_hat*zdz),  xh = x_hat
-               P = xh^T @ dz                wgrad GEMM, whose epilogue writes
+               dz' = rstd * dz              row-scaled where dz is made (no pass of its own)
+               g' = dz' @ W^T = rstd * g    dgrad GEMM, whose epilogue does the norm backward:
+               dx = dres + gamma*g' - x * (rstd^2 * zdz)
+               P = x^T @ dz' = x_hat^T @ dz  wgrad GEMM (reads x itself), whose epilogue writes
                dW = gamma * P,  d_gamma = sum_N(W * P)   (row partials; = sum_M(g * x_hat))
+
+Scaling dz by rstd (instead of x by rstd) spares the dgrad epilogue a second output: it
+would otherwise write x_hat ``[M, d]`` for the wgrad to read.
 
 ``dres`` is the residual-stream gradient: the ops return ``x`` itself as a second output
 (``return_residual=True``) so that the gradient of everything downstream that reads the
@@ -76,33 +80,35 @@ def _normed_gemm_fwd(lowering, variant, eps, return_residual, x, gamma, w, h, su
     return ((out, x) if return_residual else out), res
 
 
-def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz, zdz_sum, dres=None):
-    """The two backward GEMMs of ``z = rstd * ((x * gamma) @ w)`` given ``dz``.
+def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz_sum, dres=None):
+    """The two backward GEMMs of ``z = rstd * ((x * gamma) @ w)`` given the row-scaled ``dz``.
 
     Args:
       x: ``[M, d]`` norm input; gamma ``[d]``; w ``[d, N]``; rstd ``[M]`` float32.
-      dz: ``[M, N]`` gradient of z (cast to ``w.dtype`` for the GEMMs).
-      zdz_sum: ``[M]`` float32 ``sum_N(z * dz)``.
+      dz_scaled: ``[M, N]`` ``rstd * dz``, the gradient of z row-scaled by ``rstd`` (cast to
+        ``w.dtype`` for the GEMMs; see the module docstring).
+      zdz_sum: ``[M]`` float32 ``sum_N(z * dz)`` (of the unscaled ``dz``).
       dres: ``[M, d]`` residual-stream gradient to add to ``dx``, or None.
 
     Returns ``(dx [M, d] x.dtype, dgamma [d] gamma.dtype, dw [d, N] w.dtype)``.
     """
-    dz = dz.astype(w.dtype)
-    loads = {"x": x, "rstd": rstd, "zdz": zdz_sum / x.shape[1], "gamma": gamma}
+    dz_scaled = dz_scaled.astype(w.dtype)
+    loads = {"x": x, "xcoef": rstd * rstd * zdz_sum / x.shape[1], "gamma": gamma}
     if dres is not None:
         loads["dres"] = dres
-    outs = lowering.gemm(programs.rms_dgrad(dres is not None), dz, w, loads, transpose_b=True,
-                         out_dtypes={"dx": x.dtype, "xh": w.dtype})
-    wg = lowering.gemm(programs.NORM_WGRAD, outs["xh"], dz, {"gamma": gamma, "w": w}, transpose_a=True,
-                       out_dtypes={"dw": w.dtype})
-    return outs["dx"], jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype), wg["dw"]
+    dx = lowering.gemm(programs.rms_dgrad(dres is not None), dz_scaled, w, loads, transpose_b=True,
+                       out_dtypes={"dx": x.dtype})["dx"]
+    wg = lowering.gemm(programs.NORM_WGRAD, x.astype(w.dtype), dz_scaled, {"gamma": gamma, "w": w},
+                       transpose_a=True, out_dtypes={"dw": w.dtype})
+    return dx, jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype), wg["dw"]
 
 
 def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
     x, gamma, w, rstd, saved, aux, h, sumsq = res
     dout, dres = cot if return_residual else (cot, None)
     dz, zdz_sum, daux = variant.backward(saved, dout, aux)
-    dx, dgamma, dw = norm_gemm_backward(lowering, x, gamma, w, rstd, dz, zdz_sum, dres)
+    # rstd * dz fuses into the XLA pass that makes dz (the variants' backward is elementwise).
+    dx, dgamma, dw = norm_gemm_backward(lowering, x, gamma, w, rstd, dz * rstd[:, None], zdz_sum, dres)
     return dx, dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
 
 

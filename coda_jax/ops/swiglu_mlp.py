@@ -10,7 +10,8 @@ projection's backward must hand ``dy = dout @ w_down^T`` ``[M, f]`` across the o
 and the SwiGLU backward is an elementwise pass over ``dy`` and ``z`` (plus a second pass
 for ``sum(z * dz)``). Here:
 
-    dz, zdz = swiglu_dgrad(dout @ w_down^T; z)   one GEMM: dy never reaches HBM; zdz per row
+    dz', zdz = swiglu_dgrad(dout @ w_down^T; z, rstd)   one GEMM: dy never reaches HBM; zdz
+                                                 per row; dz' = rstd * dz (see normed_gemm)
     dw_down = y^T @ dout                         wgrad GEMM
     dx, dgamma, dw_gu = RMSNorm backward GEMMs (:func:`norm_gemm_backward`), dres = dout
 
@@ -67,7 +68,7 @@ def _swiglu_mlp_bwd(lowering, eps, residual, res, cot):
     x, gamma, w_gu, w_down, gamma_next, rstd, z, y, h, sumsq = res
     dx_out, _ = cot  # the carry is a cache: no gradient flows through it
     dout = dx_out.astype(y.dtype)
-    sd = lowering.gemm(programs.SWIGLU_DGRAD, dout, w_down, {"z": z}, transpose_b=True,
+    sd = lowering.gemm(programs.SWIGLU_DGRAD, dout, w_down, {"z": z, "rstd": rstd}, transpose_b=True,
                        out_dtypes={"dz": w_gu.dtype})
     dw_down = lowering.gemm(programs.IDENTITY, y, dout, {}, transpose_a=True, out_dtypes={"out": w_down.dtype})["out"]
     dx, dgamma, dw_gu = norm_gemm_backward(lowering, x, gamma, w_gu, rstd, sd["dz"], jnp.sum(sd["zdz"], axis=0),
