@@ -13,7 +13,7 @@ plain JAX, for the train step (tokens/s over the plain JAX Llama's, same process
 is copied beside it as ``results.png``.
 
 ``benchmarks/current/run<N>/`` keeps the inputs of runs whose numbers the section may be
-rebuilt from (run 148: the train step at one commit, every backend). To rebuild the section
+rebuilt from (run 168: the train step at one commit, every backend). To rebuild the section
 from one of them and a new run, list it first (later directories win on the same key) and
 name ``--out``, since outputs go to the first directory.
 """
