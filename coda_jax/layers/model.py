@@ -8,7 +8,7 @@ from flax import nnx
 
 from coda_jax.layers.block import CodaLlamaBlock
 from coda_jax.layers.config import LlamaConfig
-from coda_jax.layers.tensor_parallel import tensor_parallel_size, vocab_parallel_cross_entropy
+from coda_jax.layers.vocab_parallel import vocab_parallel_axis, vocab_parallel_cross_entropy
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
 from coda_jax.partitioning import context_mesh
@@ -100,15 +100,17 @@ class CodaLlama(nnx.Module):
              ignore_index: int = -100, z_loss: float = 0.0) -> jax.Array:
         """Mean next-token cross-entropy in one fused op (the logits are kept for the backward only
         when they fit the memory budget: :func:`coda_jax.linear_cross_entropy`). Under a
-        ``"tensor"`` mesh axis of size ``T`` dividing the vocabulary, each tensor shard takes
-        ``V / T`` of the vocab (:func:`~coda_jax.layers.tensor_parallel.vocab_parallel_cross_entropy`);
-        otherwise every shard computes the whole LM head for its data shard."""
+        ``"tensor"`` mesh axis, or an ``"fsdp"`` axis without one, whose size ``n`` divides the
+        vocabulary, each shard of that axis takes ``V / n`` of the vocab
+        (:mod:`coda_jax.layers.vocab_parallel`); otherwise every shard computes the whole LM
+        head for its data shard."""
         x, carry = self.hidden_states(tokens, positions)
-        t = tensor_parallel_size(context_mesh())
-        if t > 1 and self.config.vocab_size % t == 0:
+        axis = vocab_parallel_axis(context_mesh(), self.config.vocab_size)
+        if axis is not None:
             return vocab_parallel_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(),
                                                 reshape_tokens(targets, (targets.size,)), eps=self.config.rms_norm_eps,
-                                                ignore_index=ignore_index, z_loss=z_loss, backend=self.backend)
+                                                ignore_index=ignore_index, z_loss=z_loss, backend=self.backend,
+                                                vocab_axis=axis)
         return linear_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(),
                                     reshape_tokens(targets, (targets.size,)),
                                     carry=carry, eps=self.config.rms_norm_eps, ignore_index=ignore_index,

@@ -258,7 +258,7 @@ def linear_cross_entropy(
         over the axis, as it does for an input replicated along it). The backward sums the
         losses' cotangent over the axis, so each row's loss must reach the output from one
         shard only: keep ``reduction="none"`` and return each shard's own slice of rows
-        (:func:`coda_jax.layers.tensor_parallel.vocab_parallel_cross_entropy` does).
+        (:func:`coda_jax.layers.vocab_parallel.vocab_parallel_cross_entropy` does).
       backend: see :mod:`coda_jax.backend`.
 
     Returns:

@@ -1,0 +1,107 @@
+"""The LM head and cross-entropy split by vocabulary over one mesh axis.
+
+Each shard of the *vocab axis* runs the fused norm + LM-head GEMM on its ``V / n`` rows of
+``W_vocab`` for every row of its data shard, and the per-row LSEs and target logits combine
+across the axis (``[M]`` float32 vectors; :func:`coda_jax.linear_cross_entropy` with
+``vocab_axis``). ``CodaLlama.loss`` picks the axis (:func:`vocab_parallel_axis`):
+
+* ``"tensor"`` (tensor parallelism): a replicated head would repeat the model's largest GEMM
+  whole on every tensor shard.
+* ``"fsdp"`` (FSDP without a tensor axis): the FLOPs per device are the same either way
+  (``M/n`` rows by ``V`` columns, or ``M`` rows by ``V/n`` columns), but the bytes that
+  cross devices are not. Token-split, every device needs the whole head: an all-gather of
+  ``W`` ``[V, d]`` (the 1B model's tied embedding, 501 MiB in bfloat16) and a
+  reduce-scatter of its gradient, the last collective of the step. Vocab-split, it needs
+  the final hidden states of its data shard's rows instead (an all-gather of ``x [M, d]``:
+  128 MiB at 32 x 1024 tokens), their gradient's partial sums come back (``shard_map``'s
+  transpose sums ``dx`` over the axis), and the head moves from its stored split (FSDP
+  splits the model width) to a vocab split. ``CODA_JAX_FSDP_VOCAB_PARALLEL=0`` keeps the
+  token-split head.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from coda_jax import partitioning
+from coda_jax.sharding import TENSOR_AXIS
+
+FSDP_VOCAB_PARALLEL_ENV = "CODA_JAX_FSDP_VOCAB_PARALLEL"
+
+
+def _axis_size(mesh, name: str) -> int:
+    """Size of ``mesh``'s axis ``name`` (1 without a mesh, without the axis, or inside a
+    ``shard_map`` that already made it manual)."""
+    if mesh is None or name not in mesh.axis_names or name in set(getattr(mesh, "manual_axes", ()) or ()):
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))[name]
+
+
+def vocab_parallel_axis(mesh, vocab_size: int) -> str | None:
+    """The axis ``CodaLlama.loss`` splits the vocabulary over: ``"tensor"`` when its size
+    ``T > 1`` divides ``vocab_size``; else ``"fsdp"`` when that axis (size > 1) divides it and
+    ``$CODA_JAX_FSDP_VOCAB_PARALLEL`` is not ``0``; else ``None`` (token-split head)."""
+    t = _axis_size(mesh, TENSOR_AXIS)
+    if t > 1:
+        return TENSOR_AXIS if vocab_size % t == 0 else None
+    f = _axis_size(mesh, partitioning.FSDP_AXIS)
+    if f > 1 and vocab_size % f == 0 and partitioning.FSDP_AXIS in partitioning.token_axes(mesh) \
+            and os.environ.get(FSDP_VOCAB_PARALLEL_ENV, "1") != "0":
+        return partitioning.FSDP_AXIS
+    return None
+
+
+def vocab_parallel_cross_entropy(x: jax.Array, gamma: jax.Array, w_vocab: jax.Array, targets: jax.Array, *,
+                                 eps: float, ignore_index: int = -100, z_loss: float = 0.0,
+                                 backend: str | None = None, vocab_axis: str = TENSOR_AXIS) -> jax.Array:
+    """Mean cross-entropy of ``RMSNorm(x; gamma) @ w_vocab^T``, the vocab split over ``vocab_axis``.
+
+    Each shard of ``vocab_axis`` (size ``n``) runs the fused LM-head GEMM on its ``V / n``
+    vocab rows of ``w_vocab`` for all rows of its data shard (the rows split over the other
+    token axes). The row LSEs and target logits (``[M_d]`` vectors) combine across shards;
+    in the backward each shard's ``dlogits`` block gives its own ``dW`` rows and its partial
+    ``dx``, summed over the shards.
+
+    Args:
+      x: ``[M, d]`` final residual stream (tokens split over the data axes, if any).
+      gamma: ``[d]`` final-norm weight.
+      w_vocab: ``[V, d]`` LM-head weight, ``V`` a multiple of ``n``.
+      targets: ``[M]`` global class ids, or ``ignore_index``.
+      vocab_axis: ``"tensor"`` or ``"fsdp"`` (see the module docstring).
+
+    Returns:
+      float32 scalar: the mean over rows whose target is not ``ignore_index``.
+    """
+    from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
+
+    mesh = partitioning.context_mesh()
+    n = _axis_size(mesh, vocab_axis)
+    m, v = x.shape[0], w_vocab.shape[0]
+    if v % n:
+        raise ValueError(f"vocab-parallel cross-entropy: the vocabulary ({v}) must be a multiple of the "
+                         f"{vocab_axis!r} axis size ({n})")
+    dp = tuple(a for a in partitioning.token_axes(mesh) if a != vocab_axis)  # the rows' split
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if mesh is not None else {}
+    data_shards = math.prod(sizes[a] for a in dp)
+    if m % (data_shards * n):
+        raise ValueError(f"vocab-parallel cross-entropy: tokens ({m}) must be a multiple of the data axes' size x "
+                         f"the {vocab_axis!r} axis size ({data_shards * n})")
+    tok = dp if len(dp) > 1 else (dp[0] if dp else None)
+    # The output's rows: each data shard's rows, split again over the vocab axis (under FSDP
+    # that is the batch's own split, ("data", "fsdp")).
+    rows_spec = tuple(a for a in partitioning.TOKEN_AXES + (TENSOR_AXIS,) if a in dp or a == vocab_axis)
+
+    def body(x, gamma, w, targets):
+        losses = linear_cross_entropy(x, gamma, w, targets, eps=eps, ignore_index=ignore_index, z_loss=z_loss,
+                                      reduction="none", vocab_axis=vocab_axis, backend=backend)
+        rows = x.shape[0] // n  # this shard's own rows of the (replicated) losses
+        return jax.lax.dynamic_slice_in_dim(losses, jax.lax.axis_index(vocab_axis) * rows, rows)
+
+    losses = partitioning.shard_map_over(mesh, body, (P(tok, None), P(), P(vocab_axis, None), P(tok)),
+                                         P(rows_spec), x, gamma, w_vocab, targets)
+    return jnp.sum(losses) / jnp.maximum(jnp.sum(targets != ignore_index), 1).astype(jnp.float32)
