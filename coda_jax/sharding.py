@@ -108,17 +108,19 @@ def _fit_spec(shape: tuple[int, ...], spec, mesh) -> P:
     return P(*out) if any(out) else P()
 
 
-def cast_for_use(var, dtype=None) -> jax.Array:
+def cast_for_use(var, dtype=None, whole: bool = True) -> jax.Array:
     """The value of parameter ``var`` (an ``nnx.Variable``) as a layer uses it: cast to
-    ``dtype``, then whole on every device (:func:`gathered`).
+    ``dtype``, then whole on every device (:func:`gathered`; ``whole=False`` leaves the cast
+    copy on its parameter's split, for a ``shard_map`` that takes its own slice of it).
 
     The cast comes before the gather (a 16-bit copy moves half the bytes). Under an Auto
     mesh the partitioner places the gather, and it gathered the float32 parameter and cast
     after. So the cast copy is pinned to the parameter's own split (its logical axis names,
     :data:`LOGICAL_AXIS_RULES`), and the gather has to follow the cast."""
+    keep = gathered if whole else (lambda a: a)
     v = var[...]
     if dtype is None or v.dtype == dtype:
-        return gathered(v)
+        return keep(v)
     c = v.astype(dtype)
     mesh = partitioning.context_mesh()
     names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
@@ -127,7 +129,7 @@ def cast_for_use(var, dtype=None) -> jax.Array:
         spec = _fit_spec(c.shape, [rules.get(n) for n in names], mesh)
         if any(spec):
             c = jax.lax.with_sharding_constraint(c, spec)
-    return gathered(c)
+    return keep(c)
 
 
 def _leaf_name(path) -> str | None:

@@ -373,6 +373,42 @@ def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: 
     print(f"OK tp_{backend}_{'x'.join(map(str, shape))}_{mode}_{dtype}")
 
 
+def case_fsdp_head_explicit() -> None:
+    """Under an Explicit FSDP mesh the vocab-parallel LM head takes the head weight on its
+    stored split (``CodaLlama.vocab_weight(whole=False)``): no all-gather of the whole
+    ``[V, d]`` head in the compiled step besides the embedding lookup's read of the table
+    (three such gathers before: the lookup's, the head's forward and its backward)."""
+    from pathlib import Path
+
+    from flax import nnx
+
+    root = Path(__file__).resolve().parents[1]
+    for p in (root / "benchmarks", root / "examples"):
+        sys.path.insert(0, str(p))
+    import train_llama
+    from train_step_bench import all_gathers
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.sharding import batch_sharding, shard_state
+
+    cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=640, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    tokens = jax.random.randint(jax.random.key(1), (8, 49), 0, cfg.vocab_size)
+    mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla")
+        opt = nnx.Optimizer(model, train_llama.make_tx(3e-4, 10, 1000), wrt=nnx.Param)
+        state = shard_state(nnx.state((model, opt)), mesh)
+        step, _, _ = train_llama.make_steps(model, opt, jax.tree.map(lambda x: x.sharding, state))
+        t = jax.device_put(tokens, batch_sharding(mesh))
+        compiled = step.lower(state, t[:, :-1], t[:, 1:]).compile()
+        loss = float(compiled(state, t[:, :-1], t[:, 1:])[1])
+    assert np.isfinite(loss), loss
+    head = [line for _, dims, _, line in all_gathers(compiled.as_text()) if dims == [cfg.vocab_size, cfg.hidden_size]]
+    assert len(head) <= 1, "the LM head weight gathered whole under Explicit FSDP:\n" + "\n".join(head)
+    print("OK fsdp_head_explicit")
+
+
 def case_vocab_parallel_ce(shape: tuple[int, int, int], mode: str, axis: str = "tensor") -> None:
     """The vocab-split cross-entropy (each shard of ``axis``: its LM-head GEMM on V/n vocab
     rows) equals one device's linear_cross_entropy in float32: loss and the gradients of x,
@@ -581,6 +617,7 @@ CASES = {
     "wgrad_partials": case_wgrad_partials,
     "fsdp_gathers_xla": lambda: case_fsdp_step_gathers("xla"),
     "fsdp_gathers_pallas": lambda: case_fsdp_step_gathers("pallas"),
+    "fsdp_head_explicit": case_fsdp_head_explicit,
     "kernel_cache_auto": lambda: case_kernel_cache_under_mesh("auto"),
     "kernel_cache_explicit": lambda: case_kernel_cache_under_mesh("explicit"),
     "vocab_ce_2x1x4_explicit": lambda: case_vocab_parallel_ce((2, 1, 4), "explicit"),

@@ -70,9 +70,11 @@ class CodaLlama(nnx.Module):
 
         return save_pretrained(self, path, **kwargs)
 
-    def vocab_weight(self) -> jax.Array:
-        """``[V, d]`` LM-head weight in the compute dtype."""
-        return cast_for_use(self.embed if self.config.tie_word_embeddings else self.lm_head, self.config.dtype)
+    def vocab_weight(self, whole: bool = True) -> jax.Array:
+        """``[V, d]`` LM-head weight in the compute dtype (``whole=False``: left on its
+        parameter's split, for the vocab-parallel head's ``shard_map`` to slice)."""
+        return cast_for_use(self.embed if self.config.tie_word_embeddings else self.lm_head, self.config.dtype,
+                            whole=whole)
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None):
         """``tokens [B, S]`` -> final residual stream ``[B*S, d]`` and its norm carry."""
@@ -107,7 +109,7 @@ class CodaLlama(nnx.Module):
         x, carry = self.hidden_states(tokens, positions)
         axis = vocab_parallel_axis(context_mesh(), self.config.vocab_size)
         if axis is not None:
-            return vocab_parallel_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(),
+            return vocab_parallel_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(whole=False),
                                                 reshape_tokens(targets, (targets.size,)), eps=self.config.rms_norm_eps,
                                                 ignore_index=ignore_index, z_loss=z_loss, backend=self.backend,
                                                 vocab_axis=axis)
