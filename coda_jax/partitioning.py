@@ -106,15 +106,19 @@ def context_mesh():
     return None if mesh is None or mesh.empty else mesh
 
 
+def axis_size(mesh, name: str) -> int:
+    """Size of ``mesh``'s axis ``name``: 1 without a mesh, without the axis, or where the axis
+    is already manual (inside a ``shard_map`` over it, e.g. the tensor-parallel block's, code
+    sees its shard only and must not split it again)."""
+    if mesh is None or name not in mesh.axis_names or name in set(getattr(mesh, "manual_axes", ()) or ()):
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))[name]
+
+
 def token_axes(mesh) -> tuple[str, ...]:
     """:data:`TOKEN_AXES` present in ``mesh`` with more than one device and not already
-    manual (inside a ``shard_map`` over an axis, e.g. the tensor-parallel block's, the ops
-    see their shard only and must not split it again)."""
-    if mesh is None:
-        return ()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    manual = set(getattr(mesh, "manual_axes", ()) or ())
-    return tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1 and a not in manual)
+    manual (:func:`axis_size`)."""
+    return tuple(a for a in TOKEN_AXES if axis_size(mesh, a) > 1)
 
 
 def _warn_once(key: str, msg: str) -> None:

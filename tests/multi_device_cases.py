@@ -200,6 +200,37 @@ def _token_dots_outside_shard_map(jaxpr, tokens: int) -> list[str]:
     return found
 
 
+def _example_train_step(cfg, backend: str, mesh, tokens):
+    """The example's train step (``examples/train_llama.make_steps``: loss, gradients, AdamW)
+    of CodaLlama on ``mesh`` with FSDP-split state, traced, compiled and run once on
+    ``tokens [B, S+1]``: ``(loss, compiled HLO text, traced step)``."""
+    from flax import nnx
+
+    import train_llama
+
+    from coda_jax.layers import CodaLlama
+    from coda_jax.sharding import batch_sharding, shard_state
+
+    with jax.set_mesh(mesh):
+        model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
+        opt = nnx.Optimizer(model, train_llama.make_tx(3e-4, 10, 1000), wrt=nnx.Param)
+        state = shard_state(nnx.state((model, opt)), mesh)
+        step, _, _ = train_llama.make_steps(model, opt, jax.tree.map(lambda x: x.sharding, state))
+        t = jax.device_put(tokens, batch_sharding(mesh))
+        traced = step.trace(state, t[:, :-1], t[:, 1:])
+        compiled = traced.lower().compile()
+        return float(compiled(state, t[:, :-1], t[:, 1:])[1]), compiled.as_text(), traced
+
+
+def _benchmark_tools_on_path() -> None:
+    """``benchmarks/`` and ``examples/`` importable (``train_step_bench``, ``train_llama``)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for p in (root / "benchmarks", root / "examples"):
+        sys.path.insert(0, str(p))
+
+
 def case_fsdp_step_gathers(backend: str) -> None:
     """The example's train step (``examples/train_llama.make_steps``: loss, gradients, AdamW)
     of CodaLlama with FSDP-split state on ``fsdp=2``: no activation-shaped all-gather in the
@@ -209,19 +240,12 @@ def case_fsdp_step_gathers(backend: str) -> None:
     per-token ``rstd``, the SwiGLU input and the logits instead of the weights: 0.71x plain
     JAX on two H100s (RESULTS.md, run 140). Tokens (384) differ from every weight
     dimension, so no weight gather is counted."""
-    from pathlib import Path
-
-    from flax import nnx
-
-    root = Path(__file__).resolve().parents[1]
-    for p in (root / "benchmarks", root / "examples"):
-        sys.path.insert(0, str(p))
-    import train_llama
+    _benchmark_tools_on_path()
     from train_step_bench import activation_gathers, all_gathers
 
-    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.layers import LlamaConfig
     from coda_jax.layers.vocab_parallel import FSDP_VOCAB_PARALLEL_ENV
-    from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
+    from coda_jax.sharding import mesh_from_spec
 
     if backend == "pallas":
         install_opaque_kernel()
@@ -232,16 +256,8 @@ def case_fsdp_step_gathers(backend: str) -> None:
     mesh = mesh_from_spec("fsdp=2", jax.devices()[:2])
 
     def compiled_step():
-        with jax.set_mesh(mesh):
-            model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
-            opt = nnx.Optimizer(model, train_llama.make_tx(3e-4, 10, 1000), wrt=nnx.Param)
-            state = shard_state(nnx.state((model, opt)), mesh)
-            step, _, _ = train_llama.make_steps(model, opt, jax.tree.map(lambda x: x.sharding, state))
-            t = jax.device_put(tokens, batch_sharding(mesh))
-            traced = step.trace(state, t[:, :-1], t[:, 1:])
-            compiled = traced.lower().compile()
-            dots = _token_dots_outside_shard_map(traced.jaxpr.jaxpr, batch * seq)
-            return float(compiled(state, t[:, :-1], t[:, 1:])[1]), compiled.as_text(), dots
+        loss, hlo, traced = _example_train_step(cfg, backend, mesh, tokens)
+        return loss, hlo, _token_dots_outside_shard_map(traced.jaxpr.jaxpr, batch * seq)
 
     loss, hlo, dots = compiled_step()
     assert np.isfinite(loss), loss
@@ -379,33 +395,18 @@ def case_fsdp_head_explicit() -> None:
     stored split (``CodaLlama.vocab_weight(whole=False)``): no all-gather of the whole
     ``[V, d]`` head in the compiled step besides the embedding lookup's read of the table
     (three such gathers before: the lookup's, the head's forward and its backward)."""
-    from pathlib import Path
-
-    from flax import nnx
-
-    root = Path(__file__).resolve().parents[1]
-    for p in (root / "benchmarks", root / "examples"):
-        sys.path.insert(0, str(p))
-    import train_llama
+    _benchmark_tools_on_path()
     from train_step_bench import all_gathers
 
-    from coda_jax.layers import CodaLlama, LlamaConfig
-    from coda_jax.sharding import batch_sharding, shard_state
+    from coda_jax.layers import LlamaConfig
 
     cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=640, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
     tokens = jax.random.randint(jax.random.key(1), (8, 49), 0, cfg.vocab_size)
     mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
-    with jax.set_mesh(mesh):
-        model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla")
-        opt = nnx.Optimizer(model, train_llama.make_tx(3e-4, 10, 1000), wrt=nnx.Param)
-        state = shard_state(nnx.state((model, opt)), mesh)
-        step, _, _ = train_llama.make_steps(model, opt, jax.tree.map(lambda x: x.sharding, state))
-        t = jax.device_put(tokens, batch_sharding(mesh))
-        compiled = step.lower(state, t[:, :-1], t[:, 1:]).compile()
-        loss = float(compiled(state, t[:, :-1], t[:, 1:])[1])
+    loss, hlo, _ = _example_train_step(cfg, "xla", mesh, tokens)
     assert np.isfinite(loss), loss
-    head = [line for _, dims, _, line in all_gathers(compiled.as_text()) if dims == [cfg.vocab_size, cfg.hidden_size]]
+    head = [line for _, dims, _, line in all_gathers(hlo) if dims == [cfg.vocab_size, cfg.hidden_size]]
     assert len(head) <= 1, "the LM head weight gathered whole under Explicit FSDP:\n" + "\n".join(head)
     print("OK fsdp_head_explicit")
 
@@ -561,11 +562,8 @@ def case_step_bench_on_meshes() -> None:
     meshes: its ahead-of-time compiled step takes its own output as the next input, so the
     updated state must keep the input's placement (it did not: run failures on fsdp / tensor)."""
     import tempfile
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    for p in (root / "benchmarks", root / "examples"):
-        sys.path.insert(0, str(p))
+    _benchmark_tools_on_path()
     import train_step_bench
 
     with tempfile.TemporaryDirectory() as d:

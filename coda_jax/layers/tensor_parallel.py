@@ -58,11 +58,7 @@ TENSOR_AXIS = "tensor"
 def tensor_parallel_size(mesh) -> int:
     """Size of ``mesh``'s ``"tensor"`` axis (1 without a mesh, without the axis, or inside a
     ``shard_map`` that already made it manual)."""
-    if mesh is None or TENSOR_AXIS not in mesh.axis_names:
-        return 1
-    if TENSOR_AXIS in set(getattr(mesh, "manual_axes", ()) or ()):
-        return 1
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))[TENSOR_AXIS]
+    return partitioning.axis_size(mesh, TENSOR_AXIS)
 
 
 def check_tensor_parallel(config, batch: int, seq: int, mesh) -> None:

@@ -34,22 +34,14 @@ from coda_jax.sharding import TENSOR_AXIS
 FSDP_VOCAB_PARALLEL_ENV = "CODA_JAX_FSDP_VOCAB_PARALLEL"
 
 
-def _axis_size(mesh, name: str) -> int:
-    """Size of ``mesh``'s axis ``name`` (1 without a mesh, without the axis, or inside a
-    ``shard_map`` that already made it manual)."""
-    if mesh is None or name not in mesh.axis_names or name in set(getattr(mesh, "manual_axes", ()) or ()):
-        return 1
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))[name]
-
-
 def vocab_parallel_axis(mesh, vocab_size: int) -> str | None:
     """The axis ``CodaLlama.loss`` splits the vocabulary over: ``"tensor"`` when its size
     ``T > 1`` divides ``vocab_size``; else ``"fsdp"`` when that axis (size > 1) divides it and
     ``$CODA_JAX_FSDP_VOCAB_PARALLEL`` is not ``0``; else ``None`` (token-split head)."""
-    t = _axis_size(mesh, TENSOR_AXIS)
+    t = partitioning.axis_size(mesh, TENSOR_AXIS)
     if t > 1:
         return TENSOR_AXIS if vocab_size % t == 0 else None
-    f = _axis_size(mesh, partitioning.FSDP_AXIS)
+    f = partitioning.axis_size(mesh, partitioning.FSDP_AXIS)
     if f > 1 and vocab_size % f == 0 and partitioning.FSDP_AXIS in partitioning.token_axes(mesh) \
             and os.environ.get(FSDP_VOCAB_PARALLEL_ENV, "1") != "0":
         return partitioning.FSDP_AXIS
@@ -80,14 +72,13 @@ def vocab_parallel_cross_entropy(x: jax.Array, gamma: jax.Array, w_vocab: jax.Ar
     from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 
     mesh = partitioning.context_mesh()
-    n = _axis_size(mesh, vocab_axis)
+    n = partitioning.axis_size(mesh, vocab_axis)
     m, v = x.shape[0], w_vocab.shape[0]
     if v % n:
         raise ValueError(f"vocab-parallel cross-entropy: the vocabulary ({v}) must be a multiple of the "
                          f"{vocab_axis!r} axis size ({n})")
     dp = tuple(a for a in partitioning.token_axes(mesh) if a != vocab_axis)  # the rows' split
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if mesh is not None else {}
-    data_shards = math.prod(sizes[a] for a in dp)
+    data_shards = math.prod(partitioning.axis_size(mesh, a) for a in dp)
     if m % (data_shards * n):
         raise ValueError(f"vocab-parallel cross-entropy: tokens ({m}) must be a multiple of the data axes' size x "
                          f"the {vocab_axis!r} axis size ({data_shards * n})")
