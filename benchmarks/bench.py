@@ -156,11 +156,29 @@ def _loss(out, rnd):
     """``(scalar, further outputs)``: the scalar an op's fwd+bwd is timed on, its first output
     weighted by ``rnd`` (a random cotangent; XLA cannot fold it into the backward), and the
     op's further outputs returned beside it (the carry a fused op writes for the next op:
-    each version must materialize it, as the model does, and neither differentiates it)."""
+    each version must materialize it, as the model does, and neither differentiates it).
+
+    ``rnd`` is an argument of the timed function, in the output's dtype, as the cotangent
+    arriving from the next layer is in a model: closed over, it is a compile-time constant
+    that XLA folds into the backward (a float32 copy of it, and of its RoPE-reversed halves,
+    read from memory: 2 x 100 MB at the QKV shape of d=2048, where the model reads 50)."""
     main, *rest = out if isinstance(out, tuple) else (out,)
     if not main.ndim:
         return main, tuple(rest)
-    return jnp.sum(main.astype(jnp.float32) * (rnd if rnd is not None else 1.0)), tuple(rest)
+    return jnp.sum(main.astype(jnp.float32) * rnd.astype(jnp.float32)), tuple(rest)
+
+
+def random_cotangent(fn, args) -> jax.Array:
+    """A random cotangent for ``fn(*args)``'s first output, in that output's dtype."""
+    out = jax.eval_shape(fn, *args)
+    main = out[0] if isinstance(out, tuple) else out
+    return jax.random.normal(jax.random.key(11), main.shape, jnp.float32).astype(main.dtype)
+
+
+def timed_fwd_bwd(fn, argnums):
+    """``jit(value_and_grad)`` of :func:`_loss` on ``fn``, called ``(*args, cotangent)``."""
+    scalar = lambda *a: _loss(fn(*a[:-1]), a[-1])  # noqa: E731
+    return jax.jit(jax.value_and_grad(scalar, argnums, has_aux=True))
 
 
 def _residual_out(res):
@@ -175,10 +193,9 @@ def bench_op(name, fused, ref, args, argnums, backends, iters, check, plain=None
     f32 = [a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
     first = lambda o: o[0] if isinstance(o, tuple) else o
     out_ref = jax.jit(ref)(*f32) if check else None
-    rnd = None
-    if check:
-        rnd = jax.random.normal(jax.random.key(11), first(out_ref).shape)
-        grads_ref = jax.jit(jax.grad(lambda *a: _loss(ref(*a), rnd)[0], argnums))(*f32)  # the timed loss
+    rnd = random_cotangent(plain if plain is not None else fused("xla"), args)
+    if check:  # the timed loss, on the same (rounded) cotangent
+        grads_ref = jax.jit(jax.grad(lambda *a: _loss(ref(*a), rnd)[0], argnums))(*f32)
     cases = {}
     for b in backends:
         row = {"op": name, "backend": b, "d": args[0].shape[1]}
@@ -189,13 +206,12 @@ def bench_op(name, fused, ref, args, argnums, backends, iters, check, plain=None
                 if fn is None:
                     raise ValueError(f"op {name!r} has no plain JAX version")
                 fwd = jax.jit(fn)
-                scalar = lambda *a: _loss(fn(*a), rnd)
-                fb = jax.jit(jax.value_and_grad(scalar, argnums, has_aux=True))
-                out, (_, grads) = fwd(*args), fb(*args)
+                fb = timed_fwd_bwd(fn, argnums)
+                out, (_, grads) = fwd(*args), fb(*args, rnd)
                 if check:
                     row["fwd_rel_err"] = rel(first(out), first(out_ref))
                     row["grad_rel_err"] = max(rel(a, r_) for a, r_ in zip(grads, grads_ref))
-                cases[(b, "fwd_ms")], cases[(b, "fwdbwd_ms")] = (fwd, args), (fb, args)
+                cases[(b, "fwd_ms")], cases[(b, "fwdbwd_ms")] = (fwd, args), (fb, (*args, rnd))
         except Exception as e:  # record and go on: one failing kernel must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
@@ -397,8 +413,17 @@ def baseline_block(d):
     x = jax.random.normal(jax.random.key(3), (bsz, seq, d), jnp.bfloat16)
     cos, sin = base.rope_tables(seq, hd)
     blk = functools.partial(base.llama_block, cos=cos, sin=sin, heads=h, kv_heads=kv, attention=ATTENTION == "cudnn")
-    loss = lambda p, x: jnp.sum(blk(p, x).astype(jnp.float32))
-    return jax.jit(blk), jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (p, x)
+    return _block_callables(blk, p, x)
+
+
+def _block_callables(blk, p, x):
+    """(fwd, fwd+bwd, args) of ``blk(p, x)``, both called ``(p, x, cotangent)``: the loss
+    weights the block's output by a random bf16 cotangent passed in (:func:`_loss`). With
+    ``sum()`` XLA folds the ones into the plain block's last GEMM backward (the down
+    projection's dgrad becomes a column sum of its weight), which a fused kernel cannot do."""
+    cot = random_cotangent(lambda p, x: blk(p, x), (p, x))
+    fwd = jax.jit(lambda p, x, cot: blk(p, x))
+    return fwd, timed_fwd_bwd(blk, (0, 1)), (p, x, cot)
 
 
 def coda_block(d, backend):
@@ -412,9 +437,7 @@ def coda_block(d, backend):
     cfg = LlamaConfig(hidden_size=d, intermediate_size=f, num_heads=h, num_kv_heads=kv, head_dim=hd,
                       num_layers=1, param_dtype=jnp.bfloat16, attention_implementation=ATTENTION or "xla")
     gdef, state = nnx.split(CodaLlamaBlock(cfg, rngs=nnx.Rngs(0), backend=backend))
-    fwd = jax.jit(lambda s, x: nnx.merge(gdef, s)(x)[0])
-    lf = lambda s, x: jnp.sum(nnx.merge(gdef, s)(x)[0].astype(jnp.float32))
-    return fwd, jax.jit(jax.value_and_grad(lf, argnums=(0, 1))), (state, x)
+    return _block_callables(lambda s, x: nnx.merge(gdef, s)(x)[0], state, x)
 
 
 def coda_model(preset, backend, batch, seq, layers=None):

@@ -219,17 +219,15 @@ def main():
         if case is None:
             raise SystemExit(f"profile_block.py: error: --op {args.op!r} is not an op of bench.op_cases")
         _, fused, _, a, argnums, plain = case
-        # bench.py's loss (bench._loss): a random cotangent (with sum() XLA would fold the ones
-        # into the plain op's dgrad, a reduction instead of a GEMM, but not into an opaque
-        # kernel), the value too (with grad alone XLA drops the forward GEMM of a linear op,
-        # where a custom_vjp's kernel still runs it), and further outputs returned beside it.
-        main = lambda o: o[0] if isinstance(o, tuple) else o  # noqa: E731
-        cot = jax.random.normal(jax.random.key(11), jax.eval_shape(lambda *x: main(plain(*x)), *a).shape)
+        # bench.py's loss (bench._loss): a random cotangent, passed as an argument in the
+        # output's dtype (with sum() XLA would fold the ones into the plain op's dgrad, a
+        # reduction instead of a GEMM; closed over, it folds the constant into the backward),
+        # the value too (with grad alone XLA drops the forward GEMM of a linear op, where a
+        # custom_vjp's kernel still runs it), and further outputs returned beside it.
+        cot = bench.random_cotangent(plain, a)
         for b in args.backends.split(","):
             fn = plain if b == "plain" else fused(b)
-            loss = lambda *x, fn=fn: bench._loss(fn(*x), cot)  # noqa: E731
-            results[b] = profile(jax.jit(jax.value_and_grad(loss, argnums, has_aux=True)), a, args.steps,
-                                 out / f"hlo_{tag}_{b}.txt")
+            results[b] = profile(bench.timed_fwd_bwd(fn, argnums), (*a, cot), args.steps, out / f"hlo_{tag}_{b}.txt")
     elif args.model:
         from coda_jax.sharding import mesh_from_spec
 

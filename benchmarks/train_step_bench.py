@@ -212,7 +212,7 @@ def step_profile(compiled, state, inputs, targets, steps: int):
     if "collectives" in m:
         summary["collectives"] = m["collectives"]
     summary["top_kernels"] = sorted(([k[:100], round(ms, 3)] for k, ms in m["by_kernel"].items()),
-                                    key=lambda kv: -kv[1])[:15]
+                                    key=lambda kv: -kv[1])[:int(os.environ.get("STEP_PROFILE_TOP", "15"))]
     return box[0], summary
 
 
