@@ -12,6 +12,11 @@ Odd lengths are padded by one token at the end: under a causal mask no real quer
 to a later key, so the real rows' outputs (and gradients) are exactly the unpadded ones and
 the padded row is sliced off. A head_dim cuDNN cannot run falls back to XLA's attention.
 Each such decision is logged once per process.
+
+Under an Explicit-mode mesh the attention runs per batch shard in a ``shard_map``: cuDNN's
+output carries no sharding type there, and the transpose of the reshape that follows it
+then fails (``ShardingTypeError``, seen on 2 and 4 GPUs with FSDP). Attention is
+independent per sequence, so each device attends over its own rows of the batch.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from coda_jax.sharding import explicit_sharding
 
 _LOG = logging.getLogger("coda_jax")
 _LOGGED: set[str] = set()
@@ -93,6 +101,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, requested: str | 
     Returns:
       ``[B, S, H, hd]`` in q's dtype.
     """
+    sh = explicit_sharding(q)
+    if sh is not None and any(p is not None for p in sh.spec):
+        spec = P(sh.spec[0], None, None, None)  # split by batch only: sequences are independent
+        q, k, v = (jax.sharding.reshard(t, spec) for t in (q, k, v))
+        attend = lambda q, k, v: _causal_attention(q, k, v, requested)  # noqa: E731
+        return jax.shard_map(attend, mesh=sh.mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+    return _causal_attention(q, k, v, requested)
+
+
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, requested: str | None) -> jax.Array:
     dev = jax.devices()[0]
     plan = plan_attention(requested, dtype=q.dtype, seq_len=q.shape[1], head_dim=q.shape[3],
                           platform=dev.platform, compute_capability=getattr(dev, "compute_capability", None))
