@@ -106,6 +106,40 @@ def test_bench_smoke_runs_on_cpu(tmp_path):
     assert "norm_swiglu" not in table  # --ops filters
 
 
+def _all_consts(closed) -> list:
+    """The constants of a closed jaxpr and of every jaxpr nested in its equations."""
+    out = list(closed.consts)
+    for eqn in closed.jaxpr.eqns:
+        for v in eqn.params.values():
+            if hasattr(v, "consts") and hasattr(v, "jaxpr"):
+                out += _all_consts(v)
+    return out
+
+
+def test_timed_fwd_bwd_takes_its_cotangent_as_a_bf16_argument():
+    """The op and block benchmarks weight the output by a cotangent passed in, in the
+    output's dtype: closed over, it became a float32 constant that XLA folded into the
+    backward (run 174: the RoPE backward read 200 MB where a model reads 50)."""
+    import jax.numpy as jnp
+
+    f = lambda x, w: (jnp.tanh(x @ w), x)  # noqa: E731  (a further output, returned beside the loss)
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (16, 8), jnp.bfloat16)
+    w = jax.random.normal(kw, (8, 32), jnp.bfloat16)
+    cot = bench.random_cotangent(f, (x, w))
+    assert cot.shape == (16, 32) and cot.dtype == jnp.bfloat16
+    fb = bench.timed_fwd_bwd(f, (0, 1))
+    assert not [c for c in _all_consts(jax.make_jaxpr(fb)(x, w, cot)) if getattr(c, "size", 1) >= cot.size], \
+        "a cotangent-sized constant in the timed program"
+    (_, rest), (dx, dw) = fb(x, w, cot)
+    _, vjp = jax.vjp(lambda x, w: f(x, w)[0], x, w)
+    want_dx, want_dw = vjp(cot)
+    assert rest[0] is not None and dx.dtype == jnp.bfloat16
+    for got, want in ((dx, want_dx), (dw, want_dw)):
+        got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
+
+
 def test_repeat_probe_digest_sees_one_bit_and_one_swap():
     import jax.numpy as jnp
     import numpy as np
