@@ -422,7 +422,7 @@ def _block_callables(blk, p, x):
     next layer's gradient arrives in a model. With ``sum()`` (runs before 176) the fused
     blocks' backward started from a broadcast constant and read 1-4 % faster; the plain
     block's time did not move."""
-    cot = random_cotangent(lambda p, x: blk(p, x), (p, x))
+    cot = random_cotangent(blk, (p, x))
     fwd = jax.jit(lambda p, x, cot: blk(p, x))
     return fwd, timed_fwd_bwd(blk, (0, 1)), (p, x, cot)
 

@@ -39,12 +39,6 @@ def test_model_step_on_gpus_matches_one_gpu(backend, axis):
     n = jax.device_count()
     if n < 2:
         pytest.skip("needs 2 or more GPUs")
-    cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=1024, intermediate_size=2816 // 64 // n * 64 * n,
-                           num_layers=2, num_heads=8 * n, num_kv_heads=2 * n, head_dim=64, dtype=jnp.bfloat16)
-    gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend))
-    tokens = jax.random.randint(jax.random.key(1), (2 * n, 513), 0, cfg.vocab_size)
-    step = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(gdef, st).loss(t[:, :-1], t[:, 1:])))
-    want = jax.device_get(step(jax.device_put(state, jax.devices()[0]), jax.device_put(tokens, jax.devices()[0])))
     if axis == "data+fsdp":
         if n < 4 or n % 2:
             pytest.skip("data x fsdp needs an even number of 4 or more GPUs")
@@ -52,6 +46,12 @@ def test_model_step_on_gpus_matches_one_gpu(backend, axis):
     else:
         name, _, mode = axis.partition("-")
         mesh = jax.make_mesh((n,), (name,), axis_types=(AxisType.Explicit if mode == "explicit" else AxisType.Auto,))
+    cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=1024, intermediate_size=2816 // 64 // n * 64 * n,
+                           num_layers=2, num_heads=8 * n, num_kv_heads=2 * n, head_dim=64, dtype=jnp.bfloat16)
+    gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend))
+    tokens = jax.random.randint(jax.random.key(1), (2 * n, 513), 0, cfg.vocab_size)
+    step = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(gdef, st).loss(t[:, :-1], t[:, 1:])))
+    want = jax.device_get(step(jax.device_put(state, jax.devices()[0]), jax.device_put(tokens, jax.devices()[0])))
     with jax.set_mesh(mesh):
         got = step(shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh)))
     loss_err = abs(float(got[0]) - float(want[0])) / abs(float(want[0]))
