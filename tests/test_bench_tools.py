@@ -513,3 +513,50 @@ def test_plain_residual_rms_computes_the_carry_the_fused_op_writes():
         ref = jax.grad(lambda *a: jnp.sum(f32(fn(*a)[0]) * rnd), (0, 1, 2, 3))(y, w, res, g)
         for a, b in zip(grads, ref):
             assert float(jnp.max(jnp.abs(f32(a) - f32(b)))) == 0.0
+
+
+def _trace_events(pid, tid, spans):
+    """B/E events of ``spans`` [(name, begin, end)] on one warpgroup, in time order."""
+    ev = [(b, 0, n) for n, b, _ in spans] + [(e, 1, n) for n, _, e in spans]
+    ev.sort(key=lambda x: (x[0], -x[1]))  # at one instant an end closes before a begin opens
+    return [{"name": n, "ph": "E" if end else "B", "ts": float(t), "pid": pid, "tid": tid} for t, end, n in ev]
+
+
+def test_kernel_timeline_summary_of_a_synthetic_ping_pong_trace():
+    import kernel_timeline
+
+    # One SM, ping-pong: consumer 1 runs mainloop 0-10 (waiting 0-2 for a stage) and its
+    # epilogue 10-16; consumer 2 runs mainloop 10-20 and epilogue 20-30 (nothing overlaps
+    # 20-30: the tensor cores wait there). The producer waits on a free stage 12-14.
+    c1 = [("mainloop", 0, 10), ("full_wait", 0, 2), ("epilogue", 10, 16), ("load_wait", 10, 11)]
+    c2 = [("mainloop", 10, 20), ("epilogue", 20, 30), ("store_wait", 25, 27)]
+    events = _trace_events(1, 1, c1) + _trace_events(1, 2, c2) + _trace_events(1, 3, [("free_wait", 12, 14)])
+    s = kernel_timeline.summarize({"traceEvents": events})
+    assert s["span_us"] == 30 and s["sms"] == 1 and s["consumer_tiles"] == 2
+    assert s["mainloop_us_per_tile"] == 10 and s["epilogue_us_per_tile"] == 8
+    assert s["full_wait_us_per_tile"] == 1 and s["load_wait_us_per_tile"] == 0.5
+    assert s["store_wait_us_per_tile"] == 1
+    assert s["mma_busy"] == round(18 / 30, 4)  # 2-20 in a mainloop, not waiting
+    assert s["exposed_epilogue"] == round(10 / 30, 4)  # 20-30
+    assert s["starved"] == round(2 / 30, 4)  # 0-2: c1 waits for a stage, nobody issues MMAs
+    assert s["producer_free_wait_us_per_sm"] == 2
+    assert s["both_in_mainloop"] == 0  # c1's MMAs 2-10, c2's 10-20
+    assert s["both_in_epilogue"] == 0
+
+
+def test_kernel_timeline_counts_a_scope_reentered_inside_itself_once():
+    import kernel_timeline
+
+    ev = [("B", 0.0), ("B", 1.0), ("E", 9.0), ("E", 10.0)]  # mainloop inside mainloop
+    spans = kernel_timeline._intervals([{"name": "mainloop", "ph": ph, "ts": t, "pid": 1, "tid": 1} for ph, t in ev])
+    assert spans[(1, 1)]["mainloop"] == [(0.0, 10.0)]
+
+
+def test_kernel_timeline_sees_consumers_in_lockstep():
+    import kernel_timeline
+
+    # Both consumers run MMAs 0-10 and epilogues 10-20 at once: a cooperative-like lockstep.
+    c = [("mainloop", 0, 10), ("epilogue", 10, 20)]
+    s = kernel_timeline.summarize({"traceEvents": _trace_events(1, 1, c) + _trace_events(1, 2, c)})
+    assert s["both_in_mainloop"] == 0.5 and s["both_in_epilogue"] == 0.5
+    assert s["mma_busy"] == 0.5 and s["exposed_epilogue"] == 0.5

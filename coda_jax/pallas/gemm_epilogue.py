@@ -37,8 +37,10 @@ columns and rows are masked out of reductions and LSEs here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
@@ -159,8 +161,11 @@ class _EpilogueEmitter:
     """
 
     def __init__(self, epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
-                 load_dtypes: dict[str, Any] | None = None):
+                 load_dtypes: dict[str, Any] | None = None, profiled: frozenset[str] = frozenset()):
         self.epi, self.shape, self.cfg = epi, shape, cfg
+        self.profiled = profiled
+        # Tile loads / outputs straight between GMEM and registers (TuningConfig.direct_tiles).
+        self.direct = cfg.direct_tiles
         self.tm, self.tn = cfg.tile_m, cfg.tile_n
         self.b = epi.pair_block
         self.chunks = _chunks(epi, self.tn, cfg.epilogue_cols)
@@ -175,13 +180,19 @@ class _EpilogueEmitter:
                 raise NotImplementedError(
                     f"epilogue {epi.name!r}: scalar loads are not supported by the Pallas backend; "
                     "pass the scalar as a row vector")
-        # Stores issued per chunk (tile-output parts + column-sum parts).
-        self.stores_per_chunk = sum(self._nparts(o.half) for o in self.tile_outs) + sum(
+        # TMA stores issued per chunk (tile-output parts unless direct, column-sum parts).
+        self.stores_per_chunk = (0 if self.direct else sum(self._nparts(o.half) for o in self.tile_outs)) + sum(
             self._nparts(False) for _ in self.col_outs)
         self.slots = cfg.epilogue_load_slots if self.tile_loads else 2
         # In place needs 3+ slots: with 2 it would leave no load in flight ahead of a chunk.
-        self.in_place = self._in_place(dict(shape.out_dtypes), load_dtypes or {}) if self.slots >= 3 else {}
+        in_place_ok = self.slots >= 3 and not self.direct
+        self.in_place = self._in_place(dict(shape.out_dtypes), load_dtypes or {}) if in_place_ok else {}
         self.lookahead = self.slots - (2 if self.in_place else 1)
+
+    def scope(self, name: str):
+        """A profiler range named ``name`` (:class:`ProfileSettings`) if it is profiled,
+        else nothing."""
+        return jax.named_scope(name) if name in self.profiled else contextlib.nullcontext()
 
     def _in_place(self, out_dt, load_dt) -> dict[str, str]:
         """{tile output: the tile load whose SMEM slot stages it} (same parts and dtype)."""
@@ -237,10 +248,10 @@ class _EpilogueEmitter:
         w, tm = self._width(), self.tm
         s = {}
         tf = (lambda dt: _transforms(w, dt)) if self.cfg.swizzle_epilogue else (lambda dt: ())
-        for l in self.tile_loads:
+        for l in self.tile_loads if not self.direct else ():
             s["in_" + l.name] = plgpu.SMEM(lead + (self.slots, self._load_nparts(l), tm, w), loads_dtypes[l.name],
                                            transforms=tf(loads_dtypes[l.name]))
-        for o in self.tile_outs:
+        for o in self.tile_outs if not self.direct else ():
             if o.name not in self.in_place:
                 s["out_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(o.half), tm, w), self.dt[o.name],
                                                 transforms=tf(self.dt[o.name]))
@@ -254,15 +265,16 @@ class _EpilogueEmitter:
 
     @property
     def n_barriers(self) -> int:
-        """Load barriers of one consumer: one per slot and load part."""
-        return self.slots * len(self._load_parts_list())
+        """Load barriers of one consumer: one per slot and load part (none for direct loads)."""
+        return 0 if self.direct else self.slots * len(self._load_parts_list())
 
     def scratch_bytes(self, loads_dtypes: dict[str, Any]) -> int:
         w, tm = self._width(), self.tm
+        staged_loads = () if self.direct else self.tile_loads
+        staged_outs = () if self.direct else [o for o in self.tile_outs if o.name not in self.in_place]
         total = sum(self.slots * self._load_nparts(l) * tm * w * jnp.dtype(loads_dtypes[l.name]).itemsize
-                    for l in self.tile_loads)
-        total += sum(2 * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize
-                     for o in self.tile_outs if o.name not in self.in_place)
+                    for l in staged_loads)
+        total += sum(2 * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize for o in staged_outs)
         total += len(self.row_outs) * 2 * tm * 4 + len(self.col_outs) * 2 * 2 * w * 4
         return total
 
@@ -294,6 +306,15 @@ class _EpilogueEmitter:
                                     scr["in_" + l.name].at[slot, p],
                                     scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
 
+    def _load_direct(self, ci, m0, n0, load_refs) -> dict[str, tuple]:
+        """Chunk ``ci``'s tile / row_block loads, GMEM -> registers in the WGMMA layout (in
+        their own dtype; one array per part)."""
+        c0, _ = self.chunks[ci]
+        return {l.name: tuple(plgpu.load(load_refs[l.name].at[pl.ds(m0, self.tm), pl.ds(gc, pw)], layout=_WG,
+                                         optimized=False)
+                              for gc, pw in self._load_parts(l, c0, n0))
+                for l in self.tile_loads}
+
     def _row_vectors(self, m0, load_refs) -> dict[str, Any]:
         """The tile's row loads (``[tm]`` each), GMEM -> registers."""
         return {l.name: _f32(plgpu.load(load_refs[l.name].at[pl.ds(m0, self.tm)], layout=_ROW, optimized=False))
@@ -309,12 +330,17 @@ class _EpilogueEmitter:
     def prefetch(self, m0, n0, load_refs, scr, barrier_base=0, step_base=0):
         """Issues the first chunks' tile loads and loads the row vectors and the first chunk's
         column vectors; call before the mainloop so that they land during it. Returns the
-        vectors, to pass as :meth:`emit`'s ``prefetched``."""
+        vectors (and, with direct tiles, the first chunks' tile values), to pass as
+        :meth:`emit`'s ``prefetched``."""
+        tiles = {}
         if self._load_parts_list():
-            self._wait_slot_free()
-            for ci in range(self._n_prefetched()):
-                self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
-        return self._row_vectors(m0, load_refs), self._col_vectors(0, n0, load_refs)
+            if self.direct:
+                tiles = {ci: self._load_direct(ci, m0, n0, load_refs) for ci in range(self._n_prefetched())}
+            else:
+                self._wait_slot_free()
+                for ci in range(self._n_prefetched()):
+                    self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
+        return self._row_vectors(m0, load_refs), self._col_vectors(0, n0, load_refs), tiles
 
     def emit(self, acc, m0, n0, mi, ni, tile_slot, load_refs, out_refs, scr, barrier_base=0, step_base=0,
              prefetched=None):
@@ -336,24 +362,26 @@ class _EpilogueEmitter:
         def issue_loads(ci):
             self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
 
-        if load_parts and prefetched is None:
-            self._wait_slot_free()
-            for ci in range(self._n_prefetched()):
-                issue_loads(ci)
-        rows, cols = prefetched if prefetched is not None else (self._row_vectors(m0, load_refs),
-                                                                 self._col_vectors(0, n0, load_refs))
+        if prefetched is None:
+            prefetched = self.prefetch(m0, n0, load_refs, scr, barrier_base, step_base)
+        rows, cols, tiles = prefetched
+        tiles = dict(tiles)
         row_vals = {k: lax.broadcast_in_dim(v, shape_c, [0]) for k, v in rows.items()}
         row_state: dict[str, Any] = {}
         for ci, (c0, w) in enumerate(self.chunks):
             slot, out_slot = self._slot_of(step_base, ci), self._slot_of(step_base, ci, 2)
             col0 = n0 + c0
             next_cols = self._col_vectors(ci + 1, n0, load_refs) if ci + 1 < n_chunks else {}
-            if load_parts:
+            if load_parts and self.direct:  # chunk ci + ahead's loads fly while chunk ci is computed
+                if ci >= 1 and ci + ahead < n_chunks:
+                    tiles[ci + ahead] = self._load_direct(ci + ahead, m0, n0, load_refs)
+            elif load_parts:
                 if ci >= 1 and ci + ahead < n_chunks:  # into the slot of chunk ci + ahead - slots
                     self._wait_slot_free()
                     issue_loads(ci + ahead)
-                for j in range(len(load_parts)):
-                    plgpu.barrier_wait(scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
+                with self.scope("load_wait"):
+                    for j in range(len(load_parts)):
+                        plgpu.barrier_wait(scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
             acc_c = acc[:, c0:c0 + w] if b is None or epi.half_acc else (acc[:, c0:c0 + w], acc[:, c0 + b:c0 + b + w])
             kw = {}
             for l in epi.loads:
@@ -362,6 +390,9 @@ class _EpilogueEmitter:
                 elif l.kind is LoadKind.COL:
                     vs = tuple(lax.broadcast_in_dim(v, shape_c, [1]) for v in cols[l.name])
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
+                elif self.direct:
+                    vs = tuple(_f32(v) for v in tiles[ci][l.name])
+                    kw[l.name] = vs[0] if len(vs) == 1 else vs
                 else:
                     vs = tuple(_f32(plgpu.load(scr["in_" + l.name].at[slot, p], layout=_WG, optimized=False))
                                for p in range(self._load_nparts(l)))
@@ -369,12 +400,17 @@ class _EpilogueEmitter:
             res = epi.body(acc_c, _TileContext(col0, shape_c), **kw)
             # An own slot written now was last stored two chunks ago: keep only the last chunk's
             # stores (an in-place slot was freed before its load was issued).
-            plgpu.wait_smem_to_gmem(self.stores_per_chunk, wait_read_only=True)
+            if self.stores_per_chunk or not self.direct:
+                with self.scope("store_wait"):
+                    plgpu.wait_smem_to_gmem(self.stores_per_chunk, wait_read_only=True)
             col_half = {}
             for o in epi.outputs:
                 v = res[o.name]
                 vs = v if isinstance(v, tuple) else (v,)
-                if o.kind is OutputKind.TILE:
+                if o.kind is OutputKind.TILE and self.direct:  # registers -> GMEM, no staging
+                    for part, (gc, pw) in zip(vs, self.parts(c0, n0, o.half)):
+                        out_refs[o.name][m_slice, pl.ds(gc, pw)] = part.astype(self.dt[o.name])
+                elif o.kind is OutputKind.TILE:
                     buf, bslot = self._out_buf(o.name, slot, out_slot)
                     for p, part in enumerate(vs):
                         scr[buf][bslot, p] = part.astype(self.dt[o.name])
@@ -408,8 +444,9 @@ class _EpilogueEmitter:
                             rows = plgpu.broadcasted_iota(jnp.int32, shape_c, 0, layout=_WG) + m0
                             part = jnp.where(rows < shape.m_real, part, 0.0)
                         scr["col_" + o.name][out_slot, p] = part.sum(axis=0)
-            plgpu.commit_smem()
-            for o in self.tile_outs:
+            if self.stores_per_chunk or not self.direct:
+                plgpu.commit_smem()
+            for o in self.tile_outs if not self.direct else ():
                 buf, bslot = self._out_buf(o.name, slot, out_slot)
                 for p, (gc, pw) in enumerate(self.parts(c0, n0, o.half)):
                     plgpu.copy_smem_to_gmem(scr[buf].at[bslot, p], out_refs[o.name].at[m_slice, pl.ds(gc, pw)])
@@ -418,6 +455,8 @@ class _EpilogueEmitter:
                     plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[out_slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
             cols = next_cols
         if self.row_outs:
+            if self.direct:  # no per-chunk wait ran: the slot's store of two tiles ago has read it
+                plgpu.wait_smem_to_gmem(len(self.row_outs), wait_read_only=True)
             for o in self.row_outs:
                 st = row_state[o.name]
                 scr["row_" + o.name][tile_slot] = st if o.kind is OutputKind.ROW_SUM else st[0] + jnp.log(st[1])
@@ -499,13 +538,66 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
                      f"even at tile_m=64 with 2 stages (tile_n={cfg.tile_n}); use a smaller tile_n")
 
 
+# Timelines of the kernel's phases (Mosaic GPU's in-kernel profiler), for studying where a
+# fused kernel loses time against the identity GEMM (benchmarks/kernel_timeline.py). Each
+# warpgroup records when it enters and leaves the named ranges of the kernel body: the
+# consumers' ``mainloop`` (inside it, per K step, ``full_wait``: waiting for an operand
+# stage, ring kernels only) and ``epilogue`` (inside it, per chunk, ``load_wait``: the tile
+# loads' barrier; ``store_wait``: the staging slot's previous TMA store), and the ring
+# producer's ``free_wait`` per K step (a stage not yet released by the consumers).
+PROFILE_ENV = "CODA_JAX_PALLAS_PROFILE_DIR"
+PROFILE_RANGES_ENV = "CODA_JAX_PALLAS_PROFILE_RANGES"
+PROFILE_SCOPES_ENV = "CODA_JAX_PALLAS_PROFILE_SCOPES"
+PROFILE_SCOPES = ("mainloop", "epilogue", "full_wait", "free_wait", "load_wait", "store_wait")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSettings:
+    """Profiling of the Pallas kernels (debugging only; off unless ``$CODA_JAX_PALLAS_PROFILE_DIR``
+    is set).
+
+    Attributes:
+      directory: where every kernel launch writes its timeline (a Chrome-trace JSON, one per
+        launch, ``ts`` in microseconds).
+      ranges: ranges one warpgroup records per launch (``$CODA_JAX_PALLAS_PROFILE_RANGES``,
+        default 40). Mosaic GPU keeps them in SMEM (16 bytes each) beside the kernel's own
+        staging, so only a few fit: the first ones are kept (the first tiles), later ones
+        dropped.
+      scopes: the ranges recorded (``$CODA_JAX_PALLAS_PROFILE_SCOPES``, comma-separated, of
+        :data:`PROFILE_SCOPES`; default ``mainloop,epilogue``: two a tile).
+    A profiled kernel reads the clock per range and returns through a host callback; it is
+    never taken from or written to the kernel cache.
+    """
+
+    directory: str
+    ranges: int = 40
+    scopes: frozenset[str] = frozenset({"mainloop", "epilogue"})
+
+
+def profile_settings() -> ProfileSettings | None:
+    """The :class:`ProfileSettings` of the environment, or None (profiling off)."""
+    d = os.environ.get(PROFILE_ENV, "").strip()
+    if not d:
+        return None
+    ranges = int(os.environ.get(PROFILE_RANGES_ENV, "40"))
+    raw = os.environ.get(PROFILE_SCOPES_ENV, "").strip()
+    scopes = frozenset(x.strip() for x in raw.split(",") if x.strip()) if raw else ProfileSettings.scopes
+    unknown = sorted(scopes - set(PROFILE_SCOPES))
+    if unknown or ranges < 1:
+        raise ValueError(f"${PROFILE_SCOPES_ENV} must name ranges of {PROFILE_SCOPES} (got {sorted(unknown)}) and "
+                         f"${PROFILE_RANGES_ENV} must be >= 1 (got {ranges})")
+    return ProfileSettings(d, ranges, scopes)
+
+
 def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool,
-                 load_dtypes: tuple[tuple[str, Any], ...] = ()):
+                 load_dtypes: tuple[tuple[str, Any], ...] = (), profile: ProfileSettings | None = None):
     """A callable ``(a, b, *loads) -> outputs`` (outputs in ``epi.outputs`` order).
 
-    ``cfg`` must already be the planned configuration (:func:`plan_kernel`).
+    ``cfg`` must already be the planned configuration (:func:`plan_kernel`). ``profile``:
+    record the kernel's timeline (:class:`ProfileSettings`; ignored in interpret mode).
     """
-    emitter = _EpilogueEmitter(epi, shape, cfg, dict(load_dtypes))
+    profile = None if interpret else profile
+    emitter = _EpilogueEmitter(epi, shape, cfg, dict(load_dtypes), profile.scopes if profile else frozenset())
     ldt = dict(load_dtypes)
     ws = cfg.warp_specialized
     if cfg.pingpong or (ws and cfg.delay_release):
@@ -522,7 +614,15 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
         **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
         num_threads=3 if ws else None,
         thread_name="wg" if ws else None,
-        compiler_params=plgpu.CompilerParams(approx_math=cfg.approx_math),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=cfg.approx_math,
+            # Pallas's automatic barriers around every register <-> memory store guard SMEM
+            # that several threads share. Direct tiles store to GMEM, each thread its own
+            # elements; the SMEM left (row partials) is fenced by hand: a wait for the slot's
+            # previous TMA store (with its warpgroup barrier) before the write, commit_smem after.
+            unsafe_no_auto_barriers=cfg.direct_tiles,
+            **(dict(profile_space=profile.ranges, profile_dir=profile.directory, profile_bounds_check=True)
+               if profile else {})),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs
     )
 
@@ -618,11 +718,13 @@ def _simple_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ld
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), jnp.float32))
+            with em.scope("mainloop"):
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), jnp.float32))
 
             @functools.partial(pl.run_scoped, **em.scratch_types(ldt))
             def _scope(**scr):
-                em.emit(acc, mi * tm, ni * tn, mi, ni, 0, load_refs, out_refs, scr)
+                with em.scope("epilogue"):
+                    em.emit(acc, mi * tm, ni * tn, mi, ni, 0, load_refs, out_refs, scr)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # scratch dies with this scope
 
         plgpu.wait_smem_to_gmem(0)
@@ -696,10 +798,12 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
                         step_base = local * len(em.chunks)
                         # The epilogue's residual / saved tiles stream in while the MMAs run.
                         pre = em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
-                        eval_pipeline(acc_ref)
-                        acc = acc_ref[...]
-                        em.emit(acc, m0, n0, mi_c, ni_c, tile_slot, load_refs, out_refs, mine,
-                                barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
+                        with em.scope("mainloop"):
+                            eval_pipeline(acc_ref)
+                            acc = acc_ref[...]
+                        with em.scope("epilogue"):
+                            em.emit(acc, m0, n0, mi_c, ni_c, tile_slot, load_refs, out_refs, mine,
+                                    barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
 
                 def step(_, a_smem, b_smem, acc_ref):
                     plgpu.wgmma(acc_ref, *_consumer_operands(a_smem, b_smem, shape, cfg, wg))
@@ -818,7 +922,8 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
 
                         @pl.when(step >= stages)
                         def _():
-                            plgpu.barrier_wait(free.at[slot])
+                            with em.scope("free_wait"):
+                                plgpu.barrier_wait(free.at[slot])
 
                         a_src = (a_gmem.at[pl.ds(kk * tk, tk), pl.ds(mi * cta_m, cta_m)] if ta
                                  else a_gmem.at[pl.ds(mi * cta_m, cta_m), pl.ds(kk * tk, tk)])
@@ -854,7 +959,8 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
                         def _k(kk):
                             step = i * k_iters + kk
                             slot = lax.rem(step, stages)
-                            plgpu.barrier_wait(full.at[full_base + slot])
+                            with em.scope("full_wait"):
+                                plgpu.barrier_wait(full.at[full_base + slot])
                             a, b = a_smem.at[slot], b_smem.at[slot]
                             plgpu.wgmma(acc_ref, *(_consumer_operands(a, b, shape, cfg, wg) if coop
                                                    else _as_operands(a, b, shape)))
@@ -868,9 +974,11 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
                         plgpu.barrier_arrive(free.at[lax.rem(i * k_iters + k_iters - 1, stages)])
                         return acc_ref[...]
 
-                    acc = pl.run_scoped(mainloop, plgpu.ACC((tm, tn), jnp.float32))
-                    em.emit(acc, m0, n0, mi_c, ni_c, lax.rem(j, 2), load_refs, out_refs, mine,
-                            barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
+                    with em.scope("mainloop"):
+                        acc = pl.run_scoped(mainloop, plgpu.ACC((tm, tn), jnp.float32))
+                    with em.scope("epilogue"):
+                        em.emit(acc, m0, n0, mi_c, ni_c, lax.rem(j, 2), load_refs, out_refs, mine,
+                                barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging dies with this scope
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, gpu_sm_count, kernel_latency_hint,
                                persistent_grid_sms, routes_to_xla, tiles_per_cta, with_latency_hint)
-from coda_jax.pallas.gemm_epilogue import KernelShape, build_kernel, out_types, plan_kernel, tile_grid
+from coda_jax.pallas.gemm_epilogue import KernelShape, ProfileSettings, build_kernel, out_types, plan_kernel, profile_settings, tile_grid
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
@@ -56,10 +56,11 @@ def _grid_sms(interpret: bool) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool, load_dtypes,
-            latency_ns: int | None = None):
+            latency_ns: int | None = None, profile: ProfileSettings | None = None):
     """The kernel as a callable; ``latency_ns``: the estimate XLA's scheduler is given
-    (:func:`coda_jax.lowering.with_latency_hint`), or None for none."""
-    kernel = build_kernel(epi, shape, cfg, interpret, load_dtypes)
+    (:func:`coda_jax.lowering.with_latency_hint`), or None for none; ``profile``: record its
+    timeline (:class:`coda_jax.pallas.gemm_epilogue.ProfileSettings`), or None."""
+    kernel = build_kernel(epi, shape, cfg, interpret, load_dtypes, profile)
     # Compiled: one jitted function per distinct kernel, so a model that calls the same
     # kernel in every layer carries one copy of its Mosaic GPU module in the StableHLO, not
     # one per call (1B train step: 49 -> 4 MB; compile + first step 37.9 -> 33.5 s on the
@@ -176,8 +177,10 @@ class PallasLowering:
         # The scheduler's estimate of the kernel ($CODA_JAX_LATENCY_HINTS), from the bytes it moves.
         hint = None if interpret else kernel_latency_hint(
             mp, np_, kp, (a_p, b_p, *args, *out_types(epilogue, shape, cfg)))
-        kernel = _kernel(epilogue, shape, cfg, interpret, load_dtypes, hint)
-        cache = None if interpret else active_kernel_cache()
+        profile = None if interpret else profile_settings()
+        kernel = _kernel(epilogue, shape, cfg, interpret, load_dtypes, hint, profile)
+        # A profiled kernel calls back to the host: never exported to (or read from) the cache.
+        cache = None if interpret or profile else active_kernel_cache()
         if cache is not None:  # the kernel's Mosaic GPU module from disk (kernel_cache.py)
             kernel = cache.callable_for(kernel, (epilogue, shape, cfg, load_dtypes, hint), (a_p, b_p, *args))
         # A kernel is one compiled unit, also under jax.disable_jit() (its Pallas body cannot
