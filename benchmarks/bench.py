@@ -498,6 +498,24 @@ def plain_gemm_route(backend, plain):
 
 
 @contextlib.contextmanager
+def _default_config(cfg):
+    """``CONFIG_TABLE["default"]`` is ``cfg`` inside the block. The tuned table's entries are
+    the default with their fields replaced, parsed once and memoized: the memo is dropped on
+    entry and exit, so that a GEMM with an entry runs the variant too (with the entry's
+    fields on top), not the configuration of whichever variant parsed the table first."""
+    from coda_jax.pallas import tuned, tuning
+
+    saved = tuning.CONFIG_TABLE["default"]
+    tuning.CONFIG_TABLE["default"] = cfg
+    tuned.load_table.cache_clear()
+    try:
+        yield
+    finally:
+        tuning.CONFIG_TABLE["default"] = saved
+        tuned.load_table.cache_clear()
+
+
+@contextlib.contextmanager
 def backend_variant(label):
     """``label`` is a backend, ``"pallas@untuned"`` (Pallas without the tuned table of
     :mod:`coda_jax.pallas.tuned`), ``"pallas@w0"`` (Pallas without the wave fit of
@@ -549,24 +567,16 @@ def backend_variant(label):
                 fields[key] = ast.literal_eval(value)
             except (ValueError, SyntaxError):
                 fields[key] = value  # a bare string: pallas@grid_minor_dim=m
-        saved = tuning.CONFIG_TABLE["default"]
-        tuning.CONFIG_TABLE["default"] = dataclasses.replace(saved, **fields)
-        try:
+        with _default_config(dataclasses.replace(tuning.CONFIG_TABLE["default"], **fields)):
             yield base
-        finally:
-            tuning.CONFIG_TABLE["default"] = saved
         return
     if base == "pallas" and variant in ("sw", "nosw"):  # the default config's epilogue staging swizzled or not
         import dataclasses
 
         from coda_jax.pallas import tuning
 
-        saved = tuning.CONFIG_TABLE["default"]
-        tuning.CONFIG_TABLE["default"] = dataclasses.replace(saved, swizzle_epilogue=variant == "sw")
-        try:
+        with _default_config(dataclasses.replace(tuning.CONFIG_TABLE["default"], swizzle_epilogue=variant == "sw")):
             yield base
-        finally:
-            tuning.CONFIG_TABLE["default"] = saved
         return
     parsed = re.fullmatch(r"(\d+)?(?:s(\d+))?(?:g(\d+))?([pc])?", variant)
     if variant and (base != "cutedsl" or not parsed):

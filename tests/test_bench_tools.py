@@ -560,3 +560,34 @@ def test_kernel_timeline_sees_consumers_in_lockstep():
     s = kernel_timeline.summarize({"traceEvents": _trace_events(1, 1, c) + _trace_events(1, 2, c)})
     assert s["both_in_mainloop"] == 0.5 and s["both_in_epilogue"] == 0.5
     assert s["mma_busy"] == 0.5 and s["exposed_epilogue"] == 0.5
+
+
+def test_a_config_variant_reaches_the_tuned_tables_entries():
+    # The table's entries are the default config with their fields replaced, memoized: a
+    # variant must not leave (or find) entries parsed under another default.
+    from coda_jax.pallas import tuned
+
+    path = str(tuned.SHIPPED_TABLE)
+    entries = lambda: [e.config for e in tuned.load_table(path).entries if e.config is not None]  # noqa: E731
+    assert entries() and not any(c.swizzle_epilogue for c in entries())
+    with bench.backend_variant("pallas@swizzle_epilogue=True"):
+        assert all(c.swizzle_epilogue for c in entries())
+    assert not any(c.swizzle_epilogue for c in entries())
+
+
+def test_a_forced_schedule_bypasses_the_tuned_table(monkeypatch):
+    from coda_jax.pallas import lowering as pl_low
+    from coda_jax.pallas.tuning import SCHEDULE_ENV
+
+    seen = []
+    monkeypatch.setattr(pl_low, "tuned_config", lambda *a, **k: seen.append(a) or None)
+    monkeypatch.setattr(pl_low, "_default_device", lambda: type("D", (), {"platform": "gpu", "device_kind": "H"})())
+    monkeypatch.setattr(pl_low, "_num_sms", lambda interpret: 132)
+    monkeypatch.setattr(pl_low, "_grid_sms", lambda interpret: 132)
+    from coda_jax import programs
+
+    pl_low.PallasLowering.default_config(programs.SWIGLU_DGRAD, 8192, 8192, 2048, False, True, False)
+    assert len(seen) == 1  # the table is asked
+    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
+    cfg = pl_low.PallasLowering.default_config(programs.SWIGLU_DGRAD, 8192, 8192, 2048, False, True, False)
+    assert len(seen) == 1 and cfg.pingpong  # not asked: the forced schedule decides

@@ -35,10 +35,13 @@ CONFIGS = {
     "ws_ring": dataclasses.replace(CONFIG_TABLE["default"], delay_release=1),
     "ws_ring_no_cluster_split_m": dataclasses.replace(CONFIG_TABLE["default"], delay_release=1,
                                                       cluster_dimension=None, wg_dimension="m"),
-    # Tile loads / outputs between GMEM and registers, no staging SMEM (and no automatic barriers).
-    "ws_direct": dataclasses.replace(CONFIG_TABLE["default"], direct_tiles=True),
+    # Tile loads / outputs between GMEM and registers, no staging SMEM (and, with direct
+    # stores, no automatic barriers).
+    "ws_direct": dataclasses.replace(CONFIG_TABLE["default"], direct_loads=True, direct_stores=True),
+    "ws_pingpong_direct_loads": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
+                                                    cluster_dimension=None, direct_loads=True),
     "ws_pingpong_direct_deep": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
-                                                   cluster_dimension=None, direct_tiles=True, max_concurrent_steps=6),
+                                                   cluster_dimension=None, direct_loads=True, direct_stores=True, max_concurrent_steps=6),
 }
 
 

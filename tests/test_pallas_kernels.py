@@ -204,28 +204,34 @@ DIRECT_CASES = [(programs.SWIGLU_DGRAD, {"transpose_b": True}), (programs.RESIDU
                 (programs.rms_rope(64, None, False), {})]
 
 
-@pytest.mark.parametrize("config", [SMALL, WS, PINGPONG], ids=["simple", "cooperative", "pingpong"])
+DIRECT_MODES = {  # (kernel, which of the tile loads / outputs skip the SMEM staging)
+    "simple-both": (SMALL, True, True), "cooperative-loads": (WS, True, False),
+    "pingpong-both": (PINGPONG, True, True), "pingpong-stores": (PINGPONG, False, True)}
+
+
+@pytest.mark.parametrize("mode", list(DIRECT_MODES))
 @pytest.mark.parametrize("epi,kw", DIRECT_CASES, ids=[c[0].name for c in DIRECT_CASES])
-def test_direct_tiles(epi, kw, config):
-    # Tile loads (z, residual; RoPE's cos/sin row blocks) and tile outputs straight between
-    # GMEM and registers, the next chunk's loads in flight; row partials still staged.
-    cfg = dataclasses.replace(config, direct_tiles=True, epilogue_cols=32)
+def test_direct_tiles(epi, kw, mode):
+    # Tile loads (z, residual; RoPE's cos/sin row blocks) from GMEM into registers, the next
+    # chunk's in flight, and / or tile outputs from registers to GMEM; row partials staged.
+    config, loads, stores = DIRECT_MODES[mode]
+    cfg = dataclasses.replace(config, direct_loads=loads, direct_stores=stores, epilogue_cols=32)
     n = 256 if epi.pair_block == 64 else 512
     _compare(epi, 256, n, 256, config=cfg, seed=18, **kw)
 
 
 def test_direct_tiles_ragged_and_their_smem():
-    cfg = dataclasses.replace(PINGPONG, direct_tiles=True)
+    cfg = dataclasses.replace(PINGPONG, direct_loads=True, direct_stores=True)
     _compare(programs.SWIGLU_DGRAD, 200, 192, 130, transpose_b=True, config=cfg, seed=19)
-    _compare(programs.RESIDUAL_RMS, 72, 200, 96, config=dataclasses.replace(WS, direct_tiles=True), seed=20)
+    _compare(programs.RESIDUAL_RMS, 72, 200, 96, config=dataclasses.replace(WS, direct_loads=True, direct_stores=True), seed=20)
     # No staging SMEM but the row partials': the same stages fit with wider chunks.
     shape = _shape(8192, 8192, 2048, {"dz": jnp.bfloat16, "zdz": jnp.float32}, transpose_b=True)
     ldt = _dtypes(z=jnp.bfloat16, rstd=jnp.float32)
     big = dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None,
                               max_concurrent_steps=6)
     staged = plan_kernel(programs.SWIGLU_DGRAD, shape, big, ldt)
-    direct = plan_kernel(programs.SWIGLU_DGRAD, shape, dataclasses.replace(big, direct_tiles=True), ldt)
-    assert direct.max_concurrent_steps == 6 and direct.direct_tiles
+    direct = plan_kernel(programs.SWIGLU_DGRAD, shape, dataclasses.replace(big, direct_loads=True, direct_stores=True), ldt)
+    assert direct.max_concurrent_steps == 6 and direct.direct_loads
     assert (staged.max_concurrent_steps, staged.epilogue_cols) < (6, direct.epilogue_cols)
 
 

@@ -86,13 +86,16 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "ring_k32_no_cluster": dataclasses.replace(_D, tile_k=32, max_concurrent_steps=8, delay_release=1,
                                                cluster_dimension=None),
     "k32": dataclasses.replace(_D, tile_k=32, max_concurrent_steps=8),
-    # Tile loads / outputs straight between GMEM and registers: no epilogue staging in SMEM,
-    # so the ping-pong ring keeps 6 stages (kernel timelines, RESULTS.md run 182: ping-pong
-    # consumers starve for operand stages while the other's epilogue runs).
-    "direct": dataclasses.replace(_D, direct_tiles=True),
-    "pingpong_direct": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, direct_tiles=True),
-    "pingpong_direct_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, direct_tiles=True,
-                                                max_concurrent_steps=6),
+    # Tile loads (and outputs) straight between GMEM and registers, not staged in SMEM by TMA
+    # (RESULTS.md runs 182-185: kernel timelines; ping-pong consumers starve for operand stages
+    # while the other consumer's epilogue runs).
+    "direct_loads": dataclasses.replace(_D, direct_loads=True),
+    "direct": dataclasses.replace(_D, direct_loads=True, direct_stores=True),
+    "pingpong_direct_loads": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, direct_loads=True),
+    "pingpong_direct_loads_ahead3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                        direct_loads=True, epilogue_load_slots=4),
+    "pingpong_direct": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, direct_loads=True,
+                                           direct_stores=True),
 }
 
 

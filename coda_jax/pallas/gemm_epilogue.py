@@ -164,8 +164,9 @@ class _EpilogueEmitter:
                  load_dtypes: dict[str, Any] | None = None, profiled: frozenset[str] = frozenset()):
         self.epi, self.shape, self.cfg = epi, shape, cfg
         self.profiled = profiled
-        # Tile loads / outputs straight between GMEM and registers (TuningConfig.direct_tiles).
-        self.direct = cfg.direct_tiles
+        # Tile loads / tile outputs straight between GMEM and registers (TuningConfig.direct_loads,
+        # direct_stores), not staged in SMEM.
+        self.direct_loads, self.direct_stores = cfg.direct_loads, cfg.direct_stores
         self.tm, self.tn = cfg.tile_m, cfg.tile_n
         self.b = epi.pair_block
         self.chunks = _chunks(epi, self.tn, cfg.epilogue_cols)
@@ -181,11 +182,11 @@ class _EpilogueEmitter:
                     f"epilogue {epi.name!r}: scalar loads are not supported by the Pallas backend; "
                     "pass the scalar as a row vector")
         # TMA stores issued per chunk (tile-output parts unless direct, column-sum parts).
-        self.stores_per_chunk = (0 if self.direct else sum(self._nparts(o.half) for o in self.tile_outs)) + sum(
+        self.stores_per_chunk = (0 if self.direct_stores else sum(self._nparts(o.half) for o in self.tile_outs)) + sum(
             self._nparts(False) for _ in self.col_outs)
         self.slots = cfg.epilogue_load_slots if self.tile_loads else 2
         # In place needs 3+ slots: with 2 it would leave no load in flight ahead of a chunk.
-        in_place_ok = self.slots >= 3 and not self.direct
+        in_place_ok = self.slots >= 3 and not (self.direct_loads or self.direct_stores)
         self.in_place = self._in_place(dict(shape.out_dtypes), load_dtypes or {}) if in_place_ok else {}
         self.lookahead = self.slots - (2 if self.in_place else 1)
 
@@ -248,10 +249,10 @@ class _EpilogueEmitter:
         w, tm = self._width(), self.tm
         s = {}
         tf = (lambda dt: _transforms(w, dt)) if self.cfg.swizzle_epilogue else (lambda dt: ())
-        for l in self.tile_loads if not self.direct else ():
+        for l in self.tile_loads if not self.direct_loads else ():
             s["in_" + l.name] = plgpu.SMEM(lead + (self.slots, self._load_nparts(l), tm, w), loads_dtypes[l.name],
                                            transforms=tf(loads_dtypes[l.name]))
-        for o in self.tile_outs if not self.direct else ():
+        for o in self.tile_outs if not self.direct_stores else ():
             if o.name not in self.in_place:
                 s["out_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(o.half), tm, w), self.dt[o.name],
                                                 transforms=tf(self.dt[o.name]))
@@ -266,12 +267,12 @@ class _EpilogueEmitter:
     @property
     def n_barriers(self) -> int:
         """Load barriers of one consumer: one per slot and load part (none for direct loads)."""
-        return 0 if self.direct else self.slots * len(self._load_parts_list())
+        return 0 if self.direct_loads else self.slots * len(self._load_parts_list())
 
     def scratch_bytes(self, loads_dtypes: dict[str, Any]) -> int:
         w, tm = self._width(), self.tm
-        staged_loads = () if self.direct else self.tile_loads
-        staged_outs = () if self.direct else [o for o in self.tile_outs if o.name not in self.in_place]
+        staged_loads = () if self.direct_loads else self.tile_loads
+        staged_outs = () if self.direct_stores else [o for o in self.tile_outs if o.name not in self.in_place]
         total = sum(self.slots * self._load_nparts(l) * tm * w * jnp.dtype(loads_dtypes[l.name]).itemsize
                     for l in staged_loads)
         total += sum(2 * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize for o in staged_outs)
@@ -330,11 +331,11 @@ class _EpilogueEmitter:
     def prefetch(self, m0, n0, load_refs, scr, barrier_base=0, step_base=0):
         """Issues the first chunks' tile loads and loads the row vectors and the first chunk's
         column vectors; call before the mainloop so that they land during it. Returns the
-        vectors (and, with direct tiles, the first chunks' tile values), to pass as
+        vectors (and, with direct loads, the first chunks' tile values), to pass as
         :meth:`emit`'s ``prefetched``."""
         tiles = {}
         if self._load_parts_list():
-            if self.direct:
+            if self.direct_loads:
                 tiles = {ci: self._load_direct(ci, m0, n0, load_refs) for ci in range(self._n_prefetched())}
             else:
                 self._wait_slot_free()
@@ -372,7 +373,7 @@ class _EpilogueEmitter:
             slot, out_slot = self._slot_of(step_base, ci), self._slot_of(step_base, ci, 2)
             col0 = n0 + c0
             next_cols = self._col_vectors(ci + 1, n0, load_refs) if ci + 1 < n_chunks else {}
-            if load_parts and self.direct:  # chunk ci + ahead's loads fly while chunk ci is computed
+            if load_parts and self.direct_loads:  # chunk ci + ahead's loads fly while chunk ci is computed
                 if ci >= 1 and ci + ahead < n_chunks:
                     tiles[ci + ahead] = self._load_direct(ci + ahead, m0, n0, load_refs)
             elif load_parts:
@@ -390,7 +391,7 @@ class _EpilogueEmitter:
                 elif l.kind is LoadKind.COL:
                     vs = tuple(lax.broadcast_in_dim(v, shape_c, [1]) for v in cols[l.name])
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
-                elif self.direct:
+                elif self.direct_loads:
                     vs = tuple(_f32(v) for v in tiles[ci][l.name])
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
                 else:
@@ -400,14 +401,14 @@ class _EpilogueEmitter:
             res = epi.body(acc_c, _TileContext(col0, shape_c), **kw)
             # An own slot written now was last stored two chunks ago: keep only the last chunk's
             # stores (an in-place slot was freed before its load was issued).
-            if self.stores_per_chunk or not self.direct:
+            if self.stores_per_chunk or not self.direct_stores:
                 with self.scope("store_wait"):
                     plgpu.wait_smem_to_gmem(self.stores_per_chunk, wait_read_only=True)
             col_half = {}
             for o in epi.outputs:
                 v = res[o.name]
                 vs = v if isinstance(v, tuple) else (v,)
-                if o.kind is OutputKind.TILE and self.direct:  # registers -> GMEM, no staging
+                if o.kind is OutputKind.TILE and self.direct_stores:  # registers -> GMEM, no staging
                     for part, (gc, pw) in zip(vs, self.parts(c0, n0, o.half)):
                         out_refs[o.name][m_slice, pl.ds(gc, pw)] = part.astype(self.dt[o.name])
                 elif o.kind is OutputKind.TILE:
@@ -444,9 +445,9 @@ class _EpilogueEmitter:
                             rows = plgpu.broadcasted_iota(jnp.int32, shape_c, 0, layout=_WG) + m0
                             part = jnp.where(rows < shape.m_real, part, 0.0)
                         scr["col_" + o.name][out_slot, p] = part.sum(axis=0)
-            if self.stores_per_chunk or not self.direct:
+            if self.stores_per_chunk or not self.direct_stores:
                 plgpu.commit_smem()
-            for o in self.tile_outs if not self.direct else ():
+            for o in self.tile_outs if not self.direct_stores else ():
                 buf, bslot = self._out_buf(o.name, slot, out_slot)
                 for p, (gc, pw) in enumerate(self.parts(c0, n0, o.half)):
                     plgpu.copy_smem_to_gmem(scr[buf].at[bslot, p], out_refs[o.name].at[m_slice, pl.ds(gc, pw)])
@@ -455,7 +456,7 @@ class _EpilogueEmitter:
                     plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[out_slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
             cols = next_cols
         if self.row_outs:
-            if self.direct:  # no per-chunk wait ran: the slot's store of two tiles ago has read it
+            if self.direct_stores:  # no per-chunk wait ran: the slot's store of two tiles ago has read it
                 plgpu.wait_smem_to_gmem(len(self.row_outs), wait_read_only=True)
             for o in self.row_outs:
                 st = row_state[o.name]
@@ -616,11 +617,11 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
         thread_name="wg" if ws else None,
         compiler_params=plgpu.CompilerParams(
             approx_math=cfg.approx_math,
-            # Pallas's automatic barriers around every register <-> memory store guard SMEM
-            # that several threads share. Direct tiles store to GMEM, each thread its own
+            # Pallas's automatic barriers around every register -> memory store guard SMEM
+            # that several threads share. Direct stores go to GMEM, each thread its own
             # elements; the SMEM left (row partials) is fenced by hand: a wait for the slot's
             # previous TMA store (with its warpgroup barrier) before the write, commit_smem after.
-            unsafe_no_auto_barriers=cfg.direct_tiles,
+            unsafe_no_auto_barriers=cfg.direct_stores,
             **(dict(profile_space=profile.ranges, profile_dir=profile.directory, profile_bounds_check=True)
                if profile else {})),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs

@@ -17,6 +17,7 @@ run 33). ``plain_gemm="pallas"`` (or the environment variable
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,12 +27,14 @@ import jax.numpy as jnp
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, gpu_sm_count, kernel_latency_hint,
                                persistent_grid_sms, routes_to_xla, tiles_per_cta, with_latency_hint)
-from coda_jax.pallas.gemm_epilogue import KernelShape, ProfileSettings, build_kernel, out_types, plan_kernel, profile_settings, tile_grid
+from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, build_kernel, out_types, plan_kernel,
+                                          profile_settings, tile_grid)
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
 from coda_jax.pallas.tuned import tuned_config
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves, with_delay_release_env
+from coda_jax.pallas.tuning import (CONFIG_TABLE, SCHEDULE_ENV, TuningConfig, choose_config, fit_waves,
+                                    with_delay_release_env)
 from coda_jax.reference import REFERENCE
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
@@ -106,14 +109,17 @@ class PallasLowering:
         """The configuration of a GEMM when none was given: the measured one for this GPU
         (:func:`coda_jax.pallas.tuned.tuned_config`), else the heuristics (the shape-class
         table, the ping-pong programs, the wave fit). The interpreter uses the heuristics
-        alone: its 4 "SMs" say nothing about waves. ``$CODA_JAX_PALLAS_DELAY_RELEASE``
-        overrides ``delay_release`` on cooperative warp-specialized configurations."""
+        alone: its 4 "SMs" say nothing about waves. ``$CODA_JAX_PALLAS_SCHEDULE`` (a forced
+        schedule) also bypasses the table; ``$CODA_JAX_PALLAS_DELAY_RELEASE`` overrides
+        ``delay_release`` on cooperative warp-specialized configurations."""
         pw = epilogue.pair_width if epilogue.pair_block is not None else None
         if interpret:
             return with_delay_release_env(choose_config(m, n, k, epilogue.name))
         dev = _default_device()
+        # $CODA_JAX_PALLAS_SCHEDULE puts every GEMM on one schedule: the table's entries too.
+        forced = os.environ.get(SCHEDULE_ENV, "").strip()
         tuned = tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, dev.device_kind,
-                             _num_sms(False), pw) if dev.platform == "gpu" else None
+                             _num_sms(False), pw) if dev.platform == "gpu" and not forced else None
         if tuned is None:
             tuned = fit_waves(choose_config(m, n, k, epilogue.name), m, n, _grid_sms(False), pw)
         return with_delay_release_env(tuned)

@@ -72,12 +72,14 @@ class TuningConfig:
         and releases step ``k``'s stage then (one stage fewer in flight for the producer,
         which also runs on into the next tile while the consumers run their epilogues).
         The ping-pong and single-warpgroup kernels always keep one step in flight.
-      direct_tiles: the epilogue's tile loads and tile outputs move between GMEM and
-        registers directly (vector loads and stores in the WGMMA register layout, chunk
-        ``c + epilogue_load_slots - 1``'s loads issued before chunk ``c`` is computed, the
-        first ones before the mainloop), not through SMEM staging and TMA. No staging SMEM,
-        barriers or TMA waits in the epilogue: the SMEM goes to operand stages instead, and
-        the epilogue adds no SMEM traffic beside the other consumer's MMAs (ping-pong).
+      direct_loads: the epilogue's tile loads go from GMEM straight into registers (vector
+        loads in the WGMMA register layout; chunk ``c + epilogue_load_slots - 1``'s issued
+        before chunk ``c`` is computed, the first ones before the mainloop), not through
+        SMEM slots filled by TMA: no load staging SMEM, barriers or TMA load requests beside
+        the mainloop's.
+      direct_stores: the epilogue's tile outputs go from registers straight to GMEM (vector
+        stores), not staged in SMEM and written by TMA. The kernel then runs without Pallas's
+        automatic barriers (what SMEM it still writes, row partials, is fenced by hand).
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -98,7 +100,8 @@ class TuningConfig:
     epilogue_regs: int = 128
     schedule: str = "cooperative"
     delay_release: int = 0
-    direct_tiles: bool = False
+    direct_loads: bool = False
+    direct_stores: bool = False
     approx_math: bool = False
 
     def __post_init__(self):
