@@ -6,11 +6,17 @@ in-kernel profiler (``$CODA_JAX_PALLAS_PROFILE_DIR``, :mod:`coda_jax.pallas.gemm
 
 Programs and shapes are the epilogue benchmark's (``bench.py --parts epilogues``), by label,
 as in ``kernel_probe.py``. Each (program, backend) runs with the profiler on, in this
-process; the last launch's trace is summarized:
+process; the last launch's trace is summarized. Times are kilocycles of the SM clock:
+Mosaic GPU stamps each event with ``%clock`` and writes ``(start + cycles) / 1e3`` as the
+trace's microseconds, ``start`` being each warpgroup's ``%globaltimer`` (ns) at its first
+event, so durations within a warpgroup are cycles / 1000, and warpgroups of one CTA (which
+start together) line up to within their start skew. Only the first ``--ranges`` ranges of
+each warpgroup are kept (the profiler's buffer shares the kernel's SMEM), so a summary
+covers the first tiles of each CTA:
 
-* ``span_us``: first begin to last end over all warpgroups (the profiled kernel; each event
+* ``span_kcycles``: first begin to last end over all warpgroups (the profiled kernel; each event
   reads the clock, so it runs a little slower than unprofiled);
-* per consumer tile, mean microseconds in ``mainloop`` (of which ``full_wait``: waiting for
+* per consumer tile, mean kilocycles in ``mainloop`` (of which ``full_wait``: waiting for
   an operand stage) and ``epilogue`` (of which ``load_wait`` and ``store_wait``);
 * ``mma_busy``: per SM, the fraction of its span during which some consumer is in its
   mainloop and not waiting for a stage (the tensor cores' work, as the warpgroups see it),
@@ -18,8 +24,9 @@ process; the last launch's trace is summarized:
   epilogue and no consumer is in a mainloop (time the tensor cores wait on epilogues);
   ``starved``: the fraction during which a consumer waits for an operand stage and no
   consumer is in its mainloop outside such a wait (no MMAs being issued: the operands are
-  late; with ``full_wait`` recorded); ``both_in_mainloop`` / ``both_in_epilogue``: the fractions during which both consumers
-  run MMAs (not waiting) / epilogues at once (a ping-pong kernel should have neither);
+  late; with ``full_wait`` recorded); ``both_in_mainloop`` / ``both_in_epilogue``: the
+  fractions during which both consumers run MMAs (not waiting) / epilogues at once (a
+  ping-pong kernel should have neither);
 * the producer's ``free_wait`` per SM (ring kernels: the ring full, waiting on consumers).
 
 Writes ``timeline.json`` (the summaries) under ``--out`` and prints a table.
@@ -143,16 +150,16 @@ def summarize(trace: dict) -> dict:
         free_wait.append(sum(b - a for w in producers for a, b in w.get("free_wait", [])))
     tiles = sum(len(w.get("mainloop", [])) for wgs in by_sm.values() for w in wgs)
     return {
-        "span_us": round(t1 - t0, 2),
+        "span_kcycles": round(t1 - t0, 2),
         "sms": len(by_sm),
         "consumer_tiles": tiles,
-        **{f"{ph}_us_per_tile": round(float(np.mean(v)), 3) for ph, v in per_tile.items()},
+        **{f"{ph}_kcycles_per_tile": round(float(np.mean(v)), 3) for ph, v in per_tile.items()},
         "mma_busy": round(float(np.mean(busy)), 4),
         "exposed_epilogue": round(float(np.mean(exposed)), 4),
         "starved": round(float(np.mean(starved)), 4),
         "both_in_mainloop": round(float(np.mean(both_mma)), 4) if both_mma else None,
         "both_in_epilogue": round(float(np.mean(both_epi)), 4) if both_epi else None,
-        "producer_free_wait_us_per_sm": round(float(np.mean(free_wait)), 2) if free_wait else 0.0,
+        "producer_free_wait_kcycles_per_sm": round(float(np.mean(free_wait)), 2) if free_wait else 0.0,
     }
 
 
@@ -251,9 +258,10 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "timeline.json").write_text(json.dumps(rows, indent=1))
-    cols = ["scopes", "ranges", "consumer_tiles", "span_us", "mainloop_us_per_tile", "full_wait_us_per_tile", "epilogue_us_per_tile",
-            "load_wait_us_per_tile", "store_wait_us_per_tile", "mma_busy", "exposed_epilogue", "starved",
-            "both_in_mainloop", "both_in_epilogue", "producer_free_wait_us_per_sm"]
+    cols = ["scopes", "ranges", "consumer_tiles", "span_kcycles", "mainloop_kcycles_per_tile",
+            "full_wait_kcycles_per_tile", "epilogue_kcycles_per_tile", "load_wait_kcycles_per_tile",
+            "store_wait_kcycles_per_tile", "mma_busy", "exposed_epilogue", "starved",
+            "both_in_mainloop", "both_in_epilogue", "producer_free_wait_kcycles_per_sm"]
     print("| program | backend | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for r in rows:

@@ -532,14 +532,14 @@ def test_kernel_timeline_summary_of_a_synthetic_ping_pong_trace():
     c2 = [("mainloop", 10, 20), ("epilogue", 20, 30), ("store_wait", 25, 27)]
     events = _trace_events(1, 1, c1) + _trace_events(1, 2, c2) + _trace_events(1, 3, [("free_wait", 12, 14)])
     s = kernel_timeline.summarize({"traceEvents": events})
-    assert s["span_us"] == 30 and s["sms"] == 1 and s["consumer_tiles"] == 2
-    assert s["mainloop_us_per_tile"] == 10 and s["epilogue_us_per_tile"] == 8
-    assert s["full_wait_us_per_tile"] == 1 and s["load_wait_us_per_tile"] == 0.5
-    assert s["store_wait_us_per_tile"] == 1
+    assert s["span_kcycles"] == 30 and s["sms"] == 1 and s["consumer_tiles"] == 2
+    assert s["mainloop_kcycles_per_tile"] == 10 and s["epilogue_kcycles_per_tile"] == 8
+    assert s["full_wait_kcycles_per_tile"] == 1 and s["load_wait_kcycles_per_tile"] == 0.5
+    assert s["store_wait_kcycles_per_tile"] == 1
     assert s["mma_busy"] == round(18 / 30, 4)  # 2-20 in a mainloop, not waiting
     assert s["exposed_epilogue"] == round(10 / 30, 4)  # 20-30
     assert s["starved"] == round(2 / 30, 4)  # 0-2: c1 waits for a stage, nobody issues MMAs
-    assert s["producer_free_wait_us_per_sm"] == 2
+    assert s["producer_free_wait_kcycles_per_sm"] == 2
     assert s["both_in_mainloop"] == 0  # c1's MMAs 2-10, c2's 10-20
     assert s["both_in_epilogue"] == 0
 
