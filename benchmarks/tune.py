@@ -78,8 +78,8 @@ VARIANTS = {
     "single_wg_128x128": TuningConfig(tile_m=128, tile_n=128, max_concurrent_steps=4, approx_math=True),
     "ws_n_64x128_s6": dataclasses.replace(_D, tile_m=64, max_concurrent_steps=6),
 }
-# The autotuner's extended candidates by name too (e.g. the stage ring: "ring", "ring_k32").
-VARIANTS.update({k: v for k, v in at.EXTENDED_CANDIDATES.items() if k not in VARIANTS})
+# The autotuner's candidates by name too (e.g. "pingpong", the stage ring: "ring", "ring_k32").
+VARIANTS.update({k: v for k, v in at.known_candidates().items() if k not in VARIANTS})
 MAINLOOP_VARIANTS = ["default", "no_cluster", "gw8", "minor_m", "minor_m_gw8", "cluster_m_minor_m", "cluster_n",
                      "split_m", "split_m_cluster_n"]
 

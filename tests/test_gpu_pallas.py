@@ -40,6 +40,9 @@ CONFIGS = {
     "ws_direct": dataclasses.replace(CONFIG_TABLE["default"], direct_loads=True, direct_stores=True),
     "ws_pingpong_direct_loads": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
                                                     cluster_dimension=None, direct_loads=True),
+    # Ping-pong consumers taking turns on the tensor cores, 6 stages.
+    "ws_pingpong_turns_deep": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None,
+                                                  pingpong_turns=True, max_concurrent_steps=6),
     "ws_pingpong_direct_deep": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
                                                    cluster_dimension=None, direct_loads=True, direct_stores=True, max_concurrent_steps=6),
 }

@@ -200,6 +200,16 @@ def test_pingpong_cluster_multicast(cluster):
     _compare(programs.rms_dgrad(True), 200, 300, 130, transpose_b=True, config=cfg, seed=17)
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_pingpong_turns(stages):
+    # The consumers take turns on the tensor cores. 4 CTAs: 4 tiles each (residual), 1-2
+    # tiles each with an idle consumer (SwiGLU backward: 6 tiles), 2 CTAs idle (RMSNorm dgrad).
+    cfg = dataclasses.replace(PINGPONG, pingpong_turns=True, max_concurrent_steps=stages)
+    _compare(programs.RESIDUAL_RMS, 256, 512, 256, config=cfg, seed=23)
+    _compare(programs.SWIGLU_DGRAD, 192, 256, 128, transpose_b=True, config=cfg, seed=24)
+    _compare(programs.rms_dgrad(True), 200, 72, 130, transpose_b=True, config=cfg, seed=25)
+
+
 DIRECT_CASES = [(programs.SWIGLU_DGRAD, {"transpose_b": True}), (programs.RESIDUAL_RMS, {}),
                 (programs.rms_rope(64, None, False), {})]
 

@@ -96,6 +96,13 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                         direct_loads=True, epilogue_load_slots=4),
     "pingpong_direct": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, direct_loads=True,
                                            direct_stores=True),
+    # Ping-pong consumers taking turns on the tensor cores, so that a deeper ring (the next
+    # tile's first stages loaded early) does not let both run MMAs at once.
+    "pingpong_turns": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, pingpong_turns=True),
+    "pingpong_turns_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, pingpong_turns=True,
+                                               max_concurrent_steps=6),
+    "pingpong_turns_direct_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                      pingpong_turns=True, max_concurrent_steps=6, direct_loads=True),
 }
 
 

@@ -543,13 +543,14 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
 # fused kernel loses time against the identity GEMM (benchmarks/kernel_timeline.py). Each
 # warpgroup records when it enters and leaves the named ranges of the kernel body: the
 # consumers' ``mainloop`` (inside it, per K step, ``full_wait``: waiting for an operand
-# stage, ring kernels only) and ``epilogue`` (inside it, per chunk, ``load_wait``: the tile
+# stage, ring kernels only; before it, ``turn_wait``: ping-pong turns) and ``epilogue``
+# (inside it, per chunk, ``load_wait``: the tile
 # loads' barrier; ``store_wait``: the staging slot's previous TMA store), and the ring
 # producer's ``free_wait`` per K step (a stage not yet released by the consumers).
 PROFILE_ENV = "CODA_JAX_PALLAS_PROFILE_DIR"
 PROFILE_RANGES_ENV = "CODA_JAX_PALLAS_PROFILE_RANGES"
 PROFILE_SCOPES_ENV = "CODA_JAX_PALLAS_PROFILE_SCOPES"
-PROFILE_SCOPES = ("mainloop", "epilogue", "full_wait", "free_wait", "load_wait", "store_wait")
+PROFILE_SCOPES = ("mainloop", "epilogue", "full_wait", "free_wait", "load_wait", "store_wait", "turn_wait")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -835,7 +836,9 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
       CTA's tiles ``i = c, c + 2, ...`` and computes each ``[tm, tn]`` tile whole, mainloop
       and epilogue. While a consumer runs its epilogue, the other consumer's MMAs run on the
       blocks that were streaming in meanwhile. This is the overlap that the cooperative
-      kernel lacks.
+      kernel lacks. With ``cfg.pingpong_turns`` a consumer also waits for the other to finish
+      its tile's MMAs before starting its own (``mma_turn``), so a ring that already holds the
+      next tile's stages does not let the two run MMAs at once.
     * **cooperative** (``cfg.delay_release == 1``): both consumers take every CTA tile, each
       its ``[tm, tn]`` half (``wg_dimension``), as in :func:`_ws_body`; but each consumer
       issues K step ``k+1``'s MMAs before it waits for step ``k``'s (``wgmma_wait(1)``), so
@@ -876,6 +879,7 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
     a_shared = "cluster" if cfg.cluster_dimension == "n" else None
     b_shared = "cluster" if cfg.cluster_dimension == "m" else None
     users = 2 if coop else 1  # consumers that read each stage
+    turns = cfg.pingpong and cfg.pingpong_turns
     if cluster > 1:
         free_type = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=users, num_barriers=stages)
     else:
@@ -902,8 +906,11 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
             # [consumer, stage] (ping-pong) or [stage]: A + B loads arrive.
             full=plgpu.Barrier(num_arrivals=2, num_barriers=stages if coop else 2 * stages),
             free=free_type,
+            # Ping-pong turns: mma_turn[c] is arrived at by the other consumer when its MMAs of
+            # a tile are done; consumer c waits on it before its next tile's MMAs.
+            **(dict(mma_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if turns else {}),
             collective_axes="wg", **em.scratch_types(ldt, copies=2))
-        def _scope(a_smem, b_smem, full, free, **scr):
+        def _scope(a_smem, b_smem, full, free, mma_turn=None, **scr):
             wg = lax.axis_index("wg")
             total = my_tiles * k_iters
 
@@ -975,8 +982,18 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
                         plgpu.barrier_arrive(free.at[lax.rem(i * k_iters + k_iters - 1, stages)])
                         return acc_ref[...]
 
+                    if turns:  # the other consumer's MMAs of the tile before are done (consumer 0 opens)
+                        @pl.when(jnp.logical_or(wg == 1, j > 0))
+                        def _():
+                            with em.scope("turn_wait"):
+                                plgpu.barrier_wait(mma_turn.at[wg])
+
                     with em.scope("mainloop"):
                         acc = pl.run_scoped(mainloop, plgpu.ACC((tm, tn), jnp.float32))
+                    if turns:  # the CTA's next tile, if any, is the other consumer's: its turn
+                        @pl.when(i + 1 < my_tiles)
+                        def _():
+                            plgpu.barrier_arrive(mma_turn.at[1 - wg])
                     with em.scope("epilogue"):
                         em.emit(acc, m0, n0, mi_c, ni_c, lax.rem(j, 2), load_refs, out_refs, mine,
                                 barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)

@@ -63,6 +63,12 @@ class TuningConfig:
         With a cluster, the two CTAs of a cluster take neighbouring tiles at the same time
         and share one operand block by multicast, as in the cooperative kernel; on the
         H100 that was slower than ping-pong without one (benchmarks/RESULTS.md, run 109).
+      pingpong_turns: ping-pong only: the consumers take turns on the tensor cores. A
+        consumer starts a tile's MMAs only after the other consumer has finished its previous
+        tile's (a barrier each consumer arrives on for the other), as CUTLASS's ping-pong
+        orders its math warpgroups. Without it, a ring deep enough to hold the next tile's
+        first stages lets both consumers run MMAs at once, finish together and then run their
+        epilogues together, as the cooperative kernel does (RESULTS.md runs 184-188).
       delay_release: cooperative warp-specialized kernel only. ``0``: JAX's warp-specialized
         pipeline (``plgpu.emit_pipeline_warp_specialized``), where each consumer waits for its
         K step's MMAs to finish (``wgmma_wait(0)``) before it releases the step's SMEM stage
@@ -100,6 +106,7 @@ class TuningConfig:
     epilogue_regs: int = 128
     schedule: str = "cooperative"
     delay_release: int = 0
+    pingpong_turns: bool = False
     direct_loads: bool = False
     direct_stores: bool = False
     approx_math: bool = False
