@@ -101,6 +101,11 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_turns": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, pingpong_turns=True),
     "pingpong_turns_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, pingpong_turns=True,
                                                max_concurrent_steps=6),
+    # 5 stages beside an epilogue whose outputs are staged in their loads' slots (3 slots):
+    # what fits of a deeper ring for the SwiGLU backward (RESULTS.md run 194).
+    "pingpong_turns_s5_in_place": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                      pingpong_turns=True, max_concurrent_steps=5,
+                                                      epilogue_load_slots=3),
     "pingpong_turns_direct_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                       pingpong_turns=True, max_concurrent_steps=6, direct_loads=True),
 }
