@@ -475,19 +475,24 @@ def plain_model(preset, batch, seq, layers=None):
 
 
 @contextlib.contextmanager
-def _env(var, value):
-    """Within: environment variable ``var`` is ``value`` (None: unchanged)."""
-    old = os.environ.get(var)
-    if value is not None:
-        os.environ[var] = value
+def environment(settings: dict[str, str]):
+    """Within: the environment variables of ``settings`` have those values; afterwards each
+    is what it was (unset if it was)."""
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if value is not None:
-            if old is None:
-                os.environ.pop(var, None)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
             else:
-                os.environ[var] = old
+                os.environ[k] = v
+
+
+def _env(var, value):
+    """Within: environment variable ``var`` is ``value`` (None: unchanged)."""
+    return environment({} if value is None else {var: value})
 
 
 def plain_gemm_route(backend, plain):

@@ -203,10 +203,8 @@ def profile_program(label: str, backend: str, d: int, iters: int, scopes: str, r
     while True:
         with tempfile.TemporaryDirectory() as tmp:
             env = {PROFILE_ENV: tmp, PROFILE_RANGES_ENV: str(ranges), PROFILE_SCOPES_ENV: scopes}
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
             try:
-                with bench.backend_variant(backend) as base:
+                with bench.environment(env), bench.backend_variant(backend) as base:
                     low = bench._kernel_lowering(base)
                     f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_a=ta, transpose_b=tb))
                     for _ in range(iters):
@@ -217,12 +215,6 @@ def profile_program(label: str, backend: str, d: int, iters: int, scopes: str, r
                     raise
                 ranges //= 2  # the profile buffer shares the kernel's SMEM
                 continue
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             files = sorted(glob.glob(os.path.join(tmp, "*-trace.json")))
             if not files:
                 raise RuntimeError(f"{label} on {backend}: the profiler wrote no trace")

@@ -44,6 +44,7 @@ for p in (ROOT / "examples", ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 import train_llama  # noqa: E402
+from bench import environment  # noqa: E402
 from hlo_schedule import collective_windows, window_summary  # noqa: E402
 from plain_llama import PlainLlama  # noqa: E402
 
@@ -122,20 +123,6 @@ def run_context(settings: dict[str, str], mesh, pgle_runs: int):
     with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), \
             pgle(pgle_runs):
         yield
-
-
-@contextlib.contextmanager
-def environment(settings: dict[str, str]):
-    old = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 _FUSION = re.compile(r"^\s*%(\S+) = (\S+) fusion\((.*?)\), kind=")

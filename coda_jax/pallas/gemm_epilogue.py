@@ -184,6 +184,9 @@ class _EpilogueEmitter:
         # TMA stores issued per chunk (tile-output parts unless direct, column-sum parts).
         self.stores_per_chunk = (0 if self.direct_stores else sum(self._nparts(o.half) for o in self.tile_outs)) + sum(
             self._nparts(False) for _ in self.col_outs)
+        # Each chunk waits for its staging slot and commits SMEM before its TMA stores; with
+        # direct stores only column sums (if any) are staged.
+        self.chunk_staging = bool(self.stores_per_chunk) or not self.direct_stores
         self.slots = cfg.epilogue_load_slots if self.tile_loads else 2
         # In place needs 3+ slots: with 2 it would leave no load in flight ahead of a chunk.
         in_place_ok = self.slots >= 3 and not (self.direct_loads or self.direct_stores)
@@ -401,7 +404,7 @@ class _EpilogueEmitter:
             res = epi.body(acc_c, _TileContext(col0, shape_c), **kw)
             # An own slot written now was last stored two chunks ago: keep only the last chunk's
             # stores (an in-place slot was freed before its load was issued).
-            if self.stores_per_chunk or not self.direct_stores:
+            if self.chunk_staging:
                 with self.scope("store_wait"):
                     plgpu.wait_smem_to_gmem(self.stores_per_chunk, wait_read_only=True)
             col_half = {}
@@ -445,7 +448,7 @@ class _EpilogueEmitter:
                             rows = plgpu.broadcasted_iota(jnp.int32, shape_c, 0, layout=_WG) + m0
                             part = jnp.where(rows < shape.m_real, part, 0.0)
                         scr["col_" + o.name][out_slot, p] = part.sum(axis=0)
-            if self.stores_per_chunk or not self.direct_stores:
+            if self.chunk_staging:
                 plgpu.commit_smem()
             for o in self.tile_outs if not self.direct_stores else ():
                 buf, bslot = self._out_buf(o.name, slot, out_slot)
