@@ -164,7 +164,13 @@ def epilogue_sweep(args, record):
     shape under the same variants."""
     names = args.variants.split(",") if args.variants else ["default", "wide_chunks", "regs_64", "swizzled"]
     progs, r, d = block_programs()
+    only = set(args.programs.split(",")) if args.programs else None
+    if only and only - {p[0] for p in progs}:
+        raise SystemExit(f"--programs: unknown {sorted(only - {p[0] for p in progs})}; "
+                         f"one of {[p[0] for p in progs]}")
     for name, epi, (k, n), ta, tb, loads in progs:
+        if only is not None and name not in only:
+            continue
         m = d if ta else M  # the wgrad GEMM's rows are the norm's width
         a = r.normal((k, m) if ta else (m, k))
         b = r.normal((n, k) if tb else (k, n))
@@ -303,6 +309,7 @@ def main():
     ap.add_argument("--out", default="tune_out")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--epilogue-sweep", action="store_true", help="the block's fused GEMMs under epilogue variants")
+    ap.add_argument("--programs", default="", help="--epilogue-sweep: only these programs (comma-separated names)")
     ap.add_argument("--mainloop", action="store_true", help="identity GEMM: tile order / cluster variants vs cuBLAS")
     ap.add_argument("--plain", action="store_true", help="the block's plain backward GEMMs: cuBLAS vs the kernel")
     ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for --mainloop / --epilogue-sweep "
