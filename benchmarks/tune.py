@@ -151,9 +151,9 @@ def block_programs(d=2048, f=8192, heads=32, kv=8, hd=64, m=M):
         ("residual_rms", programs.RESIDUAL_RMS, (d, d), False, False,
          {"residual": r.normal((m, d)), "gamma": r.normal((d,), 0.1, 1.0, f32)}),
         ("rms_dgrad_res", programs.rms_dgrad(True), (2 * f, d), False, True,
-         {"x": r.normal((m, d)), "rstd": rstd, "zdz": r.normal((m,), 0.1, 0.0, f32),
+         {"x": r.normal((m, d)), "xcoef": r.normal((m,), 0.1, 0.0, f32),
           "gamma": r.normal((d,), 0.1, 1.0, f32), "dres": r.normal((m, d))}),
-        ("swiglu_dgrad", programs.SWIGLU_DGRAD, (d, f), False, True, {"z": r.normal((m, 2 * f))}),
+        ("swiglu_dgrad", programs.SWIGLU_DGRAD, (d, f), False, True, {"z": r.normal((m, 2 * f)), "rstd": rstd}),
         ("norm_wgrad", programs.NORM_WGRAD, (m, 2 * f), True, False,  # A^T = x [tokens, d] (B = rstd * dz)
          {"gamma": r.normal((d,), 0.1, 1.0, f32), "w": r.normal((d, 2 * f))}),
     ], r, d

@@ -591,3 +591,14 @@ def test_a_forced_schedule_bypasses_the_tuned_table(monkeypatch):
     monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
     cfg = pl_low.PallasLowering.default_config(programs.SWIGLU_DGRAD, 8192, 8192, 2048, False, True, False)
     assert len(seen) == 1 and cfg.pingpong  # not asked: the forced schedule decides
+
+
+def test_tune_sweep_programs_get_the_loads_they_declare():
+    """tune.py's epilogue sweep builds each program's loads by hand: they must match its
+    declaration (swiglu_dgrad's rstd was missing there, so the sweep skipped it)."""
+    import tune
+
+    progs, _, _ = tune.block_programs(m=256)
+    for name, epi, _, _, _, loads in progs:
+        declared = {l.name for l in epi.loads}
+        assert set(loads) == declared, (name, sorted(loads), sorted(declared))
