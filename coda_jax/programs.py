@@ -231,28 +231,21 @@ NORM_WGRAD = E.Epilogue(
 
 
 def swiglu_grad(gate, up, dy):
-    """(d_gate, d_up, y) of y = silu(gate) * up, given dy; float32 math.
-
-    silu'(g) = sig * (1 + g * (1 - sig)) = sig + silu * (1 - sig): written the second way it
-    is one subtraction and one fused multiply-add once ``sig`` and ``silu`` exist (the kernel
-    epilogues run this per accumulator element).
-    """
+    """(d_gate, d_up, y) of y = silu(gate) * up, given dy; float32 math."""
     sig = jax.nn.sigmoid(gate)
     silu = gate * sig
     d_up = dy * silu
-    d_gate = (dy * up) * (sig + silu * (1.0 - sig))
+    d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
     return d_gate, d_up, silu * up
 
 
 def _swiglu_dgrad_body(acc, ctx, z, rstd):
     # acc = dy = dout @ W_down^T [M, f] (one column per gate/up pair); z = (gate, up).
-    # The dz written is row-scaled by rstd (the operand of the norm's backward, see
-    # rms_dgrad). The row scale is folded into dy once (dz is linear in dy), so
-    # d_gate, d_up are already rstd * dz, and the row term zdz = sum_2f(z * dz) is reduced
-    # from them too: zdz' = rstd * zdz; the op divides the row sums by rstd.
     gate, up = z
-    d_gate, d_up, _ = swiglu_grad(gate, up, acc * rstd)
-    return {"dz": (d_gate, d_up), "zdz": gate * d_gate + up * d_up}
+    d_gate, d_up, _ = swiglu_grad(gate, up, acc)
+    # zdz: the MLP norm's row term sum_2f(z * dz) of the unscaled dz, reduced per tile (see
+    # rms_dgrad); the dz written is row-scaled by rstd, the operand of the norm's backward.
+    return {"dz": (d_gate * rstd, d_up * rstd), "zdz": gate * d_gate + up * d_up}
 
 
 SWIGLU_DGRAD = E.Epilogue(
@@ -266,8 +259,7 @@ SWIGLU_DGRAD = E.Epilogue(
 """SwiGLU backward on the down projection's dgrad GEMM ``dy = dout @ W_down^T``: loads the
 saved pre-activation ``z [M, 2f]`` (gate/up pairs) and the MLP norm's ``rstd [M]``; writes
 ``dz' = rstd * dz [M, 2f]`` (the left operand of the norm's backward GEMMs, see
-:func:`rms_dgrad`) and the row partials of ``rstd * sum(z * dz)`` (the caller divides their
-sum by ``rstd``); ``dy`` never reaches HBM."""
+:func:`rms_dgrad`) and the row partials of ``sum(z * dz)``; ``dy`` never reaches HBM."""
 
 
 def _dlogits(logits, col_index, target, lse, gscale, zcoef):

@@ -223,14 +223,6 @@ DIRECT_RUNS = [(DIRECT_CASES[0], mode) for mode in DIRECT_MODES] + [
     (DIRECT_CASES[1], "pingpong-both"), (DIRECT_CASES[2], "cooperative-loads")]
 
 
-
-@pytest.mark.parametrize("epi,kw", [(programs.SWIGLU_DGRAD, {"transpose_b": True}), (programs.rms_swiglu(True), {})],
-                         ids=["swiglu_dgrad", "rms_swiglu_train"])
-def test_approx_math_sigmoid(epi, kw):
-    """Approximate math (the H100 configurations' setting) lowers each sigmoid of the body as
-    rsqrt(1 + exp(-x))^2 (coda_jax/pallas/body_math.py): the kernel against the reference."""
-    _compare(epi, 128, 256, 128, config=dataclasses.replace(WS_N, approx_math=True), seed=31, **kw)
-
 @pytest.mark.parametrize("case,mode", DIRECT_RUNS, ids=[f"{c[0].name}-{m}" for c, m in DIRECT_RUNS])
 def test_direct_tiles(case, mode):
     epi, kw = case

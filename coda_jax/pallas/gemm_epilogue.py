@@ -50,7 +50,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind, body_uses_row_sum
-from coda_jax.pallas.body_math import call_body
 from coda_jax.pallas.tuning import TuningConfig
 
 _WG = plgpu.Layout.WGMMA
@@ -402,7 +401,7 @@ class _EpilogueEmitter:
                     vs = tuple(_f32(plgpu.load(scr["in_" + l.name].at[slot, p], layout=_WG, optimized=False))
                                for p in range(self._load_nparts(l)))
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
-            res = call_body(epi.body, acc_c, _TileContext(col0, shape_c), kw, approx_math=self.cfg.approx_math)
+            res = epi.body(acc_c, _TileContext(col0, shape_c), **kw)
             # An own slot written now was last stored two chunks ago: keep only the last chunk's
             # stores (an in-place slot was freed before its load was issued).
             if self.chunk_staging:
