@@ -15,7 +15,8 @@
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
 # STEP_BENCH="1b:8:1024 8b-4:4:1024" times the train step of CodaLlama per backend against the
 # plain JAX Llama in one process per configuration (benchmarks/train_step_bench.py, STEP_RUNS;
-# STEP_PROFILE=1 also traces each run's whole step, optimizer included, and prints its kernel classes;
+# STEP_PROFILE=1 also traces each run's whole step, optimizer included, and prints its kernel classes
+# and the bounds on its ratio to plain JAX (benchmarks/step_ceiling.py);
 # a run "pallas:VAR=VALUE" runs under one setting, e.g. CODA_JAX_LATENCY_HINTS=1, JAX_ENABLE_PGLE=1 or
 # PGLE_AOT=3; on a mesh the SCHEDULE lines say what XLA's schedule overlaps with each collective).
 # COMPILE_CACHE="1b:8:1024" compiles that train step in two fresh processes sharing JAX's persistent
@@ -151,6 +152,9 @@ if [ -n "${STEP_BENCH:-}" ]; then
       | grep -v '^{' | tee -a "$OUT/train_step.log" | tail -n 14
     [ -n "${STEP_PROFILE:-}" ] && grep '^PROFILE' "$OUT/train_step.log" | tail -n 60
   done
+  # Each profiled step by part (GEMMs, attention, optimizer, casts, other passes) and the
+  # bounds on its ratio to plain JAX (benchmarks/step_ceiling.py).
+  [ -n "${STEP_PROFILE:-}" ] && python3 benchmarks/step_ceiling.py "$OUT" | tee "$OUT/step_ceiling.md"
 fi
 if [ -n "${COMPILE_CACHE:-}" ]; then
   # JAX's persistent compilation cache across processes: the same train step compiled by two

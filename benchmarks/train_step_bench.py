@@ -125,7 +125,8 @@ def run_context(settings: dict[str, str], mesh, pgle_runs: int):
         yield
 
 
-_FUSION = re.compile(r"^\s*%(\S+) = (\S+) fusion\((.*?)\), kind=")
+# The shape is a tuple for multi-output fusions (the optimizer's update of p, m and v).
+_FUSION = re.compile(r"^\s*%(\S+) = (\([^()]*\)|\S+) fusion\((.*?)\), kind=")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _DEDUP = re.compile(r'deduplicated_name="([^"]*)"')
 

@@ -196,7 +196,10 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer, state_shardings=None
     def train_step(state, inputs, targets):
         m, opt = nnx.merge(graphdef, state)
         loss, grads = nnx.value_and_grad(lambda mm: mm.loss(inputs, targets))(m)
-        opt.update(m, grads)
+        # Named so that profiles can tell the optimizer's kernels from the model's
+        # (benchmarks/step_ceiling.py).
+        with jax.named_scope("optimizer"):
+            opt.update(m, grads)
         return nnx.state((m, opt)), loss
 
     @jax.jit

@@ -425,12 +425,16 @@ def test_hlo_fusions_names_a_profiled_xla_kernel():
         '  %input_transpose_fusion.2 = bf16[4096,2048]{1,0} fusion(%param.12), kind=kInput, calls=%f.2, '
         'metadata={op_name="jit(step)/convert_element_type"}',
         '  %loop_add_fusion.7 = f32[8,16]{1,0} fusion(%a, %b), kind=kLoop, calls=%g, metadata={op_name="jit(step)/add"}',
+        '  %loop_add_fusion.9 = (f32[64]{0}, f32[64]{0}, f32[64]{0}) fusion(%p, %m, %v), kind=kLoop, calls=%h, '
+        'metadata={op_name="jit(step)/optimizer/add"}',
     ])
     f = tsb.hlo_fusions(hlo, "input_transpose_fusion_2")
     assert f == {"count": 2, "shape": "bf16[4096,2048]{1,0}", "operands": "%param.11",
                  "op_name": "jit(step)/convert_element_type"}
     assert tsb.hlo_fusions(hlo, "loop_add_fusion_7")["operands"] == "%a, %b"
     assert tsb.hlo_fusions(hlo, "loop_add_fusion_70") is None
+    # A multi-output fusion (the optimizer's update) has a tuple shape.
+    assert tsb.hlo_fusions(hlo, "loop_add_fusion_9")["op_name"] == "jit(step)/optimizer/add"
     assert tsb.hlo_fusions(hlo, "nvjet_sm90_tst_256x128") is None
 
 
@@ -602,3 +606,32 @@ def test_tune_sweep_programs_get_the_loads_they_declare():
     for name, epi, _, _, _, loads in progs:
         declared = {l.name for l in epi.loads}
         assert set(loads) == declared, (name, sorted(loads), sorted(declared))
+
+
+def test_step_ceiling_splits_a_profile_and_bounds_the_ratio():
+    """step_ceiling.py: the optimizer's kernels (its named scope), the parameter casts and the
+    other passes of a profiled step, and the device-time bounds against plain JAX."""
+    import step_ceiling as sc
+
+    def prof(gemm, coda, other, kernels):
+        fus = {k: {"op_name": op, "operands": operands, "shape": "f32[8]", "count": 1}
+               for k, (_, op, operands) in kernels.items()}
+        return {"device_ms": gemm + coda + 10.0 + other, "by_class": {"gemm": gemm, "coda": coda, "attention": 10.0,
+                                                                      "other": other},
+                "top_kernels": [[k, ms] for k, (ms, _, _) in kernels.items()], "fusions": fus}
+
+    common = {"loop_add_fusion_1": (12.0, "jit(train_step)/optimizer/add", "%p, %m"),
+              "wrapped_convert_2": (3.0, "jit(train_step)/jvp()/convert_element_type", "%state_0___w___value.1"),
+              "wrapped_convert_3": (0.5, "jit(train_step)/transpose(jvp())/convert_element_type", "%g")}
+    plain = prof(80.0, 0.0, 35.0, {**common, "loop_mul_fusion": (10.0, "jit(train_step)/jvp()/mul", "%x")})
+    fused = prof(20.0, 70.0, 18.0, common)
+    steps = {"1b": [{"run": "plain", "profile": plain}, {"run": "pallas", "profile": fused}]}
+    p, f = sc.split_run(plain), sc.split_run(fused)
+    assert (f["optimizer"], f["casts"], f["passes"], f["gemms"]) == (12.0, 3.0, 3.0, 90.0) and f["named"]
+    c = sc.ceilings(p, f)
+    assert c["now"] == pytest.approx(125.0 / 118.0)
+    assert c["cublas_speed"] == pytest.approx(125.0 / (80 + 10 + 12 + 3 + 3))
+    assert c["free_fusion"] == pytest.approx(125.0 / (80 + 10 + 12 + 3))
+    text = sc.report(steps)
+    assert "| pallas | 118.00 | 90.00 | 10.00 | 12.00 | 3.00 | 3.00 | 1.059x | 1.157x | 1.190x |" in text
+    assert "no kernel of the `optimizer` scope" not in text

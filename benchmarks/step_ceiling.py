@@ -1,0 +1,122 @@
+"""What bounds a train step's ratio to plain JAX: its profiled kernel time by part.
+
+    python benchmarks/step_ceiling.py RESULT_DIR_OR_JSON [...]
+
+Reads ``train_step.json`` files written by ``train_step_bench.py --profile`` (each run's
+whole step traced, optimizer included: ``gpu_suite.sh`` with ``STEP_PROFILE=1``) and splits
+each run's GPU kernel time per step into
+
+* GEMMs: the fused kernels (coda-jax's) and the GEMMs left to XLA / cuBLAS;
+* attention (cuDNN);
+* optimizer: XLA kernels inside the train step's ``optimizer`` named scope
+  (``examples/train_llama.py``: AdamW's update and the gradient clipping norm);
+* parameter casts: the float32 parameters' conversions to bfloat16 for the forward;
+* other passes: every other XLA kernel (what epilogue fusion can remove).
+
+The optimizer and the casts are the same work in every run (same optimizer, same float32
+parameters), and no GEMM epilogue removes them. So against plain JAX's step (its device
+time ``T_plain``) a kernel backend's run is bounded by
+
+    free fusion:   T_plain / (plain GEMMs + attention + optimizer + casts)
+    cuBLAS-speed:  T_plain / (plain GEMMs + attention + optimizer + casts + other passes)
+
+the first if every fused GEMM cost what cuBLAS's GEMM costs and no other pass were left,
+the second with the run's other passes as they are. Attention, optimizer and casts are the
+run's own. Ratios here are of device time (summed kernel durations), not tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+GEMM_CLASSES = ("gemm", "coda", "cutedsl")
+PARTS = ("gemms", "attention", "optimizer", "casts", "passes")
+
+
+def split_run(profile: dict) -> dict[str, float]:
+    """``{part: ms per step}`` of one profiled run (see the module docstring), plus
+    ``device`` (all kernels) and ``named`` (whether the optimizer scope was found)."""
+    by_class = profile["by_class"]
+    fusions = profile.get("fusions", {})
+    optimizer = casts = 0.0
+    named = False
+    for name, ms in profile.get("top_kernels", []):
+        f = fusions.get(name)
+        if f is None:
+            continue
+        op = f.get("op_name", "")
+        if "/optimizer/" in op or op.endswith("/optimizer"):
+            optimizer += ms
+            named = True
+        elif op.endswith("convert_element_type") and "transpose(" not in op and "state_" in f.get("operands", ""):
+            casts += ms
+    other = by_class.get("other", 0.0)
+    return {
+        "device": profile["device_ms"],
+        "gemms": sum(by_class.get(c, 0.0) for c in GEMM_CLASSES),
+        "attention": by_class.get("attention", 0.0),
+        "optimizer": optimizer,
+        "casts": casts,
+        "passes": max(other - optimizer - casts, 0.0),
+        "named": named,
+    }
+
+
+def ceilings(plain: dict[str, float], run: dict[str, float]) -> dict[str, float]:
+    """Device-time ratios to plain JAX: ``now``, ``cublas_speed`` and ``free_fusion``."""
+    fixed = plain["gemms"] + run["attention"] + run["optimizer"] + run["casts"]
+    return {"now": plain["device"] / run["device"],
+            "cublas_speed": plain["device"] / (fixed + run["passes"]),
+            "free_fusion": plain["device"] / fixed}
+
+
+def load(paths: list[Path]) -> dict[str, list[dict]]:
+    steps: dict[str, list[dict]] = {}
+    for p in paths:
+        f = p / "train_step.json" if p.is_dir() else p
+        for tag, runs in json.loads(f.read_text()).items():
+            steps.setdefault(tag, []).extend(runs)
+    return steps
+
+
+def report(steps: dict[str, list[dict]]) -> str:
+    """A markdown table per configuration with a profiled plain run."""
+    out = []
+    for tag, runs in steps.items():
+        prof = [(r["run"], split_run(r["profile"])) for r in runs if r.get("profile")]
+        plains = [s for name, s in prof if name == "plain"]
+        if not plains:
+            continue
+        plain = plains[0]
+        out += [f"### {tag}", "",
+                "| run | device ms | GEMMs | attention | optimizer | param casts | other passes | "
+                "now | bound: cuBLAS-speed GEMMs | bound: free fusion |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, s in prof:
+            cells = [f"{s[k]:.2f}" for k in ("device", *PARTS)]
+            if name == "plain":
+                ratios = ["1.000x", "", ""]
+            else:
+                c = ceilings(plain, s)
+                ratios = [f"{c['now']:.3f}x", f"{c['cublas_speed']:.3f}x", f"{c['free_fusion']:.3f}x"]
+            out.append(f"| {name} | " + " | ".join(cells + ratios) + " |")
+        if not all(s["named"] for _, s in prof):
+            out.append("\n(no kernel of the `optimizer` scope was found in a run: a profile from before "
+                       "the scope was named counts the optimizer as other passes)")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="+", type=Path, help="train_step.json files or directories holding one")
+    args = ap.parse_args(argv)
+    text = report(load(args.paths))
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
