@@ -1,9 +1,11 @@
 """What bounds a train step's ratio to plain JAX: its profiled kernel time by part.
 
-    python benchmarks/step_ceiling.py RESULT_DIR_OR_JSON [...]
+    python benchmarks/step_ceiling.py RESULT_DIR [...]
 
-Reads ``train_step.json`` files written by ``train_step_bench.py --profile`` (each run's
-whole step traced, optimizer included: ``gpu_suite.sh`` with ``STEP_PROFILE=1``) and splits
+Reads the ``train_step.json`` of each directory, written by ``train_step_bench.py --profile``
+(each run's whole step traced, optimizer included: ``gpu_suite.sh`` with ``STEP_PROFILE=1``;
+merged as ``summarize.py`` merges them: a later directory's configuration replaces an
+earlier one's, so each table compares runs of one process) and splits
 each run's GPU kernel time per step into
 
 * GEMMs: the fused kernels (coda-jax's) and the GEMMs left to XLA / cuBLAS;
@@ -28,8 +30,9 @@ run's own. Ratios here are of device time (summed kernel durations), not tokens/
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from summarize import load
 
 GEMM_CLASSES = ("gemm", "coda", "cutedsl")
 PARTS = ("gemms", "attention", "optimizer", "casts", "passes")
@@ -47,7 +50,7 @@ def split_run(profile: dict) -> dict[str, float]:
         if f is None:
             continue
         op = f.get("op_name", "")
-        if "/optimizer/" in op or op.endswith("/optimizer"):
+        if "/optimizer/" in op:
             optimizer += ms
             named = True
         elif op.endswith("convert_element_type") and "transpose(" not in op and "state_" in f.get("operands", ""):
@@ -70,15 +73,6 @@ def ceilings(plain: dict[str, float], run: dict[str, float]) -> dict[str, float]
     return {"now": plain["device"] / run["device"],
             "cublas_speed": plain["device"] / (fixed + run["passes"]),
             "free_fusion": plain["device"] / fixed}
-
-
-def load(paths: list[Path]) -> dict[str, list[dict]]:
-    steps: dict[str, list[dict]] = {}
-    for p in paths:
-        f = p / "train_step.json" if p.is_dir() else p
-        for tag, runs in json.loads(f.read_text()).items():
-            steps.setdefault(tag, []).extend(runs)
-    return steps
 
 
 def report(steps: dict[str, list[dict]]) -> str:
@@ -111,9 +105,9 @@ def report(steps: dict[str, list[dict]]) -> str:
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("paths", nargs="+", type=Path, help="train_step.json files or directories holding one")
+    ap.add_argument("dirs", nargs="+", type=Path, help="directories holding a train_step.json")
     args = ap.parse_args(argv)
-    text = report(load(args.paths))
+    text = report(load(args.dirs)[0])
     print(text)
     return text
 
