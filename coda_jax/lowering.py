@@ -43,6 +43,11 @@ class GemmLowering(Protocol):
       b: ``[K, N]`` (``[N, K]`` if ``transpose_b``), same dtype as ``a``.
       loads: arrays named as in ``epilogue.loads``.
       out_dtypes: per-output storage dtypes overriding the declaration.
+      out_splits: ``{tile output: column widths}``: that output is returned as a tuple of
+        ``[M, w_i]`` arrays, its columns in order (:func:`check_out_splits`). A kernel may
+        write the parts as separate arrays (the Pallas kernel does where its stores allow),
+        so a consumer that wants them apart (attention's Q, K, V) reads them without a
+        slicing pass; otherwise the backend slices its one output (:func:`split_columns`).
 
     A kernel lowering may also define ``pair_width_rule(width) -> str | None``: why a
     pair-mode epilogue ``width`` columns wide cannot run on it (None: it can), which ops
@@ -61,7 +66,36 @@ class GemmLowering(Protocol):
         transpose_a: bool = False,
         transpose_b: bool = False,
         out_dtypes: Mapping[str, Any] | None = None,
-    ) -> dict[str, jax.Array]: ...
+        out_splits: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> dict[str, Any]: ...
+
+
+def check_out_splits(epilogue: Epilogue, out_splits: Mapping[str, tuple[int, ...]] | None,
+                     n: int) -> dict[str, tuple[int, ...]]:
+    """``out_splits`` as ``{name: widths}`` after checking it against ``epilogue`` and the
+    GEMM's ``n``: each name a tile output, each width a positive int, the widths summing to
+    the output's columns (``n``, or ``n/2`` / ``2n`` for half-width / ``half_acc`` outputs)."""
+    res, outs = {}, {o.name: o for o in epilogue.outputs}
+    for name, widths in (out_splits or {}).items():
+        if name not in outs or outs[name].kind is not OutputKind.TILE:
+            raise ValueError(f"out_splits: epilogue {epilogue.name!r} has no tile output {name!r}")
+        widths = tuple(widths)
+        cols = epilogue.width(n, outs[name].half)
+        if not widths or any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in widths) \
+                or sum(widths) != cols:
+            raise ValueError(f"out_splits[{name!r}] must be positive int column widths summing to the output's "
+                             f"{cols} columns, got {widths}")
+        res[name] = widths
+    return res
+
+
+def split_columns(outs: Mapping[str, Any], splits: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """``outs`` with each output named in ``splits`` cut into its column parts (a tuple)."""
+    res = dict(outs)
+    for name, widths in splits.items():
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        res[name] = tuple(outs[name][:, s:s + w] for s, w in zip(starts, widths))
+    return res
 
 
 def gemm_dims(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> tuple[int, int, int]:

@@ -145,8 +145,12 @@ class PartitionedLowering:
 
     def gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array], *,
              transpose_a: bool = False, transpose_b: bool = False,
-             out_dtypes: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
-        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes)
+             out_dtypes: Mapping[str, Any] | None = None,
+             out_splits: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=out_splits)
+        # A split output's spec: one per part (the parts are its column ranges: split as it is).
+        split_specs = lambda specs: {k: (v,) * len(out_splits[k]) if k in (out_splits or {}) else v  # noqa: E731
+                                     for k, v in specs.items()}
         mesh = context_mesh()
         axes = token_axes(mesh)
         if not axes or (FSDP_AXIS not in axes and self._xla_ops(epilogue, a, b, transpose_a, transpose_b)):
@@ -163,6 +167,7 @@ class PartitionedLowering:
         loads = dict(loads)
         if not transpose_a:
             load_specs, out_specs = _row_specs(epilogue, tok)
+            out_specs = split_specs(out_specs)
             body = lambda a, b, l: self.inner.gemm(epilogue, a, b, l, **kw)  # noqa: E731
             in_specs = (P(tok, None), P(None, None), load_specs)
         else:
@@ -176,16 +181,16 @@ class PartitionedLowering:
 
             def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis
                 outs = self.inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b,
-                                       out_dtypes=partial)
-                return {k: v[None] for k, v in outs.items()}
+                                       out_dtypes=partial, out_splits=out_splits)
+                return jax.tree.map(lambda v: v[None], outs)
 
             in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),
                         {name: P() for name in loads})
-            out_specs = {o.name: P(tok, None, None) for o in epilogue.outputs}
+            out_specs = split_specs({o.name: P(tok, None, None) for o in epilogue.outputs})
             partials = shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
             # The sum over shards is left to XLA (an all-reduce, or a reduce-scatter where the
             # gradient is FSDP-split), which it can schedule and combine with the other gradients'.
-            return {k: _sum_shards(v).astype(dtypes[k]) for k, v in partials.items()}
+            return {k: jax.tree.map(lambda v, k=k: _sum_shards(v).astype(dtypes[k]), v) for k, v in partials.items()}
         return shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
 
     def _xla_ops(self, epilogue: Epilogue, a, b, transpose_a: bool, transpose_b: bool) -> bool:

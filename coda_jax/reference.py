@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.lowering import check_out_splits, split_columns
 
 # Column chunk of the reference's online log-sum-exp (the largest logits block alive).
 LSE_CHUNK = 8192
@@ -191,10 +192,15 @@ class ReferenceLowering:
         transpose_a: bool = False,
         transpose_b: bool = False,
         out_dtypes: Mapping[str, Any] | None = None,
-    ) -> dict[str, jax.Array]:
+        out_splits: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> dict[str, Any]:
         m = a.shape[1] if transpose_a else a.shape[0]
         n = b.shape[0] if transpose_b else b.shape[1]
         epilogue.validate_loads(loads, m, n)
+        splits = check_out_splits(epilogue, out_splits, n)
+        if splits:  # XLA fuses the slices into whatever reads the parts
+            return split_columns(self.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
+                                           out_dtypes=out_dtypes), splits)
         dtypes = {o.name: (out_dtypes or {}).get(o.name, o.dtype) or a.dtype for o in epilogue.outputs}
         if (any(o.kind is OutputKind.ROW_LOGSUMEXP for o in epilogue.outputs) and n > LSE_CHUNK
                 and not any(o.kind is OutputKind.TILE for o in epilogue.outputs)):  # [M, N] is written anyway

@@ -45,8 +45,8 @@ class OpaqueKernel:
     name = "pallas"
     plain_gemm = None
 
-    def gemm(self, epilogue, a, b, loads, *, transpose_a=False, transpose_b=False, out_dtypes=None):
-        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes)
+    def gemm(self, epilogue, a, b, loads, *, transpose_a=False, transpose_b=False, out_dtypes=None, out_splits=None):
+        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=out_splits)
         if epilogue is programs.IDENTITY:
             return REFERENCE.gemm(epilogue, a, b, loads, **kw)
         shapes = jax.eval_shape(lambda a, b, l: REFERENCE.gemm(epilogue, a, b, l, **kw), a, b, loads)

@@ -152,21 +152,32 @@ def case_swiglu_mlp(backend, m, d, f, dtype, next_norm=True, seed=0):
     check_fwd_grad(fused, ref, (x, g, wgu, wd, g2, w2), dtype, (0, 1, 2, 3, 4, 5))
 
 
-def case_rope(backend, m, d, heads, kv_heads, head_dim, dtype, qk_norm=False, seed=0):
+def case_rope(backend, m, d, heads, kv_heads, head_dim, dtype, qk_norm=False, seed=0, split_qkv=False):
+    """``split_qkv``: the op returns (q, k, v); compared side by side (and each part's own
+    random cotangent reaches the backward) with the naive op's qkv."""
     r = Inputs(jax.random.key(seed))
     n = (heads + 2 * kv_heads) * head_dim
     x, g, w = r.normal((m, d), dtype), r.normal((d,), dtype, 0.1, 1.0), r.normal((d, n), dtype, d ** -0.5)
     pos = r.ints((m,), 4096)
     inv = jnp.asarray(cj.rope_inv_freq(head_dim, 500000.0, cj.Llama3RopeScaling()))
     kw = dict(num_heads=heads, num_kv_heads=kv_heads)
+    if split_qkv:
+        q_cols, kv_cols = heads * head_dim, kv_heads * head_dim
+
+        def op(*args, **kw2):
+            q, k, v = cj.rms_norm_matmul_rope(*args, split_qkv=True, **kw2)
+            assert (q.shape, k.shape, v.shape) == ((m, q_cols), (m, kv_cols), (m, kv_cols)), (q.shape, k.shape)
+            return jnp.concatenate([q, k, v], axis=1)
+    else:
+        op = cj.rms_norm_matmul_rope
     if qk_norm:
         qn, kn = r.normal((head_dim,), dtype, 0.1, 1.0), r.normal((head_dim,), dtype, 0.1, 1.0)
         check_fwd_grad(
-            lambda x, g, w, qn, kn: cj.rms_norm_matmul_rope(x, g, w, pos, inv, q_norm=qn, k_norm=kn, backend=backend, **kw),
+            lambda x, g, w, qn, kn: op(x, g, w, pos, inv, q_norm=qn, k_norm=kn, backend=backend, **kw),
             lambda x, g, w, qn, kn: naive.rms_norm_matmul_rope(x, g, w, pos, inv, q_norm=qn, k_norm=kn, **kw),
             (x, g, w, qn, kn), dtype, (0, 1, 2, 3, 4))
     else:
-        check_fwd_grad(lambda x, g, w: cj.rms_norm_matmul_rope(x, g, w, pos, inv, backend=backend, **kw),
+        check_fwd_grad(lambda x, g, w: op(x, g, w, pos, inv, backend=backend, **kw),
                        lambda x, g, w: naive.rms_norm_matmul_rope(x, g, w, pos, inv, **kw), (x, g, w), dtype, (0, 1, 2))
 
 

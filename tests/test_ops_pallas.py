@@ -35,6 +35,12 @@ def test_rope(qk_norm):
     C.case_rope("pallas", 64, 128, 2, 1, 128, BF, qk_norm=qk_norm)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_split_qkv(qk_norm):
+    # Q, K, V written as three arrays by the kernel (head boundaries: multiples of the chunk width).
+    C.case_rope("pallas", 64, 128, 2, 1, 64, BF, qk_norm=qk_norm, split_qkv=True)
+
+
 def test_swiglu_mlp():
     C.case_swiglu_mlp("pallas", 64, 128, 128, BF)
 

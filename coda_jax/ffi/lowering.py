@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, gpu_sm_count, kernel_latency_hint,
-                               persistent_grid_sms, routes_to_xla, with_latency_hint)
+from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, gpu_sm_count,
+                               kernel_latency_hint, persistent_grid_sms, routes_to_xla, split_columns,
+                               with_latency_hint)
 from coda_jax.reference import REFERENCE
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
@@ -156,15 +157,19 @@ class CuteDslLowering:
         transpose_a: bool = False,
         transpose_b: bool = False,
         out_dtypes: Mapping[str, Any] | None = None,
-    ) -> dict[str, jax.Array]:
+        out_splits: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> dict[str, Any]:
+        """See :class:`coda_jax.lowering.GemmLowering`. ``out_splits``: the kernel writes one
+        array per output and XLA slices it into the parts."""
         from cutlass.jax import TensorSpec
 
         from coda_jax.ffi.kernel import KernelPlan, choose_schedule, choose_tile_n, plan_smem
 
         m, n, k = check_kernel_gemm("CuTeDSL", epilogue, a, b, loads, transpose_a, transpose_b)
+        splits = check_out_splits(epilogue, out_splits, n)
         if routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
             return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
-                                  out_dtypes=out_dtypes)
+                                  out_dtypes=out_dtypes, out_splits=splits)
         _check_pair_width(epilogue)
         dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
                        for o in epilogue.outputs)
@@ -238,7 +243,7 @@ class CuteDslLowering:
                 out[o.name] = v[:, :n]
             else:
                 out[o.name] = v[:, :m]
-        return out
+        return split_columns(out, splits)
 
 
 CUTEDSL = CuteDslLowering()

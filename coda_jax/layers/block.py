@@ -97,14 +97,14 @@ class CodaLlamaBlock(nnx.Module):
         x2 = reshape_tokens(x, (m, d)).astype(dt)
         w = self._param  # a parameter as used: cast, and gathered if FSDP-split under an Explicit mesh
         qk = dict(q_norm=w("q_norm"), k_norm=w("k_norm"), qk_norm_eps=c.qk_norm_eps) if c.qk_norm else {}
-        qkv, x2 = rms_norm_matmul_rope(
+        (q, k, v), x2 = rms_norm_matmul_rope(
             x2, w("attn_norm"), w("w_qkv", dt), reshape_tokens(positions, (m,)), w("inv_freq"),
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, carry=carry, eps=c.rms_norm_eps,
-            return_residual=True, backend=self.backend, **qk)
+            return_residual=True, split_qkv=True, backend=self.backend, **qk)
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        q = reshape_tokens(qkv[:, : nh * hd], (b, s, nh, hd))
-        k = reshape_tokens(qkv[:, nh * hd: (nh + nkv) * hd], (b, s, nkv, hd))
-        v = reshape_tokens(qkv[:, (nh + nkv) * hd:], (b, s, nkv, hd))
+        q = reshape_tokens(q, (b, s, nh, hd))
+        k = reshape_tokens(k, (b, s, nkv, hd))
+        v = reshape_tokens(v, (b, s, nkv, hd))
         o = causal_attention(q, k, v, c.attention_implementation)  # cuDNN where it supports the shape
         x1, carry1 = matmul_residual_rms(reshape_tokens(o, (m, nh * hd)), w("w_o", dt), x2, w("mlp_norm"),
                                          backend=self.backend)

@@ -125,11 +125,12 @@ def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Arra
         ml = x.shape[0]
         qk = dict(q_norm=p["q_norm"], k_norm=p["k_norm"], qk_norm_eps=c.qk_norm_eps) if c.qk_norm else {}
         w_qkv_t = jnp.concatenate([p["w_q"], p["w_k"], p["w_v"]], axis=1)  # this shard's heads, Q|K|V
-        qkv = rms_norm_matmul_rope(x, p["attn_norm"], w_qkv_t, pos, p["inv_freq"], num_heads=hl, num_kv_heads=kvl,
-                                   eps=c.rms_norm_eps, backend=block.backend, **qk)
-        q = qkv[:, :hl * hd].reshape(ml // s, s, hl, hd)
-        k = qkv[:, hl * hd:(hl + kvl) * hd].reshape(ml // s, s, kvl, hd)
-        v = qkv[:, (hl + kvl) * hd:].reshape(ml // s, s, kvl, hd)
+        q, k, v = rms_norm_matmul_rope(x, p["attn_norm"], w_qkv_t, pos, p["inv_freq"], num_heads=hl,
+                                       num_kv_heads=kvl, eps=c.rms_norm_eps, split_qkv=True, backend=block.backend,
+                                       **qk)
+        q = q.reshape(ml // s, s, hl, hd)
+        k = k.reshape(ml // s, s, kvl, hd)
+        v = v.reshape(ml // s, s, kvl, hd)
         o = causal_attention(q, k, v, c.attention_implementation).reshape(ml, hl * hd)
         # Row-parallel o-projection: partial sums reduce-scattered over the rows, in the
         # compute dtype as plain JAX's partitioner would (partitioning.partial_sum_dtype).

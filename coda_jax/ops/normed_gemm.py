@@ -40,7 +40,13 @@ from coda_jax.ops.norm_carry import rstd_from_partials
 
 
 class NormedGemmVariant(Protocol):
-    """What follows the RMSNorm-scaled GEMM (hashable: it is a static argument)."""
+    """What follows the RMSNorm-scaled GEMM (hashable: it is a static argument).
+
+    ``out_splits``: tile outputs the forward GEMM returns as column parts
+    (:class:`coda_jax.lowering.GemmLowering`), or None.
+    """
+
+    out_splits: Mapping[str, tuple[int, ...]] | None
 
     def program(self, train: bool) -> Epilogue:
         """The forward epilogue; ``train=True`` also outputs what backward needs."""
@@ -67,14 +73,16 @@ def normed_gemm(lowering: GemmLowering, variant: NormedGemmVariant, eps: float, 
     they get zero cotangents; the exact gradients go to ``x`` and ``gamma``.
     """
     rstd = rstd_from_partials(sumsq, x.shape[1], eps)
-    outs = lowering.gemm(variant.program(False), h, w, {"rstd": rstd, **variant.loads(aux)})
+    outs = lowering.gemm(variant.program(False), h, w, {"rstd": rstd, **variant.loads(aux)},
+                         out_splits=variant.out_splits)
     out = variant.primal(outs)
     return (out, x) if return_residual else out
 
 
 def _normed_gemm_fwd(lowering, variant, eps, return_residual, x, gamma, w, h, sumsq, aux):
     rstd = rstd_from_partials(sumsq, x.shape[1], eps)
-    outs = lowering.gemm(variant.program(True), h, w, {"rstd": rstd, **variant.loads(aux)})
+    outs = lowering.gemm(variant.program(True), h, w, {"rstd": rstd, **variant.loads(aux)},
+                         out_splits=variant.out_splits)
     out = variant.primal(outs)
     res = (x, gamma, w, rstd, variant.saved(outs), aux, h, sumsq)
     return ((out, x) if return_residual else out), res

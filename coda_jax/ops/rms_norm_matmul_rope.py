@@ -35,6 +35,11 @@ from coda_jax.ops.rms_norm_matmul import check_norm_inputs
 class RopeVariant:
     half_head: int
     qk_norm_eps: float | None
+    splits: tuple[int, ...] | None = None  # Q, K, V column widths when returned apart
+
+    @property
+    def out_splits(self):
+        return None if self.splits is None else {"qkv": self.splits}
 
     def program(self, train):
         return programs.rms_rope(self.half_head, self.qk_norm_eps, train and self.qk_norm_eps is not None)
@@ -53,6 +58,8 @@ class RopeVariant:
 
     def backward(self, saved, dqkv, aux):
         qkv, z = saved
+        if self.splits is not None:  # (q, k, v) side by side again: fused into the pass below
+            qkv, dqkv = jnp.concatenate(qkv, axis=1), jnp.concatenate(dqkv, axis=1)
         b = self.half_head
         zero_aux = jax.tree.map(jnp.zeros_like, aux)
         if self.qk_norm_eps is None:
@@ -122,6 +129,7 @@ def rms_norm_matmul_rope(
     carry: NormCarry | None = None,
     eps: float = 1e-5,
     return_residual: bool = False,
+    split_qkv: bool = False,
     backend: str | None = None,
 ):
     """``RoPE(QKnorm?(RMSNorm(x) @ w_qkv))`` on Q and K heads; V heads untouched.
@@ -138,9 +146,14 @@ def rms_norm_matmul_rope(
       q_norm, k_norm: optional ``[hd]`` QK-norm weights (both or neither).
       qk_norm_eps: QK-norm epsilon.
       carry, eps, return_residual, backend: as in :func:`coda_jax.rms_norm_matmul`.
+      split_qkv: return ``(q [M, H*hd], k [M, KV*hd], v [M, KV*hd])`` instead of ``qkv``:
+        the same columns, as three arrays. The Pallas kernel writes them apart (no
+        slicing pass before attention, which needs each one contiguous); other backends
+        slice their output.
 
     Returns:
-      ``qkv [M, (H + 2*KV) * hd]`` in ``x.dtype`` (and ``x`` if ``return_residual``).
+      ``qkv [M, (H + 2*KV) * hd]`` (or ``(q, k, v)``, see ``split_qkv``) in ``x.dtype``,
+      and ``x`` if ``return_residual``.
     """
     check_norm_inputs(x, gamma, w_qkv)
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -172,5 +185,6 @@ def rms_norm_matmul_rope(
     if rule:
         raise ValueError(f"head_dim={hd} is not supported by backend {lowering.name!r}: the RoPE epilogue's pair "
                          f"width (head_dim) {rule}; use backend='xla'")
-    return normed_gemm(lowering, RopeVariant(half, qk_eps), float(eps), return_residual,
+    splits = (num_heads * hd, num_kv_heads * hd, num_kv_heads * hd) if split_qkv else None
+    return normed_gemm(lowering, RopeVariant(half, qk_eps, splits), float(eps), return_residual,
                        x, gamma, w_qkv, carry.h, carry.sumsq, aux)

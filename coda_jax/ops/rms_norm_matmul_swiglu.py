@@ -28,6 +28,8 @@ from coda_jax.programs import SWIGLU_BLOCK, swiglu_grad
 
 @dataclasses.dataclass(frozen=True)
 class SwiGLUVariant:
+    out_splits = None
+
     def program(self, train):
         return programs.rms_swiglu(train)
 

@@ -73,6 +73,9 @@ class KernelShape:
     operand_dtype: Any
     out_dtypes: tuple[tuple[str, Any], ...]
     num_sms: int  # the grid's CTAs: the SMs of the persistent grid, or one (pair) per N tiles (tile_grid)
+    # Tile outputs written as several arrays, their columns in order: ((name, widths), ...).
+    # Every part boundary is a multiple of the chunk width (split_outputs_fit) and N is unpadded.
+    out_splits: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def _transforms(minor_elems: int, dtype) -> tuple:
@@ -128,11 +131,25 @@ class _TileContext:
         return plgpu.broadcasted_iota(jnp.int32, self._shape, 1, layout=_WG) + self._col0
 
 
+def split_outputs_fit(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
+                      splits: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the kernel can write the tile outputs in ``splits`` as separate arrays: N
+    unpadded, and every part boundary a multiple of the chunk width (a chunk's stores,
+    ``chunk width`` columns each, then never straddle two parts)."""
+    w = _chunk_width(epi, cfg.tile_n, cfg.epilogue_cols)
+    return shape.n == shape.n_real and all(
+        sum(widths[:i]) % w == 0 for widths in splits.values() for i in range(1, len(widths)))
+
+
 def out_types(epi: Epilogue, shape: KernelShape, cfg: TuningConfig) -> list[jax.ShapeDtypeStruct]:
+    """The kernel's outputs in ``epi.outputs`` order; a split tile output is one array per part."""
     dt = dict(shape.out_dtypes)
+    splits = dict(shape.out_splits)
     res = []
     for o in epi.outputs:
-        if o.kind is OutputKind.TILE:
+        if o.kind is OutputKind.TILE and o.name in splits:
+            res.extend(jax.ShapeDtypeStruct((shape.m, w), dt[o.name]) for w in splits[o.name])
+        elif o.kind is OutputKind.TILE:
             res.append(jax.ShapeDtypeStruct((shape.m, epi.width(shape.n, o.half)), dt[o.name]))
         elif o.kind is OutputKind.COL_SUM:
             res.append(jax.ShapeDtypeStruct((shape.m // cfg.tile_m, shape.n), jnp.float32))
@@ -171,6 +188,7 @@ class _EpilogueEmitter:
         self.b = epi.pair_block
         self.chunks = _chunks(epi, self.tn, cfg.epilogue_cols)
         self.dt = dict(shape.out_dtypes)
+        self.splits = dict(shape.out_splits)
         # Loads that arrive by TMA into SMEM, chunk by chunk (row_block: always columns [0, b)).
         self.tile_loads = [l for l in epi.loads if l.kind in (LoadKind.TILE, LoadKind.ROW_BLOCK)]
         self.tile_outs = [o for o in epi.outputs if o.kind is OutputKind.TILE]
@@ -214,6 +232,27 @@ class _EpilogueEmitter:
         if name in self.in_place:
             return "in_" + self.in_place[name], slot
         return "out_" + name, out_slot
+
+    def _to_part(self, name: str, out_refs, gc, write) -> None:
+        """``write(ref, column)`` for the chunk piece at GMEM column ``gc`` of tile output
+        ``name``: into its one array, or into the part of a split output that holds the
+        column (a piece lies inside one part: :func:`split_outputs_fit`), at the column
+        relative to that part. A traced ``gc`` picks the part at run time: one branch per
+        part, exactly one taken, so the count of TMA stores in flight is unchanged."""
+        widths = self.splits.get(name)
+        if widths is None:
+            write(out_refs[name], gc)
+            return
+        start = 0
+        for ref, w in zip(out_refs[name], widths):
+            if isinstance(gc, int):
+                if start <= gc < start + w:
+                    write(ref, gc - start)
+            else:
+                @pl.when((gc >= start) & (gc < start + w))
+                def _(ref=ref, start=start):
+                    write(ref, pl.multiple_of(gc - start, self._width()))
+            start += w
 
     def _nparts(self, half: bool) -> int:
         return 2 if (self.b is not None and not half) else 1
@@ -413,7 +452,9 @@ class _EpilogueEmitter:
                 vs = v if isinstance(v, tuple) else (v,)
                 if o.kind is OutputKind.TILE and self.direct_stores:  # registers -> GMEM, no staging
                     for part, (gc, pw) in zip(vs, self.parts(c0, n0, o.half)):
-                        out_refs[o.name][m_slice, pl.ds(gc, pw)] = part.astype(self.dt[o.name])
+                        val = part.astype(self.dt[o.name])
+                        self._to_part(o.name, out_refs, gc, lambda ref, c, val=val, pw=pw: ref.__setitem__(
+                            (m_slice, pl.ds(c, pw)), val))
                 elif o.kind is OutputKind.TILE:
                     buf, bslot = self._out_buf(o.name, slot, out_slot)
                     for p, part in enumerate(vs):
@@ -453,7 +494,9 @@ class _EpilogueEmitter:
             for o in self.tile_outs if not self.direct_stores else ():
                 buf, bslot = self._out_buf(o.name, slot, out_slot)
                 for p, (gc, pw) in enumerate(self.parts(c0, n0, o.half)):
-                    plgpu.copy_smem_to_gmem(scr[buf].at[bslot, p], out_refs[o.name].at[m_slice, pl.ds(gc, pw)])
+                    src = scr[buf].at[bslot, p]
+                    self._to_part(o.name, out_refs, gc, lambda ref, c, src=src, pw=pw: plgpu.copy_smem_to_gmem(
+                        src, ref.at[m_slice, pl.ds(c, pw)]))
             for o in self.col_outs:
                 for p, (gc, pw) in enumerate(self.parts(c0, n0, col_half[o.name])):
                     plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[out_slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
@@ -657,9 +700,18 @@ def _tile_order(lin, grid_m: int, grid_n: int, cfg: TuningConfig):
     return plgpu.planar_snake(lin, (grid_m, grid_n), minor, min(cfg.grid_tile_width, (grid_m, grid_n)[minor]))
 
 
-def _split_refs(epi, refs):
+def _split_refs(em: _EpilogueEmitter, refs):
+    """``(load refs, output refs)`` by name from the kernel's refs after ``a`` and ``b``; a
+    split output's entry is the tuple of its parts' refs."""
+    epi, splits = em.epi, dict(em.shape.out_splits)
     n = len(epi.loads)
-    return (dict(zip([l.name for l in epi.loads], refs[:n])), dict(zip([o.name for o in epi.outputs], refs[n:])))
+    loads = dict(zip([l.name for l in epi.loads], refs[:n]))
+    outs, i = {}, n
+    for o in epi.outputs:
+        k = len(splits.get(o.name, (None,)))
+        outs[o.name] = tuple(refs[i:i + k]) if o.name in splits else refs[i]
+        i += k
+    return loads, outs
 
 
 def _as_operands(a, b, shape: KernelShape):
@@ -696,7 +748,7 @@ def _simple_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ld
     a_block, b_block = _specs(shape, cfg, tm, tn)
 
     def body(a_gmem, b_gmem, *refs):
-        load_refs, out_refs = _split_refs(em.epi, refs)
+        load_refs, out_refs = _split_refs(em, refs)
 
         @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
         def _tile_loop(info: plgpu.NDLoopInfo):
@@ -775,7 +827,7 @@ def _ws_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
         )
 
     def body(a_gmem, b_gmem, *refs):
-        load_refs, out_refs = _split_refs(em.epi, refs)
+        load_refs, out_refs = _split_refs(em, refs)
         ignore = lambda *_, **__: None  # noqa: E731
 
         @functools.partial(pl.run_scoped,
@@ -898,7 +950,7 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
         return mi, ni
 
     def body(a_gmem, b_gmem, *refs):
-        load_refs, out_refs = _split_refs(em.epi, refs)
+        load_refs, out_refs = _split_refs(em, refs)
         sm = lax.axis_index("sm")
         my_tiles = lax.div(n_tiles - sm + n_programs - 1, n_programs)  # tiles sm, sm + P, ... < n_tiles
 

@@ -16,6 +16,7 @@ run 33). ``plain_gemm="pallas"`` (or the environment variable
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Mapping
@@ -25,10 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import (check_kernel_gemm, check_plain_gemm, gpu_sm_count, kernel_latency_hint,
-                               persistent_grid_sms, routes_to_xla, tiles_per_cta, with_latency_hint)
+from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, gpu_sm_count,
+                               kernel_latency_hint, persistent_grid_sms, routes_to_xla, split_columns,
+                               tiles_per_cta, with_latency_hint)
 from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, build_kernel, out_types, plan_kernel,
-                                          profile_settings, tile_grid)
+                                          profile_settings, split_outputs_fit, tile_grid)
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
@@ -134,11 +136,18 @@ class PallasLowering:
         transpose_a: bool = False,
         transpose_b: bool = False,
         out_dtypes: Mapping[str, Any] | None = None,
-    ) -> dict[str, jax.Array]:
+        out_splits: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> dict[str, Any]:
+        """See :class:`coda_jax.lowering.GemmLowering`. A split output is written as one array
+        per part where :func:`~coda_jax.pallas.gemm_epilogue.split_outputs_fit` (N a multiple
+        of the tile, part boundaries multiples of the epilogue's chunk width: 64 columns
+        always fit, and in pair mode multiples of the pair width), else written whole and
+        sliced by XLA."""
         m, n, k = check_kernel_gemm("Pallas", epilogue, a, b, loads, transpose_a, transpose_b)
+        splits = check_out_splits(epilogue, out_splits, n)
         if routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
             return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
-                                  out_dtypes=out_dtypes)
+                                  out_dtypes=out_dtypes, out_splits=splits)
         pb = epilogue.pair_block
         interpret = interpret_enabled()
         if interpret:
@@ -179,6 +188,8 @@ class PallasLowering:
                             num_sms=_grid_sms(interpret))
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
+        native = splits if splits and split_outputs_fit(epilogue, shape, cfg, splits) else {}
+        shape = dataclasses.replace(shape, out_splits=tuple(native.items()))
         shape = tile_grid(shape, cfg, tiles_per_cta())  # $CODA_JAX_TILES_PER_CTA: a grid of tiles, not SMs
         # The scheduler's estimate of the kernel ($CODA_JAX_LATENCY_HINTS), from the bytes it moves.
         hint = None if interpret else kernel_latency_hint(
@@ -193,15 +204,19 @@ class PallasLowering:
         # be traced op by op: Mosaic GPU's pipeline needs its fori_loop traced).
         with jax.disable_jit(False):
             res = kernel(a_p, b_p, *args)
-        out = {}
-        for o, v in zip(epilogue.outputs, res):
+        out, res = {}, iter(res)
+        for o in epilogue.outputs:
+            if o.name in native:
+                out[o.name] = tuple(next(res)[:m] for _ in native[o.name])
+                continue
+            v = next(res)
             if o.kind is OutputKind.TILE:
                 out[o.name] = v[:m, : epilogue.width(n, o.half)]
             elif o.kind is OutputKind.COL_SUM:
                 out[o.name] = v[:, :n]
             else:
                 out[o.name] = v[:, :m]
-        return out
+        return split_columns(out, {k: v for k, v in splits.items() if k not in native})
 
 
 PALLAS = PallasLowering()
