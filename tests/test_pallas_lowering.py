@@ -100,3 +100,18 @@ def test_latency_estimate_and_setting(monkeypatch):
     monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "maybe")
     with pytest.raises(ValueError, match="CODA_JAX_LATENCY_HINTS must be 0 or 1"):
         latency_hints_enabled()
+
+
+def test_kernel_name_says_program_layout_and_shape():
+    """A profile names each Pallas kernel by program, layout and padded GEMM shape, so the
+    step's time splits per call site (``benchmarks/step_ceiling.py`` and profiles)."""
+    import re
+
+    from coda_jax import programs
+
+    epi, (m, n, k) = programs.rms_dgrad(True), (1000, 2048, 512)  # M padded to the 128-row tile: 1024
+    a, b = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16)
+    low = PallasLowering(CONFIG_TABLE["default"])
+    f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True))
+    txt = f.trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r"coda_[a-z_]+_n[nt]_\d+x\d+x\d+", txt)) == {f"coda_{epi.name}_nt_1024x2048x512"}

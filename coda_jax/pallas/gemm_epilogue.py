@@ -652,7 +652,10 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
         body = _ring_body(emitter, shape, cfg, ldt)
     else:
         body = _ws_body(emitter, shape, cfg, ldt) if ws else _simple_body(emitter, shape, cfg, ldt)
-    body.__name__ = body.__qualname__ = f"coda_{epi.name}"  # the kernel's name in profiles
+    # The kernel's name in profiles: program, layout and (padded) GEMM shape, so a profile
+    # splits a program's time per call site (e.g. rms_dgrad_res: the MLP's and the QKV's dgrad).
+    layout = ("t" if shape.transpose_a else "n") + ("t" if shape.transpose_b else "n")
+    body.__name__ = body.__qualname__ = f"coda_{epi.name}_{layout}_{shape.m}x{shape.n}x{shape.k}"
     cluster = _cluster_size(cfg)
     return plgpu.kernel(
         body,
