@@ -59,13 +59,15 @@ def _kernel_outputs(fn, *args) -> int:
     return found[0]
 
 
-@pytest.mark.parametrize("splits,native", [((128, 64, 64), True), ((96, 160), True), ((120, 136), False)],
-                         ids=["qkv", "two", "unaligned"])
+@pytest.mark.parametrize("splits,native", [((128, 64, 64), True), ((96, 160), True), ((120, 136), False),
+                                           ((192, 64, 64), False)],
+                         ids=["qkv", "two", "unaligned", "n_padded"])
 def test_pallas_parts_are_the_whole_outputs_columns(_interpret, splits, native):
     """The parts equal the unsplit output's columns bit for bit; aligned boundaries are
-    written by the kernel as separate arrays (3 or 2 outputs), an unaligned one (120, not a
-    multiple of the 16- or 32-column chunk) falls back to one output sliced by XLA."""
-    m, n, k = 128, 256, 128
+    written by the kernel as separate arrays (3 or 2 outputs). An unaligned one (120, not a
+    multiple of the 16- or 32-column chunk), or N = 320 padded to the 128-column tile, falls
+    back to one output sliced by XLA."""
+    m, n, k = 128, sum(splits), 128
     a, b, loads = _operands(ROPE, m, n, k)
     low = PallasLowering(SMALL)
     whole = low.gemm(ROPE, a, b, loads)["qkv"]
