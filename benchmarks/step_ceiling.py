@@ -25,11 +25,17 @@ time ``T_plain``) a kernel backend's run is bounded by
 the first if every fused GEMM cost what cuBLAS's GEMM costs and no other pass were left,
 the second with the run's other passes as they are. Attention, optimizer and casts are the
 run's own. Ratios here are of device time (summed kernel durations), not tokens/s.
+
+Below each table, the fused GEMMs per call site: a Pallas kernel is named
+``coda_<program>_<layout>_<M>x<N>x<K>`` (padded sizes), so each line gives one GEMM's
+launches per step (recorded by ``train_step_bench.py --profile`` after run 214; earlier
+profiles show dashes), its time per launch and its rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from summarize import load
@@ -67,6 +73,30 @@ def split_run(profile: dict) -> dict[str, float]:
     }
 
 
+_FUSED_NAME = re.compile(r"^coda_(?P<program>.+)_(?P<layout>[nt]{2})_(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)")
+
+
+def fused_calls(profile: dict) -> list[dict]:
+    """The profile's Pallas kernels named by call site (see the module docstring), heaviest
+    first: program, layout, ``(m, n, k)``, ms per step, launches per step (None in profiles
+    that did not record them), ms per launch and TFLOP/s (``2 m n k`` per launch)."""
+    calls = profile.get("kernel_calls", {})
+    out = []
+    for name, ms in profile.get("top_kernels", []):
+        hit = _FUSED_NAME.match(name)
+        if hit is None:
+            continue
+        m, n, k = (int(hit[x]) for x in "mnk")
+        c = calls.get(name)
+        row = {"program": hit["program"], "layout": hit["layout"], "shape": (m, n, k), "ms": ms, "calls": c,
+               "ms_per_call": None, "tflops": None}
+        if c:
+            row["ms_per_call"] = ms / c
+            row["tflops"] = 2 * m * n * k * c / (ms * 1e-3) / 1e12
+        out.append(row)
+    return out
+
+
 def ceilings(plain: dict[str, float], run: dict[str, float]) -> dict[str, float]:
     """Device-time ratios to plain JAX: ``now``, ``cublas_speed`` and ``free_fusion``."""
     fixed = plain["gemms"] + run["attention"] + run["optimizer"] + run["casts"]
@@ -99,6 +129,17 @@ def report(steps: dict[str, list[dict]]) -> str:
         if not all(s["named"] for _, s in prof):
             out.append("\n(no kernel of the `optimizer` scope was found in a run: a profile from before "
                        "the scope was named counts the optimizer as other passes)")
+        for r in runs:
+            rows = fused_calls(r.get("profile") or {})
+            if not rows:
+                continue
+            fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+            out += ["", f"{r['run']}: fused GEMMs by call site", "",
+                    "| program | layout | M x N x K | ms a step | launches a step | ms a launch | TFLOP/s |",
+                    "|---|---|---|---|---|---|---|"]
+            out += [f"| {x['program']} | {x['layout']} | {'x'.join(map(str, x['shape']))} | {x['ms']:.3f} | "
+                    f"{fmt(x['calls'], 'g')} | {fmt(x['ms_per_call'], '.3f')} | {fmt(x['tflops'], '.0f')} |"
+                    for x in rows]
         out.append("")
     return "\n".join(out)
 

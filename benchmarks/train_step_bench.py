@@ -199,8 +199,9 @@ def step_profile(compiled, state, inputs, targets, steps: int):
     summary["by_class"] = dict(sorted(m["by_class"].items()))
     if "collectives" in m:
         summary["collectives"] = m["collectives"]
-    summary["top_kernels"] = sorted(([k[:100], round(ms, 3)] for k, ms in m["by_kernel"].items()),
-                                    key=lambda kv: -kv[1])[:int(os.environ.get("STEP_PROFILE_TOP", "15"))]
+    top = sorted(m["by_kernel"].items(), key=lambda kv: -kv[1])[:int(os.environ.get("STEP_PROFILE_TOP", "15"))]
+    summary["top_kernels"] = [[k[:100], round(ms, 3)] for k, ms in top]
+    summary["kernel_calls"] = {k[:100]: round(m["calls"][k], 3) for k, _ in top}  # launches per step
     return box[0], summary
 
 

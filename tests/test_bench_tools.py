@@ -263,7 +263,7 @@ def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_p
     prof = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "2",
                      "--rounds", "1", "--runs", "xla", "--profile"])
     assert set(prof[0]["profile"]) == {"device_ms", "busy_ms", "overlap_ms", "idle_ms", "by_class", "top_kernels",
-                                         "fusions"}
+                                         "kernel_calls", "fusions"}
     # JAX_ENABLE_PGLE=1: the step called through jit dispatch (profiled runs, then compiled
     # again); the PGLE settings are JAX's again afterwards.
     before = jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs
@@ -635,3 +635,25 @@ def test_step_ceiling_splits_a_profile_and_bounds_the_ratio():
     text = sc.report(steps)
     assert "| pallas | 118.00 | 90.00 | 10.00 | 12.00 | 3.00 | 3.00 | 1.059x | 1.157x | 1.190x |" in text
     assert "no kernel of the `optimizer` scope" not in text
+
+
+def test_step_ceiling_lists_fused_gemms_by_call_site():
+    """step_ceiling.py: Pallas kernels named ``coda_<program>_<layout>_<M>x<N>x<K>`` become
+    one line each, with launches, ms per launch and TFLOP/s; other kernels are not listed,
+    and a profile without launch counts gives dashes."""
+    import step_ceiling as sc
+
+    name = "coda_swiglu_dgrad_nt_8192x8192x2048_mosaic_gpu_kernel"
+    prof = {"top_kernels": [[name, 8.0], ["nvjet_sm90_tst_128x256", 5.0], ["coda_rms_rope_nn_64x128x64", 1.0]],
+            "kernel_calls": {name: 16.0, "nvjet_sm90_tst_128x256": 3.0}}
+    rows = sc.fused_calls(prof)
+    assert [(r["program"], r["layout"], r["shape"]) for r in rows] == [
+        ("swiglu_dgrad", "nt", (8192, 8192, 2048)), ("rms_rope", "nn", (64, 128, 64))]
+    assert rows[0]["ms_per_call"] == pytest.approx(0.5)
+    assert rows[0]["tflops"] == pytest.approx(2 * 8192 * 8192 * 2048 * 16 / 8e-3 / 1e12)
+    assert rows[1]["calls"] is None and rows[1]["tflops"] is None
+    plain = {"device_ms": 10.0, "by_class": {"gemm": 10.0}, "top_kernels": []}
+    text = sc.report({"1b": [{"run": "plain", "profile": plain},
+                             {"run": "pallas", "profile": {"device_ms": 9.0, "by_class": {"coda": 9.0}, **prof}}]})
+    assert "| swiglu_dgrad | nt | 8192x8192x2048 | 8.000 | 16 | 0.500 | 550 |" in text
+    assert "| rms_rope | nn | 64x128x64 | 1.000 | - | - | - |" in text
