@@ -254,8 +254,11 @@ def test_swiglu_mlp_op_on_gpu():
     _op_parity(fn, (x, g, wgu, wd, g2), (0, 1, 2, 3))
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_op_on_gpu(qk_norm):
+@pytest.mark.parametrize("qk_norm,split_qkv", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "qk_norm", "split_qkv"])
+def test_rope_op_on_gpu(qk_norm, split_qkv):
+    """``split_qkv``: (q, k, v) as the block takes them (CuTeDSL slices its one output),
+    compared side by side."""
     r = Inputs(jax.random.key(2))
     hd, heads, kv = 128, 16, 4
     n = (heads + 2 * kv) * hd
@@ -263,6 +266,10 @@ def test_rope_op_on_gpu(qk_norm):
     pos = r.ints((M,), 4096)
     inv = jnp.asarray(cj.rope_inv_freq(hd, 500000.0, cj.Llama3RopeScaling()))
     kw = dict(num_heads=heads, num_kv_heads=kv)
+    if split_qkv:
+        _op_parity(lambda b, x, g, w: jnp.concatenate(
+            cj.rms_norm_matmul_rope(x, g, w, pos, inv, backend=b, split_qkv=True, **kw), axis=1), (x, g, w), (0, 1, 2))
+        return
     if qk_norm:
         qn, kn = r.normal((hd,), BF, 0.1, 1.0), r.normal((hd,), BF, 0.1, 1.0)
         _op_parity(lambda b, x, g, w, qn, kn: cj.rms_norm_matmul_rope(x, g, w, pos, inv, q_norm=qn, k_norm=kn,
