@@ -233,8 +233,8 @@ def test_kernel_cache_runs_the_same_kernels_on_gpu(tmp_path, workers):
 @pytest.mark.parametrize("cfg", ["warp_specialized", "ws_pingpong", "ws_ring", "ws_direct", "ws_pingpong_turns_deep",
                                  None], ids=lambda c: c or "default")
 def test_split_qkv_outputs_on_gpu(cfg):
-    """``out_splits`` (tests/test_split_outputs.py) compiled: the 1B model's QKV layout (16
-    query heads, 4 KV heads, head_dim 128) written as three arrays, equal bit for bit to the
+    """``out_splits`` (tests/test_split_outputs.py) compiled: the 1B model's QKV column
+    widths (2048, 512, 512), here as 16 query and 4 KV heads of head_dim 128, written as three arrays, equal bit for bit to the
     unsplit output's columns, and no part left unwritten (poisoned allocator)."""
     import jax
 

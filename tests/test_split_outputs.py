@@ -114,8 +114,8 @@ CUDA_CONFIGS = {
 
 @pytest.mark.parametrize("cfg", list(CUDA_CONFIGS))
 def test_split_kernel_lowers_for_cuda(cfg):
-    """The 1B model's QKV layout (16 query heads, 4 KV heads, head_dim 128): the kernel
-    lowers with three outputs under every schedule."""
+    """The 1B model's QKV column widths (2048, 512, 512), here as 16 query and 4 KV heads of
+    head_dim 128: the kernel lowers with three outputs under every schedule."""
     epi = programs.rms_rope(64, None, False)
     m, n, k = 1024, 3072, 512
     a, b = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
