@@ -165,9 +165,9 @@ def epilogue_sweep(args, record):
     names = args.variants.split(",") if args.variants else ["default", "wide_chunks", "regs_64", "swizzled"]
     progs, r, d = block_programs()
     only = set(args.programs.split(",")) if args.programs else None
-    names = [p[0] for p in progs]
-    if only and only - set(names):
-        raise SystemExit(f"--programs: unknown {sorted(only - set(names))}; one of {names}")
+    known = [p[0] for p in progs]
+    if only and only - set(known):
+        raise SystemExit(f"--programs: unknown {sorted(only - set(known))}; one of {known}")
     for name, epi, (k, n), ta, tb, loads in progs:
         if only is not None and name not in only:
             continue

@@ -608,6 +608,27 @@ def test_tune_sweep_programs_get_the_loads_they_declare():
         assert set(loads) == declared, (name, sorted(loads), sorted(declared))
 
 
+def test_tune_epilogue_sweep_times_the_variants_it_is_given(monkeypatch):
+    """The sweep's loop runs each program (and its identity GEMM) under each --variants
+    entry; its --programs check once reused the variants' name for the program list, and the
+    loop then looked programs up as variants (KeyError)."""
+    import argparse
+
+    import tune
+
+    timed = []
+    monkeypatch.setattr(tune, "M", 256)
+    small = tune.block_programs
+    monkeypatch.setattr(tune, "block_programs", lambda: small(m=256))
+    monkeypatch.setattr(tune, "_time_program", lambda row, *a: timed.append((row["program"], row["variant"])) or row)
+    args = argparse.Namespace(variants="default,swizzled", programs="swiglu_dgrad", iters=1)
+    tune.epilogue_sweep(args, lambda row: row)
+    assert timed == [("identity", "default"), ("identity", "swizzled"),
+                     ("swiglu_dgrad", "default"), ("swiglu_dgrad", "swizzled")]
+    with pytest.raises(SystemExit, match="unknown"):
+        tune.epilogue_sweep(argparse.Namespace(variants="default", programs="nope", iters=1), lambda row: row)
+
+
 def test_step_ceiling_splits_a_profile_and_bounds_the_ratio():
     """step_ceiling.py: the optimizer's kernels (its named scope), the parameter casts and the
     other passes of a profiled step, and the device-time bounds against plain JAX."""
