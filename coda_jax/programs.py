@@ -173,7 +173,7 @@ RMS_LSE_LOGITS = E.Epilogue(
     uses_col_index=True,
 )
 """LM head when the logits fit in memory: :data:`RMS_LSE` that also writes the logits tile, so
-the backward reads them instead of recomputing the GEMM (:func:`ce_dlogits_from_logits`)."""
+the backward reads them instead of recomputing the GEMM (:func:`ce_grad_from_logits`)."""
 
 
 
@@ -287,16 +287,16 @@ CE_GRAD = E.Epilogue(
 dlogits = (softmax * (1 + 2 z lse) - onehot) * dloss_row, from the saved LSE."""
 
 
-def ce_dlogits_from_logits(logits, col_index, target, lse, gscale, zcoef):
-    """``dlogits [M, V]`` float32 from saved logits, elementwise.
+def ce_grad_from_logits(logits, col_index, target, lse, gscale, zcoef):
+    """``dlogits`` and the final norm's row term from saved logits, elementwise (float32).
 
-    The ``dlogits`` of :data:`CE_GRAD`'s epilogue, on logits that were kept instead of
-    recomputed: ``dlogits = (softmax * zcoef - onehot) * gscale``. Shapes: ``logits [M, V]``,
-    ``col_index [1, V]`` int, row vectors ``[M, 1]``. (The epilogue's other output, the row
-    term ``sum_V(logits * dlogits)``, is cheaper from ``g_h = dlogits @ W``; see
-    :mod:`coda_jax.ops.linear_cross_entropy`.)
+    The math of :data:`CE_GRAD`'s epilogue, on logits that were kept instead of recomputed:
+    ``dlogits = (softmax * zcoef - onehot) * gscale`` and ``zdz = sum_V(logits * dlogits)``.
+    Shapes: ``logits [M, V]``, ``col_index [1, V]`` int, row vectors ``[M, 1]``.
     """
-    return _dlogits(logits.astype(jnp.float32), col_index, target, lse, gscale, zcoef)
+    lf = logits.astype(jnp.float32)
+    dlogits = _dlogits(lf, col_index, target, lse, gscale, zcoef)
+    return dlogits, jnp.sum(lf * dlogits, axis=-1)
 
 
 def _accumulate_body(acc, ctx, prev):

@@ -14,8 +14,8 @@ backward ``dx = dres + rstd*(gamma*g_h - x_hat*zdz)`` closes it.
 
 When the logits fit a memory budget (``save_logits``, automatic by default) the forward's
 epilogue also writes them (:data:`~coda_jax.programs.RMS_LSE_LOGITS`), and the backward is
-one elementwise pass (``dlogits`` from the saved logits, fused by XLA) and two plain GEMMs
-(the norm's row term ``zdz`` then comes from ``g_h``, a row sum over ``d``), with no second LM-head GEMM: the recompute path trades that GEMM (a third of
+one elementwise pass (``dlogits`` and ``zdz`` from the saved logits, fused by XLA) and two
+plain GEMMs, with no second LM-head GEMM: the recompute path trades that GEMM (a third of
 the op's FLOPs) for memory, which pays only when memory is short.
 """
 
@@ -154,11 +154,10 @@ def _row_losses_bwd(lowering, eps, z_loss, save, logits_dtype, vocab_axis, res, 
     valid = (targets >= 0) & (targets < v)
     loads = {"rstd": rstd, "lse": lse, "gscale": jnp.where(valid, dloss, 0.0).astype(jnp.float32),
              "zcoef": 1.0 + 2.0 * z_loss * lse}
-    xgf = x.astype(jnp.float32) * rstd[:, None] * gamma.astype(jnp.float32)  # x_hat * gamma
-    xg = xgf.astype(w.dtype)
+    xg = (x.astype(jnp.float32) * rstd[:, None] * gamma.astype(jnp.float32)).astype(w.dtype)  # x_hat * gamma
     local = targets - offset  # this shard's column of each target (none if elsewhere)
     if save:
-        g_h, zdz, dw = _grads_from_logits(lowering, logits, w, xg, local, loads, xgf)
+        g_h, zdz, dw = _grads_from_logits(lowering, logits, w, xg, local, loads)
     else:
         g_h, zdz, dw = _grads_by_recompute(lowering, h, w, xg, local, loads)
     # Final RMSNorm backward (zdz = sum_V(logits * dlogits) / d), elementwise over [M, d].
@@ -173,23 +172,15 @@ def _row_losses_bwd(lowering, eps, z_loss, save, logits_dtype, vocab_axis, res, 
             None)
 
 
-def _grads_from_logits(lowering, logits, w, xg, targets, loads, xgf):
-    """``(g_h [M, d] f32, zdz [M] f32, dW [V, d])`` from the saved ``[M, V]`` logits.
-
-    ``zdz = sum_V(logits * dlogits)`` comes from ``g_h`` instead of the logits: with
-    ``logits = xg @ W^T`` (``xg = x_hat * gamma``, ``xgf [M, d]`` in float32),
-    ``sum_V(logits * dlogits) = sum_d(xg * (dlogits @ W)) = sum_d(xgf * g_h)``, a row sum over
-    ``d`` columns instead of ``V``. The ``dlogits`` pass is then purely elementwise (one read
-    of the logits, one write), where a row reduction beside it made XLA emit a multi-output
-    reduction fusion at about two thirds of the bandwidth (run 213: 2.06 ms at the 1B shape).
-    """
+def _grads_from_logits(lowering, logits, w, xg, targets, loads):
+    """``(g_h [M, d] f32, zdz [M] f32, dW [V, d])`` from the saved ``[M, V]`` logits."""
     col = jnp.arange(w.shape[0], dtype=jnp.int32)[None, :]
-    dlog = programs.ce_dlogits_from_logits(logits, col, targets[:, None], loads["lse"][:, None],
-                                           loads["gscale"][:, None], loads["zcoef"][:, None])
+    dlog, zdz = programs.ce_grad_from_logits(logits, col, targets[:, None], loads["lse"][:, None],
+                                             loads["gscale"][:, None], loads["zcoef"][:, None])
     dlog = dlog.astype(w.dtype)
     g_h = lowering.gemm(programs.IDENTITY, dlog, w, {}, out_dtypes={"out": jnp.float32})["out"]
     dw = lowering.gemm(programs.IDENTITY, dlog, xg, {}, transpose_a=True, out_dtypes={"out": w.dtype})["out"]
-    return g_h, jnp.sum(xgf * g_h, axis=-1), dw
+    return g_h, zdz, dw
 
 
 def _grads_by_recompute(lowering, h, w, xg, targets, loads):
