@@ -17,6 +17,11 @@ bf16 GEMM) and the JAX-shipped Hopper matmul (``hopper_matmul_mgpu``, forward la
 in one process. Prints one ``MAINLOOP`` line per measurement and the best variant per case;
 copy the winner into ``coda_jax/pallas/tuning.py``'s ``CONFIG_TABLE``.
 
+``--heat S`` (with ``--model``): each candidate is called back to back for ``S`` seconds before
+it is timed (:func:`coda_jax.pallas.autotune.sustained_kernel_ms`), at the power-capped SM
+clock of a training step instead of the idle GPU's full clock; ``HEAT`` lines give both
+times and the clock. ``--programs`` limits the sweep to those epilogues.
+
 ``--epilogue-sweep``: the block's fused GEMMs at d=2048 (forward, dgrad and wgrad programs
 at their real shapes) under epilogue variants (chunk register budget, load slots, swizzled
 staging), each next to the identity GEMM of the same shape.
@@ -289,12 +294,18 @@ def model_sweep(args, out: Path):
     table = json.loads(table_path.read_text()) if table_path.exists() else None
     rows = json.loads(Path(args.resume).read_text()) if args.resume else []  # calls measured before: not again
     names = args.variants.split(",") if args.variants else None
+    log = functools.partial(print, flush=True)
+    # --heat: every candidate timed at the power-capped clock of a training step
+    timer = functools.partial(at.sustained_kernel_ms, heat_s=args.heat, log=log) if args.heat else at.kernel_ms
     for spec in args.model:
         step, step_args = model_step(spec)
         new = at.autotune(step, *step_args, names=names, iters=2 * args.iters, budget_s=args.budget,
-                          rows=rows, log=lambda s: print(s, flush=True),
+                          rows=rows, log=log, timer=timer,
                           incumbent=at.incumbents(table) if args.with_incumbents else None,
-                          skip_programs=tuple(p for p in args.skip_programs.split(",") if p))
+                          skip_programs=tuple(p for p in args.skip_programs.split(",") if p),
+                          only_programs=tuple(p for p in args.programs.split(",") if p))
+        if args.heat:
+            new["heat_s"] = args.heat
         table = at.merge_tables(table, new)
         at.write_table(table, out / "tuned_h100.json", merge=False)
         (out / "tune_model.json").write_text(json.dumps(rows, indent=1))
@@ -309,7 +320,10 @@ def main():
     ap.add_argument("--out", default="tune_out")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--epilogue-sweep", action="store_true", help="the block's fused GEMMs under epilogue variants")
-    ap.add_argument("--programs", default="", help="--epilogue-sweep: only these programs (comma-separated names)")
+    ap.add_argument("--programs", default="", help="--epilogue-sweep, --model: only these programs (comma-separated names)")
+    ap.add_argument("--heat", type=float, default=0.0,
+                    help="--model: call each candidate back to back for this many seconds before timing it, so it "
+                         "is timed at the power-capped clock a training step runs at (0: timed from idle)")
     ap.add_argument("--mainloop", action="store_true", help="identity GEMM: tile order / cluster variants vs cuBLAS")
     ap.add_argument("--plain", action="store_true", help="the block's plain backward GEMMs: cuBLAS vs the kernel")
     ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for --mainloop / --epilogue-sweep "

@@ -363,3 +363,36 @@ def test_autotune_measures_each_gemms_incumbent_beside_the_sweep(monkeypatch):
                       skip_programs=("rms_lse",))
     assert measured == [((8, 8, 8), ["pingpong", "slots3"]), ((16, 8, 8), ["slots3"])]
     assert [(e["m"], e["candidate"]) for e in out["entries"]] == [(8, "pingpong"), (16, "slots3")]
+
+
+def test_sustained_timer_heats_before_timing(monkeypatch):
+    """``sustained_kernel_ms`` calls the kernel back to back for ``heat_s`` seconds, then
+    returns the CUPTI timer's reading taken after the heat; with ``log`` it also reports the
+    burst time taken before the heat and the clock."""
+    import time as _time
+
+    events = []
+    readings = iter([0.50, 0.60])  # burst (cool GPU), then sustained (power-capped)
+
+    def fake_kernel_ms(fn, *args, iters):
+        events.append(("timed", iters))
+        return next(readings)
+
+    def kernel(x):
+        events.append("call")
+        return x
+
+    monkeypatch.setattr(at, "kernel_ms", fake_kernel_ms)
+    monkeypatch.setattr(at, "_gpu_clock", lambda: "1500 MHz, 699.00 W")
+    lines = []
+    t = _time.perf_counter()
+    ms = at.sustained_kernel_ms(kernel, jnp.ones(4), iters=7, heat_s=0.05, log=lines.append)
+    assert _time.perf_counter() - t >= 0.05
+    assert ms == 0.60
+    assert events[0] == ("timed", 7) and events[-1] == ("timed", 7)
+    assert events[1:-1] and all(e == "call" for e in events[1:-1])  # the heat, between the two timings
+    assert lines == ["HEAT burst 0.5000 ms, sustained 0.6000 ms (0.833x), 1500 MHz, 699.00 W"]
+    events.clear()
+    readings = iter([0.70])
+    assert at.sustained_kernel_ms(kernel, jnp.ones(4), iters=3, heat_s=0.0) == 0.70  # no log: no burst timing
+    assert events == [("timed", 3)] or events == ["call", ("timed", 3)]

@@ -181,6 +181,43 @@ def kernel_ms(fn: Callable, *args, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def sustained_kernel_ms(fn: Callable, *args, iters: int = 20, heat_s: float = 1.5,
+                        log: Callable[[str], None] | None = None) -> float:
+    """:func:`kernel_ms` at the clock a training step runs at: ``fn`` is first called back to
+    back for ``heat_s`` seconds, so that the GPU reaches its power limit, then timed.
+
+    A training step keeps an H100 at its power cap (700 W on the SXM part), where the SM clock
+    falls from 1980 MHz to 1.2-1.8 GHz (RESULTS.md, run 216); a kernel timed in a short burst
+    after idle runs at the full clock. Which configuration is fastest can differ between the
+    two, because configurations differ in energy per tile (L2 and SMEM traffic, CTA-pair
+    multicast), not only in cycles. ``log``: if given, also receives the burst time, the
+    sustained time and the SM clock / power read right after (``nvidia-smi``)."""
+    burst = kernel_ms(fn, *args, iters=iters) if log else None
+    t_end = time.perf_counter() + heat_s
+    n = 0
+    while time.perf_counter() < t_end:
+        out = fn(*args)
+        n += 1
+        if n % 16 == 0:  # keep the queue short: the heat must be over when the timing starts
+            jax.block_until_ready(out)
+    ms = kernel_ms(fn, *args, iters=iters)
+    if log:
+        log(f"HEAT burst {burst:.4f} ms, sustained {ms:.4f} ms ({burst / ms:.3f}x), {_gpu_clock()}")
+    return ms
+
+
+def _gpu_clock() -> str:
+    """The SM clock and power of GPU 0 now, from ``nvidia-smi`` (or why not)."""
+    import subprocess
+
+    try:
+        r = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() or r.stderr.strip()[:80]
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"no nvidia-smi ({type(e).__name__})"
+
+
 def combined(epi: Epilogue, outs: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """The outputs with their per-tile partials combined (row / column sums summed, tile
     log-sum-exps merged): partials have one row per tile, so their shapes depend on the
@@ -285,7 +322,8 @@ def incumbents(table: dict[str, Any] | None) -> dict[tuple, str]:
 def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,
              min_gain: float = 0.02, budget_s: float | None = None, rows: list | None = None,
              log: Callable[[str], None] = print, timer: Callable[..., float] = kernel_ms,
-             incumbent: dict[tuple, str] | None = None, skip_programs: tuple[str, ...] = ()) -> dict[str, Any]:
+             incumbent: dict[tuple, str] | None = None, skip_programs: tuple[str, ...] = (),
+             only_programs: tuple[str, ...] = ()) -> dict[str, Any]:
     """A tuned table (the JSON object of :mod:`coda_jax.pallas.tuned`) for ``fn(*args)``'s
     kernel calls on the current GPU. ``budget_s``: stop starting new calls after that many
     seconds (the table then holds the calls tuned so far). ``rows``: a list that receives
@@ -293,11 +331,18 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     wanted candidate is not measured again, and its winner enters the table.
     ``incumbent``: {GEMM key: candidate} (:func:`incumbents` of the table in use), each
     measured beside ``names`` for its GEMM, so that the table entry written is the best of
-    both. ``skip_programs``: epilogue names whose calls are left out (and out of the table)."""
+    both. ``skip_programs``: epilogue names whose calls are left out (and out of the table);
+    ``only_programs``: if given, only calls of these epilogues are tuned."""
     dev = jax.devices()[0]
     if dev.platform != "gpu":
         raise RuntimeError(f"autotune times kernels on a GPU; the default device is {dev.platform!r}")
-    calls = [c for c in kernel_calls(fn, *args) if c.epilogue.name not in skip_programs]
+    all_calls = kernel_calls(fn, *args)
+    unknown = set(only_programs) - {c.epilogue.name for c in all_calls}
+    if unknown:
+        raise ValueError(f"only_programs: {sorted(unknown)} make no kernel call here; the calls' programs are "
+                         f"{sorted({c.epilogue.name for c in all_calls})}")
+    calls = [c for c in all_calls if c.epilogue.name not in skip_programs
+             and (not only_programs or c.epilogue.name in only_programs)]
     incumbent = incumbent or {}
     rows = [] if rows is None else rows
     done = {row_key(r): r for r in rows}
