@@ -83,16 +83,6 @@ def partial_sum_dtype(out_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32 if choice == "float32" else out_dtype)
 
 
-WGRAD_PSUM_ENV = "CODA_JAX_WGRAD_PSUM_INSIDE"
-
-
-def wgrad_psum_inside() -> bool:
-    """``$CODA_JAX_WGRAD_PSUM_INSIDE=1`` (an experiment, off by default): under data
-    parallelism (no FSDP axis) a wgrad kernel's partial sums are all-reduced by a ``psum``
-    inside its ``shard_map``, next to the kernel, instead of summed by XLA outside it."""
-    return os.environ.get(WGRAD_PSUM_ENV, "0") == "1"
-
-
 def _sum_shards(v: jax.Array) -> jax.Array:
     """Sum over the leading shard axis in ``v``'s own dtype (``jnp.sum`` would upcast a
     16-bit array to float32 first, and the all-reduce would then move float32). The
@@ -189,24 +179,13 @@ class PartitionedLowering:
             dtypes = {o.name: jnp.dtype((out_dtypes or {}).get(o.name) or o.dtype or a.dtype) for o in epilogue.outputs}
             partial = {name: partial_sum_dtype(dt) for name, dt in dtypes.items()}
 
-            in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),
-                        {name: P() for name in loads})
-            if FSDP_AXIS not in axes and wgrad_psum_inside():
-                # Data parallel, opt-in: the all-reduce inside the shard_map, right after the kernel.
-                def summed(a, b, l):
-                    outs = self.inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b,
-                                           out_dtypes=partial, out_splits=out_splits)
-                    return jax.tree.map(lambda v: lax.psum(v, tok), outs)
-
-                whole = split_specs({o.name: P(None, None) for o in epilogue.outputs})
-                outs = shard_map_over(mesh, summed, in_specs, whole, a, b, loads)
-                return {k: jax.tree.map(lambda v, k=k: v.astype(dtypes[k]), v) for k, v in outs.items()}
-
             def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis
                 outs = self.inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b,
                                        out_dtypes=partial, out_splits=out_splits)
                 return jax.tree.map(lambda v: v[None], outs)
 
+            in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),
+                        {name: P() for name in loads})
             out_specs = split_specs({o.name: P(tok, None, None) for o in epilogue.outputs})
             partials = shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
             # The sum over shards is left to XLA (an all-reduce, or a reduce-scatter where the
