@@ -187,10 +187,11 @@ def sustained_kernel_ms(fn: Callable, *args, iters: int = 20, heat_s: float = 1.
     back for ``heat_s`` seconds, so that the GPU reaches its power limit, then timed.
 
     A training step keeps an H100 at its power cap (700 W on the SXM part), where the SM clock
-    falls from 1980 MHz to 1.2-1.8 GHz (RESULTS.md, run 216); a kernel timed in a short burst
-    after idle runs at the full clock. Which configuration is fastest can differ between the
-    two, because configurations differ in energy per tile (L2 and SMEM traffic, CTA-pair
-    multicast), not only in cycles. ``log``: if given, also receives the burst time, the
+    falls from 1980 MHz to about 1.5 GHz (median 1545 MHz in RESULTS.md, run 216); a kernel
+    timed in a short burst after idle runs at the full clock. Configurations differ in energy
+    per tile (L2 and SMEM traffic, CTA-pair multicast), not only in cycles, so the fastest can
+    differ between the two (run 217 picked 3 of 8 entries differently; in the step that gained
+    0.3 ms, inside the noise, run 218). ``log``: if given, also receives the burst time, the
     sustained time and the SM clock / power read right after (``nvidia-smi``)."""
     burst = kernel_ms(fn, *args, iters=iters) if log else None
     t_end = time.perf_counter() + heat_s
