@@ -45,6 +45,7 @@ for p in (ROOT / "examples", ROOT, ROOT / "benchmarks"):
 
 import train_llama  # noqa: E402
 from bench import environment  # noqa: E402
+from gpu_clock import ClockSampler  # noqa: E402
 from hlo_schedule import collective_windows, window_summary  # noqa: E402
 from plain_llama import PlainLlama  # noqa: E402
 
@@ -271,12 +272,16 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             state, loss = compiled(state, inputs, targets)
         jax.block_until_ready(loss)
         per_round = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            for _ in range(steps):
-                state, loss = compiled(state, inputs, targets)
-            jax.block_until_ready(loss)
-            per_round.append((time.perf_counter() - t) / steps * 1e3)
+        with ClockSampler() as clock:  # the GPUs' clock and power over the timed rounds
+            for _ in range(rounds):
+                t = time.perf_counter()
+                for _ in range(steps):
+                    state, loss = compiled(state, inputs, targets)
+                jax.block_until_ready(loss)
+                per_round.append((time.perf_counter() - t) / steps * 1e3)
+        if clock.summary:
+            print(f"CLOCK {spec}: SM {clock.summary['sm_clock_mhz']:.0f} MHz, {clock.summary['power_w']:.0f} W "
+                  f"(medians of {clock.summary['samples']} samples over the timed rounds)", flush=True)
         prof = None
         if profile:
             state, prof = step_profile(compiled, state, inputs, targets, steps)
@@ -305,6 +310,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             # the HLO of each (first 20), to tell a gathered kernel operand from an index vector
             "activation_gather_lines": gather_lines[:20], **({"collective_windows": schedule} if schedule else {}),
             **({"pgle_profile": pgle_info} if pgle_info else {}),
+            **({"clock": clock.summary} if clock.summary else {}),
             **({"profile": prof} if prof else {})}
 
 
@@ -325,13 +331,15 @@ def table(rows: list[dict], title: str) -> str:
         lines += [f"plain runs: {', '.join(f'{p:,.0f}' for p in plain)} tokens/s "
                   f"(spread {100 * (max(plain) - min(plain)) / base:.1f} %)", ""]
     lines += ["| run | ms/step | tokens/s | tokens/s per device | vs plain JAX | compile s | compile + first step s | "
-              "temp GiB | activation all-gathers | loss step 1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "temp GiB | activation all-gathers | loss step 1 | SM MHz / W (medians) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         x = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
         nd = r.get("devices", 1)
+        clk = f"{c['sm_clock_mhz']:.0f} / {c['power_w']:.0f}" if (c := r.get("clock")) else "-"
         lines.append(f"| {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / nd:,.0f} | "
                      f"{x} | {r['compile_s']:.1f} | {r['first_step_s']:.1f} | {r['temp_gib']:.1f} | "
-                     f"{r.get('activation_all_gathers', 0)} | {r['first_loss']:.4f} |")
+                     f"{r.get('activation_all_gathers', 0)} | {r['first_loss']:.4f} | {clk} |")
     return "\n".join(lines)
 
 

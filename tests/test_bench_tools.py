@@ -678,3 +678,19 @@ def test_step_ceiling_lists_fused_gemms_by_call_site():
                              {"run": "pallas", "profile": {"device_ms": 9.0, "by_class": {"coda": 9.0}, **prof}}]})
     assert "| swiglu_dgrad | nt | 8192x8192x2048 | 8.000 | 16 | 0.500 | 550 |" in text
     assert "| rms_rope | nn | 64x128x64 | 1.000 | - | - | - |" in text
+
+
+def test_clock_sampler_parses_nvidia_smi_and_is_silent_without_it(monkeypatch):
+    """``gpu_clock``: medians of nvidia-smi's ``MHz, W`` lines (other lines skipped); on a
+    machine without nvidia-smi the sampler runs its block and reports nothing."""
+    import gpu_clock
+
+    samples = gpu_clock.parse_samples("1545, 694.12\n1980, 120.5\n[N/A], 70.1\n\n1500, 699.90\n")
+    assert samples == [(1545.0, 694.12), (1980.0, 120.5), (1500.0, 699.9)]
+    assert gpu_clock.summarize(samples) == {"sm_clock_mhz": 1545.0, "power_w": 694.1, "samples": 3}
+    assert gpu_clock.summarize([]) is None
+    monkeypatch.setattr(gpu_clock.shutil, "which", lambda name: None)
+    ran = []
+    with gpu_clock.ClockSampler() as clock:
+        ran.append(1)
+    assert ran == [1] and clock.summary is None
