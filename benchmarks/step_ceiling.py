@@ -26,6 +26,11 @@ the first if every fused GEMM cost what cuBLAS's GEMM costs and no other pass we
 the second with the run's other passes as they are. Attention, optimizer and casts are the
 run's own. Ratios here are of device time (summed kernel durations), not tokens/s.
 
+Both bounds keep every kernel's measured duration. On a GPU held at its power cap (an H100
+in a training step) that is optimistic: the memory-bound passes that fusion removes drew
+less power than the GEMMs, so without them the GEMMs run at a lower clock (RESULTS.md, run
+222: Pallas's 1B step at 1530 MHz, plain JAX's at 1635 MHz, both at 690 W).
+
 Below each table, the fused GEMMs per call site: a Pallas kernel is named
 ``coda_<program>_<layout>_<M>x<N>x<K>`` (padded sizes), so each line gives one GEMM's
 launches per step (recorded by ``train_step_bench.py --profile`` after run 214; earlier
