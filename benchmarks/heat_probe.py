@@ -33,14 +33,11 @@ def main(argv=None) -> None:
     ap.add_argument("--heat", type=float, default=1.5)
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
-    lines = []
 
     def probe(label, fn, *fargs, flops):
-        out = []
-        ms = at.sustained_kernel_ms(fn, *fargs, iters=args.iters, heat_s=args.heat, log=out.append)
-        line = f"HEATPROBE {label:44s} sustained {ms:.4f} ms {flops / ms / 1e9:5.0f} TFLOP/s | {out[0]}"
-        print(line, flush=True)
-        lines.append(line)
+        heat = []  # the HEAT line: burst time, sustained time, clock
+        ms = at.sustained_kernel_ms(fn, *fargs, iters=args.iters, heat_s=args.heat, log=heat.append)
+        print(f"HEATPROBE {label:44s} sustained {ms:.4f} ms {flops / ms / 1e9:5.0f} TFLOP/s | {heat[0]}", flush=True)
 
     for label, k, n, ta, tb in SHAPES:
         m = 2048 if ta else M
