@@ -211,6 +211,25 @@ def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
     )
 
 
+def _norm_dgrad_body(acc, ctx, x, gamma):
+    # acc = g = dz @ W^T [M, d] of the *unscaled* dz: the gradient of the normalized input
+    # (times gamma). The norm's row term S = sum_d(x * gamma * g) is reduced per tile; the
+    # op finishes dx = dres + rstd * gamma * g - x * (rstd^3 * S / d) on [M, d] arrays.
+    return {"g": acc, "xgg": x * gamma * acc}
+
+
+NORM_DGRAD = E.Epilogue(
+    name="norm_dgrad",
+    loads=(E.tile("x"), E.col("gamma")),
+    outputs=(E.tile_out("g"), E.row_sum("xgg")),
+    body=_norm_dgrad_body,
+)
+"""dgrad of an RMSNorm-scaled GEMM whose ``dz`` arrives unscaled (the op's own cotangent, made
+by no pass where ``rstd`` could be applied): ``g = dz @ W^T`` and the row partials of
+``sum_d(x * gamma * g)``, from which the op computes ``dx`` (see
+:func:`coda_jax.ops.normed_gemm.norm_gemm_backward_unscaled`)."""
+
+
 def _norm_wgrad_body(acc, ctx, gamma, w):
     # acc = P = x^T @ dz' = x_hat^T @ dz  [d, N] (dz' = rstd * dz).  dW = gamma_row * P, and
     # d_gamma_j = sum_i g_ij x_hat_ij = sum_i x_hat_ij sum_n dz_in W_jn = sum_n W_jn P_jn:

@@ -181,6 +181,21 @@ def case_rope(backend, m, d, heads, kv_heads, head_dim, dtype, qk_norm=False, se
                        lambda x, g, w: naive.rms_norm_matmul_rope(x, g, w, pos, inv, **kw), (x, g, w), dtype, (0, 1, 2))
 
 
+def spy_unscaled_backward(monkeypatch) -> list:
+    """Records each call of the ``[M, d]``-side norm backward
+    (:func:`coda_jax.ops.normed_gemm.norm_gemm_backward_unscaled`) made while tracing."""
+    from coda_jax.ops import normed_gemm
+
+    calls, real = [], normed_gemm.norm_gemm_backward_unscaled
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)  # x [M, d]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(normed_gemm, "norm_gemm_backward_unscaled", spy)
+    return calls
+
+
 def case_residual_chain(backend, m, k, d, n, dtype, seed=0):
     """GEMM + residual + partial RMS feeding the next norm-GEMM through the carry."""
     r = Inputs(jax.random.key(seed))

@@ -187,7 +187,7 @@ def _interpret_whole(epi, acc, loads, col0=0):
 
 
 @pytest.mark.parametrize("epi", [P.RESIDUAL_RMS, P.ROW_SCALE, P.CE_GRAD, P.rms_dgrad(True), P.RMS_LSE, P.RMS_LSE_LOGITS,
-                                 P.NORM_WGRAD],
+                                 P.NORM_WGRAD, P.NORM_DGRAD],
                          ids=lambda e: e.name)
 def test_interpreter_matches_reference_body(epi):
     from coda_jax.reference import _WholeArrayContext, _prepare_loads
@@ -228,7 +228,7 @@ _PROGRAMS = [
     (P.rms_rope(32, None, False), {}), (P.RMS_LSE, {"transpose_b": True}),
     (P.RMS_LSE_LOGITS, {"transpose_b": True}), (P.rms_dgrad(False), {"transpose_b": True}),
     (P.rms_dgrad(True), {"transpose_b": True}), (P.CE_GRAD, {"transpose_b": True}), (P.ACCUMULATE, {}),
-    (P.NORM_WGRAD, {"transpose_a": True}), (P.SWIGLU_DGRAD, {"transpose_b": True}), (P.IDENTITY, {"transpose_a": True}), (P.IDENTITY, {"transpose_a": True, "transpose_b": True}),
+    (P.NORM_WGRAD, {"transpose_a": True}), (P.NORM_DGRAD, {"transpose_b": True}), (P.SWIGLU_DGRAD, {"transpose_b": True}), (P.IDENTITY, {"transpose_a": True}), (P.IDENTITY, {"transpose_a": True, "transpose_b": True}),
 ]
 
 

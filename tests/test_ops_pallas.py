@@ -49,6 +49,14 @@ def test_residual_chain():
     C.case_residual_chain("pallas", 64, 128, 128, 128, BF)
 
 
+def test_residual_chain_wide_norm_gemm_backward_on_the_narrow_side(monkeypatch):
+    """N = 256 > d = 128: the rms_norm_matmul backward takes the norm_dgrad kernel (g and the
+    row partials of sum(x * gamma * g)) and the wgrad of x_hat, with the residual gradient."""
+    calls = C.spy_unscaled_backward(monkeypatch)
+    C.case_residual_chain("pallas", 64, 128, 128, 256, BF)
+    assert calls == [(64, 128)], calls
+
+
 @pytest.mark.parametrize("save_logits", [False, True])
 def test_cross_entropy(save_logits):
     C.case_cross_entropy("pallas", 64, 128, 300, BF, z_loss=1e-3, save_logits=save_logits)

@@ -29,6 +29,16 @@ def test_rms_norm_matmul(m, d, n, dtype):
     C.case_rms_norm_matmul("xla", m, d, n, dtype)
 
 
+@pytest.mark.parametrize("n", [384, 130])
+def test_rms_norm_matmul_backward_on_either_side(monkeypatch, n):
+    """The op's cotangent is its dz: with N > d (here d = 200) the norm backward runs on the
+    [M, d] side (dgrad epilogue's row sums, then one [M, d] pass), otherwise on the [M, N]
+    side (dz row-scaled); both with the residual gradient of ``return_residual``."""
+    calls = C.spy_unscaled_backward(monkeypatch)
+    C.case_residual_chain("xla", 77, 96, 200, n, jnp.float32)
+    assert bool(calls) == (n > 200), calls
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,d,f", [(128, 256, 128), (93, 160, 192)])
 def test_swiglu(m, d, f, dtype):

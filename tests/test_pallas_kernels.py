@@ -108,6 +108,7 @@ CASES = [
     (programs.CE_GRAD, {"transpose_b": True}),
     (programs.ACCUMULATE, {}),
     (programs.NORM_WGRAD, {"transpose_a": True}),
+    (programs.NORM_DGRAD, {"transpose_b": True}),
     (programs.SWIGLU_DGRAD, {"transpose_b": True}),
     (COL_SUM_PROBE, {}),
 ]

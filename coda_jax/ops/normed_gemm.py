@@ -15,6 +15,17 @@ Math (CODA section 1 and 3). With ``h = x * gamma``, ``rstd = 1/sqrt(mean(x^2)+e
 Scaling dz by rstd (instead of x by rstd) spares the dgrad epilogue a second output: it
 would otherwise write x_hat ``[M, d]`` for the wgrad to read.
 
+Where ``dz`` is the op's cotangent itself (a variant with ``cotangent_is_dz``: ``f`` is the
+identity), no elementwise pass makes it, so ``dz'`` and ``zdz`` would cost a pass of their
+own over the ``[M, N]`` arrays (read ``z`` and ``dz``, write ``dz'``). When ``N > d`` the
+backward runs on the ``[M, d]`` side instead (:func:`norm_gemm_backward_unscaled`):
+
+               g = dz @ W^T                 dgrad GEMM (:data:`~coda_jax.programs.NORM_DGRAD`),
+                                            epilogue: g and the row partials S = sum_d(x*gamma*g)
+               dx = dres + rstd*gamma*g - x * (rstd^3 * S / d)     (one pass over [M, d])
+               P = x_hat^T @ dz             wgrad GEMM (x_hat = rstd * x, an [M, d] pass), same
+                                            epilogue as above
+
 ``dres`` is the residual-stream gradient: the ops return ``x`` itself as a second output
 (``return_residual=True``) so that the gradient of everything downstream that reads the
 residual stream arrives here and is accumulated in the same epilogue.
@@ -47,6 +58,8 @@ class NormedGemmVariant(Protocol):
     """
 
     out_splits: Mapping[str, tuple[int, ...]] | None
+    # True where ``backward`` returns the cotangent itself as ``dz`` (``f`` is the identity).
+    cotangent_is_dz: bool = False
 
     def program(self, train: bool) -> Epilogue:
         """The forward epilogue; ``train=True`` also outputs what backward needs."""
@@ -111,9 +124,34 @@ def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz
     return dx, jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype), wg["dw"]
 
 
+def norm_gemm_backward_unscaled(lowering: GemmLowering, x, gamma, w, rstd, dz, dres=None):
+    """The backward of ``z = rstd * ((x * gamma) @ w)`` from the unscaled ``dz``, on the ``[M, d]``
+    side (see the module docstring): no pass over the ``[M, N]`` arrays.
+
+    Args as :func:`norm_gemm_backward`, with ``dz [M, N]`` the gradient of ``z`` itself.
+    Returns ``(dx [M, d] x.dtype, dgamma [d] gamma.dtype, dw [d, N] w.dtype)``.
+    """
+    d = x.shape[1]
+    dz = dz.astype(w.dtype)
+    outs = lowering.gemm(programs.NORM_DGRAD, dz, w, {"x": x, "gamma": gamma}, transpose_b=True,
+                         out_dtypes={"g": x.dtype})
+    s = jnp.sum(outs["xgg"], axis=0)  # [M] float32: sum_d(x * gamma * g)
+    xf, r = x.astype(jnp.float32), rstd[:, None]
+    dx = r * gamma.astype(jnp.float32) * outs["g"].astype(jnp.float32) - xf * (r ** 3 * s[:, None] / d)
+    if dres is not None:
+        dx = dx + dres.astype(jnp.float32)
+    x_hat = (xf * r).astype(w.dtype)
+    wg = lowering.gemm(programs.NORM_WGRAD, x_hat, dz, {"gamma": gamma, "w": w}, transpose_a=True,
+                       out_dtypes={"dw": w.dtype})
+    return dx.astype(x.dtype), jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype), wg["dw"]
+
+
 def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
     x, gamma, w, rstd, saved, aux, h, sumsq = res
     dout, dres = cot if return_residual else (cot, None)
+    if getattr(variant, "cotangent_is_dz", False) and w.shape[1] > x.shape[1]:
+        dx, dgamma, dw = norm_gemm_backward_unscaled(lowering, x, gamma, w, rstd, dout, dres)
+        return dx, dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), jax.tree.map(jnp.zeros_like, aux)
     dz, zdz_sum, daux = variant.backward(saved, dout, aux)
     # rstd * dz fuses into the XLA pass that makes dz (the variants' backward is elementwise).
     dx, dgamma, dw = norm_gemm_backward(lowering, x, gamma, w, rstd, dz * rstd[:, None], zdz_sum, dres)

@@ -20,6 +20,7 @@ class PlainVariant:
     """f = identity: the op's output is z itself, which is also all backward needs."""
 
     out_splits = None
+    cotangent_is_dz = True
 
     def program(self, train):
         return programs.ROW_SCALE
