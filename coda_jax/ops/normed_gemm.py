@@ -119,9 +119,16 @@ def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz
         loads["dres"] = dres
     dx = lowering.gemm(programs.rms_dgrad(dres is not None), dz_scaled, w, loads, transpose_b=True,
                        out_dtypes={"dx": x.dtype})["dx"]
-    wg = lowering.gemm(programs.NORM_WGRAD, x.astype(w.dtype), dz_scaled, {"gamma": gamma, "w": w},
-                       transpose_a=True, out_dtypes={"dw": w.dtype})
-    return dx, jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype), wg["dw"]
+    return (dx, *_norm_wgrad(lowering, x.astype(w.dtype), dz_scaled, gamma, w))
+
+
+def _norm_wgrad(lowering: GemmLowering, a, b, gamma, w):
+    """``(dgamma [d] gamma.dtype, dw [d, N] w.dtype)`` from the wgrad GEMM ``P = a^T @ b``
+    (:data:`~coda_jax.programs.NORM_WGRAD`), with ``P = x_hat^T @ dz`` either as ``x`` against
+    ``rstd * dz`` or as ``x_hat`` against ``dz``."""
+    wg = lowering.gemm(programs.NORM_WGRAD, a, b, {"gamma": gamma, "w": w}, transpose_a=True,
+                       out_dtypes={"dw": w.dtype})
+    return jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype), wg["dw"]
 
 
 def norm_gemm_backward_unscaled(lowering: GemmLowering, x, gamma, w, rstd, dz, dres=None):
@@ -140,10 +147,7 @@ def norm_gemm_backward_unscaled(lowering: GemmLowering, x, gamma, w, rstd, dz, d
     dx = r * gamma.astype(jnp.float32) * outs["g"].astype(jnp.float32) - xf * (r ** 3 * s[:, None] / d)
     if dres is not None:
         dx = dx + dres.astype(jnp.float32)
-    x_hat = (xf * r).astype(w.dtype)
-    wg = lowering.gemm(programs.NORM_WGRAD, x_hat, dz, {"gamma": gamma, "w": w}, transpose_a=True,
-                       out_dtypes={"dw": w.dtype})
-    return dx.astype(x.dtype), jnp.sum(wg["dgamma"], axis=0).astype(gamma.dtype), wg["dw"]
+    return (dx.astype(x.dtype), *_norm_wgrad(lowering, (xf * r).astype(w.dtype), dz, gamma, w))
 
 
 def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
