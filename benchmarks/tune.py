@@ -3,7 +3,8 @@
     python benchmarks/tune.py [--out DIR] [--mainloop] [--epilogue-sweep] [--plain] [--variants a,b]
     python benchmarks/tune.py --model 1b:8:1024 [--model 8b-4:4:1024] [--table PATH] [--out DIR]
 
-``--model preset[-layers]:batch:seq`` (repeatable): autotunes every Pallas kernel call of
+``--model preset[-layers]:batch:seq`` (repeatable; ``op:name:d`` for one fused op of the op
+benchmark, e.g. ``op:norm_matmul:2048``): autotunes every Pallas kernel call of
 that CodaLlama training step (:func:`coda_jax.pallas.autotune.autotune`: each call under the
 heuristic configuration and the candidates, outputs checked against the heuristic's, CUPTI
 time) and writes the winners to ``<out>/tuned_h100.json``, merged with ``--table`` (default:
@@ -258,10 +259,31 @@ def plain_sweep(args, record):
                       f"{row['kernel_tflops']:.0f} TFLOP/s", flush=True)
 
 
+def op_step(spec: str):
+    """``(fwd+bwd, args)`` of one fused op of the op benchmark on Pallas, for
+    ``"op:norm_matmul:2048"`` (``op:name:d``), as ``bench.py --parts ops`` times it: the op's
+    first output weighted by a random cotangent (:func:`bench.timed_fwd_bwd`)."""
+    from bench import WIDTHS, op_cases, random_cotangent, timed_fwd_bwd
+
+    try:
+        _, name, d = spec.split(":")
+        d = int(d)
+        cases = {c[0]: c for c in op_cases(d)} if d in WIDTHS else None
+        _, fused, _, args, argnums, plain = cases[name]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--model {spec!r}: expected op:name:d with d in {sorted(WIDTHS)} and a name of "
+                         "bench.op_cases") from e
+    fn = fused("pallas")
+    return timed_fwd_bwd(fn, argnums), (*args, random_cotangent(plain, args))
+
+
 def model_step(spec: str):
     """``(train_step, (state, inputs, targets))`` of CodaLlama on Pallas for ``"1b:8:1024"``
     or ``"8b-4:4:1024"`` (preset[-layers]:batch:seq), as ``benchmarks/train_step_bench.py``
-    runs it, with abstract state (nothing is allocated)."""
+    runs it, with abstract state (nothing is allocated); ``"op:name:d"``: one fused op of
+    the op benchmark (:func:`op_step`)."""
+    if spec.startswith("op:"):
+        return op_step(spec)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import train_llama
     from flax import nnx
@@ -329,7 +351,8 @@ def main():
     ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for --mainloop / --epilogue-sweep "
                     "(of coda_jax.pallas.autotune.CANDIDATES for --model)")
     ap.add_argument("--model", action="append", default=[],
-                    help="autotune this CodaLlama training step: preset[-layers]:batch:seq (repeatable)")
+                    help="autotune this CodaLlama training step: preset[-layers]:batch:seq, or one fused op of "
+                         "the op benchmark: op:name:d (repeatable)")
     ap.add_argument("--table", default=None, help="--model: the table to merge into (default: the shipped one)")
     ap.add_argument("--budget", type=float, default=None, help="--model: seconds per model before it stops tuning")
     ap.add_argument("--with-incumbents", action="store_true",
