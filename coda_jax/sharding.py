@@ -185,6 +185,19 @@ def explicit_sharding(x: jax.Array):
     return sh
 
 
+def typed_like(v: jax.Array, like: jax.Array) -> jax.Array:
+    """``v`` with ``like``'s sharding type under an Explicit-mode mesh (a reshard where the
+    specs differ), else ``v`` itself. A kernel called unpartitioned (no token axis in the
+    mesh, see :mod:`coda_jax.partitioning`) returns replicated types; an op's output that
+    stands for one of its inputs (the residual stream) keeps that input's type, so the
+    cotangent passed through to the input in the custom backward has the input's type."""
+    sh = explicit_sharding(like)
+    if sh is None:
+        return v
+    own = explicit_sharding(v)
+    return v if own is not None and own.spec == sh.spec else jax.sharding.reshard(v, sh.spec)
+
+
 def reshape_tokens(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``x.reshape(shape)`` where both shapes lead with tokens (``[B, S, ...]`` <-> ``[B*S, ...]``).
 

@@ -23,13 +23,16 @@ from coda_jax.lowering import GemmLowering
 from coda_jax.ops.checks import check_2d, check_float, check_same_dtype, check_vector, check_weight
 from coda_jax.ops.names import MATMUL_RESIDUAL_RMS
 from coda_jax.ops.norm_carry import NormCarry
+from coda_jax.sharding import typed_like
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _residual_rms(lowering: GemmLowering, y, w, residual, gamma):
     out = lowering.gemm(programs.RESIDUAL_RMS, y, w, {"residual": residual, "gamma": gamma},
                         out_dtypes={"x": residual.dtype, "h": residual.dtype})
-    return out["x"], NormCarry(out["h"], out["sumsq"])
+    # x is the residual stream: it keeps the residual's type, and so does the cotangent that
+    # the backward passes through to it.
+    return typed_like(out["x"], residual), NormCarry(out["h"], out["sumsq"])
 
 
 def _residual_rms_fwd(lowering, y, w, residual, gamma):
@@ -50,7 +53,8 @@ _residual_rms.defvjp(_residual_rms_fwd, _residual_rms_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _residual(lowering: GemmLowering, y, w, residual):
-    return lowering.gemm(programs.RESIDUAL, y, w, {"residual": residual}, out_dtypes={"x": residual.dtype})["x"]
+    x = lowering.gemm(programs.RESIDUAL, y, w, {"residual": residual}, out_dtypes={"x": residual.dtype})["x"]
+    return typed_like(x, residual)  # the residual stream (see _residual_rms)
 
 
 def _residual_fwd(lowering, y, w, residual):
