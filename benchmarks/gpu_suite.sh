@@ -70,8 +70,10 @@ fi
 if [ -n "${FUZZ:-}" ]; then
   # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math.
   echo "== shape fuzz (seed ${FUZZ_SEED:-0}) ==" | tee "$OUT/fuzz.log"
-  env "${test_env[@]}" FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -q -s \
-    -m gpu "${xdist[@]}" tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -n 60 | tee -a "$OUT/fuzz.log"
+  # -v: one line per finished test, so a run stopped by its timeout still names what passed.
+  env "${test_env[@]}" FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -v -s \
+    -m gpu "${xdist[@]}" tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning \
+    | grep -E 'PASSED|FAILED|ERROR|SKIPPED|passed|failed|rel err|Error' | tail -n 150 | tee -a "$OUT/fuzz.log"
 fi
 if [ -n "${TUNE:-}" ]; then
   echo "== tuning sweep =="
