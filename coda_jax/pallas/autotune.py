@@ -108,6 +108,16 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                       epilogue_load_slots=3),
     "pingpong_turns_direct_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                       pingpong_turns=True, max_concurrent_steps=6, direct_loads=True),
+    # 192-wide consumer tiles (192 accumulator registers a thread): a 128 x 384 or 256 x 192 CTA
+    # tile reads ~17 % fewer operand bytes from SMEM per MMA than 128 x 128 consumers, and
+    # changes the wave count (8192 x 16384: 2752 CTA tiles of 256 x 192, 20.8 waves on 132
+    # SMs, against 4096 of 128 x 256, 31.03 waves). Pair-mode epilogues need a pair width
+    # that divides 192 (not the SwiGLU forward's 128). Measured (RESULTS.md, run 230): 570
+    # against 750-800 TFLOP/s for the identity GEMM in every layout; they win only where the
+    # wider tile fits the output into one wave (the 1B QKV wgrad, 2048 x 3072: 128 CTA tiles).
+    "n192": dataclasses.replace(_D, tile_n=192),
+    "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
+    "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),
 }
 
 
