@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from coda_jax import programs
 from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE
 from op_cases import abstract_loads
@@ -115,3 +116,55 @@ def test_kernel_name_says_program_layout_and_shape():
     f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True))
     txt = f.trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
     assert set(re.findall(r"coda_[a-z_]+_n[nt]_\d+x\d+x\d+", txt)) == {f"coda_{epi.name}_nt_1024x2048x512"}
+
+
+def _lower(epi, kw, config, m, n, k):
+    ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
+    a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
+    low = PallasLowering(config, plain_gemm="pallas")
+    jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw)).trace(a, b, abstract_loads(epi, m, n)).lower(
+        lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("cfg", ["default", "pingpong"])
+def test_smem_plan_covers_what_mosaic_allocates(cfg, monkeypatch):
+    """plan_kernel's SMEM estimate (operand stages, both consumers' epilogue staging, the
+    reserve of ``_reserved_smem``) is at least what Mosaic GPU allocates, for every program.
+    (Pallas reserves its cross-warp reduction scratch in kernels that reduce: without it in
+    the estimate, a plan at the limit failed to compile, RESULTS.md run 231.) The SMEM
+    bound set to 1 byte makes Mosaic report the kernel's size in its error."""
+    import re
+
+    import jax.experimental.mosaic.gpu.core as mosaic_core
+
+    from coda_jax.pallas import gemm_epilogue as G
+    from coda_jax.pallas import lowering as L
+
+    planned = {}
+
+    def spy(epi, shape, c, ldt=()):
+        p = G.plan_kernel(epi, shape, c, ldt)
+        scratch = G._EpilogueEmitter(epi, shape, p, dict(ldt)).scratch_bytes(dict(ldt))
+        ops = p.smem_bytes(jnp.dtype(shape.operand_dtype).itemsize)
+        planned["bytes"] = (ops + 2 * scratch if p.warp_specialized else max(ops, scratch)) + G._reserved_smem(epi)
+        return p
+
+    monkeypatch.setattr(L, "plan_kernel", spy)
+    monkeypatch.setattr(mosaic_core, "_SMEM_SIZE_BOUND", 1)
+    for epi, kw in CASES:
+        with pytest.raises(ValueError, match="exceeds available shared memory") as err:
+            _lower(epi, kw, CONFIGS[cfg], 1024, 1024, 512)
+        used = int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1))
+        assert used <= planned["bytes"], (epi.name, used, planned["bytes"])
+
+
+@pytest.mark.parametrize("name,epi,kw", [
+    ("split_m_64x256", programs.SWIGLU_DGRAD, {"transpose_b": True}),
+    ("pingpong_64x256_turns_deep", programs.RESIDUAL_RMS, {})])
+def test_a_plan_at_the_smem_limit_compiles(name, epi, kw):
+    """Two tuning candidates whose plan for a reducing program at a 1B shape sat exactly at
+    the SMEM limit before the reduction scratch was counted: Mosaic refused them (run 231)."""
+    from coda_jax.pallas.autotune import known_candidates
+
+    _lower(epi, kw, known_candidates()[name], 8192, 8192 if kw else 2048, 2048)

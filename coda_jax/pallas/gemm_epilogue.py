@@ -523,6 +523,21 @@ def _specs(shape: KernelShape, cfg: TuningConfig, block_m: int, block_n: int):
     return a_block, b_block
 
 
+# SMEM a kernel takes beside its operand stages and epilogue staging: barriers and alignment
+# (at most 232 B measured over the programs and tuning candidates, RESULTS.md run 231), and,
+# in a kernel with a reduction (row or column sums, the online logsumexp, ctx.row_sum), the
+# cross-warp reduction scratch that Pallas reserves for it (CompilerParams.reduction_scratch_bytes).
+SMEM_MARGIN = 2048
+REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes
+
+
+def _reserved_smem(epi: Epilogue) -> int:
+    """:data:`SMEM_MARGIN`, plus :data:`REDUCTION_SCRATCH` where ``epi``'s kernel reduces."""
+    reduces = any(o.kind in (OutputKind.ROW_SUM, OutputKind.ROW_LOGSUMEXP, OutputKind.COL_SUM)
+                  for o in epi.outputs) or body_uses_row_sum(epi)
+    return SMEM_MARGIN + (REDUCTION_SCRATCH if reduces else 0)
+
+
 def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
                 load_dtypes: tuple[tuple[str, Any], ...] = ()) -> TuningConfig:
     """The configuration that runs: ``cfg``, adjusted until operands + epilogue fit in SMEM.
@@ -541,11 +556,13 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
         raise ValueError(f"tile_k={cfg.tile_k} needs both operands K-major (A [M, K], B given as [N, K]: "
                          f"transpose_a=False, transpose_b=True); use a multiple of 64")
 
+    reserved = _reserved_smem(epi)
+
     def fits(c: TuningConfig) -> bool:
         scratch = _EpilogueEmitter(epi, shape, c, ldt).scratch_bytes(ldt)
         if c.warp_specialized:  # staging lives beside the pipeline (consumers run ahead)
-            return c.smem_bytes(itemsize) + 2 * scratch + 2048 <= SMEM_LIMIT
-        return max(c.smem_bytes(itemsize), scratch) + 2048 <= SMEM_LIMIT  # disjoint scopes
+            return c.smem_bytes(itemsize) + 2 * scratch + reserved <= SMEM_LIMIT
+        return max(c.smem_bytes(itemsize), scratch) + reserved <= SMEM_LIMIT  # disjoint scopes
 
     def ws_applies(c: TuningConfig) -> bool:
         if any(o.kind is OutputKind.COL_SUM for o in epi.outputs):
