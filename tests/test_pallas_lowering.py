@@ -38,13 +38,7 @@ def test_kernel_lowers_for_cuda(epi, kw, cfg):
 
 
 def _assert_lowers(epi, kw, config):
-    m, n, k = 1024, 1024, 512
-    ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
-    a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jnp.bfloat16)
-    b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
-    low = PallasLowering(config, plain_gemm="pallas")
-    f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw))
-    txt = f.trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
+    txt = _lower(epi, kw, config, 1024, 1024, 512).as_text()
     assert "mosaic_gpu" in txt, "no Mosaic GPU custom call in the lowered module"
 
 
@@ -119,11 +113,12 @@ def test_kernel_name_says_program_layout_and_shape():
 
 
 def _lower(epi, kw, config, m, n, k):
+    """``epi``'s kernel at ``[m, k] @ [k, n]`` (``kw``: the layout), lowered for CUDA."""
     ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
     a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
     low = PallasLowering(config, plain_gemm="pallas")
-    jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw)).trace(a, b, abstract_loads(epi, m, n)).lower(
+    return jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw)).trace(a, b, abstract_loads(epi, m, n)).lower(
         lowering_platforms=("cuda",))
 
 
