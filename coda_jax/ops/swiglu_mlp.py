@@ -35,6 +35,7 @@ from coda_jax.ops.norm_carry import NormCarry, resolve_carry, rstd_from_partials
 from coda_jax.ops.normed_gemm import norm_gemm_backward
 from coda_jax.ops.rms_norm_matmul import check_norm_inputs
 from coda_jax.programs import SWIGLU_BLOCK
+from coda_jax.sharding import typed_like
 
 
 def _down(lowering: GemmLowering, y, w_down, x, gamma_next, residual: bool):
@@ -42,11 +43,13 @@ def _down(lowering: GemmLowering, y, w_down, x, gamma_next, residual: bool):
     ``residual``, the float32 partial product ``y @ w_down`` alone (no carry)."""
     if not residual:
         return lowering.gemm(programs.IDENTITY, y, w_down, {}, out_dtypes={"out": jnp.float32})["out"], None
+    # The output is the residual stream: it keeps x's sharding type (as matmul_residual_rms's).
     if gamma_next is None:
-        return lowering.gemm(programs.RESIDUAL, y, w_down, {"residual": x}, out_dtypes={"x": x.dtype})["x"], None
+        out = lowering.gemm(programs.RESIDUAL, y, w_down, {"residual": x}, out_dtypes={"x": x.dtype})
+        return typed_like(out["x"], x), None
     out = lowering.gemm(programs.RESIDUAL_RMS, y, w_down, {"residual": x, "gamma": gamma_next},
                         out_dtypes={"x": x.dtype, "h": x.dtype})
-    return out["x"], NormCarry(out["h"], out["sumsq"])
+    return typed_like(out["x"], x), NormCarry(out["h"], out["sumsq"])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

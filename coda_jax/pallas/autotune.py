@@ -116,6 +116,8 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # against 750-800 TFLOP/s for the identity GEMM in every layout; they win only where the
     # wider tile fits the output into one wave (the 1B QKV wgrad, 2048 x 3072: 128 CTA tiles).
     "n192": dataclasses.replace(_D, tile_n=192),
+    "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
+    "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),
     # 64 x 256 consumer tiles (128 accumulator registers, as 128 x 128): the CTA tile of
     # the default split along M (as CUTLASS's cooperative 128 x 256 kernel splits it), and a
     # ping-pong consumer owning a 64 x 256 tile (wgmma N = 256: half the instructions per MMA).
@@ -126,8 +128,6 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_64x256_turns_deep": dataclasses.replace(_D, tile_m=64, tile_n=256, schedule="pingpong",
                                                       cluster_dimension=None, pingpong_turns=True,
                                                       max_concurrent_steps=6),
-    "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
-    "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),
 }
 
 
