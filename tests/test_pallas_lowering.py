@@ -140,9 +140,7 @@ def test_smem_plan_covers_what_mosaic_allocates(cfg, monkeypatch):
 
     def spy(epi, shape, c, ldt=()):
         p = G.plan_kernel(epi, shape, c, ldt)
-        scratch = G._EpilogueEmitter(epi, shape, p, dict(ldt)).scratch_bytes(dict(ldt))
-        ops = p.smem_bytes(jnp.dtype(shape.operand_dtype).itemsize)
-        planned["bytes"] = (ops + 2 * scratch if p.warp_specialized else max(ops, scratch)) + G._reserved_smem(epi)
+        planned["bytes"] = G.smem_estimate(epi, shape, p, dict(ldt))
         return p
 
     monkeypatch.setattr(L, "plan_kernel", spy)

@@ -531,11 +531,22 @@ SMEM_MARGIN = 2048
 REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes
 
 
+@functools.lru_cache(maxsize=None)  # per program: its body is traced to find ctx.row_sum
 def _reserved_smem(epi: Epilogue) -> int:
     """:data:`SMEM_MARGIN`, plus :data:`REDUCTION_SCRATCH` where ``epi``'s kernel reduces."""
     reduces = any(o.kind in (OutputKind.ROW_SUM, OutputKind.ROW_LOGSUMEXP, OutputKind.COL_SUM)
                   for o in epi.outputs) or body_uses_row_sum(epi)
     return SMEM_MARGIN + (REDUCTION_SCRATCH if reduces else 0)
+
+
+def smem_estimate(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, load_dtypes: dict[str, Any]) -> int:
+    """SMEM bytes ``plan_kernel`` counts for ``cfg``: the operand stages, the epilogue staging
+    (once per consumer warpgroup beside the pipeline; in the single-warpgroup kernel it reuses
+    the pipeline's SMEM) and :func:`_reserved_smem`."""
+    scratch = _EpilogueEmitter(epi, shape, cfg, load_dtypes).scratch_bytes(load_dtypes)
+    ops = cfg.smem_bytes(jnp.dtype(shape.operand_dtype).itemsize)
+    body = ops + 2 * scratch if cfg.warp_specialized else max(ops, scratch)  # disjoint scopes
+    return body + _reserved_smem(epi)
 
 
 def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
@@ -551,18 +562,12 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     ``ValueError`` naming the epilogue if nothing fits.
     """
     ldt = dict(load_dtypes)
-    itemsize = jnp.dtype(shape.operand_dtype).itemsize
     if not cfg.k_step_fits(shape.transpose_a, shape.transpose_b):
         raise ValueError(f"tile_k={cfg.tile_k} needs both operands K-major (A [M, K], B given as [N, K]: "
                          f"transpose_a=False, transpose_b=True); use a multiple of 64")
 
-    reserved = _reserved_smem(epi)
-
     def fits(c: TuningConfig) -> bool:
-        scratch = _EpilogueEmitter(epi, shape, c, ldt).scratch_bytes(ldt)
-        if c.warp_specialized:  # staging lives beside the pipeline (consumers run ahead)
-            return c.smem_bytes(itemsize) + 2 * scratch + reserved <= SMEM_LIMIT
-        return max(c.smem_bytes(itemsize), scratch) + reserved <= SMEM_LIMIT  # disjoint scopes
+        return smem_estimate(epi, shape, c, ldt) <= SMEM_LIMIT
 
     def ws_applies(c: TuningConfig) -> bool:
         if any(o.kind is OutputKind.COL_SUM for o in epi.outputs):
