@@ -111,12 +111,12 @@ if [ -n "${NCU_PROGRAMS:-}" ]; then
   IFS=';' read -ra NCU_LIST <<< "$NCU_PROGRAMS"
   for p in "${NCU_LIST[@]}"; do
     echo "-- $p" | tee -a "$OUT/ncu.log"
-    timeout "${NCU_TIMEOUT:-180}" ncu -k "regex:${NCU_KERNEL:-coda_}" -c 1 --section SpeedOfLight \
-      --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
+    timeout "${NCU_TIMEOUT:-180}" ncu --clock-control none -k "regex:${NCU_KERNEL:-coda_}" -c 1 --section SpeedOfLight \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
       python3 benchmarks/kernel_probe.py "$p" --backend "${NCU_BACKEND:-cutedsl}" --iters 2 2>&1 \
       | grep -v '^==PROF==\|^\s*$\|Warning' >> "$OUT/ncu.log"
   done
-  grep -E -- '^-- |Duration|Compute \(SM\) Throughput|Memory Throughput|Issued Warp|No Eligible|Warp Cycles Per Issued|Stall|Registers Per' "$OUT/ncu.log" | head -80
+  grep -E -- '^-- |Context|Cluster Size|Grid Size|Block Size|Dynamic Shared|Waves Per SM|Registers Per|Duration|Compute \(SM\) Throughput|Memory Throughput|Issued Warp|No Eligible|Warp Cycles Per Issued|Stall' "$OUT/ncu.log" | head -120
 fi
 if [ -n "${REPEAT_PROBE:-}" ]; then
   # One training step's digests per process (benchmarks/repeat_probe.py), e.g.

@@ -200,6 +200,8 @@ def mainloop_sweep(args, record):
     names = args.variants.split(",") if args.variants else MAINLOOP_VARIANTS
     k0, n0 = SHAPES[0]
     cases = [(k, n, "fwd") for k, n in SHAPES] + [(k0, n0, "dgrad"), (k0, n0, "wgrad")]
+    if args.cases:
+        cases = [(int(k), int(n), layout) for layout, k, n in (c.split(":") for c in args.cases.split(","))]
     for k, n, layout in cases:
         ta, tb = LAYOUTS[layout]
         m = k if ta else M  # wgrad: [d, tokens] @ [tokens, n]
@@ -348,6 +350,8 @@ def main():
                          "is timed at the power-capped clock a training step runs at (0: timed from idle)")
     ap.add_argument("--mainloop", action="store_true", help="identity GEMM: tile order / cluster variants vs cuBLAS")
     ap.add_argument("--plain", action="store_true", help="the block's plain backward GEMMs: cuBLAS vs the kernel")
+    ap.add_argument("--cases", default="", help="--mainloop: layout:K:N cases in place of the default ones, "
+                    "e.g. fwd:2048:8192,dgrad:2048:8320 (M = 8192 tokens)")
     ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS for --mainloop / --epilogue-sweep "
                     "(of coda_jax.pallas.autotune.CANDIDATES for --model)")
     ap.add_argument("--model", action="append", default=[],

@@ -51,7 +51,11 @@ class GemmLowering(Protocol):
 
     A kernel lowering may also define ``pair_width_rule(width) -> str | None``: why a
     pair-mode epilogue ``width`` columns wide cannot run on it (None: it can), which ops
-    check up front to name their own argument (e.g. RoPE's head_dim).
+    check up front to name their own argument (e.g. RoPE's head_dim). And it may set
+    ``fuses_epilogues = False`` (:func:`fuses_epilogues`) where the body runs as separate
+    passes over whole arrays after the GEMM rather than in the GEMM's own kernel (the
+    ``"xla"`` backend); ops then pick, where they have one, the formulation with fewer such
+    passes.
     """
 
     name: str
@@ -147,6 +151,20 @@ def pair_width_rule(lowering: GemmLowering, width: int) -> str | None:
             return rule(width)
         lowering = getattr(lowering, "inner", None)
     return None
+
+
+def fuses_epilogues(lowering: GemmLowering) -> bool:
+    """Whether ``lowering`` runs epilogues inside its GEMM kernel, where an epilogue's extra
+    outputs and loads cost no pass over HBM of their own (the kernel backends: True), as
+    opposed to running the body on whole arrays after the GEMM (the ``"xla"`` backend:
+    False). Looked up through wrappers that hold the lowering as ``inner``; True where no
+    lowering says."""
+    while lowering is not None:
+        flag = getattr(lowering, "fuses_epilogues", None)
+        if flag is not None:
+            return bool(flag)
+        lowering = getattr(lowering, "inner", None)
+    return True
 
 
 # SM count assumed when lowering for CUDA on a host without a GPU (the H100 SXM's).

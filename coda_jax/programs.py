@@ -179,7 +179,7 @@ the backward reads them instead of recomputing the GEMM (:func:`ce_grad_from_log
 
 # ---------------------------------------------------------------- backward ---------
 @E.program_factory
-def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
+def rms_dgrad(with_residual_grad: bool, with_dgamma: bool = False) -> E.Epilogue:
     """RMSNorm (+ residual) backward on the dgrad GEMM ``g' = dz' @ W^T``.
 
     The GEMM's left operand is the *row-scaled* gradient ``dz' = rstd * dz`` (made where
@@ -192,21 +192,27 @@ def rms_dgrad(with_residual_grad: bool) -> E.Epilogue:
     with the row coefficient ``xcoef = rstd^2 * zdz``. The wgrad GEMM (:data:`NORM_WGRAD`)
     contracts ``x^T @ dz'`` (= ``x_hat^T @ dz``): it reads ``x`` itself, so this epilogue
     writes one tile (``dx``), not a second ``x_hat`` tile for the wgrad.
+
+    ``with_dgamma``: also the column partials of ``d_gamma = sum_M(x * g')`` (= ``sum_M(x_hat
+    * g)``). Where the body runs as passes over whole arrays (the ``"xla"`` backend), that
+    reduction joins the pass that writes ``dx``, and the wgrad becomes a plain GEMM
+    ``(x * gamma)^T @ dz'`` with no ``[d, N]`` pass after it (see
+    :func:`coda_jax.ops.normed_gemm.norm_gemm_backward`).
     """
 
     def body(acc, ctx, x, xcoef, gamma, **kw):
         dx = gamma * acc - x * xcoef
         if with_residual_grad:
             dx = dx + kw["dres"]
-        return {"dx": dx}
+        return {"dx": dx, "dgamma": x * acc} if with_dgamma else {"dx": dx}
 
     loads = (E.tile("x"), E.row("xcoef"), E.col("gamma"))
     if with_residual_grad:
         loads += (E.tile("dres"),)
     return E.Epilogue(
-        name=f"rms_dgrad{'_res' if with_residual_grad else ''}",
+        name=f"rms_dgrad{'_res' if with_residual_grad else ''}{'_dgamma' if with_dgamma else ''}",
         loads=loads,
-        outputs=(E.tile_out("dx"),),
+        outputs=(E.tile_out("dx"),) + ((E.col_sum("dgamma"),) if with_dgamma else ()),
         body=body,
     )
 

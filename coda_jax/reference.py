@@ -178,6 +178,10 @@ class ReferenceLowering:
     """The ``"xla"`` backend's :class:`~coda_jax.lowering.GemmLowering`."""
 
     name = "xla"
+    # The body runs on whole arrays after the GEMM: each output is a pass of XLA's own
+    # (fused where XLA can), so ops choose formulations with fewer of them
+    # (coda_jax.lowering.fuses_epilogues).
+    fuses_epilogues = False
 
     def __init__(self, round_acc: bool = False):
         self.round_acc = round_acc

@@ -39,6 +39,36 @@ def test_rms_norm_matmul_backward_on_either_side(monkeypatch, n):
     assert bool(calls) == (n > 200), calls
 
 
+@pytest.mark.parametrize("n", [384, 130])
+def test_xla_norm_backward_has_no_weight_sized_pass(monkeypatch, n):
+    """On the ``xla`` backend (epilogues run as passes over whole arrays) the norm backward
+    takes plain JAX's formulation: the wgrad is a plain GEMM of ``x_hat * gamma`` and
+    ``d_gamma`` is reduced beside ``dx``, so no ``norm_wgrad`` program (``dW = gamma * P``,
+    ``d_gamma = sum_N(W * P)``: two passes over ``[d, N]`` arrays) is traced, on either side
+    of the norm backward. A kernel lowering keeps the fused ``norm_wgrad`` epilogue."""
+    from coda_jax.lowering import fuses_epilogues
+    from coda_jax.partitioning import PartitionedLowering
+    from coda_jax.reference import ReferenceLowering, xla_backend_lowering
+
+    names, real = [], ReferenceLowering.gemm
+
+    def spy(self, epilogue, *args, **kwargs):
+        names.append(epilogue.name)
+        return real(self, epilogue, *args, **kwargs)
+
+    monkeypatch.setattr(ReferenceLowering, "gemm", spy)
+    C.case_residual_chain("xla", 77, 96, 200, n, jnp.float32)
+    assert "norm_wgrad" not in names and "identity" in names, names
+    assert ("norm_dgrad" in names) == (n > 200), names  # the [M, d] side where N > d
+    assert not fuses_epilogues(xla_backend_lowering())
+    assert not fuses_epilogues(PartitionedLowering(xla_backend_lowering()))
+
+    class Kernel:
+        name = "kernel"
+
+    assert fuses_epilogues(PartitionedLowering(Kernel()))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,d,f", [(128, 256, 128), (93, 160, 192)])
 def test_swiglu(m, d, f, dtype):

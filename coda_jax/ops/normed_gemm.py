@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from coda_jax import programs
 from coda_jax.epilogue import Epilogue
-from coda_jax.lowering import GemmLowering
+from coda_jax.lowering import GemmLowering, fuses_epilogues
 from coda_jax.ops.norm_carry import rstd_from_partials
 
 
@@ -101,7 +101,7 @@ def _normed_gemm_fwd(lowering, variant, eps, return_residual, x, gamma, w, h, su
     return ((out, x) if return_residual else out), res
 
 
-def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz_sum, dres=None):
+def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz_sum, dres=None, h=None):
     """The two backward GEMMs of ``z = rstd * ((x * gamma) @ w)`` given the row-scaled ``dz``.
 
     Args:
@@ -110,16 +110,35 @@ def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz
         ``w.dtype`` for the GEMMs; see the module docstring).
       zdz_sum: ``[M]`` float32 ``sum_N(z * dz)`` (of the unscaled ``dz``).
       dres: ``[M, d]`` residual-stream gradient to add to ``dx``, or None.
+      h: ``[M, d]`` ``x * gamma`` in ``w.dtype`` where the caller has it (the forward's GEMM
+        operand), or None; read only where the lowering does not fuse epilogues.
 
     Returns ``(dx [M, d] x.dtype, dgamma [d] gamma.dtype, dw [d, N] w.dtype)``.
+
+    Where the lowering runs epilogue bodies as passes over whole arrays (the ``"xla"``
+    backend, :func:`~coda_jax.lowering.fuses_epilogues` False), ``dW = gamma * P`` and
+    ``d_gamma = sum_N(W * P)`` would be two passes over ``[d, N]`` arrays after the wgrad GEMM.
+    There the wgrad is the plain GEMM ``dW = h^T @ dz'`` (``gamma * (x^T dz') = (x * gamma)^T
+    dz'``), and ``d_gamma = sum_M(x * g')`` is reduced in the pass that writes ``dx``, as a
+    plain JAX RMSNorm's backward does.
     """
     dz_scaled = dz_scaled.astype(w.dtype)
     loads = {"x": x, "xcoef": rstd * rstd * zdz_sum / x.shape[1], "gamma": gamma}
     if dres is not None:
         loads["dres"] = dres
+    if not fuses_epilogues(lowering):
+        outs = lowering.gemm(programs.rms_dgrad(dres is not None, True), dz_scaled, w, loads, transpose_b=True,
+                             out_dtypes={"dx": x.dtype})
+        h = (x * gamma).astype(w.dtype) if h is None else h.astype(w.dtype)
+        return outs["dx"], jnp.sum(outs["dgamma"], axis=0).astype(gamma.dtype), _plain_wgrad(lowering, h, dz_scaled, w)
     dx = lowering.gemm(programs.rms_dgrad(dres is not None), dz_scaled, w, loads, transpose_b=True,
                        out_dtypes={"dx": x.dtype})["dx"]
     return (dx, *_norm_wgrad(lowering, x.astype(w.dtype), dz_scaled, gamma, w))
+
+
+def _plain_wgrad(lowering: GemmLowering, a, b, w):
+    """``dW = a^T @ b`` in ``w.dtype`` (a plain wgrad GEMM)."""
+    return lowering.gemm(programs.IDENTITY, a, b, {}, transpose_a=True, out_dtypes={"out": w.dtype})["out"]
 
 
 def _norm_wgrad(lowering: GemmLowering, a, b, gamma, w):
@@ -137,17 +156,26 @@ def norm_gemm_backward_unscaled(lowering: GemmLowering, x, gamma, w, rstd, dz, d
 
     Args as :func:`norm_gemm_backward`, with ``dz [M, N]`` the gradient of ``z`` itself.
     Returns ``(dx [M, d] x.dtype, dgamma [d] gamma.dtype, dw [d, N] w.dtype)``.
+
+    Where the lowering does not fuse epilogues (see :func:`norm_gemm_backward`), the wgrad is
+    the plain GEMM ``(x_hat * gamma)^T @ dz`` and ``d_gamma = sum_M(x_hat * g)`` joins the
+    ``[M, d]`` pass that writes ``dx``: no pass over ``[d, N]`` arrays.
     """
     d = x.shape[1]
     dz = dz.astype(w.dtype)
     outs = lowering.gemm(programs.NORM_DGRAD, dz, w, {"x": x, "gamma": gamma}, transpose_b=True,
                          out_dtypes={"g": x.dtype})
     s = jnp.sum(outs["xgg"], axis=0)  # [M] float32: sum_d(x * gamma * g)
-    xf, r = x.astype(jnp.float32), rstd[:, None]
-    dx = r * gamma.astype(jnp.float32) * outs["g"].astype(jnp.float32) - xf * (r ** 3 * s[:, None] / d)
+    xf, r, gf = x.astype(jnp.float32), rstd[:, None], gamma.astype(jnp.float32)
+    g = outs["g"].astype(jnp.float32)
+    dx = r * gf * g - xf * (r ** 3 * s[:, None] / d)
     if dres is not None:
         dx = dx + dres.astype(jnp.float32)
-    return (dx.astype(x.dtype), *_norm_wgrad(lowering, (xf * r).astype(w.dtype), dz, gamma, w))
+    x_hat = xf * r
+    if not fuses_epilogues(lowering):
+        dgamma = jnp.sum(x_hat * g, axis=0).astype(gamma.dtype)
+        return dx.astype(x.dtype), dgamma, _plain_wgrad(lowering, (x_hat * gf).astype(w.dtype), dz, w)
+    return (dx.astype(x.dtype), *_norm_wgrad(lowering, x_hat.astype(w.dtype), dz, gamma, w))
 
 
 def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
@@ -158,7 +186,7 @@ def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
         return dx, dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), jax.tree.map(jnp.zeros_like, aux)
     dz, zdz_sum, daux = variant.backward(saved, dout, aux)
     # rstd * dz fuses into the XLA pass that makes dz (the variants' backward is elementwise).
-    dx, dgamma, dw = norm_gemm_backward(lowering, x, gamma, w, rstd, dz * rstd[:, None], zdz_sum, dres)
+    dx, dgamma, dw = norm_gemm_backward(lowering, x, gamma, w, rstd, dz * rstd[:, None], zdz_sum, dres, h)
     return dx, dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
 
 
