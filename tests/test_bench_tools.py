@@ -698,8 +698,7 @@ def test_clock_sampler_parses_nvidia_smi_and_is_silent_without_it(monkeypatch):
 
 def test_tune_op_spec_traces_the_op_benchmarks_kernel_calls(monkeypatch):
     """``tune.py --model op:norm_matmul:2048`` tunes the GEMMs the op benchmark times: the
-    forward and the narrow-side norm backward's dgrad, at the benchmark's shapes (that
-    backward's wgrad is a plain GEMM, which goes to cuBLAS)."""
+    forward, the narrow-side norm backward and the wgrad, at the benchmark's shapes."""
     import tune
     from coda_jax.pallas import autotune as at
 
@@ -709,6 +708,7 @@ def test_tune_op_spec_traces_the_op_benchmarks_kernel_calls(monkeypatch):
     fn, args = tune.op_step("op:norm_matmul:2048")
     calls = sorted((c.epilogue.name, c.transpose_a, c.transpose_b, c.mnk) for c in at.kernel_calls(fn, *args))
     f = bench.WIDTHS[2048][0]
-    assert calls == [("norm_dgrad", False, True, (256, 2048, f)), ("row_scale", False, False, (256, f, 2048))], calls
+    assert calls == [("norm_dgrad", False, True, (256, 2048, f)), ("norm_wgrad", True, False, (2048, f, 256)),
+                     ("row_scale", False, False, (256, f, 2048))], calls
     with pytest.raises(ValueError, match="op:name:d"):
         tune.op_step("op:norm_matmul:1000")

@@ -45,9 +45,7 @@ def test_xla_norm_backward_has_no_weight_sized_pass(monkeypatch, n):
     takes plain JAX's formulation: the wgrad is a plain GEMM of ``x_hat * gamma`` and
     ``d_gamma`` is reduced beside ``dx``, so no ``norm_wgrad`` program (``dW = gamma * P``,
     ``d_gamma = sum_N(W * P)``: two passes over ``[d, N]`` arrays) is traced, on either side
-    of the norm backward. (A kernel lowering keeps the fused ``norm_wgrad`` epilogue where
-    ``dz`` is row-scaled, ``N <= d``; on the ``[M, d]`` side every backend takes the plain
-    wgrad, its operand made in a pass that exists anyway.)"""
+    of the norm backward. A kernel lowering keeps the fused ``norm_wgrad`` epilogue."""
     from coda_jax.lowering import fuses_epilogues
     from coda_jax.partitioning import PartitionedLowering
     from coda_jax.reference import ReferenceLowering, xla_backend_lowering

@@ -22,12 +22,9 @@ backward runs on the ``[M, d]`` side instead (:func:`norm_gemm_backward_unscaled
 
                g = dz @ W^T                 dgrad GEMM (:data:`~coda_jax.programs.NORM_DGRAD`),
                                             epilogue: g and the row partials S = sum_d(x*gamma*g)
-               dx = dres + rstd*gamma*g - x * (rstd^3 * S / d)     (one pass over [M, d],
-               n = x_hat * gamma, d_gamma = sum_M(x_hat * g)        which also writes these)
-               dW = n^T @ dz                plain wgrad GEMM (cuBLAS on the kernel backends)
-
-That ``[M, d]`` pass exists anyway, so ``d_gamma`` and the wgrad's operand cost nothing more
-there, and the wgrad needs no epilogue (RESULTS.md, run 237).
+               dx = dres + rstd*gamma*g - x * (rstd^3 * S / d)     (one pass over [M, d])
+               P = x_hat^T @ dz             wgrad GEMM (x_hat = rstd * x, an [M, d] pass), same
+                                            epilogue as above
 
 ``dres`` is the residual-stream gradient: the ops return ``x`` itself as a second output
 (``return_residual=True``) so that the gradient of everything downstream that reads the
@@ -155,10 +152,14 @@ def _norm_wgrad(lowering: GemmLowering, a, b, gamma, w):
 
 def norm_gemm_backward_unscaled(lowering: GemmLowering, x, gamma, w, rstd, dz, dres=None):
     """The backward of ``z = rstd * ((x * gamma) @ w)`` from the unscaled ``dz``, on the ``[M, d]``
-    side (see the module docstring): no pass over the ``[M, N]`` arrays, none over ``[d, N]``.
+    side (see the module docstring): no pass over the ``[M, N]`` arrays.
 
     Args as :func:`norm_gemm_backward`, with ``dz [M, N]`` the gradient of ``z`` itself.
     Returns ``(dx [M, d] x.dtype, dgamma [d] gamma.dtype, dw [d, N] w.dtype)``.
+
+    Where the lowering does not fuse epilogues (see :func:`norm_gemm_backward`), the wgrad is
+    the plain GEMM ``(x_hat * gamma)^T @ dz`` and ``d_gamma = sum_M(x_hat * g)`` joins the
+    ``[M, d]`` pass that writes ``dx``: no pass over ``[d, N]`` arrays.
     """
     d = x.shape[1]
     dz = dz.astype(w.dtype)
@@ -170,10 +171,11 @@ def norm_gemm_backward_unscaled(lowering: GemmLowering, x, gamma, w, rstd, dz, d
     dx = r * gf * g - xf * (r ** 3 * s[:, None] / d)
     if dres is not None:
         dx = dx + dres.astype(jnp.float32)
-    # One [M, d] pass: dx, the wgrad's operand n = x_hat * gamma and d_gamma = sum_M(x_hat * g).
     x_hat = xf * r
-    dgamma = jnp.sum(x_hat * g, axis=0).astype(gamma.dtype)
-    return dx.astype(x.dtype), dgamma, _plain_wgrad(lowering, (x_hat * gf).astype(w.dtype), dz, w)
+    if not fuses_epilogues(lowering):
+        dgamma = jnp.sum(x_hat * g, axis=0).astype(gamma.dtype)
+        return dx.astype(x.dtype), dgamma, _plain_wgrad(lowering, (x_hat * gf).astype(w.dtype), dz, w)
+    return (dx.astype(x.dtype), *_norm_wgrad(lowering, x_hat.astype(w.dtype), dz, gamma, w))
 
 
 def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
