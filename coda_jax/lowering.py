@@ -141,16 +141,23 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
     return m, n, k
 
 
+def _through_wrappers(lowering: GemmLowering, attr: str):
+    """``attr`` of ``lowering``, or of the lowering it wraps as ``inner`` (e.g. a partitioned
+    lowering), and so on inwards; None where none has it."""
+    while lowering is not None:
+        value = getattr(lowering, attr, None)
+        if value is not None:
+            return value
+        lowering = getattr(lowering, "inner", None)
+    return None
+
+
 def pair_width_rule(lowering: GemmLowering, width: int) -> str | None:
     """Why ``lowering`` cannot run a pair-mode epilogue ``width`` columns wide, or None: its
     ``pair_width_rule``, looked up through wrappers that hold the kernel lowering as
     ``inner`` (e.g. a partitioned lowering); lowerings without a rule take any width."""
-    while lowering is not None:
-        rule = getattr(lowering, "pair_width_rule", None)
-        if rule is not None:
-            return rule(width)
-        lowering = getattr(lowering, "inner", None)
-    return None
+    rule = _through_wrappers(lowering, "pair_width_rule")
+    return None if rule is None else rule(width)
 
 
 def fuses_epilogues(lowering: GemmLowering) -> bool:
@@ -159,12 +166,8 @@ def fuses_epilogues(lowering: GemmLowering) -> bool:
     opposed to running the body on whole arrays after the GEMM (the ``"xla"`` backend:
     False). Looked up through wrappers that hold the lowering as ``inner``; True where no
     lowering says."""
-    while lowering is not None:
-        flag = getattr(lowering, "fuses_epilogues", None)
-        if flag is not None:
-            return bool(flag)
-        lowering = getattr(lowering, "inner", None)
-    return True
+    flag = _through_wrappers(lowering, "fuses_epilogues")
+    return True if flag is None else bool(flag)
 
 
 # SM count assumed when lowering for CUDA on a host without a GPU (the H100 SXM's).
