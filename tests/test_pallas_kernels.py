@@ -85,8 +85,9 @@ def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0, config=
         assert e < 1e-2, f"{epi.name}.{o.name}: rel err {e:.3g}"
 
 
-# No program of the op set reduces over columns any more (d_gamma moved to a row sum of the
-# wgrad epilogue); the primitive stays in the spec and is tested with this program.
+# The kernel backends' programs do not reduce over columns (d_gamma is a row sum of the
+# wgrad epilogue there; only the xla backend's rms_dgrad(..., with_dgamma=True) has a column
+# sum); the primitive stays in the spec and is tested with this program.
 COL_SUM_PROBE = E.Epilogue(name="col_sum_probe", loads=(E.col("gamma"),),
                            outputs=(E.tile_out("out"), E.col_sum("colsum")),
                            body=lambda acc, ctx, gamma: {"out": acc * gamma, "colsum": acc * acc})
@@ -186,6 +187,15 @@ def test_pingpong_ragged_transposed_and_idle_ctas():
     # one consumer of each busy CTA idle).
     _compare(programs.rms_dgrad(True), 200, 72, 130, transpose_b=True, config=PINGPONG, seed=14)
     _compare(programs.NORM_WGRAD, 128, 256, 192, transpose_a=True, config=PINGPONG, seed=15)
+
+
+def test_rms_dgrad_with_dgamma_runs_on_the_kernel_too():
+    """The xla backend's norm backward program (``d_gamma`` column partials beside ``dx``)
+    is an ordinary declaration: the kernel runs it too (single warpgroup: a column sum is
+    not run in two consumers at once), ragged and padded."""
+    epi = programs.rms_dgrad(True, True)
+    assert [o.name for o in epi.outputs] == ["dx", "dgamma"]
+    _compare(epi, 200, 72, 130, transpose_b=True, seed=31)
 
 
 @pytest.mark.parametrize("cluster", ["m", "n"])
