@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -246,7 +247,10 @@ def program_factory(fn: Callable[..., Epilogue]) -> Callable[..., Epilogue]:
     """Decorates a function that builds an :class:`Epilogue` from hashable positional
     arguments (e.g. a head size): one epilogue per arguments (cached), and that epilogue
     pickles as a call of the factory, so it can be rebuilt in another process although
-    its body is a closure. The factory must be a module-level name."""
+    its body is a closure. The factory must be a module-level name. Arguments left to their
+    defaults count as given (``f(True)`` and ``f(True, False)`` are one epilogue), so callers
+    that spell a default out do not build, and compile, a second copy."""
+    signature = inspect.signature(fn)
 
     @functools.cache
     def build(*args):
@@ -256,7 +260,9 @@ def program_factory(fn: Callable[..., Epilogue]) -> Callable[..., Epilogue]:
 
     @functools.wraps(fn)
     def factory(*args):
-        return build(*args)
+        bound = signature.bind(*args)
+        bound.apply_defaults()
+        return build(*bound.args)
 
     return factory
 

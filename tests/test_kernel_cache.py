@@ -304,13 +304,16 @@ def test_every_program_pickles_and_rebuilds_as_itself():
     import pickle
 
     made = [programs.rms_swiglu(True), programs.rms_swiglu(False), programs.rms_rope(64, None, False),
-            programs.rms_rope(64, 1e-6, True), programs.rms_dgrad(True), programs.rms_dgrad(False)]
+            programs.rms_rope(64, 1e-6, True), programs.rms_dgrad(True), programs.rms_dgrad(False),
+            programs.rms_dgrad(True, True)]
     consts = [v for v in vars(programs).values() if isinstance(v, E.Epilogue)]
     for epi in made + consts:
         back = pickle.loads(pickle.dumps(epi))
         assert back == epi and back.name == epi.name
     for epi in made:  # factory-made: rebuilt by the factory (the same cached object here)
         assert pickle.loads(pickle.dumps(epi)) is epi
+    # A default spelled out is the same program (one kernel, not a second compile of it).
+    assert programs.rms_dgrad(True, False) is programs.rms_dgrad(True)
 
 
 def test_worker_count_rules(monkeypatch):
