@@ -126,14 +126,13 @@ def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz
     loads = {"x": x, "xcoef": rstd * rstd * zdz_sum / x.shape[1], "gamma": gamma}
     if dres is not None:
         loads["dres"] = dres
-    if not fuses_epilogues(lowering):
-        outs = lowering.gemm(programs.rms_dgrad(dres is not None, True), dz_scaled, w, loads, transpose_b=True,
-                             out_dtypes={"dx": x.dtype})
-        h = (x * gamma).astype(w.dtype) if h is None else h.astype(w.dtype)
+    unfused = not fuses_epilogues(lowering)
+    outs = lowering.gemm(programs.rms_dgrad(dres is not None, unfused), dz_scaled, w, loads, transpose_b=True,
+                         out_dtypes={"dx": x.dtype})
+    if unfused:
+        h = (x * gamma if h is None else h).astype(w.dtype)
         return outs["dx"], jnp.sum(outs["dgamma"], axis=0).astype(gamma.dtype), _plain_wgrad(lowering, h, dz_scaled, w)
-    dx = lowering.gemm(programs.rms_dgrad(dres is not None), dz_scaled, w, loads, transpose_b=True,
-                       out_dtypes={"dx": x.dtype})["dx"]
-    return (dx, *_norm_wgrad(lowering, x.astype(w.dtype), dz_scaled, gamma, w))
+    return (outs["dx"], *_norm_wgrad(lowering, x.astype(w.dtype), dz_scaled, gamma, w))
 
 
 def _plain_wgrad(lowering: GemmLowering, a, b, w):
