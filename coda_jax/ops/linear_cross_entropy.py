@@ -33,6 +33,7 @@ from coda_jax.lowering import GemmLowering
 from coda_jax.ops.checks import check_2d, check_float, check_same_dtype, check_vector
 from coda_jax.ops.names import LINEAR_CROSS_ENTROPY
 from coda_jax.ops.norm_carry import NormCarry, resolve_carry, rstd_from_partials
+from coda_jax.ops.plain_gemm import matmul, wgrad
 
 REDUCTIONS = ("mean", "sum", "none")
 # Vocab columns per backward chunk: the largest dlogits block alive is [M, VOCAB_CHUNK].
@@ -178,8 +179,8 @@ def _grads_from_logits(lowering, logits, w, xg, targets, loads):
     dlog, zdz = programs.ce_grad_from_logits(logits, col, targets[:, None], loads["lse"][:, None],
                                              loads["gscale"][:, None], loads["zcoef"][:, None])
     dlog = dlog.astype(w.dtype)
-    g_h = lowering.gemm(programs.IDENTITY, dlog, w, {}, out_dtypes={"out": jnp.float32})["out"]
-    dw = lowering.gemm(programs.IDENTITY, dlog, xg, {}, transpose_a=True, out_dtypes={"out": w.dtype})["out"]
+    g_h = matmul(lowering, dlog, w, out_dtype=jnp.float32)
+    dw = wgrad(lowering, dlog, xg, w)
     return g_h, zdz, dw
 
 
@@ -199,8 +200,7 @@ def _grads_by_recompute(lowering, h, w, xg, targets, loads):
         dlog = outs["dlogits"]
         zdz = zdz + jnp.sum(outs["zdz"], axis=0)
         g_h = lowering.gemm(programs.ACCUMULATE, dlog, w_c, {"prev": g_h}, out_dtypes={"out": jnp.float32})["out"]
-        dw_chunks.append(lowering.gemm(programs.IDENTITY, dlog, xg, {}, transpose_a=True,
-                                       out_dtypes={"out": w.dtype})["out"])
+        dw_chunks.append(wgrad(lowering, dlog, xg, w))
     dw = jnp.concatenate(dw_chunks, axis=0) if len(dw_chunks) > 1 else dw_chunks[0]
     return g_h, zdz, dw
 

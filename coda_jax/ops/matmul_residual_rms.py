@@ -23,6 +23,7 @@ from coda_jax.lowering import GemmLowering
 from coda_jax.ops.checks import check_2d, check_float, check_same_dtype, check_vector, check_weight
 from coda_jax.ops.names import MATMUL_RESIDUAL_RMS
 from coda_jax.ops.norm_carry import NormCarry
+from coda_jax.ops.plain_gemm import linear_grads
 from coda_jax.sharding import typed_like
 
 
@@ -42,9 +43,7 @@ def _residual_rms_fwd(lowering, y, w, residual, gamma):
 def _residual_rms_bwd(lowering, res, cot):
     y, w, gamma = res
     dx, _ = cot  # the carry is a cache: no gradient flows through it
-    dx_op = dx.astype(y.dtype)
-    dy = lowering.gemm(programs.IDENTITY, dx_op, w, {}, transpose_b=True)["out"]
-    dw = lowering.gemm(programs.IDENTITY, y, dx_op, {}, transpose_a=True, out_dtypes={"out": w.dtype})["out"]
+    dy, dw = linear_grads(lowering, y, w, dx)
     return dy, dw, dx, jnp.zeros_like(gamma)
 
 
@@ -63,9 +62,7 @@ def _residual_fwd(lowering, y, w, residual):
 
 def _residual_bwd(lowering, res, dx):
     y, w = res
-    dx_op = dx.astype(y.dtype)
-    dy = lowering.gemm(programs.IDENTITY, dx_op, w, {}, transpose_b=True)["out"]
-    dw = lowering.gemm(programs.IDENTITY, y, dx_op, {}, transpose_a=True, out_dtypes={"out": w.dtype})["out"]
+    dy, dw = linear_grads(lowering, y, w, dx)
     return dy, dw, dx
 
 

@@ -48,6 +48,7 @@ from coda_jax import programs
 from coda_jax.epilogue import Epilogue
 from coda_jax.lowering import GemmLowering, fuses_epilogues
 from coda_jax.ops.norm_carry import rstd_from_partials
+from coda_jax.ops.plain_gemm import wgrad
 
 
 class NormedGemmVariant(Protocol):
@@ -131,13 +132,8 @@ def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz
                          out_dtypes={"dx": x.dtype})
     if unfused:
         h = (x * gamma if h is None else h).astype(w.dtype)
-        return outs["dx"], jnp.sum(outs["dgamma"], axis=0).astype(gamma.dtype), _plain_wgrad(lowering, h, dz_scaled, w)
+        return outs["dx"], jnp.sum(outs["dgamma"], axis=0).astype(gamma.dtype), wgrad(lowering, h, dz_scaled, w)
     return (outs["dx"], *_norm_wgrad(lowering, x.astype(w.dtype), dz_scaled, gamma, w))
-
-
-def _plain_wgrad(lowering: GemmLowering, a, b, w):
-    """``dW = a^T @ b`` in ``w.dtype`` (a plain wgrad GEMM)."""
-    return lowering.gemm(programs.IDENTITY, a, b, {}, transpose_a=True, out_dtypes={"out": w.dtype})["out"]
 
 
 def _norm_wgrad(lowering: GemmLowering, a, b, gamma, w):
@@ -173,7 +169,7 @@ def norm_gemm_backward_unscaled(lowering: GemmLowering, x, gamma, w, rstd, dz, d
     x_hat = xf * r
     if not fuses_epilogues(lowering):
         dgamma = jnp.sum(x_hat * g, axis=0).astype(gamma.dtype)
-        return dx.astype(x.dtype), dgamma, _plain_wgrad(lowering, (x_hat * gf).astype(w.dtype), dz, w)
+        return dx.astype(x.dtype), dgamma, wgrad(lowering, (x_hat * gf).astype(w.dtype), dz, w)
     return (dx.astype(x.dtype), *_norm_wgrad(lowering, x_hat.astype(w.dtype), dz, gamma, w))
 
 

@@ -33,6 +33,7 @@ from coda_jax.ops.checks import check_vector, check_weight
 from coda_jax.ops.names import SWIGLU_MLP
 from coda_jax.ops.norm_carry import NormCarry, resolve_carry, rstd_from_partials
 from coda_jax.ops.normed_gemm import norm_gemm_backward
+from coda_jax.ops.plain_gemm import matmul, wgrad
 from coda_jax.ops.rms_norm_matmul import check_norm_inputs
 from coda_jax.programs import SWIGLU_BLOCK
 from coda_jax.sharding import typed_like
@@ -42,7 +43,7 @@ def _down(lowering: GemmLowering, y, w_down, x, gamma_next, residual: bool):
     """``x + y @ w_down`` and the next norm's carry (None without ``gamma_next``); without
     ``residual``, the float32 partial product ``y @ w_down`` alone (no carry)."""
     if not residual:
-        return lowering.gemm(programs.IDENTITY, y, w_down, {}, out_dtypes={"out": jnp.float32})["out"], None
+        return matmul(lowering, y, w_down, out_dtype=jnp.float32), None
     # The output is the residual stream: it keeps x's sharding type (as matmul_residual_rms's).
     if gamma_next is None:
         out = lowering.gemm(programs.RESIDUAL, y, w_down, {"residual": x}, out_dtypes={"x": x.dtype})
@@ -73,7 +74,7 @@ def _swiglu_mlp_bwd(lowering, eps, residual, res, cot):
     dout = dx_out.astype(y.dtype)
     sd = lowering.gemm(programs.SWIGLU_DGRAD, dout, w_down, {"z": z, "rstd": rstd}, transpose_b=True,
                        out_dtypes={"dz": w_gu.dtype})
-    dw_down = lowering.gemm(programs.IDENTITY, y, dout, {}, transpose_a=True, out_dtypes={"out": w_down.dtype})["out"]
+    dw_down = wgrad(lowering, y, dout, w_down)
     dx, dgamma, dw_gu = norm_gemm_backward(lowering, x, gamma, w_gu, rstd, sd["dz"], jnp.sum(sd["zdz"], axis=0),
                                            dres=dx_out if residual else None, h=h)
     dgn = None if gamma_next is None else jnp.zeros_like(gamma_next)
