@@ -526,8 +526,7 @@ def backend_variant(label):
     :mod:`coda_jax.pallas.tuned`), ``"pallas@w0"`` (Pallas without the wave fit of
     :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@pp"`` / ``"pallas@coop"`` (every program on the
     ping-pong warp-specialized schedule, without a cluster / on the cooperative one), ``"pallas@dr1"`` /
-    ``"pallas@dr0"`` (every cooperative kernel, tuned or not, with ``delay_release`` 1 / 0), ``"pallas@mb0"`` /
-    ``"pallas@mb1"`` (every kernel with ``manual_barriers`` off / on), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
+    ``"pallas@dr0"`` (every cooperative kernel, tuned or not, with ``delay_release`` 1 / 0), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
     default Pallas config with / without swizzled epilogue staging), ``"pallas@<field>=<value>[+...]"``
     (the default Pallas config with those ``TuningConfig`` fields replaced, e.g.
     ``pallas@cluster_dimension=None+grid_tile_width=8``) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
@@ -546,12 +545,6 @@ def backend_variant(label):
         from coda_jax.pallas.tuning import WAVE_FIT_ENV
 
         with _env(WAVE_FIT_ENV, variant[1]):
-            yield base
-        return
-    if base == "pallas" and variant in ("mb0", "mb1"):  # TuningConfig.manual_barriers off / on everywhere
-        from coda_jax.pallas.tuning import MANUAL_BARRIERS_ENV
-
-        with _env(MANUAL_BARRIERS_ENV, variant[2]):
             yield base
         return
     if base == "pallas" and variant in ("dr0", "dr1"):  # delay_release on every cooperative kernel

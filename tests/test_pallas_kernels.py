@@ -637,52 +637,6 @@ def test_delay_release_env(monkeypatch):
         dataclasses.replace(coop, delay_release=2)
 
 
-def test_manual_barriers_env(monkeypatch):
-    from coda_jax.pallas.tuning import MANUAL_BARRIERS_ENV, with_env_settings
-
-    coop = CONFIG_TABLE["default"]
-    monkeypatch.delenv(MANUAL_BARRIERS_ENV, raising=False)
-    assert coop.manual_barriers and with_env_settings(coop) is coop
-    monkeypatch.setenv(MANUAL_BARRIERS_ENV, "0")
-    assert not with_env_settings(coop).manual_barriers
-    assert not PallasLowering.default_config(programs.IDENTITY, 8192, 2048, 2048, False, False, True).manual_barriers
-    monkeypatch.setenv(MANUAL_BARRIERS_ENV, "yes")
-    with pytest.raises(ValueError, match="CODA_JAX_PALLAS_MANUAL_BARRIERS"):
-        with_env_settings(coop)
-
-
-def _auto_barriers_off(epi, loads: dict, outs: dict, cfg) -> bool:
-    """Whether the kernel ``build_kernel`` makes for ``cfg`` (planned) runs without Pallas's
-    automatic barriers, read from its traced call's compiler parameters."""
-    import re
-
-    from coda_jax.pallas.gemm_epilogue import build_kernel
-
-    m, n, k = 1024, 1024, 512
-    shape = _shape(m, n, k, outs)
-    ldt = tuple((name, jnp.dtype(v.dtype)) for name, v in loads.items())
-    kernel = build_kernel(epi, shape, plan_kernel(epi, shape, cfg, ldt), False, ldt)
-    a, b = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((k, n), jnp.bfloat16)
-    txt = str(jax.make_jaxpr(kernel)(a, b, *[loads[l.name] for l in epi.loads]))
-    found = re.findall(r"unsafe_no_auto_barriers=(\w+)", txt)
-    assert len(found) == 1, found
-    return found[0] == "True"
-
-
-def test_manual_barriers_only_where_every_smem_write_is_fenced_by_hand():
-    # Staged tile outputs (a wait with its barrier before each write, commit_smem after) drop
-    # Pallas's automatic barriers; an output staged in its load's slot (3 load slots), the
-    # single-warpgroup kernel and the manual_barriers=False setting keep them.
-    d = CONFIG_TABLE["default"]
-    res = {"residual": jnp.zeros((1024, 1024), jnp.bfloat16), "gamma": jnp.ones((1024,), jnp.float32)}
-    res_outs = {"x": jnp.bfloat16, "h": jnp.bfloat16}
-    assert _auto_barriers_off(programs.IDENTITY, {}, {"out": jnp.bfloat16}, d)
-    assert _auto_barriers_off(programs.RESIDUAL_RMS, res, res_outs, d)  # 2 slots: own staging
-    assert not _auto_barriers_off(programs.RESIDUAL_RMS, res, res_outs, dataclasses.replace(d, epilogue_load_slots=3))
-    assert not _auto_barriers_off(programs.IDENTITY, {}, {"out": jnp.bfloat16}, dataclasses.replace(d, manual_barriers=False))
-    assert not _auto_barriers_off(programs.IDENTITY, {}, {"out": jnp.bfloat16}, SMALL)  # single warpgroup
-
-
 def test_every_program_config_names_a_real_program():
     """:data:`PROGRAM_CONFIGS` keys are names the ops' epilogues really have (an entry for a
     name no op uses would silently do nothing: "rms_rope_train" did)."""

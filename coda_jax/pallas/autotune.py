@@ -115,10 +115,6 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # that divides 192 (not the SwiGLU forward's 128). Measured (RESULTS.md, run 230): 570
     # against 750-800 TFLOP/s for the identity GEMM in every layout; they win only where the
     # wider tile fits the output into one wave (the 1B QKV wgrad, 2048 x 3072: 128 CTA tiles).
-    # Pallas's automatic barriers around every staging write and TMA load kept (the behaviour
-    # before TuningConfig.manual_barriers): for A/B timing.
-    "auto_barriers": dataclasses.replace(_D, manual_barriers=False),
-    "ring_auto_barriers": dataclasses.replace(_D, delay_release=1, manual_barriers=False),
     "n192": dataclasses.replace(_D, tile_n=192),
     "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
     "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),

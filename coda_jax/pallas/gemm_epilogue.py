@@ -210,12 +210,6 @@ class _EpilogueEmitter:
         in_place_ok = self.slots >= 3 and not (self.direct_loads or self.direct_stores)
         self.in_place = self._in_place(dict(shape.out_dtypes), load_dtypes or {}) if in_place_ok else {}
         self.lookahead = self.slots - (2 if self.in_place else 1)
-        # Every SMEM write is fenced by hand (TuningConfig.manual_barriers): the staging writes
-        # follow a wait_smem_to_gmem (with its warpgroup barrier) and precede commit_smem (a
-        # fence and a barrier); a tile load refills a slot only after the barrier of a later
-        # chunk's commit. In-place outputs (a thread rewrites what it read) and column sums
-        # (a cross-warp reduction through SMEM) keep Pallas's automatic barriers.
-        self.fenced_by_hand = self.chunk_staging and not self.in_place and not self.col_outs
 
     def scope(self, name: str):
         """A profiler range named ``name`` (:class:`ProfileSettings`) if it is profiled,
@@ -699,9 +693,7 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
             # that several threads share. Direct stores go to GMEM, each thread its own
             # elements; the SMEM left (row partials) is fenced by hand: a wait for the slot's
             # previous TMA store (with its warpgroup barrier) before the write, commit_smem after.
-            # Staged epilogues whose writes are all fenced so (_EpilogueEmitter.fenced_by_hand)
-            # drop them too (TuningConfig.manual_barriers): two barriers fewer per chunk.
-            unsafe_no_auto_barriers=cfg.direct_stores or (ws and cfg.manual_barriers and emitter.fenced_by_hand),
+            unsafe_no_auto_barriers=cfg.direct_stores,
             **(dict(profile_space=profile.ranges, profile_dir=profile.directory, profile_bounds_check=True)
                if profile else {})),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs

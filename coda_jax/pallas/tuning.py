@@ -86,13 +86,6 @@ class TuningConfig:
       direct_stores: the epilogue's tile outputs go from registers straight to GMEM (vector
         stores), not staged in SMEM and written by TMA. The kernel then runs without Pallas's
         automatic barriers (what SMEM it still writes, row partials, is fenced by hand).
-      manual_barriers: warp-specialized kernels whose staged epilogue fences all its SMEM
-        writes by hand (before a chunk's staging write, a wait for the slot's previous TMA
-        store with its warpgroup barrier; after it, ``commit_smem``: a fence and a barrier)
-        run without Pallas's automatic barriers, which add two warpgroup barriers per chunk
-        around the staging write and one per TMA load. Not where a tile output is staged in
-        place of a tile load (a thread rewrites what it read), nor with column sums (a
-        cross-warp reduction), nor in the single-warpgroup kernel: those keep them.
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -116,7 +109,6 @@ class TuningConfig:
     pingpong_turns: bool = False
     direct_loads: bool = False
     direct_stores: bool = False
-    manual_barriers: bool = True
     approx_math: bool = False
 
     def __post_init__(self):
@@ -190,7 +182,6 @@ CONFIG_TABLE: dict[str, TuningConfig] = {
 
 SCHEDULE_ENV = "CODA_JAX_PALLAS_SCHEDULE"
 DELAY_RELEASE_ENV = "CODA_JAX_PALLAS_DELAY_RELEASE"
-MANUAL_BARRIERS_ENV = "CODA_JAX_PALLAS_MANUAL_BARRIERS"
 
 
 def with_delay_release_env(cfg: TuningConfig) -> TuningConfig:
@@ -204,19 +195,6 @@ def with_delay_release_env(cfg: TuningConfig) -> TuningConfig:
     if not cfg.warp_specialized or cfg.pingpong:
         return cfg
     return dataclasses.replace(cfg, delay_release=int(raw))
-
-
-def with_env_settings(cfg: TuningConfig) -> TuningConfig:
-    """``cfg`` with the environment's overrides: ``delay_release`` (:func:`with_delay_release_env`)
-    and ``manual_barriers`` from ``$CODA_JAX_PALLAS_MANUAL_BARRIERS`` (``0`` or ``1``; unset:
-    ``cfg``'s own)."""
-    cfg = with_delay_release_env(cfg)
-    raw = os.environ.get(MANUAL_BARRIERS_ENV, "").strip()
-    if not raw:
-        return cfg
-    if raw not in ("0", "1"):
-        raise ValueError(f"${MANUAL_BARRIERS_ENV} must be 0 or 1, got {raw!r}")
-    return cfg if cfg.manual_barriers == (raw == "1") else dataclasses.replace(cfg, manual_barriers=raw == "1")
 
 
 # Per-program changes to the default configuration, for GEMMs the tuned table
