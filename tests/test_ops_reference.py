@@ -198,3 +198,25 @@ def test_plain_gemm_writes_the_dtype_asked_for(out_dtype):
     got = f(a, b)
     want = jnp.dot(a.astype(jnp.float32).T, b.astype(jnp.float32), precision="highest")
     assert got.dtype == out_dtype and C.rel_err(got, want) < 1e-2
+
+
+def test_plain_gemm_helpers_match_jax():
+    # coda_jax.ops.plain_gemm: the backward passes' plain GEMMs, in the dtypes they promise.
+    from coda_jax.ops.plain_gemm import linear_grads, matmul, wgrad
+    from coda_jax.reference import REFERENCE
+
+    k = jax.random.split(jax.random.key(7), 3)
+    y = jax.random.normal(k[0], (77, 40), jnp.bfloat16)
+    w = jax.random.normal(k[1], (40, 24), jnp.float32)
+    dx = jax.random.normal(k[2], (77, 24), jnp.float32)
+    wb = w.astype(jnp.bfloat16)
+    _, vjp = jax.vjp(lambda y, w: jnp.dot(y.astype(jnp.float32), w.astype(jnp.float32)), y, wb)
+    dy_ref, dw_ref = vjp(dx.astype(jnp.bfloat16).astype(jnp.float32))
+    dy, dw = linear_grads(REFERENCE, y, wb, dx)
+    assert dy.shape == y.shape and dy.dtype == y.dtype and dw.shape == wb.shape and dw.dtype == wb.dtype
+    assert float(jnp.linalg.norm(dy - dy_ref) / jnp.linalg.norm(dy_ref)) < 1e-2
+    assert float(jnp.linalg.norm(dw - dw_ref) / jnp.linalg.norm(dw_ref)) < 1e-2
+    assert wgrad(REFERENCE, y, dx.astype(jnp.bfloat16), w).dtype == jnp.float32  # w's dtype
+    out = matmul(REFERENCE, dx.astype(jnp.bfloat16), wb, transpose_b=True, out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32 and out.shape == (77, 40)
+    assert float(jnp.linalg.norm(out - dy_ref) / jnp.linalg.norm(dy_ref)) < 1e-2
