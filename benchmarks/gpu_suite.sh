@@ -26,7 +26,8 @@
 # add pallas@kernel_cache to time coda-jax's kernel cache, CODA_JAX_KERNEL_CACHE_WORKERS its workers).
 # GRAD_PROBE=1 prints each backend's error per gradient of one training step against float32
 # math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS).
-# NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND).
+# NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND;
+# NCU_SOURCE=1: also warp-stall samples per SASS instruction, benchmarks/sass_hotspots.py).
 # Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
 # FUZZ=1 runs the GPU shape fuzz after the GPU tests (tests/test_gpu_shape_fuzz.py: FUZZ_SEED,
@@ -108,13 +109,24 @@ if [ -n "${NCU_PROGRAMS:-}" ]; then
   # Nsight Compute on one kernel launch per program label (benchmarks/kernel_probe.py), e.g.
   # NCU_PROGRAMS="identity dgrad;rms_dgrad_res dgrad" NCU_BACKEND=cutedsl.
   echo "== ncu (${NCU_BACKEND:-cutedsl}) ==" | tee "$OUT/ncu.log"
+  # NCU_SOURCE=1 also samples warp stalls per SASS instruction (SourceCounters) and prints
+  # where each kernel's warps wait, per opcode and per instruction (benchmarks/sass_hotspots.py).
   IFS=';' read -ra NCU_LIST <<< "$NCU_PROGRAMS"
+  n_ncu=0
   for p in "${NCU_LIST[@]}"; do
     echo "-- $p" | tee -a "$OUT/ncu.log"
+    n_ncu=$((n_ncu + 1)); rep=(); src=()
+    [ -n "${NCU_SOURCE:-}" ] && rep=(-o "/tmp/coda_ncu_$n_ncu" -f) && src=(--section SourceCounters)
     timeout "${NCU_TIMEOUT:-180}" ncu --clock-control none -k "regex:${NCU_KERNEL:-coda_}" -c 1 --section SpeedOfLight \
       --section LaunchStats --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
-      python3 benchmarks/kernel_probe.py "$p" --backend "${NCU_BACKEND:-cutedsl}" --iters 2 2>&1 \
+      "${src[@]}" "${rep[@]}" python3 benchmarks/kernel_probe.py "$p" --backend "${NCU_BACKEND:-cutedsl}" --iters 2 2>&1 \
       | grep -v '^==PROF==\|^\s*$\|Warning' >> "$OUT/ncu.log"
+    if [ -n "${NCU_SOURCE:-}" ]; then
+      ncu --import "/tmp/coda_ncu_$n_ncu.ncu-rep" --page details >> "$OUT/ncu.log" 2>&1
+      ncu --import "/tmp/coda_ncu_$n_ncu.ncu-rep" --page source --csv --print-source sass > "/tmp/coda_ncu_$n_ncu.csv" 2>/dev/null
+      python3 benchmarks/sass_hotspots.py "/tmp/coda_ncu_$n_ncu.csv" --top "${NCU_TOP:-25}" 2>&1 | grep -v '^columns' \
+        | tee -a "$OUT/ncu_source.log" | head -n 30
+    fi
   done
   grep -E -- '^-- |Context|Cluster Size|Grid Size|Block Size|Dynamic Shared|Waves Per SM|Registers Per|Duration|Compute \(SM\) Throughput|Memory Throughput|Issued Warp|No Eligible|Warp Cycles Per Issued|Stall' "$OUT/ncu.log" | head -120
 fi

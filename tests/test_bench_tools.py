@@ -712,3 +712,24 @@ def test_tune_op_spec_traces_the_op_benchmarks_kernel_calls(monkeypatch):
                      ("row_scale", False, False, (256, f, 2048))], calls
     with pytest.raises(ValueError, match="op:name:d"):
         tune.op_step("op:norm_matmul:1000")
+
+
+def test_sass_hotspots_reads_ncu_source_csv(tmp_path):
+    # benchmarks/sass_hotspots.py: samples per opcode (predicates and modifiers stripped) and
+    # the top instructions, from ncu's source-page CSV (a banner line before the header).
+    csv = tmp_path / "sass.csv"
+    csv.write_text(
+        "==PROF== Connected to process 1\n"
+        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+        '"Instructions Executed","stall_barrier","stall_wait"\n'
+        '"0x10","WARPGROUP.DEPBAR.LE gsb0, 0x0","60","50","8","55","5"\n'
+        '"0x20","@!P2  BRA 0x100","30","20","8","0","30"\n'
+        '"0x30","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24","1,000","0","64","0","1,000"\n')
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_hotspots.py"), str(csv), "--top", "2"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "samples 1090 in 3 instructions" in out
+    lines = out.splitlines()
+    ops = lines[lines.index(next(l for l in lines if l.startswith("samples"))) + 1:][:3]
+    assert [l.split()[0] for l in ops] == ["HGMMA", "WARPGROUP", "BRA"]  # by samples; '@!P2' dropped
+    top = out.split("top 2 instructions by samples:")[1]
+    assert "HGMMA" in top and "WARPGROUP.DEPBAR" in top and "BRA" not in top and "stall_barrier=55" in top
