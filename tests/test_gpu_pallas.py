@@ -38,6 +38,9 @@ CONFIGS = {
     # Tile loads / outputs between GMEM and registers, no staging SMEM (and, with direct
     # stores, no automatic barriers).
     "ws_direct": dataclasses.replace(CONFIG_TABLE["default"], direct_loads=True, direct_stores=True),
+    # One staging slot per tile output: 64-column chunks beside 4 stages, each chunk waiting
+    # for the previous chunk's store to read the slot.
+    "ws_one_out_slot": dataclasses.replace(CONFIG_TABLE["default"], epilogue_out_slots=1),
     "ws_pingpong_direct_loads": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
                                                     cluster_dimension=None, direct_loads=True),
     # Ping-pong consumers taking turns on the tensor cores, 6 stages.

@@ -169,6 +169,42 @@ def test_warp_specialized_split_n_transposed_a():
 PINGPONG = dataclasses.replace(WS, schedule="pingpong")
 
 
+ONE_OUT_SLOT_CASES = [c for c in CASES if c[0].name in (
+    "identity", "residual_rms", "rms_swiglu_train", "rms_lse_logits", "rms_dgrad_res", "swiglu_dgrad", "col_sum_probe")]
+
+
+@pytest.mark.parametrize("epi,kw", ONE_OUT_SLOT_CASES, ids=[c[0].name for c in ONE_OUT_SLOT_CASES])
+def test_one_out_slot(epi, kw):
+    # epilogue_out_slots=1: every chunk of a tile output is staged in the same SMEM slot, after
+    # the previous chunk's store has read it (16-column chunks: 8 per 128-wide tile, so the
+    # slot is reused within a tile and across tiles). The column-sum probe runs the
+    # single-warpgroup kernel, whose column sums keep two slots of their own.
+    cfg = dataclasses.replace(WS, epilogue_out_slots=1, epilogue_cols=16)
+    n = 256 if epi.pair_block == 64 else 192 if epi.pair_block is None else 128
+    _compare(epi, 256, n, 128, config=cfg, seed=23, **kw)
+
+
+def test_one_out_slot_ragged_on_every_schedule():
+    for cfg in (dataclasses.replace(WS, epilogue_out_slots=1, epilogue_cols=32),
+                dataclasses.replace(PINGPONG, epilogue_out_slots=1, epilogue_cols=32),
+                dataclasses.replace(WS, delay_release=1, epilogue_out_slots=1, epilogue_cols=32),
+                dataclasses.replace(SMALL, epilogue_out_slots=1, epilogue_cols=32)):
+        _compare(programs.rms_swiglu(True), 200, 256, 130, config=cfg, seed=24)
+        _compare(programs.RESIDUAL_RMS, 72, 200, 96, config=cfg, seed=25)
+
+
+def test_one_out_slot_fits_wider_chunks_beside_four_stages():
+    # The identity GEMM at the 1B dgrad shape: with two staging slots 64-column chunks do not
+    # fit beside 4 operand stages and the plan narrows them to 32; one slot keeps 64.
+    shape = _shape(8192, 8192, 2048, {"out": jnp.bfloat16}, transpose_b=True)
+    two = plan_kernel(programs.IDENTITY, shape, CONFIG_TABLE["default"])
+    one = plan_kernel(programs.IDENTITY, shape, dataclasses.replace(CONFIG_TABLE["default"], epilogue_out_slots=1))
+    assert (two.max_concurrent_steps, two.epilogue_cols) == (4, 32)
+    assert (one.max_concurrent_steps, one.epilogue_cols, one.epilogue_out_slots) == (4, 64, 1)
+    with pytest.raises(ValueError, match="epilogue_out_slots must be 1 or 2"):
+        dataclasses.replace(CONFIG_TABLE["default"], epilogue_out_slots=3)
+
+
 @pytest.mark.parametrize("epi,kw", [c for c in CASES if c[0].name in (
     "identity", "residual_rms", "rms_swiglu_train", "rms_rope", "rms_lse", "rms_dgrad_res")],
     ids=lambda c: getattr(c, "name", ""))

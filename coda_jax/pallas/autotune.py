@@ -115,6 +115,11 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # that divides 192 (not the SwiGLU forward's 128). Measured (RESULTS.md, run 230): 570
     # against 750-800 TFLOP/s for the identity GEMM in every layout; they win only where the
     # wider tile fits the output into one wave (the 1B QKV wgrad, 2048 x 3072: 128 CTA tiles).
+    # One SMEM staging slot per tile output: 64-column epilogue chunks fit beside 4 operand
+    # stages where two slots force 32 (RESULTS.md runs 241-242: a 128 x 128 identity tile is
+    # stored as four 32-column chunks, each with its barriers, fence and TMA store).
+    "one_out_slot": dataclasses.replace(_D, epilogue_out_slots=1),
+    "ring_one_out_slot": dataclasses.replace(_D, delay_release=1, epilogue_out_slots=1),
     "n192": dataclasses.replace(_D, tile_n=192),
     "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
     "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),

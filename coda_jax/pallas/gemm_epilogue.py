@@ -171,9 +171,10 @@ class _EpilogueEmitter:
     and the ring holds loads and outputs in the SMEM of the loads alone. A slot is then
     refilled only after the store that read it; ``L = S - 2`` keeps the last chunk's store
     in flight while the next load is issued (``L = S - 1`` without in-place outputs). Other
-    tile outputs (all of them, with 2 load slots) use two slots of their own;
-    ``wait_smem_to_gmem`` before a slot is reused keeps only the previous chunk's stores in
-    flight. With 2 load slots and no in-place outputs this is the double-buffered epilogue
+    tile outputs (all of them, with 2 load slots) use two slots of their own
+    (``TuningConfig.epilogue_out_slots``; one slot: wider chunks fit, and each chunk waits
+    for the previous chunk's store to read it); ``wait_smem_to_gmem`` before a slot is
+    reused keeps only the previous chunk's stores in flight. With 2 load slots and no in-place outputs this is the double-buffered epilogue
     that ran before load rings existed.
     """
 
@@ -200,8 +201,13 @@ class _EpilogueEmitter:
                     f"epilogue {epi.name!r}: scalar loads are not supported by the Pallas backend; "
                     "pass the scalar as a row vector")
         # TMA stores issued per chunk (tile-output parts unless direct, column-sum parts).
-        self.stores_per_chunk = (0 if self.direct_stores else sum(self._nparts(o.half) for o in self.tile_outs)) + sum(
-            self._nparts(False) for _ in self.col_outs)
+        self.col_stores_per_chunk = sum(self._nparts(False) for _ in self.col_outs)
+        self.stores_per_chunk = (0 if self.direct_stores else sum(self._nparts(o.half) for o in self.tile_outs)) + \
+            self.col_stores_per_chunk
+        # Staging slots of each tile output (TuningConfig.epilogue_out_slots). With one, a chunk
+        # waits until the previous chunk's tile-output stores have read the slot; its column-sum
+        # stores (issued after them, in slots of their own) may still run.
+        self.out_slots = cfg.epilogue_out_slots
         # Each chunk waits for its staging slot and commits SMEM before its TMA stores; with
         # direct stores only column sums (if any) are staged.
         self.chunk_staging = bool(self.stores_per_chunk) or not self.direct_stores
@@ -296,7 +302,7 @@ class _EpilogueEmitter:
                                            transforms=tf(loads_dtypes[l.name]))
         for o in self.tile_outs if not self.direct_stores else ():
             if o.name not in self.in_place:
-                s["out_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(o.half), tm, w), self.dt[o.name],
+                s["out_" + o.name] = plgpu.SMEM(lead + (self.out_slots, self._nparts(o.half), tm, w), self.dt[o.name],
                                                 transforms=tf(self.dt[o.name]))
         for o in self.row_outs:
             s["row_" + o.name] = plgpu.SMEM(lead + (2, tm), jnp.float32)
@@ -317,7 +323,8 @@ class _EpilogueEmitter:
         staged_outs = () if self.direct_stores else [o for o in self.tile_outs if o.name not in self.in_place]
         total = sum(self.slots * self._load_nparts(l) * tm * w * jnp.dtype(loads_dtypes[l.name]).itemsize
                     for l in staged_loads)
-        total += sum(2 * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize for o in staged_outs)
+        total += sum(self.out_slots * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize
+                     for o in staged_outs)
         total += len(self.row_outs) * 2 * tm * 4 + len(self.col_outs) * 2 * 2 * w * 4
         return total
 
@@ -412,7 +419,8 @@ class _EpilogueEmitter:
         row_vals = {k: lax.broadcast_in_dim(v, shape_c, [0]) for k, v in rows.items()}
         row_state: dict[str, Any] = {}
         for ci, (c0, w) in enumerate(self.chunks):
-            slot, out_slot = self._slot_of(step_base, ci), self._slot_of(step_base, ci, 2)
+            slot, col_slot = self._slot_of(step_base, ci), self._slot_of(step_base, ci, 2)
+            out_slot = col_slot if self.out_slots == 2 else 0
             col0 = n0 + c0
             next_cols = self._col_vectors(ci + 1, n0, load_refs) if ci + 1 < n_chunks else {}
             if load_parts and self.direct_loads:  # chunk ci + ahead's loads fly while chunk ci is computed
@@ -442,10 +450,12 @@ class _EpilogueEmitter:
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
             res = epi.body(acc_c, _TileContext(col0, shape_c), **kw)
             # An own slot written now was last stored two chunks ago: keep only the last chunk's
-            # stores (an in-place slot was freed before its load was issued).
+            # stores (an in-place slot was freed before its load was issued). With one output
+            # slot, the last chunk's tile-output stores must have read it too.
             if self.chunk_staging:
                 with self.scope("store_wait"):
-                    plgpu.wait_smem_to_gmem(self.stores_per_chunk, wait_read_only=True)
+                    in_flight = self.stores_per_chunk if self.out_slots == 2 else self.col_stores_per_chunk
+                    plgpu.wait_smem_to_gmem(in_flight, wait_read_only=True)
             col_half = {}
             for o in epi.outputs:
                 v = res[o.name]
@@ -488,7 +498,7 @@ class _EpilogueEmitter:
                         if shape.m_real < shape.m:
                             rows = plgpu.broadcasted_iota(jnp.int32, shape_c, 0, layout=_WG) + m0
                             part = jnp.where(rows < shape.m_real, part, 0.0)
-                        scr["col_" + o.name][out_slot, p] = part.sum(axis=0)
+                        scr["col_" + o.name][col_slot, p] = part.sum(axis=0)
             if self.chunk_staging:
                 plgpu.commit_smem()
             for o in self.tile_outs if not self.direct_stores else ():
@@ -499,7 +509,7 @@ class _EpilogueEmitter:
                         src, ref.at[m_slice, pl.ds(c, pw)]))
             for o in self.col_outs:
                 for p, (gc, pw) in enumerate(self.parts(c0, n0, col_half[o.name])):
-                    plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[out_slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
+                    plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[col_slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
             cols = next_cols
         if self.row_outs:
             if self.direct_stores:  # no per-chunk wait ran: the slot's store of two tiles ago has read it

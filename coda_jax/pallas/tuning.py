@@ -49,6 +49,12 @@ class TuningConfig:
         behind the chunks before it. Default 2 (double-buffered loads): 4 slots did not
         speed up the block's fused GEMMs on the H100 and slowed ``rms_dgrad_res`` 0.718 ->
         0.787 ms (benchmarks/RESULTS.md, run 32).
+      epilogue_out_slots: SMEM staging slots of each tile output (1 or 2). Two (the default)
+        double-buffer the chunks: a chunk's store may still be reading its slot while the
+        next chunk is written. One halves that staging, so that wider chunks fit beside the
+        operand stages (the identity GEMM at 4 stages: 64-column chunks instead of 32, two
+        TMA stores per consumer tile instead of four); each chunk then waits for the
+        previous chunk's store to have read the slot before writing it.
       epilogue_regs: register budget of one epilogue chunk, in float32 values per thread
         (:func:`coda_jax.pallas.gemm_epilogue.live_values`: accumulator slice, tile loads and
         tile outputs of a chunk); ``plan_kernel`` narrows the chunk (pair-mode chunks too,
@@ -103,6 +109,7 @@ class TuningConfig:
     swizzle_epilogue: bool = False
     epilogue_cols: int = 64
     epilogue_load_slots: int = 2
+    epilogue_out_slots: int = 2
     epilogue_regs: int = 128
     schedule: str = "cooperative"
     delay_release: int = 0
@@ -126,6 +133,8 @@ class TuningConfig:
             raise ValueError(f"tile_k must be a multiple of 32 (64 unless both operands are K-major), got {self}")
         if self.epilogue_cols not in (16, 32, 64):
             raise ValueError(f"epilogue_cols must be 16, 32 or 64, got {self.epilogue_cols}")
+        if self.epilogue_out_slots not in (1, 2):
+            raise ValueError(f"epilogue_out_slots must be 1 or 2, got {self.epilogue_out_slots}")
         if self.epilogue_load_slots < 2:
             raise ValueError(f"epilogue_load_slots must be >= 2, got {self.epilogue_load_slots}")
         if self.max_concurrent_steps < 1:
