@@ -28,11 +28,13 @@
 # math (benchmarks/grad_error_probe.py, GRAD_PROBE_ARGS).
 # NCU_PROGRAMS="label;label" runs Nsight Compute on those epilogue-benchmark kernels (NCU_BACKEND;
 # NCU_SOURCE=1: also warp-stall samples per SASS instruction, benchmarks/sass_hotspots.py).
-# Writes logs and results under $OUT (default ./gpu_out) and prints a short table last.
+# Writes logs and results under $OUT (default ./gpu_out) and prints a short table last. Exits with
+# the GPU tests' pytest status (else the shape fuzz's; 0 when neither ran), not the last summary line's.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
 # FUZZ=1 runs the GPU shape fuzz after the GPU tests (tests/test_gpu_shape_fuzz.py: FUZZ_SEED,
 # FUZZ_OPS, FUZZ_MODELS, FUZZ_BACKENDS).
 set -uo pipefail
+suite_rc=0  # the exit status: the GPU tests' pytest status, else the shape fuzz's (124: timed out)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/gpu_out}"; mkdir -p "$OUT"
@@ -67,6 +69,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   # GPU_TESTS_K: a pytest -k expression (it may contain spaces; GPU_TESTS is split on them).
   env "${test_env[@]}" timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu "${xdist[@]}" $GPU_TESTS \
     ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
+  suite_rc=${PIPESTATUS[0]}
 fi
 if [ -n "${FUZZ:-}" ]; then
   # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math.
@@ -75,6 +78,7 @@ if [ -n "${FUZZ:-}" ]; then
   env "${test_env[@]}" FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -v -s \
     -m gpu "${xdist[@]}" tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning \
     | grep -E 'PASSED|FAILED|ERROR|SKIPPED|passed|failed|rel err|Error' | tail -n 150 | tee -a "$OUT/fuzz.log"
+  fuzz_rc=${PIPESTATUS[0]}; [ "$suite_rc" = 0 ] && suite_rc=$fuzz_rc
 fi
 if [ -n "${TUNE:-}" ]; then
   echo "== tuning sweep =="
@@ -217,3 +221,4 @@ cat "$OUT/compile_cache.log" 2>/dev/null
 cat "$OUT/repeat.md" 2>/dev/null
 cat "$OUT/grad_errors.md" 2>/dev/null
 cat "$OUT/train_compare.md" 2>/dev/null
+exit "$suite_rc"

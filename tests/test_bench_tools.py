@@ -733,3 +733,37 @@ def test_sass_hotspots_reads_ncu_source_csv(tmp_path):
     assert [l.split()[0] for l in ops] == ["HGMMA", "WARPGROUP", "BRA"]  # by samples; '@!P2' dropped
     top = out.split("top 2 instructions by samples:")[1]
     assert "HGMMA" in top and "WARPGROUP.DEPBAR" in top and "BRA" not in top and "stall_barrier=55" in top
+
+
+def test_gpu_suite_ncu_source_step_with_a_stub_ncu(tmp_path):
+    # The device script's NCU_SOURCE=1 path end to end on the CPU: a stub `ncu` writes a report,
+    # its details and its source-page CSV; the script must run sass_hotspots.py on each
+    # program's CSV and keep the summaries in $OUT/ncu_source.log.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ncu").write_text(
+        "#!/usr/bin/env bash\n"
+        'args="$*"\n'
+        'if [[ $args == *"--page source"* ]]; then\n'
+        "  printf '\"Address\",\"Source\",\"Warp Stall Sampling (All Samples)\",\"stall_wait\"\\n'\n"
+        "  printf '\"0x1\",\"HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24\",\"12\",\"2\"\\n'\n"
+        'elif [[ $args == *"--page details"* ]]; then echo "    Duration  ms  0.35"\n'
+        'else while [ $# -gt 0 ]; do [ "$1" = "-o" ] && touch "$2.ncu-rep"; shift; done; fi\n')
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'stub GPU'\n")
+    (bin_dir / "python3").write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "$@"\n')  # this venv's
+    for f in ("ncu", "nvidia-smi", "python3"):
+        (bin_dir / f).chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), SKIP_TESTS="1", SKIP_BENCH="1",
+               NCU_PROGRAMS="identity;rms_swiglu_train", NCU_SOURCE="1", JAX_PLATFORMS="cpu")
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh")], env=env, cwd=ROOT, check=True,
+                   capture_output=True, text=True, timeout=300)
+    summary = (out / "ncu_source.log").read_text()
+    assert summary.count("samples 12 in 1 instructions") == 2 and "HGMMA" in summary
+    assert (out / "ncu.log").read_text().count("Duration") == 2
+    # Its exit status is the GPU tests' pytest status: here none is selected (pytest's 5).
+    env.update(NCU_PROGRAMS="", GPU_TESTS="tests/test_gpu_multi.py", GPU_TESTS_K="no_such_test", GPU_TEST_WORKERS="0")
+    del env["SKIP_TESTS"]
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh")], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 5, run.stdout[-2000:]
