@@ -174,8 +174,8 @@ class _EpilogueEmitter:
     tile outputs (all of them, with 2 load slots) use two slots of their own
     (``TuningConfig.epilogue_out_slots``; one slot: wider chunks fit, and each chunk waits
     for the previous chunk's store to read it); ``wait_smem_to_gmem`` before a slot is
-    reused keeps only the previous chunk's stores in flight. With 2 load slots and no in-place outputs this is the double-buffered epilogue
-    that ran before load rings existed.
+    reused keeps only the previous chunk's stores in flight. With 2 load slots and no
+    in-place outputs this is the double-buffered epilogue that ran before load rings existed.
     """
 
     def __init__(self, epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
@@ -202,8 +202,8 @@ class _EpilogueEmitter:
                     "pass the scalar as a row vector")
         # TMA stores issued per chunk (tile-output parts unless direct, column-sum parts).
         self.col_stores_per_chunk = sum(self._nparts(False) for _ in self.col_outs)
-        self.stores_per_chunk = (0 if self.direct_stores else sum(self._nparts(o.half) for o in self.tile_outs)) + \
-            self.col_stores_per_chunk
+        self.stores_per_chunk = ((0 if self.direct_stores else sum(self._nparts(o.half) for o in self.tile_outs))
+                                 + self.col_stores_per_chunk)
         # Staging slots of each tile output (TuningConfig.epilogue_out_slots). With one, a chunk
         # waits until the previous chunk's tile-output stores have read the slot; its column-sum
         # stores (issued after them, in slots of their own) may still run.
@@ -420,7 +420,7 @@ class _EpilogueEmitter:
         row_state: dict[str, Any] = {}
         for ci, (c0, w) in enumerate(self.chunks):
             slot, col_slot = self._slot_of(step_base, ci), self._slot_of(step_base, ci, 2)
-            out_slot = col_slot if self.out_slots == 2 else 0
+            out_slot = self._slot_of(step_base, ci, self.out_slots)
             col0 = n0 + c0
             next_cols = self._col_vectors(ci + 1, n0, load_refs) if ci + 1 < n_chunks else {}
             if load_parts and self.direct_loads:  # chunk ci + ahead's loads fly while chunk ci is computed
