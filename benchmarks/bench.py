@@ -526,7 +526,8 @@ def backend_variant(label):
     :mod:`coda_jax.pallas.tuned`), ``"pallas@w0"`` (Pallas without the wave fit of
     :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@pp"`` / ``"pallas@coop"`` (every program on the
     ping-pong warp-specialized schedule, without a cluster / on the cooperative one), ``"pallas@dr1"`` /
-    ``"pallas@dr0"`` (every cooperative kernel, tuned or not, with ``delay_release`` 1 / 0), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
+    ``"pallas@dr0"`` (every cooperative kernel, tuned or not, with ``delay_release`` 1 / 0), ``"pallas@os1"`` /
+    ``"pallas@os2"`` (every kernel, tuned or not, with ``epilogue_out_slots`` 1 / 2), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
     default Pallas config with / without swizzled epilogue staging), ``"pallas@<field>=<value>[+...]"``
     (the default Pallas config with those ``TuningConfig`` fields replaced, e.g.
     ``pallas@cluster_dimension=None+grid_tile_width=8``) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
@@ -551,6 +552,12 @@ def backend_variant(label):
         from coda_jax.pallas.tuning import DELAY_RELEASE_ENV
 
         with _env(DELAY_RELEASE_ENV, variant[2]):
+            yield base
+        return
+    if base == "pallas" and variant in ("os1", "os2"):  # epilogue_out_slots on every kernel
+        from coda_jax.pallas.tuning import OUT_SLOTS_ENV
+
+        with _env(OUT_SLOTS_ENV, variant[2]):
             yield base
         return
     if base == "pallas" and variant in ("pp", "coop"):  # the warp-specialized schedule (tuning.choose_config)

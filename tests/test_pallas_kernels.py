@@ -656,19 +656,31 @@ def test_choose_config_schedule(monkeypatch):
         choose_config(*big)
 
 
-def test_delay_release_env(monkeypatch):
-    from coda_jax.pallas.tuning import DELAY_RELEASE_ENV, with_delay_release_env
+def test_env_overrides(monkeypatch):
+    from coda_jax.pallas.tuning import DELAY_RELEASE_ENV, OUT_SLOTS_ENV, with_env_overrides
 
     coop, pp = CONFIG_TABLE["default"], dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong")
     monkeypatch.delenv(DELAY_RELEASE_ENV, raising=False)
-    assert with_delay_release_env(coop) is coop
+    monkeypatch.delenv(OUT_SLOTS_ENV, raising=False)
+    assert with_env_overrides(coop) is coop
     monkeypatch.setenv(DELAY_RELEASE_ENV, "1")
-    assert with_delay_release_env(coop).delay_release == 1
-    assert with_delay_release_env(pp) is pp and with_delay_release_env(SMALL) is SMALL  # not cooperative WS
+    assert with_env_overrides(coop).delay_release == 1
+    assert with_env_overrides(pp) is pp and with_env_overrides(SMALL) is SMALL  # not cooperative WS
     assert PallasLowering.default_config(programs.IDENTITY, 8192, 2048, 2048, False, False, True).delay_release == 1
+    # The output slots apply to every kernel, together with the delayed release.
+    monkeypatch.setenv(OUT_SLOTS_ENV, "1")
+    both = with_env_overrides(coop)
+    assert (both.delay_release, both.epilogue_out_slots) == (1, 1)
+    assert with_env_overrides(pp).epilogue_out_slots == 1 and with_env_overrides(SMALL).epilogue_out_slots == 1
+    assert with_env_overrides(pp).delay_release == 0
+    assert PallasLowering.default_config(programs.IDENTITY, 8192, 2048, 2048, False, False, True).epilogue_out_slots == 1
+    monkeypatch.setenv(OUT_SLOTS_ENV, "3")
+    with pytest.raises(ValueError, match="CODA_JAX_PALLAS_OUT_SLOTS"):
+        with_env_overrides(coop)
+    monkeypatch.delenv(OUT_SLOTS_ENV)
     monkeypatch.setenv(DELAY_RELEASE_ENV, "2")
     with pytest.raises(ValueError, match="CODA_JAX_PALLAS_DELAY_RELEASE"):
-        with_delay_release_env(coop)
+        with_env_overrides(coop)
     with pytest.raises(ValueError, match="delay_release must be 0 or 1"):
         dataclasses.replace(coop, delay_release=2)
 

@@ -36,7 +36,7 @@ from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
 from coda_jax.pallas.tuned import tuned_config
 from coda_jax.pallas.tuning import (CONFIG_TABLE, SCHEDULE_ENV, TuningConfig, choose_config, fit_waves,
-                                    with_delay_release_env)
+                                    with_env_overrides)
 from coda_jax.reference import REFERENCE
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
@@ -112,11 +112,11 @@ class PallasLowering:
         (:func:`coda_jax.pallas.tuned.tuned_config`), else the heuristics (the shape-class
         table, the ping-pong programs, the wave fit). The interpreter uses the heuristics
         alone: its 4 "SMs" say nothing about waves. ``$CODA_JAX_PALLAS_SCHEDULE`` (a forced
-        schedule) also bypasses the table; ``$CODA_JAX_PALLAS_DELAY_RELEASE`` overrides
-        ``delay_release`` on cooperative warp-specialized configurations."""
+        schedule) also bypasses the table; ``$CODA_JAX_PALLAS_DELAY_RELEASE`` and
+        ``$CODA_JAX_PALLAS_OUT_SLOTS`` override single settings (:func:`with_env_overrides`)."""
         pw = epilogue.pair_width if epilogue.pair_block is not None else None
         if interpret:
-            return with_delay_release_env(choose_config(m, n, k, epilogue.name))
+            return with_env_overrides(choose_config(m, n, k, epilogue.name))
         dev = _default_device()
         # $CODA_JAX_PALLAS_SCHEDULE puts every GEMM on one schedule: the table's entries too.
         forced = os.environ.get(SCHEDULE_ENV, "").strip()
@@ -124,7 +124,7 @@ class PallasLowering:
                              _num_sms(False), pw) if dev.platform == "gpu" and not forced else None
         if tuned is None:
             tuned = fit_waves(choose_config(m, n, k, epilogue.name), m, n, _grid_sms(False), pw)
-        return with_delay_release_env(tuned)
+        return with_env_overrides(tuned)
 
     def gemm(
         self,

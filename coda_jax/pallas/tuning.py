@@ -54,7 +54,9 @@ class TuningConfig:
         next chunk is written. One halves that staging, so that wider chunks fit beside the
         operand stages (the identity GEMM at 4 stages: 64-column chunks instead of 32, two
         TMA stores per consumer tile instead of four); each chunk then waits for the
-        previous chunk's store to have read the slot before writing it.
+        previous chunk's store to have read the slot before writing it. It won on two fused
+        GEMMs of the 1B step (the tuned table has them) and not for the whole step
+        (benchmarks/RESULTS.md, runs 247-249).
       epilogue_regs: register budget of one epilogue chunk, in float32 values per thread
         (:func:`coda_jax.pallas.gemm_epilogue.live_values`: accumulator slice, tile loads and
         tile outputs of a chunk); ``plan_kernel`` narrows the chunk (pair-mode chunks too,
@@ -191,19 +193,35 @@ CONFIG_TABLE: dict[str, TuningConfig] = {
 
 SCHEDULE_ENV = "CODA_JAX_PALLAS_SCHEDULE"
 DELAY_RELEASE_ENV = "CODA_JAX_PALLAS_DELAY_RELEASE"
+OUT_SLOTS_ENV = "CODA_JAX_PALLAS_OUT_SLOTS"
 
 
-def with_delay_release_env(cfg: TuningConfig) -> TuningConfig:
-    """``cfg`` with ``delay_release`` from ``$CODA_JAX_PALLAS_DELAY_RELEASE`` (``0`` or ``1``),
-    where it applies (the cooperative warp-specialized kernel); ``cfg`` if the variable is unset."""
-    raw = os.environ.get(DELAY_RELEASE_ENV, "").strip()
-    if not raw:
+def _env_choice(name: str, allowed: tuple[str, ...]) -> str:
+    raw = os.environ.get(name, "").strip()
+    if raw and raw not in allowed:
+        raise ValueError(f"${name} must be one of {', '.join(allowed)}, got {raw!r}")
+    return raw
+
+
+def with_env_overrides(cfg: TuningConfig) -> TuningConfig:
+    """``cfg`` with the settings the environment overrides (``cfg`` itself if none applies):
+
+    * ``$CODA_JAX_PALLAS_DELAY_RELEASE`` (``0`` or ``1``): ``delay_release``, on the
+      cooperative warp-specialized kernel only;
+    * ``$CODA_JAX_PALLAS_OUT_SLOTS`` (``1`` or ``2``): ``epilogue_out_slots``, on every kernel.
+
+    They exist for A/B runs of a whole training step (``benchmarks/train_step_bench.py``'s
+    ``pallas:VAR=VALUE`` runs), not as tuning knobs: the tuned table is the place for those."""
+    changes = {}
+    delay = _env_choice(DELAY_RELEASE_ENV, ("0", "1"))
+    if delay and cfg.warp_specialized and not cfg.pingpong:
+        changes["delay_release"] = int(delay)
+    slots = _env_choice(OUT_SLOTS_ENV, ("1", "2"))
+    if slots:
+        changes["epilogue_out_slots"] = int(slots)
+    if all(getattr(cfg, k) == v for k, v in changes.items()):
         return cfg
-    if raw not in ("0", "1"):
-        raise ValueError(f"${DELAY_RELEASE_ENV} must be 0 or 1, got {raw!r}")
-    if not cfg.warp_specialized or cfg.pingpong:
-        return cfg
-    return dataclasses.replace(cfg, delay_release=int(raw))
+    return dataclasses.replace(cfg, **changes)
 
 
 # Per-program changes to the default configuration, for GEMMs the tuned table
