@@ -122,6 +122,11 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # tuned table), the whole step does not (CODA_JAX_PALLAS_OUT_SLOTS=1).
     "one_out_slot": dataclasses.replace(_D, epilogue_out_slots=1),
     "ring_one_out_slot": dataclasses.replace(_D, delay_release=1, epilogue_out_slots=1),
+    # The same on the ping-pong kernel (with bands across M: the QKV forward's table entry).
+    "pingpong_one_out_slot": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                 epilogue_out_slots=1),
+    "pingpong_minor_m_one_out_slot": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                         grid_minor_dim="m", epilogue_out_slots=1),
     "n192": dataclasses.replace(_D, tile_n=192),
     "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
     "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),
