@@ -118,8 +118,9 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # One SMEM staging slot per tile output: 64-column epilogue chunks fit beside 4 operand
     # stages where two slots force 32 (RESULTS.md runs 241-242: a 128 x 128 identity tile is
     # stored as four 32-column chunks, each with its barriers, fence and TMA store). Runs
-    # 247-249: the identity GEMM does not move; two fused 1B shapes gain 4-7 % (now in the
-    # tuned table), the whole step does not (CODA_JAX_PALLAS_OUT_SLOTS=1).
+    # 247-254: the identity GEMM does not move; fused GEMMs with a narrow output gain 2-7 %,
+    # the cooperative RoPE forward 16 % (four entries of the tuned table); one slot for every
+    # kernel (CODA_JAX_PALLAS_OUT_SLOTS=1) does not speed up the step.
     "one_out_slot": dataclasses.replace(_D, epilogue_out_slots=1),
     "ring_one_out_slot": dataclasses.replace(_D, delay_release=1, epilogue_out_slots=1),
     # The same on the ping-pong kernel (with bands across M: the QKV forward's table entry).

@@ -54,9 +54,9 @@ class TuningConfig:
         next chunk is written. One halves that staging, so that wider chunks fit beside the
         operand stages (the identity GEMM at 4 stages: 64-column chunks instead of 32, two
         TMA stores per consumer tile instead of four); each chunk then waits for the
-        previous chunk's store to have read the slot before writing it. It won on two fused
-        GEMMs of the 1B step (the tuned table has them) and not for the whole step
-        (benchmarks/RESULTS.md, runs 247-249).
+        previous chunk's store to have read the slot before writing it. It wins on some
+        fused GEMMs (four entries of the tuned table), not on every kernel of a step
+        (benchmarks/RESULTS.md, runs 247-254).
       epilogue_regs: register budget of one epilogue chunk, in float32 values per thread
         (:func:`coda_jax.pallas.gemm_epilogue.live_values`: accumulator slice, tile loads and
         tile outputs of a chunk); ``plan_kernel`` narrows the chunk (pair-mode chunks too,
