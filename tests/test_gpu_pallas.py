@@ -41,6 +41,10 @@ CONFIGS = {
     # One staging slot per tile output: 64-column chunks beside 4 stages, each chunk waiting
     # for the previous chunk's store to read the slot.
     "ws_one_out_slot": dataclasses.replace(CONFIG_TABLE["default"], epilogue_out_slots=1),
+    # The same on the ping-pong kernel with bands across M (a tuned-table entry, run 253).
+    "ws_pingpong_minor_m_one_out_slot": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
+                                                            cluster_dimension=None, grid_minor_dim="m",
+                                                            epilogue_out_slots=1),
     "ws_pingpong_direct_loads": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
                                                     cluster_dimension=None, direct_loads=True),
     # Ping-pong consumers taking turns on the tensor cores, 6 stages.
