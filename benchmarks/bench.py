@@ -523,7 +523,8 @@ def _default_config(cfg):
 @contextlib.contextmanager
 def backend_variant(label):
     """``label`` is a backend, ``"pallas@untuned"`` (Pallas without the tuned table of
-    :mod:`coda_jax.pallas.tuned`), ``"pallas@w0"`` (Pallas without the wave fit of
+    :mod:`coda_jax.pallas.tuned`), ``"pallas@table=<path>"`` (Pallas on another tuned table, e.g. an
+    older one), ``"pallas@w0"`` (Pallas without the wave fit of
     :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@pp"`` / ``"pallas@coop"`` (every program on the
     ping-pong warp-specialized schedule, without a cluster / on the cooperative one), ``"pallas@dr1"`` /
     ``"pallas@dr0"`` (every cooperative kernel, tuned or not, with ``delay_release`` 1 / 0), ``"pallas@os1"`` /
@@ -540,6 +541,12 @@ def backend_variant(label):
         from coda_jax.pallas.tuned import TUNED_ENV
 
         with _env(TUNED_ENV, "0"):
+            yield base
+        return
+    if base == "pallas" and variant.startswith("table="):  # another tuned table (a file), e.g. an older one
+        from coda_jax.pallas.tuned import TUNED_ENV
+
+        with _env(TUNED_ENV, variant[len("table="):]):
             yield base
         return
     if base == "pallas" and variant in ("w0", "w1"):  # the wave fit off / on (tuning.fit_waves)

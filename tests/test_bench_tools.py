@@ -94,6 +94,24 @@ def test_backend_variant_sets_and_restores_the_cutedsl_knobs(monkeypatch):
                 pass
 
 
+def test_backend_variant_switches_the_pallas_knobs(monkeypatch, tmp_path):
+    """``pallas@table=<path>`` (another tuned table) and ``pallas@os1`` (one output slot on
+    every kernel) set their variables within and restore them after."""
+    from coda_jax.pallas.tuned import TUNED_ENV, active_table_path
+    from coda_jax.pallas.tuning import OUT_SLOTS_ENV
+
+    monkeypatch.delenv(TUNED_ENV, raising=False)
+    monkeypatch.delenv(OUT_SLOTS_ENV, raising=False)
+    old = tmp_path / "old.json"
+    old.write_text("{}")
+    with bench.backend_variant(f"pallas@table={old}") as base:
+        assert base == "pallas" and active_table_path() == str(old)
+    assert TUNED_ENV not in os.environ and active_table_path() != str(old)
+    with bench.backend_variant("pallas@os1") as base:
+        assert base == "pallas" and os.environ[OUT_SLOTS_ENV] == "1"
+    assert OUT_SLOTS_ENV not in os.environ
+
+
 def test_bench_smoke_runs_on_cpu(tmp_path):
     """``bench.py --smoke`` (tiny shapes, XLA) runs end to end and writes its table."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--smoke", "--backends", "xla",
