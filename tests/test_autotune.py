@@ -396,3 +396,35 @@ def test_sustained_timer_heats_before_timing(monkeypatch):
     readings = iter([0.70])
     assert at.sustained_kernel_ms(kernel, jnp.ones(4), iters=3, heat_s=0.0) == 0.70  # no log: no burst timing
     assert events == [("timed", 3)] or events == ["call", ("timed", 3)]
+
+
+def test_planned_config_is_what_the_lowering_builds(monkeypatch):
+    """:func:`autotune.planned_config` (no GPU, no operands) plans every kernel call of a
+    one-layer 1B step as :class:`PallasLowering` does when it builds the call, for the
+    default configuration and two that free SMEM."""
+    import sys
+    from pathlib import Path
+
+    from coda_jax.pallas import lowering as pl_lowering
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from tune import model_step
+
+    monkeypatch.setenv("CODA_JAX_PALLAS_INTERPRET", "1")
+    fn, args = model_step("1b-1:8:1024")
+    calls = at.kernel_calls(fn, *args)
+    assert len(calls) >= 8
+    built = []
+    orig = pl_lowering.plan_kernel
+    monkeypatch.setattr(pl_lowering, "plan_kernel", lambda *a, **k: built.append(orig(*a, **k)) or built[-1])
+    checked = 0
+    for call in calls:
+        for name, cfg in at.candidate_configs(call, ["default", "one_out_slot", "direct_loads_one_out_slot"]).items():
+            low = lowering.PallasLowering(cfg)
+            built.clear()
+            jax.eval_shape(lambda a, b, l: low.gemm(call.epilogue, a, b, l, transpose_a=call.transpose_a,
+                                                    transpose_b=call.transpose_b, out_dtypes=dict(call.out_dtypes)),
+                           call.a, call.b, dict(call.loads))
+            assert built == [at.planned_config(call, cfg)], (call.epilogue.name, call.mnk, name)
+            checked += 1
+    assert checked >= 3 * len(calls) - 3

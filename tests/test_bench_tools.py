@@ -785,3 +785,22 @@ def test_gpu_suite_ncu_source_step_with_a_stub_ncu(tmp_path):
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh")], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 5, run.stdout[-2000:]
+
+
+def test_kernel_plans_prints_each_calls_plan(capsys):
+    """``benchmarks/kernel_plans.py`` prints one row per kernel call of the step with each
+    variant's planned configuration; one output slot shows as ``1o``, an unknown variant is
+    refused by name."""
+    import kernel_plans
+
+    before = {k: os.environ.get(k) for k in kernel_plans.TRACE_ENV}
+    kernel_plans.main(["--model", "1b-1:8:1024", "--variants", "heuristic,one_out_slot"])
+    rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| ") and "program" not in l]
+    assert len(rows) >= 8
+    by_name = {(r.split(" | ")[0][2:], r.split(" | ")[2]): r.split(" | ")[3:] for r in rows}
+    heuristic, one = by_name[("residual_rms", "8192x2048x2048")]
+    assert heuristic.endswith("2o") and one.rstrip(" |").endswith("1o")
+    assert ("rms_lse_logits", "8192x128256x2048") in by_name  # the logits are kept, as on the H100
+    assert {k: os.environ.get(k) for k in kernel_plans.TRACE_ENV} == before  # restored
+    with pytest.raises(SystemExit):
+        kernel_plans.main(["--model", "1b-1:8:1024", "--variants", "heuristic,no_such_candidate"])

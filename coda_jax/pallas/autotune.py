@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from coda_jax.epilogue import Epilogue, OutputKind
 from coda_jax.lowering import gpu_sm_count
 from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
-from coda_jax.pallas.lowering import PallasLowering
+from coda_jax.pallas.gemm_epilogue import plan_kernel
+from coda_jax.pallas.lowering import PallasLowering, kernel_load_dtype, kernel_shape
 from coda_jax.pallas.tuned import config_fields, layout_name, parse_table, tables_disabled
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 
@@ -123,6 +124,9 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # kernel (CODA_JAX_PALLAS_OUT_SLOTS=1) does not speed up the step.
     "one_out_slot": dataclasses.replace(_D, epilogue_out_slots=1),
     "ring_one_out_slot": dataclasses.replace(_D, delay_release=1, epilogue_out_slots=1),
+    # Tile loads straight into registers and one output slot: the SMEM both free gives most
+    # cooperative fused kernels of the 1B step a fourth operand stage (benchmarks/kernel_plans.py).
+    "direct_loads_one_out_slot": dataclasses.replace(_D, direct_loads=True, epilogue_out_slots=1),
     # The same on the ping-pong kernel (with bands across M: the QKV forward's table entry).
     "pingpong_one_out_slot": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                  epilogue_out_slots=1),
@@ -168,6 +172,18 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
         if pw is None or cfg.tile_n % pw == 0:
             out[name] = cfg
     return out
+
+
+def planned_config(call: KernelCall, cfg: TuningConfig, num_sms: int = 132) -> TuningConfig:
+    """What runs when ``call`` is given ``cfg``: :func:`~coda_jax.pallas.gemm_epilogue.plan_kernel`'s
+    configuration (pipeline stages, epilogue chunk width and load slots fitted to SMEM, or the
+    single-warpgroup fallback), on a GPU of ``num_sms`` SMs (132: the H100). No GPU needed."""
+    m, n, k = call.mnk
+    shape = kernel_shape(call.epilogue, m, n, k, cfg, call.transpose_a, call.transpose_b, call.a.dtype,
+                         dict(call.out_dtypes), num_sms)
+    loads = dict(call.loads)
+    load_dtypes = tuple((l.name, kernel_load_dtype(l, loads[l.name].dtype)) for l in call.epilogue.loads)
+    return plan_kernel(call.epilogue, shape, cfg, load_dtypes)
 
 
 def random_arguments(call: KernelCall, seed: int = 0) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:

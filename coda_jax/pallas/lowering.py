@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.epilogue import Epilogue, Load, LoadKind, OutputKind
 from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, gpu_sm_count,
                                kernel_latency_hint, persistent_grid_sms, routes_to_xla, split_columns,
                                tiles_per_cta, with_latency_hint)
@@ -57,6 +57,30 @@ def _num_sms(interpret: bool) -> int:
 def _grid_sms(interpret: bool) -> int:
     """SMs the persistent grid covers: :func:`_num_sms` less ``$CODA_JAX_RESERVED_SMS``."""
     return persistent_grid_sms(_num_sms(interpret))
+
+
+def kernel_load_dtype(load: Load, dtype: Any) -> jnp.dtype:
+    """The dtype in which a load reaches the kernel: floating row and column loads as
+    float32, tile and row-block loads (and integer ones) as given."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and load.kind not in (LoadKind.TILE, LoadKind.ROW_BLOCK):
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def kernel_shape(epilogue: Epilogue, m: int, n: int, k: int, cfg: TuningConfig, transpose_a: bool,
+                 transpose_b: bool, operand_dtype: Any, out_dtypes: Mapping[str, Any] | None,
+                 num_sms: int) -> KernelShape:
+    """The kernel's static shape for an ``[m, k] @ [k, n]`` GEMM under ``cfg``: sizes padded
+    to the CTA tile (and K to ``tile_k``; a fallback kernel divides the tile too), each
+    output's dtype (``out_dtypes``, else the epilogue's, else the operands'), ``num_sms``
+    CTAs in the persistent grid."""
+    m_quantum, n_quantum = cfg.cta_tile()
+    dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or operand_dtype))
+                   for o in epilogue.outputs)
+    return KernelShape(m=_round_up(m, m_quantum), n=_round_up(n, n_quantum), k=_round_up(k, cfg.tile_k),
+                       m_real=m, n_real=n, transpose_a=transpose_a, transpose_b=transpose_b,
+                       operand_dtype=jnp.dtype(operand_dtype), out_dtypes=dtypes, num_sms=num_sms)
 
 
 @functools.lru_cache(maxsize=256)
@@ -159,8 +183,9 @@ class PallasLowering:
         if pb is not None and cfg.tile_n % epilogue.pair_width:
             raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
                              f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")
-        m_quantum, n_quantum = cfg.cta_tile()  # padding to the CTA tile; a fallback kernel divides it too
-        mp, np_, kp = _round_up(m, m_quantum), _round_up(n, n_quantum), _round_up(k, cfg.tile_k)
+        shape = kernel_shape(epilogue, m, n, k, cfg, transpose_a, transpose_b, a.dtype, out_dtypes,
+                             _grid_sms(interpret))
+        mp, np_, kp = shape.m, shape.n, shape.k
 
         def pad2(x, rows, cols):
             return x if x.shape == (rows, cols) else jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
@@ -178,14 +203,7 @@ class PallasLowering:
                 v = jnp.pad(v, (0, epilogue.width(np_, l.half) - epilogue.width(n, l.half)))
             elif l.kind is LoadKind.TILE:
                 v = pad2(v, mp, epilogue.width(np_, l.half))
-            if jnp.issubdtype(v.dtype, jnp.floating) and l.kind not in (LoadKind.TILE, LoadKind.ROW_BLOCK):
-                v = v.astype(jnp.float32)
-            args.append(v)
-        dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
-                       for o in epilogue.outputs)
-        shape = KernelShape(m=mp, n=np_, k=kp, m_real=m, n_real=n, transpose_a=transpose_a,
-                            transpose_b=transpose_b, operand_dtype=jnp.dtype(a.dtype), out_dtypes=dtypes,
-                            num_sms=_grid_sms(interpret))
+            args.append(v.astype(kernel_load_dtype(l, v.dtype)))
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
         native = splits if splits and split_outputs_fit(epilogue, shape, cfg, splits) else {}

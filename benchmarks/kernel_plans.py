@@ -1,0 +1,127 @@
+"""What each Pallas kernel call of a training step runs as, per configuration, without a GPU.
+
+    python3 benchmarks/kernel_plans.py --model 1b:8:1024 --variants table,heuristic,one_out_slot,direct_loads
+
+A configuration asks for a pipeline depth and an epilogue chunk width; ``plan_kernel`` fits
+them to the SM's shared memory beside the epilogue's staging (fewer stages, narrower chunks,
+fewer load slots, or the single-warpgroup kernel). This prints, for every distinct kernel call
+of the step (``--model`` as in ``tune.py``: ``preset[-layers]:batch:seq`` or ``op:name:d``),
+what each variant becomes on an H100 (132 SMs): schedule, operand stages, chunk width, load
+slots and output slots. Variants: ``table`` (the shipped tuned table's entry for an H100, else
+the heuristics), ``heuristic`` (the heuristics alone: shape class, per-program changes, wave
+fit) and the names of :func:`coda_jax.pallas.autotune.known_candidates`.
+
+It needs no GPU: the step is traced abstractly with the Pallas backend in interpret mode
+(set here), and only the plans are computed. The cross-entropy keeps its logits, as on the
+H100 at the presets' batches (``CODA_JAX_CE_SAVE_LOGITS=0`` shows the recompute path). Use it before spending device time on a sweep:
+a candidate that plans to the same kernel as the incumbent need not be timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+H100_KIND, H100_SMS = "NVIDIA H100 80GB HBM3", 132
+# While tracing (unless already set): the Pallas backend in interpret mode, so that it traces
+# on a CPU; the cross-entropy keeping its logits, as it does on an H100 at the presets'
+# batches (1/8 of its memory; on a CPU the memory is unknown).
+TRACE_ENV = {"CODA_JAX_PALLAS_INTERPRET": "1", "CODA_JAX_CE_SAVE_LOGITS": "1"}
+
+
+@contextlib.contextmanager
+def trace_env():
+    """Within: :data:`TRACE_ENV`'s variables that are not set; restored after."""
+    added = [k for k in TRACE_ENV if k not in os.environ]
+    os.environ.update({k: TRACE_ENV[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def variant_config(name: str, call, num_sms: int = H100_SMS):
+    """The configuration variant ``name`` asks for on ``call`` (before planning), or None where
+    it cannot run the call (a candidate whose tile or K step does not fit it)."""
+    from coda_jax.pallas import autotune as at
+    from coda_jax.pallas.tuned import tuned_config
+    from coda_jax.pallas.tuning import choose_config, fit_waves
+
+    epi = call.epilogue
+    m, n, k = call.mnk
+    pw = epi.pair_width if epi.pair_block is not None else None
+    if name in ("heuristic", "table"):
+        cfg = None
+        if name == "table":
+            cfg = tuned_config(epi.name, m, n, k, call.transpose_a, call.transpose_b, H100_KIND, num_sms, pw)
+        return cfg or fit_waves(choose_config(m, n, k, epi.name), m, n, num_sms, pw)
+    return at.candidate_configs(call, [name]).get(name)
+
+
+def describe(cfg) -> str:
+    """``coop 3st 16c 2l 2o`` (schedule, operand stages, chunk columns, load slots, output
+    slots), ``1wg ...`` for the single-warpgroup kernel; a CTA tile other than 128 x 256 and
+    a direct-load/store or ring setting are appended."""
+    sched = ("pp" if cfg.pingpong else "coop") if cfg.warp_specialized else "1wg"
+    out = f"{sched} {cfg.max_concurrent_steps}st {cfg.epilogue_cols}c {cfg.epilogue_load_slots}l {cfg.epilogue_out_slots}o"
+    cm, cn = cfg.cta_tile()
+    if (cm, cn) != (128, 256):
+        out += f" {cm}x{cn}"
+    extras = [x for x, on in (("ring", cfg.delay_release), ("dl", cfg.direct_loads), ("ds", cfg.direct_stores)) if on]
+    return out + (" " + "+".join(extras) if extras else "")
+
+
+def plans(spec: str, variants: list[str], num_sms: int = H100_SMS) -> list[dict]:
+    """One row per distinct kernel call of ``spec``'s step: program, layout, M x N x K and
+    each variant's planned configuration (:func:`describe`; ``-`` where it cannot run)."""
+    from tune import model_step
+
+    from coda_jax.pallas import autotune as at
+    from coda_jax.pallas.tuned import layout_name
+
+    with trace_env():
+        fn, args = model_step(spec)
+        calls = at.kernel_calls(fn, *args)
+    rows = []
+    for call in calls:
+        m, n, k = call.mnk
+        row = {"program": call.epilogue.name, "layout": layout_name(call.transpose_a, call.transpose_b),
+               "mnk": f"{m}x{n}x{k}"}
+        for name in variants:
+            cfg = variant_config(name, call, num_sms)
+            row[name] = "-" if cfg is None else describe(at.planned_config(call, cfg, num_sms))
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", required=True, help="preset[-layers]:batch:seq or op:name:d")
+    ap.add_argument("--variants", default="table,heuristic,default,one_out_slot",
+                    help="comma-separated: table, heuristic, or candidate names of coda_jax.pallas.autotune")
+    args = ap.parse_args(argv)
+    from coda_jax.pallas.autotune import known_candidates
+
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in ("table", "heuristic") and v not in known_candidates()]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; known: table, heuristic, {', '.join(sorted(known_candidates()))}")
+    for spec in args.model:
+        rows = plans(spec, variants)
+        print(f"\n{spec}: planned configuration per kernel call (schedule, stages, chunk columns, "
+              "load slots, output slots)\n")
+        print("| program | layout | M x N x K | " + " | ".join(variants) + " |")
+        print("|---|---|---|" + "---|" * len(variants))
+        for r in rows:
+            print(f"| {r['program']} | {r['layout']} | {r['mnk']} | " + " | ".join(r[v] for v in variants) + " |")
+
+
+if __name__ == "__main__":
+    main()
