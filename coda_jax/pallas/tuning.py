@@ -230,7 +230,9 @@ def with_env_overrides(cfg: TuningConfig) -> TuningConfig:
 # * RoPE (register math beside a short mainloop): ping-pong, whose consumers overlap one
 #   tile's epilogue with the other's MMAs, with bands of tiles across M: QKV forward
 #   0.186 -> 0.150 ms (1B) and 0.347 -> 0.313 ms (8B). (Before, this entry read
-#   "rms_rope_train", a name the op never uses; the model's QKV ran cooperative.)
+#   "rms_rope_train", a name the op never uses; the model's QKV ran cooperative.) The
+#   cooperative kernel ran it on 2 stages; with one output slot it gets 3 and, at the 8B
+#   width, beats ping-pong (0.287 against 0.306 ms, run 253: the tuned table's entry there).
 # * swiglu_dgrad: the cooperative kernel without CTA pairs, 0.535 -> 0.522 ms (1B) and
 #   0.803 -> 0.744 ms (8B) against the ping-pong it had since runs 107-109.
 # Ping-pong drops the CTA pair: a clustered ping-pong waits on the partner's epilogue (run 109).
