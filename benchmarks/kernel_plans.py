@@ -51,17 +51,12 @@ def variant_config(name: str, call, num_sms: int = H100_SMS):
     """The configuration variant ``name`` asks for on ``call`` (before planning), or None where
     it cannot run the call (a candidate whose tile or K step does not fit it)."""
     from coda_jax.pallas import autotune as at
-    from coda_jax.pallas.tuned import tuned_config
-    from coda_jax.pallas.tuning import choose_config, fit_waves
+    from coda_jax.pallas.lowering import table_or_heuristic_config
 
-    epi = call.epilogue
-    m, n, k = call.mnk
-    pw = epi.pair_width if epi.pair_block is not None else None
     if name in ("heuristic", "table"):
-        cfg = None
-        if name == "table":
-            cfg = tuned_config(epi.name, m, n, k, call.transpose_a, call.transpose_b, H100_KIND, num_sms, pw)
-        return cfg or fit_waves(choose_config(m, n, k, epi.name), m, n, num_sms, pw)
+        m, n, k = call.mnk
+        return table_or_heuristic_config(call.epilogue, m, n, k, call.transpose_a, call.transpose_b,
+                                         H100_KIND if name == "table" else None, num_sms)
     return at.candidate_configs(call, [name]).get(name)
 
 

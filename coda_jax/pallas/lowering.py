@@ -59,6 +59,19 @@ def _grid_sms(interpret: bool) -> int:
     return persistent_grid_sms(_num_sms(interpret))
 
 
+def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
+                              device_kind: str | None, num_sms: int) -> TuningConfig:
+    """The configuration of an ``[m, k] @ [k, n]`` GEMM running ``epilogue`` on a GPU of
+    ``device_kind`` with ``num_sms`` SMs: the tuned table's entry
+    (:func:`coda_jax.pallas.tuned.tuned_config`; ``device_kind`` None: no table), else the
+    heuristics (the shape class's entry with the program's changes, half-width tiles where
+    they fill the persistent grid's waves better: :func:`fit_waves`)."""
+    pw = epilogue.pair_width if epilogue.pair_block is not None else None
+    tuned = (tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, device_kind, num_sms, pw)
+             if device_kind else None)
+    return tuned or fit_waves(choose_config(m, n, k, epilogue.name), m, n, persistent_grid_sms(num_sms), pw)
+
+
 def kernel_load_dtype(load: Load, dtype: Any) -> jnp.dtype:
     """The dtype in which a load reaches the kernel: floating row and column loads as
     float32, tile and row-block loads (and integer ones) as given."""
@@ -138,17 +151,14 @@ class PallasLowering:
         alone: its 4 "SMs" say nothing about waves. ``$CODA_JAX_PALLAS_SCHEDULE`` (a forced
         schedule) also bypasses the table; ``$CODA_JAX_PALLAS_DELAY_RELEASE`` and
         ``$CODA_JAX_PALLAS_OUT_SLOTS`` override single settings (:func:`with_env_overrides`)."""
-        pw = epilogue.pair_width if epilogue.pair_block is not None else None
         if interpret:
             return with_env_overrides(choose_config(m, n, k, epilogue.name))
         dev = _default_device()
         # $CODA_JAX_PALLAS_SCHEDULE puts every GEMM on one schedule: the table's entries too.
         forced = os.environ.get(SCHEDULE_ENV, "").strip()
-        tuned = tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, dev.device_kind,
-                             _num_sms(False), pw) if dev.platform == "gpu" and not forced else None
-        if tuned is None:
-            tuned = fit_waves(choose_config(m, n, k, epilogue.name), m, n, _grid_sms(False), pw)
-        return with_env_overrides(tuned)
+        kind = dev.device_kind if dev.platform == "gpu" and not forced else None
+        return with_env_overrides(table_or_heuristic_config(epilogue, m, n, k, transpose_a, transpose_b, kind,
+                                                            _num_sms(False)))
 
     def gemm(
         self,
