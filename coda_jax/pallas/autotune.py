@@ -126,6 +126,7 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "ring_one_out_slot": dataclasses.replace(_D, delay_release=1, epilogue_out_slots=1),
     # Tile loads straight into registers and one output slot: the SMEM both free gives most
     # cooperative fused kernels of the 1B step a fourth operand stage (benchmarks/kernel_plans.py).
+    # Measured (RESULTS.md, run 258): slower than one slot alone at every 1B call (0.1-12 %).
     "direct_loads_one_out_slot": dataclasses.replace(_D, direct_loads=True, epilogue_out_slots=1),
     # The same on the ping-pong kernel (with bands across M: the QKV forward's table entry).
     "pingpong_one_out_slot": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
