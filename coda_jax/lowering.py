@@ -331,6 +331,40 @@ def xla_programs_env(backend: str) -> str:
 DEFAULT_XLA_PROGRAMS: dict[str, dict[str, float | None]] = {"pallas": {}, "cutedsl": {}}
 
 
+def xla_output_below_env(backend: str) -> str:
+    """The environment variable that sets a kernel backend's :func:`xla_output_below`."""
+    return f"CODA_JAX_{backend.upper()}_XLA_OUTPUT_BELOW"
+
+
+# Fused GEMMs whose output has fewer elements than this (M * N) run on XLA's GEMM plus a
+# fusion of the epilogue body (the reference lowering) instead of the backend's kernel, by
+# default (0: never). Such an output is few tiles: 512 x 2048 is 32 CTA tiles of 128 x 256
+# (or 128 of the small class's 64 x 128, without warp specialization) on 132 SMs, and its
+# GEMMs have long K (the 1B MLP's dgrad: K = 16384), where cuBLAS splits K and the kernel
+# cannot. The epilogue passes it saves are a few MB. The 1B train step at 2 x 256 tokens
+# (benchmarks/RESULTS.md, runs 262-263): Pallas 0.864x -> 1.036x plain JAX, CuTeDSL 1.018x ->
+# 1.037x; twice this bound (2^23) routed 2 x 1024 tokens' QKV and o-projection too and lost
+# 4 % there (1.061x -> 1.021x); at 8 x 1024 tokens and the block's 8192 no GEMM is this small.
+DEFAULT_XLA_OUTPUT_BELOW: dict[str, int] = {"pallas": 1 << 22, "cutedsl": 1 << 22}
+
+
+def xla_output_below(backend: str) -> int:
+    """Output size (``M * N`` elements) below which kernel backend ``backend`` hands a fused GEMM
+    to XLA: ``$CODA_JAX_<BACKEND>_XLA_OUTPUT_BELOW`` if set (an integer; ``0`` turns the rule
+    off, so that every fused GEMM runs on the kernel), else :data:`DEFAULT_XLA_OUTPUT_BELOW`."""
+    env = xla_output_below_env(backend)
+    text = os.environ.get(env)
+    if text is None or not text.strip():
+        return DEFAULT_XLA_OUTPUT_BELOW.get(backend, 0)
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"${env} must be a number of output elements >= 0 (0: off), got {text!r}")
+    return value
+
+
 def parse_xla_programs(text: str, source: str) -> dict[str, float | None]:
     """``"rms_rope,rms_dgrad_res<64"`` -> ``{"rms_rope": None, "rms_dgrad_res": 64.0}``;
     ``""`` or ``"none"`` -> ``{}``. Items are separated by commas or ``+`` (for settings that
@@ -356,14 +390,17 @@ def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plai
     """Whether kernel backend ``backend`` runs this ``[m, k] @ [k, n]`` GEMM and its epilogue
     through the reference lowering (XLA's GEMM and a fusion of the body) instead of its kernel.
 
-    The identity epilogue follows :func:`plain_gemm_route`. A fused program goes to XLA when it
-    is in the backend's table, ``$CODA_JAX_<BACKEND>_XLA_PROGRAMS`` if set (e.g.
+    The identity epilogue follows :func:`plain_gemm_route`. A fused program goes to XLA when its
+    output has fewer than :func:`xla_output_below` elements (``m * n``), or when it is in the
+    backend's table, ``$CODA_JAX_<BACKEND>_XLA_PROGRAMS`` if set (e.g.
     ``"rms_rope,rms_dgrad_res<64"``: those programs, the second only where ``m*n*k <= 64 * 2^30``;
     ``"none"``: no program), else :data:`DEFAULT_XLA_PROGRAMS`: where the kernel's fused
     epilogue saves less than the kernel loses to cuBLAS on the GEMM itself.
     """
     if epilogue.name == "identity":
         return plain_gemm_route(backend, plain_choice) == "xla"
+    if m * n < xla_output_below(backend):
+        return True
     env = xla_programs_env(backend)
     text = os.environ.get(env)
     table = DEFAULT_XLA_PROGRAMS.get(backend, {}) if text is None else parse_xla_programs(text, f"${env}")

@@ -19,6 +19,12 @@ ensure_interpreter_threads()
 # subprocess, on only where tests/test_kernel_cache.py turns it on.
 os.environ["CODA_JAX_KERNEL_CACHE_DIR"] = "off"
 
+# Kernel backends hand fused GEMMs with small outputs (fewer than 2^22 elements) to XLA by
+# default (coda_jax.lowering.xla_output_below); every test shape is that small, so the rule
+# is off here and in every subprocess, and tests/test_pallas_kernels.py tests it.
+os.environ["CODA_JAX_PALLAS_XLA_OUTPUT_BELOW"] = "0"
+os.environ["CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW"] = "0"
+
 
 def _hopper() -> bool:
     try:

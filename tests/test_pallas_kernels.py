@@ -14,7 +14,7 @@ import pytest
 from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.epilogue import LoadKind, OutputKind
-from coda_jax.lowering import routes_to_xla
+from coda_jax.lowering import routes_to_xla, xla_output_below
 from coda_jax.pallas import interpret_mode
 from coda_jax.pallas.gemm_epilogue import SMEM_LIMIT, KernelShape, plan_kernel
 from coda_jax.pallas.lowering import PallasLowering
@@ -597,6 +597,45 @@ def test_fused_program_routing(monkeypatch):
     monkeypatch.setenv(env, "none")
     assert _has_kernel(run, a, b, loads)
     for bad in ("residual_rms<big", ",residual_rms"):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            run(a, b, loads)
+
+
+def test_small_output_routing(monkeypatch):
+    # A fused GEMM whose output has fewer than $CODA_JAX_PALLAS_XLA_OUTPUT_BELOW elements (by
+    # default 2^22) runs on the reference lowering, exactly; conftest turns the rule off (0) so
+    # that the other kernel tests test the kernel at their small shapes.
+    key = jax.random.split(jax.random.key(23), 4)
+    m, k, n = 128, 64, 128
+    a = jax.random.normal(key[0], (m, k)).astype(jnp.bfloat16)
+    b = jax.random.normal(key[1], (k, n)).astype(jnp.bfloat16)
+    loads = {"residual": jax.random.normal(key[2], (m, n)).astype(jnp.bfloat16),
+             "gamma": jax.random.normal(key[3], (n,))}
+    run = lambda a, b, l: PallasLowering().gemm(programs.RESIDUAL_RMS, a, b, l)  # noqa: E731
+    env = "CODA_JAX_PALLAS_XLA_OUTPUT_BELOW"
+    monkeypatch.setenv(env, "0")
+    assert _has_kernel(run, a, b, loads)
+    monkeypatch.delenv(env)
+    monkeypatch.delenv("CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW")
+    assert xla_output_below("pallas") == 1 << 22 and xla_output_below("cutedsl") == 1 << 22
+    assert not _has_kernel(run, a, b, loads)  # 128 x 128 < 2^22: the default routes it
+    got, want = run(a, b, loads), REFERENCE.gemm(programs.RESIDUAL_RMS, a, b, loads)
+    for name in want:
+        assert rel_err(got[name], want[name]) == 0.0, name
+    monkeypatch.setenv(env, str(m * n))  # the output is not below m * n elements: the kernel
+    assert _has_kernel(run, a, b, loads)
+    monkeypatch.setenv(env, str(m * n + 1))
+    assert not _has_kernel(run, a, b, loads)
+    # The Llama shapes the rule is for, and those it must leave alone (no shape is run here).
+    monkeypatch.delenv(env)
+    assert routes_to_xla("pallas", programs.RESIDUAL_RMS, 512, 2048, 8192)  # 1B, 2 x 256 tokens
+    assert not routes_to_xla("pallas", programs.RESIDUAL_RMS, 8192, 2048, 8192)  # 1B, 8 x 1024
+    assert not routes_to_xla("pallas", programs.SWIGLU_DGRAD, 512, 8192, 2048)  # 2^22 exactly
+    assert routes_to_xla("cutedsl", programs.RESIDUAL_RMS, 512, 2048, 8192)
+    assert not routes_to_xla("cutedsl", programs.RESIDUAL_RMS, 8192, 2048, 8192)
+    assert routes_to_xla("pallas", programs.IDENTITY, 8192, 2048, 8192)  # plain GEMMs: as before
+    for bad in ("-1", "4M", "1.5"):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             run(a, b, loads)
