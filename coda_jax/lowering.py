@@ -386,7 +386,8 @@ def parse_xla_programs(text: str, source: str) -> dict[str, float | None]:
     return out
 
 
-def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plain_choice: str | None = None) -> bool:
+def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plain_choice: str | None = None,
+                  by_size: bool = True) -> bool:
     """Whether kernel backend ``backend`` runs this ``[m, k] @ [k, n]`` GEMM and its epilogue
     through the reference lowering (XLA's GEMM and a fusion of the body) instead of its kernel.
 
@@ -396,10 +397,14 @@ def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plai
     ``"rms_rope,rms_dgrad_res<64"``: those programs, the second only where ``m*n*k <= 64 * 2^30``;
     ``"none"``: no program), else :data:`DEFAULT_XLA_PROGRAMS`: where the kernel's fused
     epilogue saves less than the kernel loses to cuBLAS on the GEMM itself.
+
+    ``by_size=False`` leaves the output-size rule out: the mesh partitioner
+    (:mod:`coda_jax.partitioning`) asks with the global shape, and the rule is about the GEMM
+    each device runs, which the backend's lowering decides on its shard.
     """
     if epilogue.name == "identity":
         return plain_gemm_route(backend, plain_choice) == "xla"
-    if m * n < xla_output_below(backend):
+    if by_size and m * n < xla_output_below(backend):
         return True
     env = xla_programs_env(backend)
     text = os.environ.get(env)

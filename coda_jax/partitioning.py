@@ -195,11 +195,16 @@ class PartitionedLowering:
 
     def _xla_ops(self, epilogue: Epilogue, a, b, transpose_a: bool, transpose_b: bool) -> bool:
         """Whether this GEMM runs as ordinary XLA ops (the ``xla`` backend; a kernel backend's
-        plain GEMMs and the programs it routes to XLA), not as an opaque kernel."""
+        plain GEMMs and the programs it routes to XLA by name), not as an opaque kernel. A
+        program handed to XLA for its small output (:func:`~coda_jax.lowering.xla_output_below`)
+        takes the kernel's path here: that rule is about each device's shard, and the backend's
+        lowering applies it there, inside the ``shard_map`` (left to XLA's partitioner, the
+        reference formulation of the wgrad programs gathered the tokens, 8 CPU devices)."""
         if self.inner.name == "xla":
             return True
         m, n, k = gemm_dims(a, b, transpose_a, transpose_b)
-        return routes_to_xla(self.inner.name, epilogue, m, n, k, getattr(self.inner, "plain_gemm", None))
+        return routes_to_xla(self.inner.name, epilogue, m, n, k, getattr(self.inner, "plain_gemm", None),
+                             by_size=False)
 
 
 def shard_map_over(mesh, body, in_specs, out_specs, *args):

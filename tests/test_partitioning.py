@@ -37,9 +37,11 @@ GROUPS = {
 }
 
 
-def _run_cases(cases):
+def _run_cases(cases, drop_env=()):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for name in drop_env:
+        env.pop(name, None)
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "multi_device_cases.py"), *cases],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
@@ -55,6 +57,16 @@ def test_on_eight_devices(group):
                 "kernel_cache_auto": "kernel_cache_under_mesh_auto",
                 "kernel_cache_explicit": "kernel_cache_under_mesh_explicit"}.get(case, case)
         assert f"OK {want}" in out, out
+
+
+def test_small_outputs_are_handed_to_xla_per_shard():
+    """With the small-output rule on (its default; conftest turns it off for the kernel tests)
+    every GEMM of the data-parallel case is small. The partitioner must still split them by
+    tokens with ``shard_map`` and let each shard's lowering hand its GEMM to XLA: asked with
+    the global shape, the rule had left the wgrad programs to XLA's partitioner, which
+    gathered the tokens (the case's all-gather check failed)."""
+    out = _run_cases(["ops_dp_auto"], drop_env=("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW",))
+    assert "OK ops_data_parallel_auto" in out, out
 
 
 def test_train_example_on_meshes_matches_one_device(tmp_path):
