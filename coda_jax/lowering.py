@@ -338,10 +338,10 @@ def xla_output_below_env(backend: str) -> str:
 
 # Fused GEMMs whose output has fewer elements than this (M * N) run on XLA's GEMM plus a
 # fusion of the epilogue body (the reference lowering) instead of the backend's kernel, by
-# default (0: never). Such an output is few tiles: 512 x 2048 is 32 CTA tiles of 128 x 256
-# (or 128 of the small class's 64 x 128, without warp specialization) on 132 SMs, and its
-# GEMMs have long K (the 1B MLP's dgrad: K = 16384), where cuBLAS splits K and the kernel
-# cannot. The epilogue passes it saves are a few MB. The 1B train step at 2 x 256 tokens
+# default (0: never). Such an output is the Pallas kernel's "small" shape class (64 x 128
+# tiles, two stages, no warp specialization: 512 x 2048 is 128 tiles for 132 SMs, each
+# running all of K, 16384 in the 1B MLP's dgrad); there it ran at 93-167 TFLOP/s (run 262),
+# and the epilogue passes fusion saves are a few MB. The 1B train step at 2 x 256 tokens
 # (benchmarks/RESULTS.md, runs 262-263): Pallas 0.864x -> 1.036x plain JAX, CuTeDSL 1.018x ->
 # 1.037x; twice this bound (2^23) routed 2 x 1024 tokens' QKV and o-projection too and lost
 # 4 % there (1.061x -> 1.021x); at 8 x 1024 tokens and the block's 8192 no GEMM is this small.
