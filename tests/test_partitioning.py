@@ -61,12 +61,14 @@ def test_on_eight_devices(group):
 
 def test_small_outputs_are_handed_to_xla_per_shard():
     """With the small-output rule on (its default; conftest turns it off for the kernel tests)
-    every GEMM of the data-parallel case is small. The partitioner must still split them by
-    tokens with ``shard_map`` and let each shard's lowering hand its GEMM to XLA: asked with
-    the global shape, the rule had left the wgrad programs to XLA's partitioner, which
-    gathered the tokens (the case's all-gather check failed)."""
-    out = _run_cases(["ops_dp_auto"], drop_env=("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW",))
-    assert "OK ops_data_parallel_auto" in out, out
+    every GEMM of these cases is small. The partitioner must still split them by tokens with
+    ``shard_map`` and let each shard's lowering hand its GEMM to XLA: asked with the global
+    shape, the rule had left the wgrad programs to XLA's partitioner, which gathered the
+    tokens (the data-parallel case's all-gather check failed). The model case runs the
+    Pallas lowering itself (interpret mode) on a data x FSDP mesh: every GEMM of its shards
+    goes to XLA, and the loss and gradients still equal one device's."""
+    out = _run_cases(["ops_dp_auto", "model_pallas_2x4_auto"], drop_env=("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW",))
+    assert "OK ops_data_parallel_auto" in out and "OK model_pallas_2x4_auto" in out, out
 
 
 def test_train_example_on_meshes_matches_one_device(tmp_path):
