@@ -571,16 +571,22 @@ def _has_kernel(fn, *args) -> bool:
     return "wgmma" in str(jax.make_jaxpr(fresh)(*args))  # the kernel's MMAs; the reference has none
 
 
-def test_fused_program_routing(monkeypatch):
-    # $CODA_JAX_PALLAS_XLA_PROGRAMS sends the named fused programs (optionally only GEMMs up to
-    # a size) to the reference lowering; the result is then the reference's, exactly.
-    key = jax.random.split(jax.random.key(22), 4)
+def _routing_case(seed: int):
+    """A 128 x 64 x 128 ``residual_rms`` GEMM on the Pallas lowering: (run, a, b, loads)."""
+    key = jax.random.split(jax.random.key(seed), 4)
     m, k, n = 128, 64, 128
     a = jax.random.normal(key[0], (m, k)).astype(jnp.bfloat16)
     b = jax.random.normal(key[1], (k, n)).astype(jnp.bfloat16)
     loads = {"residual": jax.random.normal(key[2], (m, n)).astype(jnp.bfloat16),
              "gamma": jax.random.normal(key[3], (n,))}
-    run = lambda a, b, l: PallasLowering().gemm(programs.RESIDUAL_RMS, a, b, l)  # noqa: E731
+    return (lambda a, b, l: PallasLowering().gemm(programs.RESIDUAL_RMS, a, b, l)), a, b, loads
+
+
+def test_fused_program_routing(monkeypatch):
+    # $CODA_JAX_PALLAS_XLA_PROGRAMS sends the named fused programs (optionally only GEMMs up to
+    # a size) to the reference lowering; the result is then the reference's, exactly.
+    run, a, b, loads = _routing_case(22)
+    (m, k), n = a.shape, b.shape[1]
     env = "CODA_JAX_PALLAS_XLA_PROGRAMS"
     monkeypatch.delenv(env, raising=False)
     assert _has_kernel(run, a, b, loads)  # the default table routes nothing at this size
@@ -606,13 +612,8 @@ def test_small_output_routing(monkeypatch):
     # A fused GEMM whose output has fewer than $CODA_JAX_PALLAS_XLA_OUTPUT_BELOW elements (by
     # default 2^22) runs on the reference lowering, exactly; conftest turns the rule off (0) so
     # that the other kernel tests test the kernel at their small shapes.
-    key = jax.random.split(jax.random.key(23), 4)
-    m, k, n = 128, 64, 128
-    a = jax.random.normal(key[0], (m, k)).astype(jnp.bfloat16)
-    b = jax.random.normal(key[1], (k, n)).astype(jnp.bfloat16)
-    loads = {"residual": jax.random.normal(key[2], (m, n)).astype(jnp.bfloat16),
-             "gamma": jax.random.normal(key[3], (n,))}
-    run = lambda a, b, l: PallasLowering().gemm(programs.RESIDUAL_RMS, a, b, l)  # noqa: E731
+    run, a, b, loads = _routing_case(23)
+    m, n = a.shape[0], b.shape[1]
     env = "CODA_JAX_PALLAS_XLA_OUTPUT_BELOW"
     monkeypatch.setenv(env, "0")
     assert _has_kernel(run, a, b, loads)
