@@ -10,6 +10,7 @@ tiles, the CuTeDSL backend does the same through the XLA FFI.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -346,6 +347,8 @@ def xla_output_below_env(backend: str) -> str:
 # 1.037x; twice this bound (2^23) routed 2 x 1024 tokens' QKV and o-projection too and lost
 # 4 % there (1.061x -> 1.021x); at 8 x 1024 tokens and the block's 8192 no GEMM is this small.
 DEFAULT_XLA_OUTPUT_BELOW: dict[str, int] = {"pallas": 1 << 22, "cutedsl": 1 << 22}
+_logger = logging.getLogger("coda_jax")
+_small_output_logged: set[tuple[str, str]] = set()
 
 
 def xla_output_below(backend: str) -> int:
@@ -405,6 +408,11 @@ def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plai
     if epilogue.name == "identity":
         return plain_gemm_route(backend, plain_choice) == "xla"
     if by_size and m * n < xla_output_below(backend):
+        if (backend, epilogue.name) not in _small_output_logged:  # once per program (INFO)
+            _small_output_logged.add((backend, epilogue.name))
+            _logger.info("coda_jax: %s runs %r GEMMs with outputs under %d elements (here %d x %d) on XLA; "
+                         "$%s=0 keeps them on the kernel", backend, epilogue.name, xla_output_below(backend), m, n,
+                         xla_output_below_env(backend))
         return True
     env = xla_programs_env(backend)
     text = os.environ.get(env)

@@ -6,12 +6,14 @@ relative error per output after reducing partials.
 """
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from coda_jax import epilogue as E
+from coda_jax import lowering as coda_lowering
 from coda_jax import programs
 from coda_jax.epilogue import LoadKind, OutputKind
 from coda_jax.lowering import routes_to_xla, xla_output_below
@@ -608,7 +610,7 @@ def test_fused_program_routing(monkeypatch):
             run(a, b, loads)
 
 
-def test_small_output_routing(monkeypatch):
+def test_small_output_routing(monkeypatch, caplog):
     # A fused GEMM whose output has fewer than $CODA_JAX_PALLAS_XLA_OUTPUT_BELOW elements (by
     # default 2^22) runs on the reference lowering, exactly; conftest turns the rule off (0) so
     # that the other kernel tests test the kernel at their small shapes.
@@ -620,7 +622,10 @@ def test_small_output_routing(monkeypatch):
     monkeypatch.delenv(env)
     monkeypatch.delenv("CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW")
     assert xla_output_below("pallas") == 1 << 22 and xla_output_below("cutedsl") == 1 << 22
-    assert not _has_kernel(run, a, b, loads)  # 128 x 128 < 2^22: the default routes it
+    monkeypatch.setattr(coda_lowering, "_small_output_logged", set())  # logged once per program
+    with caplog.at_level(logging.INFO, logger="coda_jax"):
+        assert not _has_kernel(run, a, b, loads)  # 128 x 128 < 2^22: the default routes it
+    assert any("residual_rms" in r.getMessage() and env in r.getMessage() for r in caplog.records)
     got, want = run(a, b, loads), REFERENCE.gemm(programs.RESIDUAL_RMS, a, b, loads)
     for name in want:
         assert rel_err(got[name], want[name]) == 0.0, name
