@@ -537,16 +537,12 @@ def backend_variant(label):
     tile rows; ``cutedsl@p`` / ``cutedsl@c``: the ping-pong / cooperative schedule), to
     compare kernel configurations in one run. Within, yields the backend's name."""
     base, _, variant = label.partition("@")
-    if base == "pallas" and variant == "untuned":  # the heuristics alone, no tuned table (coda_jax.pallas.tuned)
+    if base == "pallas" and (variant == "untuned" or variant.startswith("table=")):
+        # The heuristics alone (no tuned table, coda_jax.pallas.tuned), or another table (a
+        # file, e.g. an older one).
         from coda_jax.pallas.tuned import TUNED_ENV
 
-        with _env(TUNED_ENV, "0"):
-            yield base
-        return
-    if base == "pallas" and variant.startswith("table="):  # another tuned table (a file), e.g. an older one
-        from coda_jax.pallas.tuned import TUNED_ENV
-
-        with _env(TUNED_ENV, variant[len("table="):]):
+        with _env(TUNED_ENV, "0" if variant == "untuned" else variant[len("table="):]):
             yield base
         return
     if base == "pallas" and variant in ("w0", "w1"):  # the wave fit off / on (tuning.fit_waves)

@@ -356,16 +356,9 @@ def xla_output_below(backend: str) -> int:
     to XLA: ``$CODA_JAX_<BACKEND>_XLA_OUTPUT_BELOW`` if set (an integer; ``0`` turns the rule
     off, so that every fused GEMM runs on the kernel), else :data:`DEFAULT_XLA_OUTPUT_BELOW`."""
     env = xla_output_below_env(backend)
-    text = os.environ.get(env)
-    if text is None or not text.strip():
+    if not os.environ.get(env, "").strip():
         return DEFAULT_XLA_OUTPUT_BELOW.get(backend, 0)
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"${env} must be a number of output elements >= 0 (0: off), got {text!r}")
-    return value
+    return _env_count(env)
 
 
 def parse_xla_programs(text: str, source: str) -> dict[str, float | None]:
@@ -407,11 +400,12 @@ def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plai
     """
     if epilogue.name == "identity":
         return plain_gemm_route(backend, plain_choice) == "xla"
-    if by_size and m * n < xla_output_below(backend):
+    below = xla_output_below(backend) if by_size else 0
+    if m * n < below:
         if (backend, epilogue.name) not in _small_output_logged:  # once per program (INFO)
             _small_output_logged.add((backend, epilogue.name))
             _logger.info("coda_jax: %s runs %r GEMMs with outputs under %d elements (here %d x %d) on XLA; "
-                         "$%s=0 keeps them on the kernel", backend, epilogue.name, xla_output_below(backend), m, n,
+                         "$%s=0 keeps them on the kernel", backend, epilogue.name, below, m, n,
                          xla_output_below_env(backend))
         return True
     env = xla_programs_env(backend)
