@@ -171,6 +171,24 @@ def fuses_epilogues(lowering: GemmLowering) -> bool:
     return True if flag is None else bool(flag)
 
 
+def fuses_epilogue_at(lowering: GemmLowering, epilogue: Epilogue, m: int, n: int, k: int) -> bool:
+    """Whether ``lowering`` runs ``epilogue`` inside its GEMM kernel for the ``[m, k] @ [k, n]``
+    GEMM whose ``m`` rows are tokens (all of them: under a mesh, a partitioned lowering asks
+    its backend about each device's share, as it runs it).
+
+    False on the ``xla`` backend (:func:`fuses_epilogues`), and where a kernel backend hands
+    this GEMM to XLA (:func:`routes_to_xla`: by name, or for its small output); the lowering
+    says so through a ``fuses_at(epilogue, m, n, k)`` method, looked up through wrappers
+    (True where none has one). An op with two formulations then takes the one written for
+    unfused epilogues, whose GEMMs and passes are the ``xla`` backend's (e.g. the backward of
+    :mod:`coda_jax.ops.normed_gemm` at small batches).
+    """
+    if not fuses_epilogues(lowering):
+        return False
+    rule = _through_wrappers(lowering, "fuses_at")
+    return True if rule is None else bool(rule(epilogue, m, n, k))
+
+
 # SM count assumed when lowering for CUDA on a host without a GPU (the H100 SXM's).
 H100_SMS = 132
 

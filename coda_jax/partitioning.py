@@ -193,6 +193,17 @@ class PartitionedLowering:
             return {k: jax.tree.map(lambda v, k=k: _sum_shards(v).astype(dtypes[k]), v) for k, v in partials.items()}
         return shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
 
+    def fuses_at(self, epilogue: Epilogue, m: int, n: int, k: int) -> bool:
+        """The backend's :func:`~coda_jax.lowering.fuses_epilogue_at` for each device's rows:
+        ``m`` tokens split over the mesh's token axes (all ``m`` where they do not split
+        evenly, as :meth:`gemm` then runs the GEMM unpartitioned)."""
+        mesh = context_mesh()
+        shards = math.prod(axis_size(mesh, x) for x in token_axes(mesh))
+        if shards > 1 and m % shards == 0:
+            m //= shards
+        rule = getattr(self.inner, "fuses_at", None)
+        return True if rule is None else bool(rule(epilogue, m, n, k))
+
     def _xla_ops(self, epilogue: Epilogue, a, b, transpose_a: bool, transpose_b: bool) -> bool:
         """Whether this GEMM runs as ordinary XLA ops (the ``xla`` backend; a kernel backend's
         plain GEMMs and the programs it routes to XLA by name), not as an opaque kernel. A

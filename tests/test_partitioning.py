@@ -71,6 +71,30 @@ def test_small_outputs_are_handed_to_xla_per_shard():
     assert "OK ops_data_parallel_auto" in out and "OK model_pallas_2x4_auto" in out, out
 
 
+def test_fuses_epilogue_at_asks_about_each_devices_rows(monkeypatch):
+    """Ops choose their formulation with the global token count; a partitioned lowering asks
+    its backend about each device's rows (what the backend's own lowering sees inside the
+    ``shard_map``). An abstract mesh suffices: no GPU, no 8 devices."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from coda_jax.lowering import fuses_epilogue_at
+    from coda_jax.pallas.lowering import PallasLowering
+    from coda_jax.partitioning import PartitionedLowering
+
+    monkeypatch.delenv("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW")  # the default bound, 2^22 elements
+    lowering, epi = PartitionedLowering(PallasLowering()), programs.rms_dgrad(True)
+    assert fuses_epilogue_at(lowering, epi, 4096, 2048, 8192)  # 2^23 elements: the kernel
+    assert not fuses_epilogue_at(lowering, epi, 1024, 2048, 8192)  # 2^21: handed to XLA
+    assert not fuses_epilogue_at(PartitionedLowering(REFERENCE), epi, 8192, 2048, 8192)  # the xla backend
+    mesh = AbstractMesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert not fuses_epilogue_at(lowering, epi, 4096, 2048, 8192)  # 512 rows a device
+        assert fuses_epilogue_at(lowering, epi, 4100, 2048, 8192)  # ragged: runs unpartitioned
+        assert fuses_epilogue_at(lowering, epi, 16384, 2048, 8192)  # 2048 rows a device
+    monkeypatch.setenv("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW", "0")
+    assert fuses_epilogue_at(lowering, epi, 1024, 2048, 8192)
+
+
 def test_train_example_on_meshes_matches_one_device(tmp_path):
     """Data parallel over 8 devices, resumed from its checkpoint on an FSDP mesh, then on a
     tensor-parallel mesh: the same losses as one device."""

@@ -147,6 +147,12 @@ class CuteDslLowering:
         """See :func:`pair_width_rule`."""
         return pair_width_rule(width)
 
+    def fuses_at(self, epilogue: Epilogue, m: int, n: int, k: int) -> bool:
+        """False where this backend hands the ``[m, k] @ [k, n]`` GEMM to XLA
+        (:func:`~coda_jax.lowering.routes_to_xla`); see
+        :func:`~coda_jax.lowering.fuses_epilogue_at`."""
+        return not routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm)
+
     def gemm(
         self,
         epilogue: Epilogue,

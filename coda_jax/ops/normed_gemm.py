@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from coda_jax import programs
 from coda_jax.epilogue import Epilogue
-from coda_jax.lowering import GemmLowering, fuses_epilogues
+from coda_jax.lowering import GemmLowering, fuses_epilogue_at
 from coda_jax.ops.norm_carry import rstd_from_partials
 from coda_jax.ops.plain_gemm import wgrad
 
@@ -116,8 +116,9 @@ def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz
 
     Returns ``(dx [M, d] x.dtype, dgamma [d] gamma.dtype, dw [d, N] w.dtype)``.
 
-    Where the lowering runs epilogue bodies as passes over whole arrays (the ``"xla"``
-    backend, :func:`~coda_jax.lowering.fuses_epilogues` False), ``dW = gamma * P`` and
+    Where the lowering runs the dgrad's epilogue body as passes over whole arrays (the ``"xla"``
+    backend, or a kernel backend handing this GEMM to XLA:
+    :func:`~coda_jax.lowering.fuses_epilogue_at` False), ``dW = gamma * P`` and
     ``d_gamma = sum_N(W * P)`` would be two passes over ``[d, N]`` arrays after the wgrad GEMM.
     There the wgrad is the plain GEMM ``dW = h^T @ dz'`` (``gamma * (x^T dz') = (x * gamma)^T
     dz'``), and ``d_gamma = sum_M(x * g')`` is reduced in the pass that writes ``dx``, as a
@@ -127,13 +128,22 @@ def norm_gemm_backward(lowering: GemmLowering, x, gamma, w, rstd, dz_scaled, zdz
     loads = {"x": x, "xcoef": rstd * rstd * zdz_sum / x.shape[1], "gamma": gamma}
     if dres is not None:
         loads["dres"] = dres
-    unfused = not fuses_epilogues(lowering)
+    unfused = not fuses_epilogue_at(lowering, programs.rms_dgrad(dres is not None), *_dgrad_dims(x, w))
     outs = lowering.gemm(programs.rms_dgrad(dres is not None, unfused), dz_scaled, w, loads, transpose_b=True,
                          out_dtypes={"dx": x.dtype})
     if unfused:
         h = (x * gamma if h is None else h).astype(w.dtype)
         return outs["dx"], jnp.sum(outs["dgamma"], axis=0).astype(gamma.dtype), wgrad(lowering, h, dz_scaled, w)
     return (outs["dx"], *_norm_wgrad(lowering, x.astype(w.dtype), dz_scaled, gamma, w))
+
+
+def _dgrad_dims(x, w) -> tuple[int, int, int]:
+    """``(m, n, k)`` of the dgrad GEMM ``[M, N] @ W^T -> [M, d]``. Where the lowering does not
+    fuse its epilogue (the ``xla`` backend; a kernel backend handing it to XLA, as for small
+    batches, :func:`~coda_jax.lowering.xla_output_below`), the backward takes the formulation
+    without ``[d, N]`` passes: at 2 x 256 tokens the 1B step on Pallas went from 1.017-1.035x
+    to 1.057x plain JAX (benchmarks/RESULTS.md, run 268)."""
+    return x.shape[0], w.shape[0], w.shape[1]
 
 
 def _norm_wgrad(lowering: GemmLowering, a, b, gamma, w):
@@ -167,7 +177,7 @@ def norm_gemm_backward_unscaled(lowering: GemmLowering, x, gamma, w, rstd, dz, d
     if dres is not None:
         dx = dx + dres.astype(jnp.float32)
     x_hat = xf * r
-    if not fuses_epilogues(lowering):
+    if not fuses_epilogue_at(lowering, programs.NORM_DGRAD, *_dgrad_dims(x, w)):
         dgamma = jnp.sum(x_hat * g, axis=0).astype(gamma.dtype)
         return dx.astype(x.dtype), dgamma, wgrad(lowering, (x_hat * gf).astype(w.dtype), dz, w)
     return (dx.astype(x.dtype), *_norm_wgrad(lowering, x_hat.astype(w.dtype), dz, gamma, w))

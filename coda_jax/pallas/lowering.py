@@ -160,6 +160,12 @@ class PallasLowering:
         return with_env_overrides(table_or_heuristic_config(epilogue, m, n, k, transpose_a, transpose_b, kind,
                                                             _num_sms(False)))
 
+    def fuses_at(self, epilogue: Epilogue, m: int, n: int, k: int) -> bool:
+        """False where this backend hands the ``[m, k] @ [k, n]`` GEMM to XLA
+        (:func:`~coda_jax.lowering.routes_to_xla`); see
+        :func:`~coda_jax.lowering.fuses_epilogue_at`."""
+        return not routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm)
+
     def gemm(
         self,
         epilogue: Epilogue,
