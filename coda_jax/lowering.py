@@ -210,10 +210,10 @@ def reserved_sms() -> int:
     ends. Reserving SMs gives such kernels room to run concurrently, at the cost of the
     GEMMs' share of those SMs. Read when a kernel is traced.
     """
-    return _env_count(RESERVED_SMS_ENV)
+    return env_count(RESERVED_SMS_ENV)
 
 
-def _env_count(name: str) -> int:
+def env_count(name: str) -> int:
     """A non-negative integer environment setting (unset or empty: 0), or an error naming it."""
     text = os.environ.get(name, "0").strip() or "0"
     try:
@@ -250,7 +250,7 @@ def tiles_per_cta() -> int:
     pipeline fill is no longer hidden behind the previous tile's epilogue. Pallas only;
     read when a kernel is traced.
     """
-    return _env_count(TILES_PER_CTA_ENV)
+    return env_count(TILES_PER_CTA_ENV)
 
 
 LATENCY_HINTS_ENV = "CODA_JAX_LATENCY_HINTS"
@@ -376,7 +376,7 @@ def xla_output_below(backend: str) -> int:
     env = xla_output_below_env(backend)
     if not os.environ.get(env, "").strip():
         return DEFAULT_XLA_OUTPUT_BELOW.get(backend, 0)
-    return _env_count(env)
+    return env_count(env)
 
 
 def parse_xla_programs(text: str, source: str) -> dict[str, float | None]:

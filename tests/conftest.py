@@ -24,6 +24,10 @@ os.environ["CODA_JAX_KERNEL_CACHE_DIR"] = "off"
 # is off here and in every subprocess, and tests/test_pallas_kernels.py tests it.
 os.environ["CODA_JAX_PALLAS_XLA_OUTPUT_BELOW"] = "0"
 os.environ["CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW"] = "0"
+# Under FSDP, XLA-op GEMMs go to XLA's partitioner when a device holds fewer than 1024 tokens
+# (coda_jax.partitioning.fsdp_xla_tokens_below); the mesh tests' batches are that small and
+# test the token-split rules, so this is off too, and the FSDP gathers case tests it.
+os.environ["CODA_JAX_FSDP_XLA_TOKENS_BELOW"] = "0"
 
 
 def _hopper() -> bool:
