@@ -37,7 +37,8 @@ the kernel backends route to XLA's dot) follow the same rules when the mesh spli
 parameters (an :data:`FSDP_AXIS` among the token axes). Left to the partitioner there, they
 gathered activations instead of the weight: the ``xla`` backend's 1B step ran at 0.71x
 plain JAX on two H100s (benchmarks/RESULTS.md, run 140). With few tokens a device
-(:func:`fsdp_xla_tokens_below`) that is the faster choice, and they are left to it. With the
+(:func:`fsdp_xla_tokens_below`) that is the faster choice: there every GEMM, a kernel
+backend's too, runs as XLA ops left to it. With the
 weights whole (data parallel) the partitioner splits them by tokens itself, as measured
 (runs 96, 139).
 ``docs/multi_gpu.md`` has the rules per op.
@@ -59,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import GemmLowering, env_count, gemm_dims, routes_to_xla
+from coda_jax.reference import xla_backend_lowering
 
 logger = logging.getLogger("coda_jax")
 
@@ -70,24 +72,32 @@ _warned: set[str] = set()
 
 
 FSDP_XLA_TOKENS_ENV = "CODA_JAX_FSDP_XLA_TOKENS_BELOW"
-# Under FSDP, a GEMM that runs as XLA ops goes to XLA's partitioner when each device holds
-# fewer tokens than this (its ``a``'s first dimension over the token shards); with more, it
-# is split by tokens in a ``shard_map`` with the weight gathered (ZeRO-3). With few tokens the
-# partitioner gathers the activations instead and leaves each weight shard in place, as it
-# does for plain JAX. The 1B step on fsdp=2, 2 x H200, `xla` backend against plain JAX
-# (benchmarks/RESULTS.md, runs 269-270): 512 tokens a device 0.752x split -> 0.928x left to
-# the partitioner; 2048: 0.877x -> 0.781x; 8192: 1.027x -> 0.765x. 1024 is unmeasured and
-# stays split.
+# Under FSDP, every GEMM runs as XLA ops left to XLA's partitioner when each device holds
+# fewer tokens than this (its ``a``'s first dimension over the token shards): the `xla`
+# backend's, and a kernel backend's on the `xla` backend's lowering (a kernel whose epilogue
+# is not linear cannot run on the partial sums that a weight split along K gives). With more,
+# each is split by tokens in a ``shard_map`` with the weight gathered (ZeRO-3). With few
+# tokens the partitioner gathers the activations instead and leaves each weight shard in
+# place, as it does for plain JAX. The 1B step on fsdp=2, 2 x H200, `xla` backend against
+# plain JAX (benchmarks/RESULTS.md, runs 269-270): 512 tokens a device 0.752x split -> 0.928x
+# left to the partitioner; 2048: 0.877x -> 0.781x; 8192: 1.027x -> 0.765x. 1024 is unmeasured
+# and stays split.
 DEFAULT_FSDP_XLA_TOKENS_BELOW = 1024
 
 
 def fsdp_xla_tokens_below() -> int:
-    """Tokens a device below which, under FSDP, GEMMs that are XLA ops are left to XLA's
+    """Tokens a device below which, under FSDP, every GEMM runs as XLA ops left to XLA's
     partitioner (see :data:`DEFAULT_FSDP_XLA_TOKENS_BELOW`): ``$CODA_JAX_FSDP_XLA_TOKENS_BELOW``
     if set (a non-negative integer; ``0``: never), else the default."""
     if not os.environ.get(FSDP_XLA_TOKENS_ENV, "").strip():
         return DEFAULT_FSDP_XLA_TOKENS_BELOW
     return env_count(FSDP_XLA_TOKENS_ENV)
+
+
+def _few_fsdp_tokens(axes: tuple[str, ...], shards: int, tokens: int) -> bool:
+    """Whether the token axes ``axes`` (``shards`` devices in all) include FSDP's and leave each
+    device fewer than :func:`fsdp_xla_tokens_below` of ``tokens``."""
+    return FSDP_AXIS in axes and tokens // shards < fsdp_xla_tokens_below()
 
 
 def partial_sum_dtype(out_dtype) -> jnp.dtype:
@@ -179,14 +189,18 @@ class PartitionedLowering:
         if not axes:
             return self.inner.gemm(epilogue, a, b, loads, **kw)
         shards = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[x] for x in axes)
-        if self._xla_ops(epilogue, a, b, transpose_a, transpose_b) and (
-                FSDP_AXIS not in axes or a.shape[0] // shards < fsdp_xla_tokens_below()):
+        if _few_fsdp_tokens(axes, shards, a.shape[0]):  # tokens are a's first dimension in both layouts
+            # FSDP with few tokens a device: every GEMM as XLA ops (a kernel backend's fused
+            # programs on the `xla` backend's lowering), left to the partitioner, which gathers
+            # the activations and leaves each weight shard in place (fsdp_xla_tokens_below).
+            return (self.inner if self.inner.name == "xla" else xla_backend_lowering()).gemm(
+                epilogue, a, b, loads, **kw)
+        if FSDP_AXIS not in axes and self._xla_ops(epilogue, a, b, transpose_a, transpose_b):
             # XLA ops with the weights whole (data parallel), which the partitioner splits by
-            # tokens itself (runs 96 and 139: `xla` 1.00-1.01x plain JAX); or under FSDP with
-            # few tokens a device, where it gathers activations instead (fsdp_xla_tokens_below).
+            # tokens itself (runs 96 and 139: `xla` 1.00-1.01x plain JAX).
             return self.inner.gemm(epilogue, a, b, loads, **kw)
         tok = axes if len(axes) > 1 else axes[0]
-        if a.shape[0] % shards:  # tokens are a's first dimension in both layouts
+        if a.shape[0] % shards:
             _warn_once(f"ragged:{epilogue.name}",
                        f"coda-jax: {a.shape[0]} tokens do not split evenly over mesh axes {axes} "
                        f"({shards} shards): epilogue {epilogue.name!r} runs unpartitioned (operands gathered)")
@@ -225,7 +239,10 @@ class PartitionedLowering:
         ``m`` tokens split over the mesh's token axes (all ``m`` where they do not split
         evenly, as :meth:`gemm` then runs the GEMM unpartitioned)."""
         mesh = context_mesh()
-        shards = math.prod(axis_size(mesh, x) for x in token_axes(mesh))
+        axes = token_axes(mesh)
+        shards = math.prod(axis_size(mesh, x) for x in axes)
+        if _few_fsdp_tokens(axes, shards, m):  # every GEMM runs as XLA ops (see gemm)
+            return False
         if shards > 1 and m % shards == 0:
             m //= shards
         rule = getattr(self.inner, "fuses_at", None)

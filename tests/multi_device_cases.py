@@ -296,27 +296,27 @@ def case_fsdp_step_gathers(backend: str) -> None:
         assert any(dims == [cfg.vocab_size, cfg.hidden_size] for _, dims, _, _ in all_gathers(hlo_t)), \
             "the token-split head did not gather its weight"
         assert abs(loss_t - loss) <= 1e-3 * abs(loss), (loss_t, loss)
-    if backend == "xla":
-        # With few tokens a device (192 here) the GEMMs are left to the partitioner by default
-        # (partitioning.fsdp_xla_tokens_below; the test environment turns that off): it gathers
-        # activations, keeps each weight shard in place (no weight gathered), same loss.
-        env = partitioning.FSDP_XLA_TOKENS_ENV
-        saved = os.environ.pop(env, None)
-        try:
-            assert partitioning.fsdp_xla_tokens_below() > batch * seq // 2
-            loss0, hlo0, dots0 = compiled_step()
-            os.environ[env] = str(batch * seq // 2)  # 192 tokens a device: not below, split again
-            assert not compiled_step()[2], "GEMMs left to the partitioner at the bound"
-        finally:
-            os.environ.pop(env, None) if saved is None else os.environ.__setitem__(env, saved)
-        assert activation_gathers(hlo0, batch, seq, floating_only=True), "expected activation all-gathers"
-        assert dots0, "expected GEMMs outside shard_map with few tokens a device"
-        mlp_gathers = lambda h: [line for _, dims, _, line in all_gathers(h)  # noqa: E731
-                                 if dims == [cfg.hidden_size, 2 * cfg.intermediate_size]]
-        assert mlp_gathers(hlo), "token-split GEMMs: expected the MLP weight gathered (ZeRO-3)"
-        mlp = mlp_gathers(hlo0)
-        assert not mlp, "the MLP weight gathered with few tokens a device:\n" + "\n".join(mlp)
-        assert abs(loss0 - loss) <= 1e-3 * abs(loss), (loss0, loss)
+    # With few tokens a device (192 here) every GEMM runs as XLA ops left to the
+    # partitioner by default, the kernel backend's too (partitioning.fsdp_xla_tokens_below;
+    # the test environment turns that off): it gathers activations, keeps each weight
+    # shard in place (no weight gathered), same loss.
+    env = partitioning.FSDP_XLA_TOKENS_ENV
+    saved = os.environ.pop(env, None)
+    try:
+        assert partitioning.fsdp_xla_tokens_below() > batch * seq // 2
+        loss0, hlo0, dots0 = compiled_step()
+        os.environ[env] = str(batch * seq // 2)  # 192 tokens a device: not below, split again
+        assert not compiled_step()[2], "GEMMs left to the partitioner at the bound"
+    finally:
+        os.environ.pop(env, None) if saved is None else os.environ.__setitem__(env, saved)
+    assert activation_gathers(hlo0, batch, seq, floating_only=True), "expected activation all-gathers"
+    assert dots0, "expected GEMMs outside shard_map with few tokens a device"
+    mlp_gathers = lambda h: [line for _, dims, _, line in all_gathers(h)  # noqa: E731
+                             if dims == [cfg.hidden_size, 2 * cfg.intermediate_size]]
+    assert mlp_gathers(hlo), "token-split GEMMs: expected the MLP weight gathered (ZeRO-3)"
+    mlp = mlp_gathers(hlo0)
+    assert not mlp, "the MLP weight gathered with few tokens a device:\n" + "\n".join(mlp)
+    assert abs(loss0 - loss) <= 1e-3 * abs(loss), (loss0, loss)
     print(f"OK fsdp_gathers_{backend}")
 
 
