@@ -93,6 +93,18 @@ def test_fuses_epilogue_at_asks_about_each_devices_rows(monkeypatch):
         assert fuses_epilogue_at(lowering, epi, 16384, 2048, 8192)  # 2048 rows a device
     monkeypatch.setenv("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW", "0")
     assert fuses_epilogue_at(lowering, epi, 1024, 2048, 8192)
+    # Under FSDP with fewer than 1024 tokens a device every GEMM runs as XLA ops (partitioning.
+    # fsdp_xla_tokens_below), whatever its output size; data parallel keeps the kernel.
+    monkeypatch.delenv("CODA_JAX_FSDP_XLA_TOKENS_BELOW")
+    data = AbstractMesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    with jax.sharding.use_abstract_mesh(data):
+        assert fuses_epilogue_at(lowering, epi, 4096, 16384, 2048)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert not fuses_epilogue_at(lowering, epi, 4096, 16384, 2048)  # 512 tokens a device
+        assert fuses_epilogue_at(lowering, epi, 8192, 16384, 2048)  # 1024: split by tokens
+    monkeypatch.setenv("CODA_JAX_FSDP_XLA_TOKENS_BELOW", "0")
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert fuses_epilogue_at(lowering, epi, 4096, 16384, 2048)
 
 
 def test_train_example_on_meshes_matches_one_device(tmp_path):
