@@ -38,9 +38,8 @@ parameters (an :data:`FSDP_AXIS` among the token axes). Left to the partitioner 
 gathered activations instead of the weight: the ``xla`` backend's 1B step ran at 0.71x
 plain JAX on two H100s (benchmarks/RESULTS.md, run 140). With few tokens a device
 (:func:`fsdp_xla_tokens_below`) that is the faster choice: there every GEMM, a kernel
-backend's too, runs as XLA ops left to it. With the
-weights whole (data parallel) the partitioner splits them by tokens itself, as measured
-(runs 96, 139).
+backend's too, runs as XLA ops left to it. With the weights whole (data parallel) the
+partitioner splits them by tokens itself, as measured (runs 96, 139).
 ``docs/multi_gpu.md`` has the rules per op.
 """
 
