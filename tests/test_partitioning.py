@@ -93,6 +93,11 @@ def test_fuses_epilogue_at_asks_about_each_devices_rows(monkeypatch):
         assert fuses_epilogue_at(lowering, epi, 16384, 2048, 8192)  # 2048 rows a device
     monkeypatch.setenv("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW", "0")
     assert fuses_epilogue_at(lowering, epi, 1024, 2048, 8192)
+    from coda_jax.ffi.lowering import CuteDslLowering  # the same rule on the CuTeDSL backend
+
+    monkeypatch.delenv("CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW")
+    cute = PartitionedLowering(CuteDslLowering())
+    assert fuses_epilogue_at(cute, epi, 4096, 2048, 8192) and not fuses_epilogue_at(cute, epi, 1024, 2048, 8192)
     # Under FSDP with fewer than 1024 tokens a device every GEMM runs as XLA ops (partitioning.
     # fsdp_xla_tokens_below), whatever its output size; data parallel keeps the kernel.
     monkeypatch.delenv("CODA_JAX_FSDP_XLA_TOKENS_BELOW")
