@@ -153,6 +153,12 @@ def token_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in TOKEN_AXES if axis_size(mesh, a) > 1)
 
 
+def token_shards(mesh) -> int:
+    """How many ways ``mesh`` splits the tokens: the product of :func:`token_axes`' sizes (1
+    without a mesh or token axes)."""
+    return math.prod(axis_size(mesh, a) for a in token_axes(mesh))
+
+
 def _warn_once(key: str, msg: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -187,7 +193,7 @@ class PartitionedLowering:
         axes = token_axes(mesh)
         if not axes:
             return self.inner.gemm(epilogue, a, b, loads, **kw)
-        shards = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[x] for x in axes)
+        shards = token_shards(mesh)
         if _few_fsdp_tokens(axes, shards, a.shape[0]):  # tokens are a's first dimension in both layouts
             # FSDP with few tokens a device: every GEMM as XLA ops (a kernel backend's fused
             # programs on the `xla` backend's lowering), left to the partitioner, which gathers
@@ -239,7 +245,7 @@ class PartitionedLowering:
         evenly, as :meth:`gemm` then runs the GEMM unpartitioned)."""
         mesh = context_mesh()
         axes = token_axes(mesh)
-        shards = math.prod(axis_size(mesh, x) for x in axes)
+        shards = token_shards(mesh)
         if _few_fsdp_tokens(axes, shards, m):  # every GEMM runs as XLA ops (see gemm)
             return False
         if shards > 1 and m % shards == 0:

@@ -39,8 +39,6 @@ weights and for ``x``).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -74,7 +72,7 @@ def check_tensor_parallel(config, batch: int, seq: int, mesh) -> None:
         raise ValueError(f"tensor parallel: intermediate_size ({c.intermediate_size}) must be a multiple of "
                          f"{TENSOR_AXIS!r} axis size x {SWIGLU_BLOCK} ({t * SWIGLU_BLOCK}): each shard's gate/up "
                          "columns are whole 64-column blocks")
-    dp = _data_shards(mesh)
+    dp = partitioning.token_shards(mesh)
     if batch % dp:
         raise ValueError(f"tensor parallel: batch ({batch}) must be a multiple of the data axes' size ({dp})")
     if (batch // dp * seq) % t:
@@ -82,9 +80,6 @@ def check_tensor_parallel(config, batch: int, seq: int, mesh) -> None:
                          f"the {TENSOR_AXIS!r} axis size ({t}) for the sequence-parallel residual")
 
 
-def _data_shards(mesh) -> int:
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    return math.prod(sizes[a] for a in partitioning.token_axes(mesh))
 
 
 def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Array:
