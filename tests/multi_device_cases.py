@@ -245,6 +245,7 @@ def case_fsdp_step_gathers(backend: str) -> None:
     JAX on two H100s (RESULTS.md, run 140). Tokens (384) differ from every weight
     dimension, so no weight gather is counted."""
     _benchmark_tools_on_path()
+    from bench import environment
     from train_step_bench import activation_gathers, all_gathers
 
     from coda_jax.layers import LlamaConfig
@@ -301,14 +302,11 @@ def case_fsdp_step_gathers(backend: str) -> None:
     # the test environment turns that off): it gathers activations, keeps each weight
     # shard in place (no weight gathered), same loss.
     env = partitioning.FSDP_XLA_TOKENS_ENV
-    saved = os.environ.pop(env, None)
-    try:
+    with environment({env: ""}):  # empty: the default bound
         assert partitioning.fsdp_xla_tokens_below() > batch * seq // 2
         loss0, hlo0, dots0 = compiled_step()
-        os.environ[env] = str(batch * seq // 2)  # 192 tokens a device: not below, split again
+    with environment({env: str(batch * seq // 2)}):  # 192 tokens a device: not below, split again
         assert not compiled_step()[2], "GEMMs left to the partitioner at the bound"
-    finally:
-        os.environ.pop(env, None) if saved is None else os.environ.__setitem__(env, saved)
     assert activation_gathers(hlo0, batch, seq, floating_only=True), "expected activation all-gathers"
     assert dots0, "expected GEMMs outside shard_map with few tokens a device"
     mlp_gathers = lambda h: [line for _, dims, _, line in all_gathers(h)  # noqa: E731
