@@ -32,7 +32,8 @@
 # the GPU tests' pytest status (else the shape fuzz's; 0 when neither ran), not the last summary line's.
 # CuTeDSL: if .whl/cutlass_dsl.tar.zst was carried, it is unpacked and the backend is added.
 # FUZZ=1 runs the GPU shape fuzz after the GPU tests (tests/test_gpu_shape_fuzz.py: FUZZ_SEED,
-# FUZZ_OPS, FUZZ_MODELS, FUZZ_BACKENDS).
+# FUZZ_OPS, FUZZ_MODELS, FUZZ_BACKENDS; FUZZ_ROUTING=default keeps the routing rules at the
+# library's defaults, which the test suite otherwise turns off: tests/conftest.py).
 set -uo pipefail
 suite_rc=0  # the exit status: the GPU tests' pytest status, else the shape fuzz's (124: timed out)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -73,9 +74,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 if [ -n "${FUZZ:-}" ]; then
   # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math.
-  echo "== shape fuzz (seed ${FUZZ_SEED:-0}) ==" | tee "$OUT/fuzz.log"
+  echo "== shape fuzz (seed ${FUZZ_SEED:-0}, routing rules ${FUZZ_ROUTING:-off}) ==" | tee "$OUT/fuzz.log"
   # -v: one line per finished test, so a run stopped by its timeout still names what passed.
-  env "${test_env[@]}" FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -v -s \
+  env "${test_env[@]}" FUZZ_BACKENDS="${FUZZ_BACKENDS:-$BACKENDS}" CODA_JAX_TESTS_ROUTING="${FUZZ_ROUTING:-off}" timeout "${FUZZ_TIMEOUT:-480}" python3 -m pytest -v -s \
     -m gpu "${xdist[@]}" tests/test_gpu_shape_fuzz.py -p no:cacheprovider 2>&1 | grep -v Warning \
     | grep -E 'PASSED|FAILED|ERROR|SKIPPED|passed|failed|rel err|Error' | tail -n 150 | tee -a "$OUT/fuzz.log"
   fuzz_rc=${PIPESTATUS[0]}; [ "$suite_rc" = 0 ] && suite_rc=$fuzz_rc

@@ -22,12 +22,19 @@ os.environ["CODA_JAX_KERNEL_CACHE_DIR"] = "off"
 # Kernel backends hand fused GEMMs with small outputs (fewer than 2^22 elements) to XLA by
 # default (coda_jax.lowering.xla_output_below); every test shape is that small, so the rule
 # is off here and in every subprocess, and tests/test_pallas_kernels.py tests it.
-os.environ["CODA_JAX_PALLAS_XLA_OUTPUT_BELOW"] = "0"
-os.environ["CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW"] = "0"
 # Under FSDP, XLA-op GEMMs go to XLA's partitioner when a device holds fewer than 1024 tokens
 # (coda_jax.partitioning.fsdp_xla_tokens_below); the mesh tests' batches are that small and
 # test the token-split rules, so this is off too, and the FSDP gathers case tests it.
-os.environ["CODA_JAX_FSDP_XLA_TOKENS_BELOW"] = "0"
+# CODA_JAX_TESTS_ROUTING=default keeps the library's defaults instead (the GPU shape fuzz
+# with FUZZ_ROUTING=default: ragged shapes with the routing rules as users get them).
+ROUTING_RULES = ("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW", "CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW",
+                 "CODA_JAX_FSDP_XLA_TOKENS_BELOW")
+if os.environ.get("CODA_JAX_TESTS_ROUTING", "off") == "default":
+    for _name in ROUTING_RULES:
+        os.environ.pop(_name, None)
+else:
+    for _name in ROUTING_RULES:
+        os.environ[_name] = "0"
 
 
 def _hopper() -> bool:

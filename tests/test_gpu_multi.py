@@ -28,14 +28,34 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("axis", MESHES)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_model_step_on_gpus_matches_one_gpu(backend, axis):
+def _check_step_on_mesh(backend: str, mesh, label: str, tokens_per_device: int) -> None:
+    """One bf16 training step of a 2-layer CodaLlama on ``mesh`` (loss and every gradient)
+    against the same step on one GPU; ``2 * n`` sequences hold ``tokens_per_device`` tokens
+    a GPU."""
     from flax import nnx
 
     from coda_jax.layers import CodaLlama, LlamaConfig
     from coda_jax.sharding import batch_sharding, shard_state
 
+    n = jax.device_count()
+    cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=1024, intermediate_size=2816 // 64 // n * 64 * n,
+                           num_layers=2, num_heads=8 * n, num_kv_heads=2 * n, head_dim=64, dtype=jnp.bfloat16)
+    gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend))
+    tokens = jax.random.randint(jax.random.key(1), (2 * n, tokens_per_device // 2 + 1), 0, cfg.vocab_size)
+    step = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(gdef, st).loss(t[:, :-1], t[:, 1:])))
+    want = jax.device_get(step(jax.device_put(state, jax.devices()[0]), jax.device_put(tokens, jax.devices()[0])))
+    with jax.set_mesh(mesh):
+        got = step(shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh)))
+    loss_err = abs(float(got[0]) - float(want[0])) / abs(float(want[0]))
+    assert np.isfinite(float(got[0])) and loss_err < 1e-3, f"{backend} {label}: loss {got[0]} vs {want[0]}"
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+        e = _rel(a, b)
+        assert np.isfinite(e) and e < 3e-2, f"{backend} {label}: {jax.tree_util.keystr(path)} rel err {e:.3g}"
+
+
+@pytest.mark.parametrize("axis", MESHES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_step_on_gpus_matches_one_gpu(backend, axis):
     n = jax.device_count()
     if n < 2:
         pytest.skip("needs 2 or more GPUs")
@@ -46,16 +66,22 @@ def test_model_step_on_gpus_matches_one_gpu(backend, axis):
     else:
         name, _, mode = axis.partition("-")
         mesh = jax.make_mesh((n,), (name,), axis_types=(AxisType.Explicit if mode == "explicit" else AxisType.Auto,))
-    cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=1024, intermediate_size=2816 // 64 // n * 64 * n,
-                           num_layers=2, num_heads=8 * n, num_kv_heads=2 * n, head_dim=64, dtype=jnp.bfloat16)
-    gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend))
-    tokens = jax.random.randint(jax.random.key(1), (2 * n, 513), 0, cfg.vocab_size)
-    step = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(gdef, st).loss(t[:, :-1], t[:, 1:])))
-    want = jax.device_get(step(jax.device_put(state, jax.devices()[0]), jax.device_put(tokens, jax.devices()[0])))
-    with jax.set_mesh(mesh):
-        got = step(shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh)))
-    loss_err = abs(float(got[0]) - float(want[0])) / abs(float(want[0]))
-    assert np.isfinite(float(got[0])) and loss_err < 1e-3, f"{backend} {axis}={n}: loss {got[0]} vs {want[0]}"
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
-        e = _rel(a, b)
-        assert np.isfinite(e) and e < 3e-2, f"{backend} {axis}={n}: {jax.tree_util.keystr(path)} rel err {e:.3g}"
+    _check_step_on_mesh(backend, mesh, f"{axis}={n}", tokens_per_device=1024)
+
+
+# The routing rules at the library's defaults (the suite turns them off, tests/conftest.py):
+# data parallel at 2048 tokens a GPU hands the GEMMs with [2048, 1024] outputs to XLA per
+# device and keeps the wider ones on the kernel; FSDP at 256 tokens a GPU runs every GEMM as
+# XLA ops left to the partitioner (coda_jax.partitioning.fsdp_xla_tokens_below).
+@pytest.mark.parametrize("axis,tokens_per_device", [("data", 2048), ("fsdp", 256)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_step_with_default_routing_matches_one_gpu(backend, axis, tokens_per_device, monkeypatch):
+    from conftest import ROUTING_RULES
+
+    n = jax.device_count()
+    if n < 2:
+        pytest.skip("needs 2 or more GPUs")
+    for name in ROUTING_RULES:
+        monkeypatch.delenv(name, raising=False)
+    mesh = jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,))
+    _check_step_on_mesh(backend, mesh, f"{axis}={n}, default routing", tokens_per_device)
