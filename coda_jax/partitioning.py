@@ -99,6 +99,26 @@ def _few_fsdp_tokens(axes: tuple[str, ...], shards: int, tokens: int) -> bool:
     return FSDP_AXIS in axes and tokens // shards < fsdp_xla_tokens_below()
 
 
+FSDP_XLA_GEMMS_ENV = "CODA_JAX_FSDP_XLA_GEMMS_BELOW"
+# Under FSDP, a kernel backend runs its GEMMs on the `xla` backend's lowering (XLA's GEMM and
+# fusions of the same epilogue bodies), still split by tokens with the weight gathered, when
+# each device holds fewer tokens than this. XLA's scheduler overlaps the weight all-gathers
+# and gradient reduce-scatters with its own GEMMs and fusions, not with the Pallas kernels
+# (benchmarks/RESULTS.md, runs 154-161), and with fewer tokens a device those collectives
+# are a larger part of the step.
+DEFAULT_FSDP_XLA_GEMMS_BELOW = 0
+
+
+def fsdp_xla_gemms_below() -> int:
+    """Tokens a device below which, under FSDP, a kernel backend's GEMMs run on the ``xla``
+    backend's lowering, split by tokens (see :data:`DEFAULT_FSDP_XLA_GEMMS_BELOW`):
+    ``$CODA_JAX_FSDP_XLA_GEMMS_BELOW`` if set (a non-negative integer; ``0``: never), else the
+    default."""
+    if not os.environ.get(FSDP_XLA_GEMMS_ENV, "").strip():
+        return DEFAULT_FSDP_XLA_GEMMS_BELOW
+    return env_count(FSDP_XLA_GEMMS_ENV)
+
+
 def partial_sum_dtype(out_dtype) -> jnp.dtype:
     """The dtype in which the shards' partial sums of a token-contracting GEMM output leave
     the kernel and are summed across devices.
@@ -194,39 +214,39 @@ class PartitionedLowering:
         if not axes:
             return self.inner.gemm(epilogue, a, b, loads, **kw)
         shards = token_shards(mesh)
-        if _few_fsdp_tokens(axes, shards, a.shape[0]):  # tokens are a's first dimension in both layouts
+        inner = self._lowering_at(axes, shards, a.shape[0])  # tokens are a's first dimension in both layouts
+        if _few_fsdp_tokens(axes, shards, a.shape[0]):
             # FSDP with few tokens a device: every GEMM as XLA ops (a kernel backend's fused
             # programs on the `xla` backend's lowering), left to the partitioner, which gathers
             # the activations and leaves each weight shard in place (fsdp_xla_tokens_below).
-            return (self.inner if self.inner.name == "xla" else xla_backend_lowering()).gemm(
-                epilogue, a, b, loads, **kw)
+            return inner.gemm(epilogue, a, b, loads, **kw)
         if FSDP_AXIS not in axes and self._xla_ops(epilogue, a, b, transpose_a, transpose_b):
             # XLA ops with the weights whole (data parallel), which the partitioner splits by
             # tokens itself (runs 96 and 139: `xla` 1.00-1.01x plain JAX).
-            return self.inner.gemm(epilogue, a, b, loads, **kw)
+            return inner.gemm(epilogue, a, b, loads, **kw)
         tok = axes if len(axes) > 1 else axes[0]
         if a.shape[0] % shards:
             _warn_once(f"ragged:{epilogue.name}",
                        f"coda-jax: {a.shape[0]} tokens do not split evenly over mesh axes {axes} "
                        f"({shards} shards): epilogue {epilogue.name!r} runs unpartitioned (operands gathered)")
-            return self.inner.gemm(epilogue, a, b, loads, **kw)
+            return inner.gemm(epilogue, a, b, loads, **kw)
         loads = dict(loads)
         if not transpose_a:
             load_specs, out_specs = _row_specs(epilogue, tok)
             out_specs = split_specs(out_specs)
-            body = lambda a, b, l: self.inner.gemm(epilogue, a, b, l, **kw)  # noqa: E731
+            body = lambda a, b, l: inner.gemm(epilogue, a, b, l, **kw)  # noqa: E731
             in_specs = (P(tok, None), P(None, None), load_specs)
         else:
             if not epilogue.linear:
                 _warn_once(f"contract:{epilogue.name}",
                            f"coda-jax: epilogue {epilogue.name!r} contracts the sharded token axis and is not "
                            "declared linear in acc: it runs unpartitioned (operands gathered)")
-                return self.inner.gemm(epilogue, a, b, loads, **kw)
+                return inner.gemm(epilogue, a, b, loads, **kw)
             dtypes = {o.name: jnp.dtype((out_dtypes or {}).get(o.name) or o.dtype or a.dtype) for o in epilogue.outputs}
             partial = {name: partial_sum_dtype(dt) for name, dt in dtypes.items()}
 
             def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis
-                outs = self.inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b,
+                outs = inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b,
                                        out_dtypes=partial, out_splits=out_splits)
                 return jax.tree.map(lambda v: v[None], outs)
 
@@ -246,12 +266,24 @@ class PartitionedLowering:
         mesh = context_mesh()
         axes = token_axes(mesh)
         shards = token_shards(mesh)
-        if _few_fsdp_tokens(axes, shards, m):  # every GEMM runs as XLA ops (see gemm)
+        if self._lowering_at(axes, shards, m) is not self.inner:  # the `xla` lowering (see gemm)
             return False
         if shards > 1 and m % shards == 0:
             m //= shards
         rule = getattr(self.inner, "fuses_at", None)
         return True if rule is None else bool(rule(epilogue, m, n, k))
+
+    def _lowering_at(self, axes: tuple[str, ...], shards: int, tokens: int) -> GemmLowering:
+        """The lowering that runs a GEMM of ``tokens`` rows split over ``axes`` (``shards``
+        devices): the backend's own, or under FSDP with fewer tokens a device than
+        :func:`fsdp_xla_tokens_below` or :func:`fsdp_xla_gemms_below`, a kernel backend's
+        GEMMs on the ``xla`` backend's lowering."""
+        if self.inner.name == "xla" or FSDP_AXIS not in axes:
+            return self.inner
+        per_device = tokens // shards
+        if per_device < fsdp_xla_tokens_below() or per_device < fsdp_xla_gemms_below():
+            return xla_backend_lowering()
+        return self.inner
 
     def _xla_ops(self, epilogue: Epilogue, a, b, transpose_a: bool, transpose_b: bool) -> bool:
         """Whether this GEMM runs as ordinary XLA ops (the ``xla`` backend; a kernel backend's

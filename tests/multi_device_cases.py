@@ -315,6 +315,19 @@ def case_fsdp_step_gathers(backend: str) -> None:
     mlp = mlp_gathers(hlo0)
     assert not mlp, "the MLP weight gathered with few tokens a device:\n" + "\n".join(mlp)
     assert abs(loss0 - loss) <= 1e-3 * abs(loss), (loss0, loss)
+    if backend == "pallas":
+        # Below CODA_JAX_FSDP_XLA_GEMMS_BELOW tokens a device (above the partitioner's bound)
+        # the kernel backend's GEMMs run on the xla backend's lowering, still split by tokens:
+        # no kernel call (the stand-in's host callback) in the step but the vocab-parallel LM
+        # head's (its own shard_map over the manual fsdp axis, where neither FSDP rule
+        # applies), the MLP weight gathered, no GEMM left to the partitioner, the same loss.
+        kernel_calls = lambda h: h.count('custom_call_target="xla_ffi_python_cpu_callback"')  # noqa: E731
+        assert kernel_calls(hlo) > 10, "expected the stand-in kernels in the token-split step"
+        with environment({env: "0", partitioning.FSDP_XLA_GEMMS_ENV: str(batch * seq // 2 + 1)}):
+            loss1, hlo1, dots1 = compiled_step()
+        assert kernel_calls(hlo1) <= 1, f"{kernel_calls(hlo1)} kernel calls under FSDP below the xla-GEMMs bound"
+        assert not dots1 and mlp_gathers(hlo1), "expected token-split GEMMs with the MLP weight gathered"
+        assert abs(loss1 - loss) <= 1e-3 * abs(loss), (loss1, loss)
     print(f"OK fsdp_gathers_{backend}")
 
 
