@@ -38,7 +38,10 @@ parameters (an :data:`FSDP_AXIS` among the token axes). Left to the partitioner 
 gathered activations instead of the weight: the ``xla`` backend's 1B step ran at 0.71x
 plain JAX on two H100s (benchmarks/RESULTS.md, run 140). With few tokens a device
 (:func:`fsdp_xla_tokens_below`) that is the faster choice: there every GEMM, a kernel
-backend's too, runs as XLA ops left to it. With the weights whole (data parallel) the
+backend's too, runs as XLA ops left to it. With a middling number
+(:func:`fsdp_xla_gemms_below`) a kernel backend's GEMMs run as XLA ops split by tokens, as
+the ``xla`` backend's do, since XLA overlaps the weight gathers with those and not with the
+kernels. With the weights whole (data parallel) the
 partitioner splits them by tokens itself, as measured (runs 96, 139).
 ``docs/multi_gpu.md`` has the rules per op.
 """
@@ -105,8 +108,10 @@ FSDP_XLA_GEMMS_ENV = "CODA_JAX_FSDP_XLA_GEMMS_BELOW"
 # each device holds fewer tokens than this. XLA's scheduler overlaps the weight all-gathers
 # and gradient reduce-scatters with its own GEMMs and fusions, not with the Pallas kernels
 # (benchmarks/RESULTS.md, runs 154-161), and with fewer tokens a device those collectives
-# are a larger part of the step.
-DEFAULT_FSDP_XLA_GEMMS_BELOW = 0
+# are a larger part of the step. The 1B step against plain JAX on H100s (runs 275-276),
+# Pallas with its kernels -> on the `xla` lowering: fsdp=4 at 2048 tokens a device 0.986x ->
+# 1.038x, at 4096 1.017x -> 0.980x; fsdp=2 at 2048 0.876x -> 0.887x.
+DEFAULT_FSDP_XLA_GEMMS_BELOW = 4096
 
 
 def fsdp_xla_gemms_below() -> int:

@@ -23,12 +23,14 @@ os.environ["CODA_JAX_KERNEL_CACHE_DIR"] = "off"
 # default (coda_jax.lowering.xla_output_below); every test shape is that small, so the rule
 # is off here and in every subprocess, and tests/test_pallas_kernels.py tests it.
 # Under FSDP, XLA-op GEMMs go to XLA's partitioner when a device holds fewer than 1024 tokens
-# (coda_jax.partitioning.fsdp_xla_tokens_below); the mesh tests' batches are that small and
-# test the token-split rules, so this is off too, and the FSDP gathers case tests it.
+# (coda_jax.partitioning.fsdp_xla_tokens_below), and a kernel backend's GEMMs run on the xla
+# backend's lowering below 4096 (fsdp_xla_gemms_below); the mesh tests' batches are that
+# small and test the token-split kernel rules, so these are off too, and the FSDP gathers
+# case tests them.
 # CODA_JAX_TESTS_ROUTING=default keeps the library's defaults instead (the GPU shape fuzz
 # with FUZZ_ROUTING=default: ragged shapes with the routing rules as users get them).
 ROUTING_RULES = ("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW", "CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW",
-                 "CODA_JAX_FSDP_XLA_TOKENS_BELOW")
+                 "CODA_JAX_FSDP_XLA_TOKENS_BELOW", "CODA_JAX_FSDP_XLA_GEMMS_BELOW")
 if os.environ.get("CODA_JAX_TESTS_ROUTING", "off") == "default":
     for _name in ROUTING_RULES:
         os.environ.pop(_name, None)

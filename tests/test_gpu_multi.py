@@ -72,8 +72,9 @@ def test_model_step_on_gpus_matches_one_gpu(backend, axis):
 # The routing rules at the library's defaults (the suite turns them off, tests/conftest.py):
 # data parallel at 2048 tokens a GPU hands the GEMMs with [2048, 1024] outputs to XLA per
 # device and keeps the wider ones on the kernel; FSDP at 256 tokens a GPU runs every GEMM as
-# XLA ops left to the partitioner (coda_jax.partitioning.fsdp_xla_tokens_below).
-@pytest.mark.parametrize("axis,tokens_per_device", [("data", 2048), ("fsdp", 256)])
+# XLA ops left to the partitioner (coda_jax.partitioning.fsdp_xla_tokens_below), at 2048 on
+# the xla backend's lowering split by tokens (fsdp_xla_gemms_below).
+@pytest.mark.parametrize("axis,tokens_per_device", [("data", 2048), ("fsdp", 256), ("fsdp", 2048)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_model_step_with_default_routing_matches_one_gpu(backend, axis, tokens_per_device, monkeypatch):
     from conftest import ROUTING_RULES

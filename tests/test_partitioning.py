@@ -110,15 +110,18 @@ def test_fuses_epilogue_at_asks_about_each_devices_rows(monkeypatch):
     monkeypatch.setenv("CODA_JAX_FSDP_XLA_TOKENS_BELOW", "0")
     with jax.sharding.use_abstract_mesh(mesh):
         assert fuses_epilogue_at(lowering, epi, 4096, 16384, 2048)
-    # Under FSDP with fewer tokens a device than CODA_JAX_FSDP_XLA_GEMMS_BELOW the kernel
-    # backends' GEMMs run on the xla backend's lowering (split by tokens); data parallel keeps
-    # the kernel.
-    monkeypatch.setenv("CODA_JAX_FSDP_XLA_GEMMS_BELOW", "4096")
+    # Under FSDP with fewer tokens a device than CODA_JAX_FSDP_XLA_GEMMS_BELOW (default 4096)
+    # the kernel backends' GEMMs run on the xla backend's lowering (split by tokens); data
+    # parallel keeps the kernel.
+    monkeypatch.delenv("CODA_JAX_FSDP_XLA_GEMMS_BELOW")
     with jax.sharding.use_abstract_mesh(mesh):
         assert not fuses_epilogue_at(lowering, epi, 16384, 16384, 2048)  # 2048 tokens a device
         assert not fuses_epilogue_at(cute, epi, 16384, 16384, 2048)
         assert fuses_epilogue_at(lowering, epi, 32768, 16384, 2048)  # 4096
     with jax.sharding.use_abstract_mesh(data):
+        assert fuses_epilogue_at(lowering, epi, 16384, 16384, 2048)
+    monkeypatch.setenv("CODA_JAX_FSDP_XLA_GEMMS_BELOW", "0")
+    with jax.sharding.use_abstract_mesh(mesh):
         assert fuses_epilogue_at(lowering, epi, 16384, 16384, 2048)
 
 
