@@ -7,12 +7,15 @@
 A training step keeps an H100 at its power cap, where the SM clock falls well below its
 1980 MHz boost (benchmarks/RESULTS.md, run 216); two runs compared in tokens/s may run at
 different clocks. The sampler runs ``nvidia-smi --query-gpu=clocks.sm,power.draw -lms
-PERIOD`` beside the block and reports the medians over every sample of every GPU. Without
+PERIOD`` beside the block and reports the medians over every sample of every GPU the process
+sees: ``nvidia-smi`` ignores ``CUDA_VISIBLE_DEVICES``, so the sampler passes its list as
+``-i`` (run 276 ran on two of four GPUs and its medians mixed in the two idle ones). Without
 ``nvidia-smi`` (a CPU machine) the summary is ``None``.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import subprocess
@@ -33,6 +36,14 @@ def parse_samples(text: str) -> list[tuple[float, float]]:
     return out
 
 
+def command(period_ms: int) -> list[str]:
+    """The ``nvidia-smi`` command line that samples the GPUs this process sees: those of
+    ``$CUDA_VISIBLE_DEVICES`` (indices or UUIDs, as ``nvidia-smi -i`` takes them) if set."""
+    cmd = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", str(period_ms)]
+    visible = ",".join(d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip())
+    return cmd + ["-i", visible] if visible else cmd
+
+
 def summarize(samples: list[tuple[float, float]]) -> dict | None:
     """Medians of the samples' clock and power, and their count (``None`` if there are none)."""
     if not samples:
@@ -51,9 +62,8 @@ class ClockSampler:
 
     def __enter__(self) -> "ClockSampler":
         if shutil.which("nvidia-smi"):
-            self._proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                 "-lms", str(self.period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._proc = subprocess.Popen(command(self.period_ms), stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -68,9 +68,16 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     GPU_TESTS="$GPU_TESTS tests/test_gpu_multi.py"
   fi
   # GPU_TESTS_K: a pytest -k expression (it may contain spaces; GPU_TESTS is split on them).
-  env "${test_env[@]}" timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu "${xdist[@]}" $GPU_TESTS \
-    ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$OUT/tests.log"
-  suite_rc=${PIPESTATUS[0]}
+  # -v into tests_full.log: one line per finished test, so a run stopped by TEST_TIMEOUT still
+  # names what passed (pytest prints no summary then); its last 40 lines and the counts go
+  # to tests.log.
+  env "${test_env[@]}" timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -v -m gpu "${xdist[@]}" $GPU_TESTS \
+    ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} -p no:cacheprovider > "$OUT/tests_full.log" 2>&1
+  suite_rc=$?
+  { grep -v "PASSED\|SKIPPED\|Warning\|warner(" "$OUT/tests_full.log" | tail -n 40
+    echo "test lines: $(grep -c ' PASSED' "$OUT/tests_full.log") PASSED, $(grep -c ' FAILED' "$OUT/tests_full.log") FAILED," \
+      "$(grep -c ' ERROR' "$OUT/tests_full.log") ERROR, $(grep -c ' SKIPPED' "$OUT/tests_full.log") SKIPPED" \
+      "(pytest status $suite_rc; 124: stopped by TEST_TIMEOUT)"; } | tee -a "$OUT/tests.log"
 fi
 if [ -n "${FUZZ:-}" ]; then
   # Seeded ragged shapes per op and for a 2-layer model, every backend against float32 math.

@@ -712,6 +712,11 @@ def test_clock_sampler_parses_nvidia_smi_and_is_silent_without_it(monkeypatch):
     with gpu_clock.ClockSampler() as clock:
         ran.append(1)
     assert ran == [1] and clock.summary is None
+    # It samples only the GPUs the process sees (nvidia-smi itself ignores CUDA_VISIBLE_DEVICES).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0, 1")
+    assert gpu_clock.command(100)[-2:] == ["-i", "0,1"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert "-i" not in gpu_clock.command(100)
 
 
 def test_tune_op_spec_traces_the_op_benchmarks_kernel_calls(monkeypatch):
