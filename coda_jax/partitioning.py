@@ -252,7 +252,7 @@ class PartitionedLowering:
 
             def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis
                 outs = inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b,
-                                       out_dtypes=partial, out_splits=out_splits)
+                                  out_dtypes=partial, out_splits=out_splits)
                 return jax.tree.map(lambda v: v[None], outs)
 
             in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),
