@@ -70,6 +70,9 @@ def parse_args(argv=None):
                         "and its tokenizer.json replace --preset/--layers/--vocab) or another "
                         "train_llama.py --out directory (its model flags replace these)")
     p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--remat", default="none", choices=["none", "block"],
+                   help="activation checkpointing: block = each block keeps only its input and recomputes its "
+                        "forward in the backward (less memory, about a third more GEMM work)")
     args = p.parse_args(argv)
     for msg in flag_errors(args):
         p.error(msg)
@@ -112,7 +115,7 @@ def run_errors(args, cfg: LlamaConfig, train_tokens: int, val_tokens: int, memor
         if need > memory_bytes:
             errs.append(f"--batch {args.batch} x --seq {args.seq} needs at least {need / 2**30:,.1f} GiB for one "
                         f"training step of this model, more than the device's {memory_bytes / 2**30:,.1f} GiB: "
-                        f"lower --seq or --batch")
+                        f"lower --seq or --batch{'' if cfg.remat == 'block' else ', or pass --remat block'}")
     return errs
 
 
@@ -125,7 +128,9 @@ def estimate_step_bytes(cfg: LlamaConfig, batch: int, seq: int, platform: str,
     params = L * (d * cfg.qkv_size + cfg.num_heads * cfg.head_dim * d + 3 * d * f) + cfg.vocab_size * d
     act = jnp.dtype(cfg.dtype).itemsize
     m = batch * seq
-    total = 16 * params + L * m * (cfg.qkv_size + 4 * d + 2 * f) * act
+    layer = m * (cfg.qkv_size + 4 * d + 2 * f) * act  # what one block saves for its backward
+    # remat="block": each block saves its input and norm carry; one block's activations at a time
+    total = 16 * params + (L * layer if cfg.remat == "none" else L * 2 * m * d * act + layer)
     plan = plan_attention(cfg.attention_implementation, dtype=cfg.dtype, seq_len=seq, head_dim=cfg.head_dim,
                           platform=platform, compute_capability=compute_capability)
     if plan.implementation != "cudnn":
@@ -154,7 +159,7 @@ def make_config(args, vocab_size: int) -> LlamaConfig:
         cfg = PRESETS[args.preset]()
     if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
-    return cfg
+    return cfg.replace(remat=getattr(args, "remat", "none"))  # runs written before --remat: none
 
 
 def flops_per_token(cfg: LlamaConfig, seq: int) -> float:
@@ -221,7 +226,7 @@ def main(argv=None) -> dict:
     init = _init_source(args)
     tok = init.get("tokenizer") or text_data.build_tokenizer([corpus], vocab_size=args.vocab)
     train_tokens, val_tokens = text_data.split_tokens(text_data.encode(tok, corpus))
-    cfg = init.get("config") or make_config(args, tok.get_vocab_size())
+    cfg = (init.get("config") or make_config(args, tok.get_vocab_size())).replace(remat=args.remat)
     dev = jax.devices()[0]
     for msg in run_errors(args, cfg, len(train_tokens), len(val_tokens), device_memory_bytes(), dev.platform,
                           getattr(dev, "compute_capability", None)):

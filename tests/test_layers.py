@@ -138,6 +138,26 @@ def test_jit_train_step_with_remat_lowers_the_loss():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+def test_block_remat_recomputes_blocks_with_the_same_gradients():
+    """``LlamaConfig.remat="block"``: the loss and every gradient equal the model without it,
+    the backward recomputes each block (a remat in the jaxpr) and the compiled step needs
+    less temporary memory (each block saves only its input and norm carry)."""
+    tokens = jax.random.randint(jax.random.key(1), (4, 65), 0, CFG.vocab_size)
+    got, temp = {}, {}
+    for remat in ("none", "block"):
+        graphdef, state = nnx.split(_randomize(CodaLlama(CFG.replace(remat=remat), rngs=nnx.Rngs(0), backend="xla")))
+        fn = jax.value_and_grad(lambda st, t: nnx.merge(graphdef, st).loss(t[:, :-1], t[:, 1:]))
+        got[remat] = jax.jit(fn)(state, tokens)
+        temp[remat] = jax.jit(fn).lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
+        assert ("remat" in str(jax.make_jaxpr(fn)(state, tokens))) == (remat == "block")
+    assert rel_err(got["block"][0], got["none"][0]) < 1e-6
+    for a, b in zip(jax.tree.leaves(got["block"][1]), jax.tree.leaves(got["none"][1])):
+        assert rel_err(a, b) < 1e-5
+    assert temp["block"] < 0.8 * temp["none"], temp
+    with pytest.raises(ValueError, match="remat must be one of"):
+        CFG.replace(remat="full")
+
+
 def test_bf16_model_runs_and_is_close_to_f32():
     m32 = CodaLlama(CFG, rngs=nnx.Rngs(0), backend="xla")
     m16 = CodaLlama(CFG.replace(dtype=jnp.bfloat16), rngs=nnx.Rngs(0), backend="xla")

@@ -92,6 +92,12 @@ def test_sequence_and_memory_checked_against_corpus_and_device():
     gpu = train_llama.estimate_step_bytes(one_b, 8, 4096, "gpu", "9.0")
     assert gpu < 80 * 2**30
     assert train_llama.estimate_step_bytes(one_b, 8, 4096, "cpu") - gpu == 8 * 32 * 4096 * 4096 * 4
+    # --remat block: each of the 16 blocks keeps [tokens, 2d] instead of [tokens, qkv + 4d + 2f],
+    # and one block's activations are alive at a time.
+    m, layer = 8 * 4096, 8 * 4096 * (one_b.qkv_size + 4 * 2048 + 2 * 8192) * 2
+    blk = train_llama.estimate_step_bytes(one_b.replace(remat="block"), 8, 4096, "gpu", "9.0")
+    assert gpu - blk == 15 * layer - 16 * 2 * m * 2048 * 2
+    assert train_llama.parse_args(["--remat", "block"]).remat == "block"
 
 
 def test_sample_from_a_training_run(tmp_path):

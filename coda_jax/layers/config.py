@@ -10,6 +10,10 @@ import jax.numpy as jnp
 from coda_jax.ops.rope_frequencies import Llama3RopeScaling
 
 
+# LlamaConfig.remat: no activation checkpointing, or each block recomputed in the backward.
+REMAT_MODES = ("none", "block")
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Shapes and numerics of a Llama-3-style decoder.
@@ -26,6 +30,11 @@ class LlamaConfig:
       attention_implementation: passed to ``jax.nn.dot_product_attention``; ``"auto"``
         picks ``"cudnn"`` on a GPU for 16-bit dtypes where it supports the shape, else XLA
         (:mod:`coda_jax.layers.attention`; odd lengths are padded by one for cuDNN).
+      remat: activation checkpointing of :class:`~coda_jax.layers.CodaLlama`'s blocks.
+        ``"none"``: every block keeps what its backward reads (``[tokens, qkv + 4d + 2f]``
+        values a layer). ``"block"``: each block keeps only its input and norm carry, and its
+        forward (every fused kernel of it) runs again in the backward: about a third more
+        GEMM work for ``[tokens, 2d]`` a layer, plus one layer's activations at a time.
     """
 
     vocab_size: int = 128256
@@ -44,8 +53,11 @@ class LlamaConfig:
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     attention_implementation: str | None = "auto"
+    remat: str = "none"
 
     def __post_init__(self):
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"remat must be one of {REMAT_MODES}, got {self.remat!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.intermediate_size % 64:

@@ -30,6 +30,15 @@ def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return table.at[tokens].get(out_sharding=jax.sharding.PartitionSpec(*spec, None))
 
 
+def _run_block(block: CodaLlamaBlock, x, positions, carry, next_norm):
+    return block(x, positions, carry=carry, next_norm=next_norm)
+
+
+# LlamaConfig.remat == "block": the backward runs the block's forward again from its input
+# and norm carry (the only values saved across it) instead of reading saved activations.
+_run_block_remat = nnx.remat(_run_block)
+
+
 class CodaLlama(nnx.Module):
     """A Llama-3-style causal LM on coda-jax's fused ops.
 
@@ -85,9 +94,10 @@ class CodaLlama(nnx.Module):
         x = embedding_lookup(self.embed[...], tokens).astype(c.dtype)
         carry = None
         n = len(self.blocks)
+        run = _run_block if c.remat == "none" else _run_block_remat
         for i, block in enumerate(self.blocks):
             next_norm = gathered(self.blocks[i + 1].attn_norm[...]) if i + 1 < n else gathered(self.final_norm[...])
-            x, carry = block(x, positions, carry=carry, next_norm=next_norm)
+            x, carry = run(block, x, positions, carry, next_norm)
         return reshape_tokens(x, (b * s, c.hidden_size)), carry
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
