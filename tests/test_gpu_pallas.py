@@ -125,6 +125,30 @@ def test_vocab_leaving_a_consumer_tile_of_padding_on_gpu():
     case_cross_entropy("pallas", 1000, 1536, 50257, jnp.bfloat16)
 
 
+def test_model_block_remat_on_gpu():
+    """``LlamaConfig(remat="block")`` on the compiled kernels: the blocks run under remat (the
+    fused forward recomputed in the backward) with the loss and every gradient of the model
+    without it."""
+    import jax
+    from flax import nnx
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from op_cases import rel_err
+
+    cfg = LlamaConfig.tiny(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_heads=8, num_kv_heads=2,
+                           head_dim=64, num_layers=2, dtype=jnp.bfloat16)
+    tokens = jax.random.randint(jax.random.key(1), (2, 513), 0, cfg.vocab_size)
+    got = {}
+    for remat in ("none", "block"):
+        graphdef, state = nnx.split(CodaLlama(cfg.replace(remat=remat), rngs=nnx.Rngs(0), backend="pallas"))
+        fn = jax.value_and_grad(lambda st, t: nnx.merge(graphdef, st).loss(t[:, :-1], t[:, 1:]))
+        assert ("remat" in str(jax.make_jaxpr(fn)(state, tokens))) == (remat == "block")
+        got[remat] = jax.jit(fn)(state, tokens)
+    assert abs(float(got["block"][0]) - float(got["none"][0])) <= 1e-6 * abs(float(got["none"][0]))
+    for a, b in zip(jax.tree.leaves(got["block"][1]), jax.tree.leaves(got["none"][1])):
+        assert rel_err(a, b) < 1e-5
+
+
 def test_ops_under_remat_and_vmap_on_gpu():
     from test_ops_pallas import _remat_vmap_case
 

@@ -150,6 +150,30 @@ def test_gradients_under_remat_and_vmap_xla():
     _remat_vmap_case("xla")
 
 
+def test_block_remat_is_not_applied_in_the_interpreter(caplog):
+    """``LlamaConfig(remat="block")`` with the Pallas kernels in the GPU interpreter: the
+    interpreter's IO callbacks are effects ``jax.checkpoint`` refuses, so the blocks run
+    without remat and a warning says so (tests/test_gpu_pallas.py checks remat on the
+    compiled kernels; tests/test_layers.py on the xla backend)."""
+    import logging
+
+    import jax
+    from flax import nnx
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=128, intermediate_size=128, num_heads=2, num_kv_heads=1,
+                           head_dim=64, num_layers=1, dtype=BF, attention_implementation=None, remat="block")
+    graphdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend="pallas"))
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab_size)
+    with caplog.at_level(logging.WARNING, logger="coda_jax"):
+        jaxpr = jax.make_jaxpr(jax.grad(lambda st: nnx.merge(graphdef, st).loss(tokens[:, :-1], tokens[:, 1:])))(state)
+    assert "remat" not in str(jaxpr)
+    import coda_jax.layers.model as model_module
+
+    assert model_module._remat_interpret_logged  # logged once per process (this test or an earlier one)
+
+
 def test_vmap_pallas():
     # remat is not checked here: the GPU interpreter's IO callbacks are effects that
     # jax.checkpoint refuses; tests/test_gpu_pallas.py checks remat on the compiled kernels.

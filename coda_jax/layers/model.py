@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from coda_jax.backend import BackendUnavailableError, resolve_backend
 from coda_jax.layers.block import CodaLlamaBlock
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.layers.vocab_parallel import vocab_parallel_axis, vocab_parallel_cross_entropy
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
 from coda_jax.partitioning import context_mesh
+from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.sharding import cast_for_use, explicit_sharding, gathered, logical_param, reshape_tokens
+
+logger = logging.getLogger("coda_jax")
+_remat_interpret_logged: list[bool] = []
 
 
 def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -94,11 +101,30 @@ class CodaLlama(nnx.Module):
         x = embedding_lookup(self.embed[...], tokens).astype(c.dtype)
         carry = None
         n = len(self.blocks)
-        run = _run_block if c.remat == "none" else _run_block_remat
+        run = _run_block_remat if self._remat_blocks() else _run_block
         for i, block in enumerate(self.blocks):
             next_norm = gathered(self.blocks[i + 1].attn_norm[...]) if i + 1 < n else gathered(self.final_norm[...])
             x, carry = run(block, x, positions, carry, next_norm)
         return reshape_tokens(x, (b * s, c.hidden_size)), carry
+
+    def _remat_blocks(self) -> bool:
+        """Whether the blocks run under ``nnx.remat`` (``config.remat == "block"``). Not with the
+        Pallas kernels in the GPU interpreter: its host callbacks are effects that
+        ``jax.checkpoint`` refuses, so there the blocks save their activations (logged once)."""
+        if self.config.remat == "none":
+            return False
+        try:
+            name = resolve_backend(self.backend)
+        except BackendUnavailableError:
+            return True  # the ops raise it, or fall back to the xla backend where allowed
+        if name == "pallas" and interpret_enabled():
+            if not _remat_interpret_logged:
+                _remat_interpret_logged.append(True)
+                logger.warning("coda-jax: remat='block' is not applied with the Pallas kernels in the GPU "
+                               "interpreter (its callbacks cannot be rematerialized); the blocks save their "
+                               "activations")
+            return False
+        return True
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Full logits ``[B, S, V]`` float32 (for evaluation / parity; training uses :meth:`loss`)."""
