@@ -15,6 +15,7 @@
 # and names the blocks / gradients whose bits differ between processes (benchmarks/repeat_probe.py).
 # STEP_BENCH="1b:8:1024 8b-4:4:1024" times the train step of CodaLlama per backend against the
 # plain JAX Llama in one process per configuration (benchmarks/train_step_bench.py, STEP_RUNS;
+# STEP_REMAT=block runs every model with its blocks rematerialized (LlamaConfig.remat);
 # STEP_PROFILE=1 also traces each run's whole step, optimizer included, and prints its kernel classes
 # and the bounds on its ratio to plain JAX (benchmarks/step_ceiling.py);
 # a run "pallas:VAR=VALUE" runs under one setting, e.g. CODA_JAX_LATENCY_HINTS=1, JAX_ENABLE_PGLE=1 or
@@ -174,7 +175,8 @@ if [ -n "${STEP_BENCH:-}" ]; then
     sb_preset="${preset_layers%%-*}"; sb_layers=(); [[ $preset_layers == *-* ]] && sb_layers=(--layers "${preset_layers#*-}")
     sb_mesh_arg=(); [ -n "${sb_mesh:-}" ] && sb_mesh_arg=(--mesh "$sb_mesh")
     timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/train_step_bench.py --preset "$sb_preset" "${sb_layers[@]}" "${sb_mesh_arg[@]}" \
-      --batch "$sb_batch" --seq "$sb_seq" --runs "${STEP_RUNS:-$RUNS_DEFAULT}" --out "$OUT" ${STEP_PROFILE:+--profile} 2>&1 \
+      --batch "$sb_batch" --seq "$sb_seq" --runs "${STEP_RUNS:-$RUNS_DEFAULT}" --out "$OUT" ${STEP_PROFILE:+--profile} \
+      ${STEP_REMAT:+--remat "$STEP_REMAT"} 2>&1 \
       | grep -v '^{' | tee -a "$OUT/train_step.log" | tail -n 14
     [ -n "${STEP_PROFILE:-}" ] && grep '^PROFILE' "$OUT/train_step.log" | tail -n 60
   done

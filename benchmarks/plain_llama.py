@@ -75,6 +75,10 @@ class PlainLlamaBlock(nnx.Module):
         return x + y @ self.w_down[...].astype(dt)
 
 
+def _run_block(block: PlainLlamaBlock, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    return block(x, cos, sin)
+
+
 class PlainLlama(nnx.Module):
     """Embedding, :class:`PlainLlamaBlock` stack, final RMSNorm, LM head, full-logit loss."""
 
@@ -97,8 +101,10 @@ class PlainLlama(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
         ang = jnp.arange(s, dtype=jnp.float32)[:, None] * self.inv_freq[...][None, :]
         cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+        # config.remat == "block": each block's forward runs again in the backward, as CodaLlama's
+        run = nnx.remat(_run_block) if c.remat == "block" else _run_block
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = run(block, x, cos, sin)
         h = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         w = self.embed[...] if c.tie_word_embeddings else self.lm_head[...]
         return h @ w.astype(c.dtype).T

@@ -355,6 +355,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default=None, help="name of this configuration in train_step.json")
     ap.add_argument("--mesh", default=None, help="e.g. data=2 or fsdp=2 or data=2,fsdp=4 (all devices of the host)")
+    ap.add_argument("--remat", default="none", choices=["none", "block"],
+                    help="activation checkpointing of every model's blocks (LlamaConfig.remat; the plain "
+                         "baseline's blocks too)")
     ap.add_argument("--profile", action="store_true",
                     help="also trace --steps whole train steps per run (optimizer included) and print the kernel "
                          "classes' device time (PROFILE lines; 'profile' in train_step.json)")
@@ -372,12 +375,12 @@ def main(argv=None) -> list[dict]:
         mesh = parse_mesh(args.mesh)
     except ValueError as e:
         ap.error(str(e))
-    cfg = PRESETS[args.preset]()
+    cfg = PRESETS[args.preset](remat=args.remat)
     if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
     tokens = jax.random.randint(jax.random.key(5), (args.batch, args.seq + 1), 0, cfg.vocab_size, jnp.int32)
     tag = args.tag or (f"{args.preset}{'' if args.layers is None else f'-{args.layers}L'} {args.batch}x{args.seq}"
-                       + (f" mesh {args.mesh}" if args.mesh else ""))
+                       + (f" mesh {args.mesh}" if args.mesh else "") + (" remat block" if args.remat == "block" else ""))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {tag}", flush=True)
     rows = []
     out = Path(args.out) if args.out else None

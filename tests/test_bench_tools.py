@@ -288,6 +288,12 @@ def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_p
     pgle = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
                      "--rounds", "1", "--runs", "xla:JAX_ENABLE_PGLE=1"])
     assert pgle[0]["tokens_per_s"] > 0 and pgle[0]["first_loss"] == rows[1]["first_loss"]
+    # --remat block: every model's blocks rematerialized (the plain baseline's too); same losses.
+    remat = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
+                      "--rounds", "1", "--runs", "plain,xla:CODA_JAX_CE_SAVE_LOGITS=0", "--remat", "block",
+                      "--out", str(tmp_path)])
+    assert [r["first_loss"] for r in remat] == pytest.approx([r["first_loss"] for r in rows], rel=1e-6)
+    assert "tiny-1L 2x16 remat block" in json.loads((tmp_path / "train_step.json").read_text())
     assert (jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs) == before
     # PGLE_AOT=2: two traced steps, their profile (empty on a CPU) handed to a second
     # ahead-of-time compile, which is the step timed; the setting is not exported.

@@ -38,3 +38,19 @@ def test_plain_llama_matches_coda_llama(tied):
 def test_plain_llama_rejects_qk_norm():
     with pytest.raises(ValueError, match="qk_norm"):
         PlainLlama(LlamaConfig.tiny(qk_norm=True), rngs=nnx.Rngs(0))
+
+
+def test_plain_llama_block_remat_gives_the_same_gradients():
+    """``config.remat == "block"`` rematerializes the baseline's blocks too (the step benchmark's
+    ``--remat block`` compares like with like): same loss and gradients, a remat in the jaxpr."""
+    cfg = LlamaConfig.tiny(vocab_size=256, num_layers=2)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    got = {}
+    for remat in ("none", "block"):
+        graphdef, state = nnx.split(PlainLlama(cfg.replace(remat=remat), rngs=nnx.Rngs(0)))
+        fn = jax.value_and_grad(lambda st: nnx.merge(graphdef, st).loss(tokens[:, :-1], tokens[:, 1:]))
+        assert ("remat" in str(jax.make_jaxpr(fn)(state))) == (remat == "block")
+        got[remat] = fn(state)
+    assert rel_err(got["block"][0], got["none"][0]) < 1e-6
+    for a, b in zip(jax.tree.leaves(got["block"][1]), jax.tree.leaves(got["none"][1])):
+        assert rel_err(a, b) < 1e-5
