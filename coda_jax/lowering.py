@@ -213,9 +213,12 @@ def reserved_sms() -> int:
     return env_count(RESERVED_SMS_ENV)
 
 
-def env_count(name: str) -> int:
-    """A non-negative integer environment setting (unset or empty: 0), or an error naming it."""
-    text = os.environ.get(name, "0").strip() or "0"
+def env_count(name: str, default: int = 0) -> int:
+    """A non-negative integer environment setting (unset or empty: ``default``), or an error
+    naming it."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
     try:
         n = int(text)
     except ValueError:
@@ -373,10 +376,7 @@ def xla_output_below(backend: str) -> int:
     """Output size (``M * N`` elements) below which kernel backend ``backend`` hands a fused GEMM
     to XLA: ``$CODA_JAX_<BACKEND>_XLA_OUTPUT_BELOW`` if set (an integer; ``0`` turns the rule
     off, so that every fused GEMM runs on the kernel), else :data:`DEFAULT_XLA_OUTPUT_BELOW`."""
-    env = xla_output_below_env(backend)
-    if not os.environ.get(env, "").strip():
-        return DEFAULT_XLA_OUTPUT_BELOW.get(backend, 0)
-    return env_count(env)
+    return env_count(xla_output_below_env(backend), DEFAULT_XLA_OUTPUT_BELOW.get(backend, 0))
 
 
 def parse_xla_programs(text: str, source: str) -> dict[str, float | None]:

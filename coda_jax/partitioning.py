@@ -91,9 +91,7 @@ def fsdp_xla_tokens_below() -> int:
     """Tokens a device below which, under FSDP, every GEMM runs as XLA ops left to XLA's
     partitioner (see :data:`DEFAULT_FSDP_XLA_TOKENS_BELOW`): ``$CODA_JAX_FSDP_XLA_TOKENS_BELOW``
     if set (a non-negative integer; ``0``: never), else the default."""
-    if not os.environ.get(FSDP_XLA_TOKENS_ENV, "").strip():
-        return DEFAULT_FSDP_XLA_TOKENS_BELOW
-    return env_count(FSDP_XLA_TOKENS_ENV)
+    return env_count(FSDP_XLA_TOKENS_ENV, DEFAULT_FSDP_XLA_TOKENS_BELOW)
 
 
 def _few_fsdp_tokens(axes: tuple[str, ...], shards: int, tokens: int) -> bool:
@@ -119,9 +117,7 @@ def fsdp_xla_gemms_below() -> int:
     backend's lowering, split by tokens (see :data:`DEFAULT_FSDP_XLA_GEMMS_BELOW`):
     ``$CODA_JAX_FSDP_XLA_GEMMS_BELOW`` if set (a non-negative integer; ``0``: never), else the
     default."""
-    if not os.environ.get(FSDP_XLA_GEMMS_ENV, "").strip():
-        return DEFAULT_FSDP_XLA_GEMMS_BELOW
-    return env_count(FSDP_XLA_GEMMS_ENV)
+    return env_count(FSDP_XLA_GEMMS_ENV, DEFAULT_FSDP_XLA_GEMMS_BELOW)
 
 
 def partial_sum_dtype(out_dtype) -> jnp.dtype:
