@@ -33,6 +33,18 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("qkv", None), ("vocab", None),
     ("norm", None), ("head_dim", None),
 )
+# Under FSDP without a tensor axis, ``$CODA_JAX_FSDP_SPLIT=features`` splits each weight along
+# its features instead of the model width (the MLP weights along ``mlp``, the attention's
+# along ``qkv`` / ``heads``, the embedding along ``vocab``): where plain JAX's "largest
+# dimension" placement puts them. With few tokens a device, XLA's partitioner can then run
+# the MLP as Megatron-style tensor parallelism over the FSDP axis (gathering activations, not
+# the weights), which moves fewer bytes than gathering each weight.
+FSDP_SPLIT_ENV = "CODA_JAX_FSDP_SPLIT"
+FSDP_SPLITS = ("width", "features")
+FEATURE_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("embed", None), ("mlp", "fsdp"), ("heads", "fsdp"), ("qkv", "fsdp"), ("vocab", "fsdp"),
+    ("norm", None), ("head_dim", None),
+)
 TENSOR_AXIS = "tensor"
 # The dimension each block weight splits along under tensor parallelism, by parameter name
 # (a path's last name, so optimizer moments follow their parameter). ``w_qkv`` is absent: its
@@ -42,6 +54,26 @@ TENSOR_SPLIT_DIM = {"w_gu": 1, "w_o": 0, "w_down": 0}
 
 def _axis_size(mesh, name: str) -> int:
     return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(name, 1)
+
+
+def fsdp_split() -> str:
+    """``$CODA_JAX_FSDP_SPLIT`` (``width``, the default, or ``features``): which dimension of
+    each weight FSDP splits (see :data:`FEATURE_AXIS_RULES`)."""
+    import os
+
+    v = os.environ.get(FSDP_SPLIT_ENV, "").strip() or "width"
+    if v not in FSDP_SPLITS:
+        raise ValueError(f"${FSDP_SPLIT_ENV} must be one of {FSDP_SPLITS}, got {v!r}")
+    return v
+
+
+def axis_rules(mesh=None) -> tuple[tuple[str, str | None], ...]:
+    """The logical axis rules in force on ``mesh``: :data:`LOGICAL_AXIS_RULES`, or
+    :data:`FEATURE_AXIS_RULES` when :func:`fsdp_split` is ``features`` and the mesh has no
+    tensor axis (tensor parallelism keeps the width split)."""
+    if fsdp_split() == "features" and (mesh is None or _axis_size(mesh, TENSOR_AXIS) <= 1):
+        return FEATURE_AXIS_RULES
+    return LOGICAL_AXIS_RULES
 
 
 def fsdp_spec(shape: tuple[int, ...], mesh, axis: str = FSDP_AXIS, *, skip: int | None = None) -> P:
@@ -82,7 +114,7 @@ def logical_param(value: jax.Array, names: tuple[str, ...]):
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
-def logical_partition_specs(state: Any, mesh, rules=LOGICAL_AXIS_RULES) -> Any:
+def logical_partition_specs(state: Any, mesh, rules=None) -> Any:
     """``nnx.get_partition_spec(state)`` under ``rules``, made valid for ``mesh``: a mesh axis
     the mesh lacks (or of size 1), or one that does not divide its dimension, becomes
     ``None``. Variables without logical names get ``P()``. As any Flax model:
@@ -93,7 +125,7 @@ def logical_partition_specs(state: Any, mesh, rules=LOGICAL_AXIS_RULES) -> Any:
     from flax import nnx
     from flax.core import spmd
 
-    with spmd.logical_axis_rules(rules):
+    with spmd.logical_axis_rules(axis_rules(mesh) if rules is None else rules):
         specs = nnx.get_partition_spec(state)
 
     return jax.tree.map(lambda x, spec: _fit_spec(x.shape, spec, mesh), state, specs)
@@ -125,7 +157,7 @@ def cast_for_use(var, dtype=None, whole: bool = True) -> jax.Array:
     mesh = partitioning.context_mesh()
     names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
     if mesh is not None and names and not mesh.are_all_axes_explicit and not getattr(mesh, "manual_axes", ()):
-        rules = dict(LOGICAL_AXIS_RULES)
+        rules = dict(axis_rules(mesh))
         spec = _fit_spec(c.shape, [rules.get(n) for n in names], mesh)
         if any(spec):
             c = jax.lax.with_sharding_constraint(c, spec)
