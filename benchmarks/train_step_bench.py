@@ -49,6 +49,7 @@ from gpu_clock import ClockSampler  # noqa: E402
 from hlo_schedule import collective_windows, window_summary  # noqa: E402
 from plain_llama import PlainLlama  # noqa: E402
 
+from coda_jax import partitioning  # noqa: E402
 from coda_jax.layers import PRESETS, CodaLlama  # noqa: E402
 from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state  # noqa: E402
 
@@ -119,10 +120,14 @@ def pgle(runs: int):
 
 
 @contextlib.contextmanager
-def run_context(settings: dict[str, str], mesh, pgle_runs: int):
-    """A run's environment settings, its mesh (if any) and PGLE (if asked for)."""
+def run_context(settings: dict[str, str], mesh, pgle_runs: int, tokens: int = 0):
+    """A run's environment settings, its mesh (if any), PGLE (if asked for) and the FSDP split
+    that ``examples/train_llama.py --fsdp-split auto`` picks for ``tokens`` a step (unless
+    ``$CODA_JAX_FSDP_SPLIT`` is set, by the run or the process)."""
+    named = partitioning.FSDP_SPLIT_ENV in settings or os.environ.get(partitioning.FSDP_SPLIT_ENV)
+    split = None if named else partitioning.choose_fsdp_split(mesh, tokens)
     with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), \
-            pgle(pgle_runs):
+            pgle(pgle_runs), partitioning.fsdp_split_as(split):
         yield
 
 
@@ -222,8 +227,11 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     aot_steps = int(settings.pop("PGLE_AOT", "0") or 0)
     pgle_info = None
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    with run_context(settings, mesh, pgle_runs):
+    with run_context(settings, mesh, pgle_runs, inputs.size):
         model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
+        split = "features" if name != "plain" and partitioning.features_split(mesh) else "width"
+        if mesh is not None and name != "plain" and partitioning.axis_size(mesh, "fsdp") > 1:
+            print(f"{spec}: FSDP splits the weights' {split}", flush=True)
         opt = nnx.Optimizer(model, train_llama.make_tx(lr, 10, 1000), wrt=nnx.Param)
         state = nnx.state((model, opt))
         shardings = None
@@ -267,7 +275,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     for line in filter(None, schedule.splitlines()):
         print(f"SCHEDULE {spec}: {line}", flush=True)
     # A jit-dispatched (PGLE) step is called in its tracing context, lest a call retrace it.
-    with run_context(settings, mesh, pgle_runs) if pgle_runs else contextlib.nullcontext():
+    with run_context(settings, mesh, pgle_runs, inputs.size) if pgle_runs else contextlib.nullcontext():
         for _ in range(2):  # warm-up
             state, loss = compiled(state, inputs, targets)
         jax.block_until_ready(loss)
@@ -306,7 +314,8 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     return {"run": spec, "ms_per_step": ms, "rounds_ms": per_round, "tokens_per_s": n_tok / ms * 1e3,
             "compile_s": compile_s, "first_step_s": first_step_s, "first_loss": first_loss,
             "last_loss": float(loss), "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
-            "devices": len(jax.devices()) if mesh is not None else 1, "activation_all_gathers": len(gather_lines),
+            "devices": len(jax.devices()) if mesh is not None else 1,
+            **({"fsdp_split": split} if mesh is not None and name != "plain" else {}), "activation_all_gathers": len(gather_lines),
             # the HLO of each (first 20), to tell a gathered kernel operand from an index vector
             "activation_gather_lines": gather_lines[:20], **({"collective_windows": schedule} if schedule else {}),
             **({"pgle_profile": pgle_info} if pgle_info else {}),

@@ -41,13 +41,15 @@ plain JAX on two H100s (benchmarks/RESULTS.md, run 140). With few tokens a devic
 backend's too, runs as XLA ops left to it. With a middling number
 (:func:`fsdp_xla_gemms_below`) a kernel backend's GEMMs run as XLA ops split by tokens, as
 the ``xla`` backend's do, since XLA overlaps the weight gathers with those and not with the
-kernels. With the weights whole (data parallel) the
+kernels. With the weights split along their features (:func:`set_fsdp_split`,
+``"features"``), every GEMM is left to the partitioner. With the weights whole (data parallel) the
 partitioner splits them by tokens itself, as measured (runs 96, 139).
 ``docs/multi_gpu.md`` has the rules per op.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -94,10 +96,87 @@ def fsdp_xla_tokens_below() -> int:
     return env_count(FSDP_XLA_TOKENS_ENV, DEFAULT_FSDP_XLA_TOKENS_BELOW)
 
 
+FSDP_SPLIT_ENV = "CODA_JAX_FSDP_SPLIT"
+FSDP_SPLITS = ("width", "features")
+# Which dimension of each weight FSDP splits. "width" (the default): the model width
+# (``embed``), every weight gathered whole where a GEMM uses it (ZeRO-3). "features": the
+# MLP, attention and vocabulary features, where plain JAX's largest-dimension placement puts
+# them; every GEMM is then XLA ops left to the partitioner, which with few tokens in the FSDP
+# group runs the MLP and attention as tensor parallelism over the FSDP axis (gathering
+# activations, not weights). The 1B step against plain JAX on H100s (benchmarks/RESULTS.md,
+# runs 278-279), width -> features: fsdp=2 at 2048 tokens a device 0.894x -> 1.013x (`xla`),
+# 1.004x (Pallas); fsdp=4 at 256 1.011x -> 1.035x (Pallas); fsdp=2 at 512 0.980x -> 0.991x
+# (`xla`); but fsdp=4 at 2048 1.026x -> 0.989x (Pallas), and with the kernels split by tokens
+# at 4096 a device 72.2 -> 75.9 ms (a gather along a weight's minor dimension costs
+# transposes). :func:`choose_fsdp_split` picks by the FSDP group's tokens a step.
+_fsdp_split: str | None = None
+# choose_fsdp_split: "features" up to this many tokens a step in each FSDP group (tokens a
+# device times the FSDP axis size); measured: 1024 and 4096 faster with features, 8192 slower.
+FEATURES_SPLIT_MAX_GROUP_TOKENS = 4096
+
+
+def _check_split(split: str, where: str) -> str:
+    if split not in FSDP_SPLITS:
+        raise ValueError(f"{where} must be one of {FSDP_SPLITS}, got {split!r}")
+    return split
+
+
+def set_fsdp_split(split: str | None) -> None:
+    """Set which dimension FSDP splits the weights along (``"width"`` or ``"features"``;
+    ``None``: back to ``$CODA_JAX_FSDP_SPLIT``, default ``"width"``). Set it before the state
+    is sharded (:func:`coda_jax.sharding.shard_state`) and keep it while the step is traced:
+    the placement and the GEMMs' partitioning rules follow it together."""
+    global _fsdp_split
+    _fsdp_split = None if split is None else _check_split(split, "fsdp_split")
+
+
+@contextlib.contextmanager
+def fsdp_split_as(split: str | None):
+    """:func:`set_fsdp_split` for the ``with`` block, the previous setting restored after."""
+    global _fsdp_split
+    before = _fsdp_split
+    set_fsdp_split(split)
+    try:
+        yield
+    finally:
+        _fsdp_split = before
+
+
+def fsdp_split() -> str:
+    """The FSDP split in force: :func:`set_fsdp_split`'s, else ``$CODA_JAX_FSDP_SPLIT``, else
+    ``"width"`` (see :data:`FSDP_SPLITS`)."""
+    if _fsdp_split is not None:
+        return _fsdp_split
+    return _check_split(os.environ.get(FSDP_SPLIT_ENV, "").strip() or "width", f"${FSDP_SPLIT_ENV}")
+
+
+def features_split(mesh) -> bool:
+    """Whether the weights on ``mesh`` are split along their features: :func:`fsdp_split` is
+    ``"features"``, the mesh has an FSDP axis and no tensor axis (tensor parallelism keeps its
+    own placement, :mod:`coda_jax.layers.tensor_parallel`)."""
+    return (mesh is not None and fsdp_split() == "features" and axis_size(mesh, FSDP_AXIS) > 1
+            and axis_size(mesh, "tensor") <= 1)
+
+
+def choose_fsdp_split(mesh, tokens_per_step: int) -> str:
+    """The faster FSDP split for a step of ``tokens_per_step`` tokens (the global batch) on
+    ``mesh``, as measured for the 1B model: ``"features"`` when each FSDP group (the devices
+    of one data shard) holds at most :data:`FEATURES_SPLIT_MAX_GROUP_TOKENS` tokens, on an
+    Auto mesh with an FSDP axis and no tensor axis; else ``"width"``. (On an Explicit mesh the
+    layers gather every weight themselves, so the partitioner has no choice to make.)"""
+    if mesh is None or axis_size(mesh, FSDP_AXIS) <= 1 or axis_size(mesh, "tensor") > 1:
+        return "width"
+    if getattr(mesh, "are_all_axes_explicit", False):
+        return "width"
+    group_tokens = tokens_per_step // max(1, axis_size(mesh, "data"))
+    return "features" if group_tokens <= FEATURES_SPLIT_MAX_GROUP_TOKENS else "width"
+
+
 def _few_fsdp_tokens(axes: tuple[str, ...], shards: int, tokens: int) -> bool:
-    """Whether the token axes ``axes`` (``shards`` devices in all) include FSDP's and leave each
-    device fewer than :func:`fsdp_xla_tokens_below` of ``tokens``."""
-    return FSDP_AXIS in axes and tokens // shards < fsdp_xla_tokens_below()
+    """Whether the token axes ``axes`` (``shards`` devices in all) include FSDP's and leave
+    every GEMM to the partitioner: the weights split along their features
+    (:func:`features_split`), or fewer than :func:`fsdp_xla_tokens_below` tokens a device."""
+    return FSDP_AXIS in axes and (features_split(context_mesh()) or tokens // shards < fsdp_xla_tokens_below())
 
 
 FSDP_XLA_GEMMS_ENV = "CODA_JAX_FSDP_XLA_GEMMS_BELOW"
@@ -281,8 +360,7 @@ class PartitionedLowering:
         GEMMs on the ``xla`` backend's lowering."""
         if self.inner.name == "xla" or FSDP_AXIS not in axes:
             return self.inner
-        per_device = tokens // shards
-        if per_device < fsdp_xla_tokens_below() or per_device < fsdp_xla_gemms_below():
+        if _few_fsdp_tokens(axes, shards, tokens) or tokens // shards < fsdp_xla_gemms_below():
             return xla_backend_lowering()
         return self.inner
 

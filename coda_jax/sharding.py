@@ -2,8 +2,10 @@
 
 Mesh axes by name: ``"data"`` (data parallel: batch split, parameters replicated),
 ``"fsdp"`` (ZeRO-3: batch split *and* every parameter, with its optimizer moments, split
-along its largest dimension that the axis divides; the partitioner gathers a weight where a
-GEMM needs it and reduce-scatters its gradient), ``"tensor"`` (Megatron tensor parallelism,
+along the model width by default, along its features with the FSDP split ``"features"``
+(:func:`coda_jax.partitioning.set_fsdp_split`), along its largest dimension for a plain
+pytree; the partitioner gathers a weight where a GEMM needs it and reduce-scatters its
+gradient), ``"tensor"`` (Megatron tensor parallelism,
 :mod:`coda_jax.layers.tensor_parallel`: ``w_gu`` split by columns, ``w_o`` and ``w_down``
 by rows, :data:`TENSOR_SPLIT_DIM`). Tokens are split over ``("data", "fsdp")``, the
 axes :mod:`coda_jax.partitioning` runs the kernels over.
@@ -33,14 +35,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("qkv", None), ("vocab", None),
     ("norm", None), ("head_dim", None),
 )
-# Under FSDP without a tensor axis, ``$CODA_JAX_FSDP_SPLIT=features`` splits each weight along
-# its features instead of the model width (the MLP weights along ``mlp``, the attention's
-# along ``qkv`` / ``heads``, the embedding along ``vocab``): where plain JAX's "largest
-# dimension" placement puts them. With few tokens a device, XLA's partitioner can then run
-# the MLP as Megatron-style tensor parallelism over the FSDP axis (gathering activations, not
-# the weights), which moves fewer bytes than gathering each weight.
-FSDP_SPLIT_ENV = "CODA_JAX_FSDP_SPLIT"
-FSDP_SPLITS = ("width", "features")
+# Under FSDP with ``partitioning.fsdp_split() == "features"`` (and no tensor axis): each weight
+# split along its features, not the width (see coda_jax.partitioning.FSDP_SPLIT_ENV).
 FEATURE_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None), ("mlp", "fsdp"), ("heads", "fsdp"), ("qkv", "fsdp"), ("vocab", "fsdp"),
     ("norm", None), ("head_dim", None),
@@ -56,22 +52,11 @@ def _axis_size(mesh, name: str) -> int:
     return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(name, 1)
 
 
-def fsdp_split() -> str:
-    """``$CODA_JAX_FSDP_SPLIT`` (``width``, the default, or ``features``): which dimension of
-    each weight FSDP splits (see :data:`FEATURE_AXIS_RULES`)."""
-    import os
-
-    v = os.environ.get(FSDP_SPLIT_ENV, "").strip() or "width"
-    if v not in FSDP_SPLITS:
-        raise ValueError(f"${FSDP_SPLIT_ENV} must be one of {FSDP_SPLITS}, got {v!r}")
-    return v
-
-
 def axis_rules(mesh=None) -> tuple[tuple[str, str | None], ...]:
     """The logical axis rules in force on ``mesh``: :data:`LOGICAL_AXIS_RULES`, or
-    :data:`FEATURE_AXIS_RULES` when :func:`fsdp_split` is ``features`` and the mesh has no
-    tensor axis (tensor parallelism keeps the width split)."""
-    if fsdp_split() == "features" and (mesh is None or _axis_size(mesh, TENSOR_AXIS) <= 1):
+    :data:`FEATURE_AXIS_RULES` where :func:`coda_jax.partitioning.features_split` (the FSDP
+    split ``"features"``, no tensor axis)."""
+    if mesh is not None and partitioning.features_split(mesh):
         return FEATURE_AXIS_RULES
     return LOGICAL_AXIS_RULES
 

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import text_data  # noqa: E402  (examples/text_data.py)
 
+from coda_jax import partitioning  # noqa: E402
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig  # noqa: E402
 from coda_jax.layers.tensor_parallel import check_tensor_parallel, tensor_parallel_size  # noqa: E402
 from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state, token_shards  # noqa: E402
@@ -65,6 +67,11 @@ def parse_args(argv=None):
                         "tensor parallel blocks; sizes multiply to the device count); "
                         "default: data parallel over all local devices. --batch is the global batch, split over "
                         "the mesh (it must divide evenly)")
+    p.add_argument("--fsdp-split", default="auto", choices=["auto", "width", "features"],
+                   help="which dimension FSDP splits each weight along (coda_jax.partitioning.set_fsdp_split): "
+                        "width (gathered per layer, ZeRO-3), features (few tokens a step: XLA runs the MLP and "
+                        "attention tensor-parallel over the fsdp axis), auto (features when each FSDP group "
+                        "holds at most 4096 tokens a step)")
     p.add_argument("--init-from", default=None,
                    help="start from these weights (fine-tuning): a Hugging Face checkpoint directory (its config "
                         "and its tokenizer.json replace --preset/--layers/--vocab) or another "
@@ -248,10 +255,21 @@ def main(argv=None) -> dict:
             check_tensor_parallel(cfg, args.batch, args.seq, mesh)
         except ValueError as e:
             raise SystemExit(f"train_llama.py: error: --mesh {args.mesh}: {e}") from None
+    split = getattr(args, "fsdp_split", "auto")
+    if split == "auto":  # $CODA_JAX_FSDP_SPLIT, where set, decides; else by the FSDP group's tokens
+        split = None if os.environ.get(partitioning.FSDP_SPLIT_ENV) else partitioning.choose_fsdp_split(
+            mesh, args.batch * args.seq)
+    with partitioning.fsdp_split_as(split):
+        return _run(args, out, cfg, train_tokens, val_tokens, mesh, shards, on_gpu, init)
+
+
+def _run(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, shards: int, on_gpu: bool, init: dict):
     n_dev = 1 if mesh is None else mesh.size
     if mesh is not None:
         print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}: global batch {args.batch}, "
-              f"{args.batch // shards} sequences per data shard", flush=True)
+              f"{args.batch // shards} sequences per data shard"
+              + (f"; FSDP splits the weights' {partitioning.fsdp_split()}" if partitioning.axis_size(mesh, "fsdp") > 1 else ""),
+              flush=True)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         return _train(args, out, cfg, train_tokens, val_tokens, mesh, n_dev, on_gpu, init.get("load"))
 

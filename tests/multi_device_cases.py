@@ -331,6 +331,51 @@ def case_fsdp_step_gathers(backend: str) -> None:
     print(f"OK fsdp_gathers_{backend}")
 
 
+def case_fsdp_features_split(backend: str) -> None:
+    """The FSDP split along the weights' features (``partitioning.fsdp_split_as("features")``):
+    the state is placed along the MLP / attention / vocabulary features, every GEMM on
+    activations is left to the partitioner (none inside a ``shard_map``, no stand-in kernel
+    call), no weight of the MLP is gathered whole (the partitioner runs the MLP tensor-parallel
+    over the FSDP axis), and the example's step has the loss of the width split. Each
+    parameter's gradient keeps its placement (the step's output shardings)."""
+    _benchmark_tools_on_path()
+    from flax import nnx
+    from train_step_bench import all_gathers
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.sharding import mesh_from_spec, shard_state
+
+    if backend == "pallas":
+        install_opaque_kernel()
+    cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=640, num_layers=3, num_heads=4,
+                           num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    batch, seq = 8, 48
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
+    mesh = mesh_from_spec("fsdp=2", jax.devices()[:2])
+    loss_w, hlo_w, _ = _example_train_step(cfg, backend, mesh, tokens)
+    with partitioning.fsdp_split_as("features"):
+        assert partitioning.features_split(mesh)
+        loss, hlo, traced = _example_train_step(cfg, backend, mesh, tokens)
+        with jax.set_mesh(mesh):
+            placed = shard_state(nnx.state(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)), mesh)
+    blk = placed["blocks"][0]
+    spec = lambda v: tuple(v.get_value().sharding.spec) + (None,) * (v.get_value().ndim - len(v.get_value().sharding.spec))  # noqa: E731
+    assert spec(blk["w_gu"]) == (None, "fsdp") and spec(blk["w_down"]) == ("fsdp", None), \
+        (spec(blk["w_gu"]), spec(blk["w_down"]))
+    assert spec(blk["w_qkv"]) == (None, "fsdp") and spec(placed["embed"]) == ("fsdp", None), spec(placed["embed"])
+    assert spec(blk["attn_norm"]) == (None,)
+    dots = _token_dots_outside_shard_map(traced.jaxpr.jaxpr, batch * seq)
+    assert dots, f"{backend}: expected the GEMMs on activations left to the partitioner"
+    kernel_calls = hlo.count('custom_call_target="xla_ffi_python_cpu_callback"')
+    assert kernel_calls <= 1, f"{backend}: {kernel_calls} kernel calls with the features split"
+    mlp = {(cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)}
+    gathered = [line for _, dims, _, line in all_gathers(hlo) if tuple(dims) in mlp]
+    assert not gathered, f"{backend}: MLP weights gathered whole with the features split:\n" + "\n".join(gathered)
+    assert [1 for _, dims, _, _ in all_gathers(hlo_w) if tuple(dims) in mlp], "width split: expected ZeRO-3 gathers"
+    assert abs(loss - loss_w) <= 1e-3 * abs(loss_w), (loss, loss_w)
+    print(f"OK fsdp_features_{backend}")
+
+
 def _weight_gathers_of_parameters(hlo: str, shapes) -> list[str]:
     """All-gathers in compiled HLO text whose result has one of the 2-D ``shapes`` and whose
     operand is a step parameter or a bare copy of one (the uncast weight), each as its line."""
@@ -645,6 +690,8 @@ CASES = {
     "fsdp_gathers_xla": lambda: case_fsdp_step_gathers("xla"),
     "fsdp_gathers_pallas": lambda: case_fsdp_step_gathers("pallas"),
     "fsdp_head_explicit": case_fsdp_head_explicit,
+    "fsdp_features_xla": lambda: case_fsdp_features_split("xla"),
+    "fsdp_features_pallas": lambda: case_fsdp_features_split("pallas"),
     "kernel_cache_auto": lambda: case_kernel_cache_under_mesh("auto"),
     "kernel_cache_explicit": lambda: case_kernel_cache_under_mesh("explicit"),
     "vocab_ce_2x1x4_explicit": lambda: case_vocab_parallel_ce((2, 1, 4), "explicit"),

@@ -145,8 +145,11 @@ def test_model_block_remat_on_gpu():
         assert ("remat" in str(jax.make_jaxpr(fn)(state, tokens))) == (remat == "block")
         got[remat] = jax.jit(fn)(state, tokens)
     assert abs(float(got["block"][0]) - float(got["none"][0])) <= 1e-6 * abs(float(got["none"][0]))
+    # The recomputed forward is compiled as its own program, so XLA may order the gradients'
+    # bfloat16 sums differently: a norm weight's gradient differed by 4.8e-4 (relative) on an
+    # H100 (RESULTS.md, run 279), bf16 rounding. A wrong saved carry differs by O(1).
     for a, b in zip(jax.tree.leaves(got["block"][1]), jax.tree.leaves(got["none"][1])):
-        assert rel_err(a, b) < 1e-5
+        assert rel_err(a, b) < 3e-3
 
 
 def test_ops_under_remat_and_vmap_on_gpu():

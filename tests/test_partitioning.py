@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
     "ops": ["ops_dp_auto", "ops_dp_explicit", "cutedsl_lowers", "wgrad_partials"],
     "fsdp_gathers": ["fsdp_gathers_xla", "fsdp_gathers_pallas", "fsdp_head_explicit"],
+    "fsdp_features": ["fsdp_features_xla", "fsdp_features_pallas"],
     # Pallas on the 2-D meshes only (its 8-way data / FSDP paths run on GPUs: tests/test_gpu_multi.py).
     "model_auto": ["model_xla_8_auto", "model_xla_2x4_auto", "model_pallas_2x4_auto"],
     "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_2x4_explicit"],
@@ -215,3 +216,65 @@ def test_parameters_carry_logical_axis_names_that_shard_like_any_flax_model():
     # A tensor axis of 128 divides the 384 gate/up columns but not the 192 rows of w_down.
     specs8 = logical_partition_specs(nnx.state(model), AbstractMesh((128,), ("tensor",)))
     assert sp(specs8["blocks"][0]["w_down"]) == P() and sp(specs8["blocks"][0]["w_gu"]) == P(None, "tensor")
+
+
+def test_fsdp_split_choice_and_its_errors(monkeypatch):
+    """``choose_fsdp_split``: ``"features"`` up to 4096 tokens a step in each FSDP group on an
+    Auto mesh with an FSDP axis and no tensor axis, else ``"width"``; a bad setting raises
+    naming ``$CODA_JAX_FSDP_SPLIT`` or the argument and the choices."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from coda_jax.partitioning import FSDP_SPLIT_ENV, choose_fsdp_split, features_split, fsdp_split, fsdp_split_as
+
+    auto = lambda shape, names: AbstractMesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))  # noqa: E731
+    assert choose_fsdp_split(auto((2,), ("fsdp",)), 4096) == "features"
+    assert choose_fsdp_split(auto((2,), ("fsdp",)), 4097) == "width"
+    assert choose_fsdp_split(auto((4,), ("fsdp",)), 8192) == "width"  # measured slower (runs 278-279)
+    assert choose_fsdp_split(auto((2, 2), ("data", "fsdp")), 8192) == "features"  # 4096 a group
+    assert choose_fsdp_split(auto((8,), ("data",)), 1024) == "width"
+    assert choose_fsdp_split(auto((2, 2), ("fsdp", "tensor")), 1024) == "width"
+    explicit = AbstractMesh((2,), ("fsdp",), axis_types=(AxisType.Explicit,))
+    assert choose_fsdp_split(explicit, 1024) == "width"
+    assert choose_fsdp_split(None, 1024) == "width"
+    monkeypatch.delenv(FSDP_SPLIT_ENV, raising=False)
+    assert fsdp_split() == "width" and not features_split(auto((2,), ("fsdp",)))
+    with fsdp_split_as("features"):
+        assert features_split(auto((2,), ("fsdp",))) and not features_split(auto((2, 2), ("fsdp", "tensor")))
+        assert not features_split(auto((8,), ("data",)))
+    assert fsdp_split() == "width"
+    monkeypatch.setenv(FSDP_SPLIT_ENV, "features")
+    assert fsdp_split() == "features"
+    with fsdp_split_as("width"):  # the setting wins over the environment
+        assert fsdp_split() == "width"
+    monkeypatch.setenv(FSDP_SPLIT_ENV, "rows")
+    with pytest.raises(ValueError, match=r"\$CODA_JAX_FSDP_SPLIT must be one of \('width', 'features'\), got 'rows'"):
+        fsdp_split()
+    with pytest.raises(ValueError, match="fsdp_split must be one of"):
+        with fsdp_split_as("embed"):
+            pass
+
+
+def test_features_split_places_weights_along_their_features():
+    """With the features split, FSDP puts each block weight's split on its features (the MLP
+    columns of ``w_gu``, rows of ``w_down``, the QKV and head columns, the vocabulary), the
+    norms whole; a tensor axis keeps the width split and Megatron's."""
+    from flax import nnx
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.partitioning import fsdp_split_as
+    from coda_jax.sharding import logical_partition_specs
+
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=192, num_layers=1, num_heads=4,
+                           num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
+    state = nnx.state(CodaLlama(cfg, rngs=nnx.Rngs(0)))
+    sp = lambda v: v.get_value() if isinstance(v, nnx.Variable) else v  # noqa: E731
+    with fsdp_split_as("features"):
+        specs = logical_partition_specs(state, AbstractMesh((2,), ("fsdp",)))
+        tp = logical_partition_specs(state, AbstractMesh((2, 2), ("fsdp", "tensor")))
+    blk = {k: sp(v) for k, v in specs["blocks"][0].items()}
+    assert blk["w_gu"] == P(None, "fsdp") and blk["w_down"] == P("fsdp", None)
+    assert blk["w_qkv"] == P(None, "fsdp") and blk["w_o"] == P("fsdp", None) and blk["attn_norm"] == P()
+    assert sp(specs["embed"]) == P("fsdp", None) and sp(specs["lm_head"]) == P("fsdp", None)
+    assert sp(tp["blocks"][0]["w_gu"]) == P("fsdp", "tensor")
