@@ -104,15 +104,17 @@ FSDP_SPLITS = ("width", "features")
 # them; every GEMM is then XLA ops left to the partitioner, which with few tokens in the FSDP
 # group runs the MLP and attention as tensor parallelism over the FSDP axis (gathering
 # activations, not weights). The 1B step against plain JAX on H100s (benchmarks/RESULTS.md,
-# runs 278-279), width -> features: fsdp=2 at 2048 tokens a device 0.894x -> 1.013x (`xla`),
-# 1.004x (Pallas); fsdp=4 at 256 1.011x -> 1.035x (Pallas); fsdp=2 at 512 0.980x -> 0.991x
-# (`xla`); but fsdp=4 at 2048 1.026x -> 0.989x (Pallas), and with the kernels split by tokens
+# runs 278-282), width -> features: fsdp=2 at 2048 tokens a device 0.894x -> 1.013x (`xla`),
+# 0.876x -> 1.004x (Pallas); fsdp=4 at 1024 0.899x -> 1.052x, at 1536 0.946x -> 1.009x, at
+# 256 1.011x -> 1.035x (Pallas); data=2 x fsdp=2 at 1024 0.783x -> 1.017x (Pallas); fsdp=2 at
+# 512 0.980x -> 0.991x (`xla`); but fsdp=4 at 2048 1.026x -> 0.989x (Pallas), and with the kernels split by tokens
 # at 4096 a device 72.2 -> 75.9 ms (a gather along a weight's minor dimension costs
 # transposes). :func:`choose_fsdp_split` picks by the FSDP group's tokens a step.
 _fsdp_split: str | None = None
 # choose_fsdp_split: "features" up to this many tokens a step in each FSDP group (tokens a
-# device times the FSDP axis size); measured: 1024 and 4096 faster with features, 8192 slower.
-FEATURES_SPLIT_MAX_GROUP_TOKENS = 4096
+# device times the FSDP axis size). Measured for the 1B model on H100s (runs 278-282): faster
+# with features at 1024, 2048, 4096 and 6144 tokens in the group, slower at 8192.
+FEATURES_SPLIT_MAX_GROUP_TOKENS = 6144
 
 
 def _check_split(split: str, where: str) -> str:

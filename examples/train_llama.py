@@ -71,7 +71,7 @@ def parse_args(argv=None):
                    help="which dimension FSDP splits each weight along (coda_jax.partitioning.set_fsdp_split): "
                         "width (gathered per layer, ZeRO-3), features (few tokens a step: XLA runs the MLP and "
                         "attention tensor-parallel over the fsdp axis), auto (features when each FSDP group "
-                        "holds at most 4096 tokens a step)")
+                        "holds at most 6144 tokens a step)")
     p.add_argument("--init-from", default=None,
                    help="start from these weights (fine-tuning): a Hugging Face checkpoint directory (its config "
                         "and its tokenizer.json replace --preset/--layers/--vocab) or another "

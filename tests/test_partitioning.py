@@ -219,7 +219,7 @@ def test_parameters_carry_logical_axis_names_that_shard_like_any_flax_model():
 
 
 def test_fsdp_split_choice_and_its_errors(monkeypatch):
-    """``choose_fsdp_split``: ``"features"`` up to 4096 tokens a step in each FSDP group on an
+    """``choose_fsdp_split``: ``"features"`` up to 6144 tokens a step in each FSDP group on an
     Auto mesh with an FSDP axis and no tensor axis, else ``"width"``; a bad setting raises
     naming ``$CODA_JAX_FSDP_SPLIT`` or the argument and the choices."""
     from jax.sharding import AbstractMesh, AxisType
@@ -227,10 +227,11 @@ def test_fsdp_split_choice_and_its_errors(monkeypatch):
     from coda_jax.partitioning import FSDP_SPLIT_ENV, choose_fsdp_split, features_split, fsdp_split, fsdp_split_as
 
     auto = lambda shape, names: AbstractMesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))  # noqa: E731
-    assert choose_fsdp_split(auto((2,), ("fsdp",)), 4096) == "features"
-    assert choose_fsdp_split(auto((2,), ("fsdp",)), 4097) == "width"
+    assert choose_fsdp_split(auto((2,), ("fsdp",)), 6144) == "features"
+    assert choose_fsdp_split(auto((2,), ("fsdp",)), 6145) == "width"
     assert choose_fsdp_split(auto((4,), ("fsdp",)), 8192) == "width"  # measured slower (runs 278-279)
-    assert choose_fsdp_split(auto((2, 2), ("data", "fsdp")), 8192) == "features"  # 4096 a group
+    assert choose_fsdp_split(auto((2, 2), ("data", "fsdp")), 12288) == "features"  # 6144 a group
+    assert choose_fsdp_split(auto((2, 2), ("data", "fsdp")), 16384) == "width"
     assert choose_fsdp_split(auto((8,), ("data",)), 1024) == "width"
     assert choose_fsdp_split(auto((2, 2), ("fsdp", "tensor")), 1024) == "width"
     explicit = AbstractMesh((2,), ("fsdp",), axis_types=(AxisType.Explicit,))
