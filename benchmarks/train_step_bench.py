@@ -120,12 +120,13 @@ def pgle(runs: int):
 
 
 @contextlib.contextmanager
-def run_context(settings: dict[str, str], mesh, pgle_runs: int, tokens: int = 0):
+def run_context(settings: dict[str, str], mesh, pgle_runs: int, tokens: int = 0,
+                block_weights_per_width: int | None = None):
     """A run's environment settings, its mesh (if any), PGLE (if asked for) and the FSDP split
     that ``examples/train_llama.py --fsdp-split auto`` picks for ``tokens`` a step (unless
     ``$CODA_JAX_FSDP_SPLIT`` is set, by the run or the process)."""
     named = partitioning.FSDP_SPLIT_ENV in settings or os.environ.get(partitioning.FSDP_SPLIT_ENV)
-    split = None if named else partitioning.choose_fsdp_split(mesh, tokens)
+    split = None if named else partitioning.choose_fsdp_split(mesh, tokens, block_weights_per_width)
     with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), \
             pgle(pgle_runs), partitioning.fsdp_split_as(split):
         yield
@@ -227,7 +228,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     aot_steps = int(settings.pop("PGLE_AOT", "0") or 0)
     pgle_info = None
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    with run_context(settings, mesh, pgle_runs, inputs.size):
+    with run_context(settings, mesh, pgle_runs, inputs.size, cfg.block_weights_per_width):
         model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
         split = "features" if name != "plain" and partitioning.features_split(mesh) else "width"
         if mesh is not None and name != "plain" and partitioning.axis_size(mesh, "fsdp") > 1:
@@ -275,7 +276,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     for line in filter(None, schedule.splitlines()):
         print(f"SCHEDULE {spec}: {line}", flush=True)
     # A jit-dispatched (PGLE) step is called in its tracing context, lest a call retrace it.
-    with run_context(settings, mesh, pgle_runs, inputs.size) if pgle_runs else contextlib.nullcontext():
+    with run_context(settings, mesh, pgle_runs, inputs.size, cfg.block_weights_per_width) if pgle_runs else contextlib.nullcontext():
         for _ in range(2):  # warm-up
             state, loss = compiled(state, inputs, targets)
         jax.block_until_ready(loss)

@@ -111,9 +111,14 @@ FSDP_SPLITS = ("width", "features")
 # at 4096 a device 72.2 -> 75.9 ms (a gather along a weight's minor dimension costs
 # transposes). :func:`choose_fsdp_split` picks by the FSDP group's tokens a step.
 _fsdp_split: str | None = None
-# choose_fsdp_split: "features" up to this many tokens a step in each FSDP group (tokens a
-# device times the FSDP axis size). Measured for the 1B model on H100s (runs 278-282): faster
-# with features at 1024, 2048, 4096 and 6144 tokens in the group, slower at 8192.
+# choose_fsdp_split: "features" while each FSDP group's tokens a step (tokens a device times
+# the FSDP axis size) are at most this fraction of a block's weight elements over the width
+# (LlamaConfig.block_weights_per_width): the group's activations [tokens, d] against a block's
+# weights. Measured on H100s (runs 278-283): the 1B model (29,696) faster with features at
+# 1024-6144 tokens in the group, slower at 8192 (bound 0.207-0.276); the 8B width (53,248)
+# faster with features at 4096 and 8192 (0.154 of it). Without the model's sizes: the 1B
+# bound, FEATURES_SPLIT_MAX_GROUP_TOKENS.
+FEATURES_SPLIT_WEIGHT_FRACTION = 0.21
 FEATURES_SPLIT_MAX_GROUP_TOKENS = 6144
 
 
@@ -160,18 +165,22 @@ def features_split(mesh) -> bool:
             and axis_size(mesh, "tensor") <= 1)
 
 
-def choose_fsdp_split(mesh, tokens_per_step: int) -> str:
+def choose_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int | None = None) -> str:
     """The faster FSDP split for a step of ``tokens_per_step`` tokens (the global batch) on
-    ``mesh``, as measured for the 1B model: ``"features"`` when each FSDP group (the devices
-    of one data shard) holds at most :data:`FEATURES_SPLIT_MAX_GROUP_TOKENS` tokens, on an
-    Auto mesh with an FSDP axis and no tensor axis; else ``"width"``. (On an Explicit mesh the
-    layers gather every weight themselves, so the partitioner has no choice to make.)"""
+    ``mesh``: ``"features"`` when each FSDP group (the devices of one data shard) holds at
+    most :data:`FEATURES_SPLIT_WEIGHT_FRACTION` of ``block_weights_per_width`` tokens (a
+    block's weight elements over the width, ``LlamaConfig.block_weights_per_width``; without
+    it :data:`FEATURES_SPLIT_MAX_GROUP_TOKENS`, the 1B model's bound), on an Auto mesh with an
+    FSDP axis and no tensor axis; else ``"width"``. (On an Explicit mesh the layers gather
+    every weight themselves, so the partitioner has no choice to make.)"""
     if mesh is None or axis_size(mesh, FSDP_AXIS) <= 1 or axis_size(mesh, "tensor") > 1:
         return "width"
     if getattr(mesh, "are_all_axes_explicit", False):
         return "width"
     group_tokens = tokens_per_step // max(1, axis_size(mesh, "data"))
-    return "features" if group_tokens <= FEATURES_SPLIT_MAX_GROUP_TOKENS else "width"
+    bound = (FEATURES_SPLIT_MAX_GROUP_TOKENS if block_weights_per_width is None
+             else FEATURES_SPLIT_WEIGHT_FRACTION * block_weights_per_width)
+    return "features" if group_tokens <= bound else "width"
 
 
 def _few_fsdp_tokens(axes: tuple[str, ...], shards: int, tokens: int) -> bool:

@@ -70,8 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--fsdp-split", default="auto", choices=["auto", "width", "features"],
                    help="which dimension FSDP splits each weight along (coda_jax.partitioning.set_fsdp_split): "
                         "width (gathered per layer, ZeRO-3), features (few tokens a step: XLA runs the MLP and "
-                        "attention tensor-parallel over the fsdp axis), auto (features when each FSDP group "
-                        "holds at most 6144 tokens a step)")
+                        "attention tensor-parallel over the fsdp axis), auto (features when each FSDP group's "
+                        "tokens a step are at most 0.21 of a block's weights over the width: 6236 for 1b)")
     p.add_argument("--init-from", default=None,
                    help="start from these weights (fine-tuning): a Hugging Face checkpoint directory (its config "
                         "and its tokenizer.json replace --preset/--layers/--vocab) or another "
@@ -258,7 +258,7 @@ def main(argv=None) -> dict:
     split = getattr(args, "fsdp_split", "auto")
     if split == "auto":  # $CODA_JAX_FSDP_SPLIT, where set, decides; else by the FSDP group's tokens
         split = None if os.environ.get(partitioning.FSDP_SPLIT_ENV) else partitioning.choose_fsdp_split(
-            mesh, args.batch * args.seq)
+            mesh, args.batch * args.seq, cfg.block_weights_per_width)
     with partitioning.fsdp_split_as(split):
         return _run(args, out, cfg, train_tokens, val_tokens, mesh, shards, on_gpu, init)
 

@@ -237,6 +237,17 @@ def test_fsdp_split_choice_and_its_errors(monkeypatch):
     explicit = AbstractMesh((2,), ("fsdp",), axis_types=(AxisType.Explicit,))
     assert choose_fsdp_split(explicit, 1024) == "width"
     assert choose_fsdp_split(None, 1024) == "width"
+    # Scaled by the model: a block's weights over the width (1B 29,696: 6236 tokens; 8B 53,248:
+    # 11,182, where 8192 tokens in the group measured faster with features, run 283).
+    from coda_jax.layers import LlamaConfig
+
+    one_b, eight_b = LlamaConfig.llama_3_2_1b(), LlamaConfig.llama_3_1_8b()
+    assert one_b.block_weights_per_width == 29696 and eight_b.block_weights_per_width == 53248
+    fsdp2 = auto((2,), ("fsdp",))
+    assert choose_fsdp_split(fsdp2, 6144, one_b.block_weights_per_width) == "features"
+    assert choose_fsdp_split(fsdp2, 8192, one_b.block_weights_per_width) == "width"
+    assert choose_fsdp_split(fsdp2, 8192, eight_b.block_weights_per_width) == "features"
+    assert choose_fsdp_split(fsdp2, 16384, eight_b.block_weights_per_width) == "width"
     monkeypatch.delenv(FSDP_SPLIT_ENV, raising=False)
     assert fsdp_split() == "width" and not features_split(auto((2,), ("fsdp",)))
     with fsdp_split_as("features"):

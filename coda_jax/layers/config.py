@@ -69,6 +69,14 @@ class LlamaConfig:
     def qkv_size(self) -> int:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
+    @property
+    def block_weights_per_width(self) -> int:
+        """A block's weight elements over the width ``d``: ``W_qkv [d, qkv]``, ``W_o [H hd, d]``,
+        ``W_gu [d, 2f]``, ``W_down [f, d]`` hold ``d * (qkv + H hd + 3 f)`` elements (the 1B
+        preset: 29,696; the 8B: 53,248). Compared with a batch's tokens it says whether moving
+        the activations or the weights costs less (:func:`coda_jax.partitioning.choose_fsdp_split`)."""
+        return self.qkv_size + self.num_heads * self.head_dim + 3 * self.intermediate_size
+
     def replace(self, **kw) -> "LlamaConfig":
         return dataclasses.replace(self, **kw)
 
