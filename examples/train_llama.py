@@ -424,6 +424,8 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
         summary["devices"] = n_dev
         if on_gpu:
             summary["mfu"] = summary["tokens_per_s"] / n_dev * fpt / H100_BF16_FLOPS  # per device
+    if mesh is not None and partitioning.axis_size(mesh, "fsdp") > 1:
+        summary["fsdp_split"] = "features" if partitioning.features_split(mesh) else "width"
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "history.json").write_text(json.dumps(history))
     print(json.dumps(summary), flush=True)

@@ -622,8 +622,10 @@ def case_train_example_on_meshes() -> None:
               "--ckpt-every", "2", "--log-every", "2"]
     with tempfile.TemporaryDirectory() as d:
         train_llama.main(common + ["--steps", "4", "--mesh", "data=8", "--out", d])
-        train_llama.main(common + ["--steps", "6", "--mesh", "fsdp=8", "--out", d])
+        # 256 tokens a step: --fsdp-split auto splits the weights along their features.
+        assert train_llama.main(common + ["--steps", "6", "--mesh", "fsdp=8", "--out", d])["fsdp_split"] == "features"
         s = train_llama.main(common + ["--steps", "8", "--mesh", "data=2,fsdp=2,tensor=2", "--out", d])
+        assert s["fsdp_split"] == "width"  # a tensor axis keeps Megatron's placement
         hist = json.loads((Path(d) / "history.json").read_text())
     assert s["devices"] == 8
     print("HISTORY " + json.dumps(hist["loss"]))
