@@ -235,6 +235,22 @@ def _benchmark_tools_on_path() -> None:
         sys.path.insert(0, str(p))
 
 
+def _fsdp2_setup(backend: str):
+    """The FSDP cases' model and data: ``(cfg, batch, seq, tokens [batch, seq+1], fsdp=2
+    mesh)``, a 3-layer bf16 model whose sizes differ from the token count (384); the kernel
+    stand-in installed for ``"pallas"``."""
+    from coda_jax.layers import LlamaConfig
+    from coda_jax.sharding import mesh_from_spec
+
+    if backend == "pallas":
+        install_opaque_kernel()
+    cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=640, num_layers=3, num_heads=4,
+                           num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    batch, seq = 8, 48
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
+    return cfg, batch, seq, tokens, mesh_from_spec("fsdp=2", jax.devices()[:2])
+
+
 def case_fsdp_step_gathers(backend: str) -> None:
     """The example's train step (``examples/train_llama.make_steps``: loss, gradients, AdamW)
     of CodaLlama with FSDP-split state on ``fsdp=2``: no activation-shaped all-gather in the
@@ -248,17 +264,9 @@ def case_fsdp_step_gathers(backend: str) -> None:
     from bench import environment
     from train_step_bench import activation_gathers, all_gathers
 
-    from coda_jax.layers import LlamaConfig
     from coda_jax.layers.vocab_parallel import FSDP_VOCAB_PARALLEL_ENV
-    from coda_jax.sharding import mesh_from_spec
 
-    if backend == "pallas":
-        install_opaque_kernel()
-    cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=640, num_layers=3, num_heads=4,
-                           num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
-    batch, seq = 8, 48
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
-    mesh = mesh_from_spec("fsdp=2", jax.devices()[:2])
+    cfg, batch, seq, tokens, mesh = _fsdp2_setup(backend)
 
     def compiled_step():
         loss, hlo, traced = _example_train_step(cfg, backend, mesh, tokens)
@@ -336,22 +344,15 @@ def case_fsdp_features_split(backend: str) -> None:
     the state is placed along the MLP / attention / vocabulary features, every GEMM on
     activations is left to the partitioner (none inside a ``shard_map``, no stand-in kernel
     call), no weight of the MLP is gathered whole (the partitioner runs the MLP tensor-parallel
-    over the FSDP axis), and the example's step has the loss of the width split. Each
-    parameter's gradient keeps its placement (the step's output shardings)."""
+    over the FSDP axis), and the example's step has the loss of the width split."""
     _benchmark_tools_on_path()
     from flax import nnx
     from train_step_bench import all_gathers
 
-    from coda_jax.layers import CodaLlama, LlamaConfig
-    from coda_jax.sharding import mesh_from_spec, shard_state
+    from coda_jax.layers import CodaLlama
+    from coda_jax.sharding import shard_state
 
-    if backend == "pallas":
-        install_opaque_kernel()
-    cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=640, num_layers=3, num_heads=4,
-                           num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
-    batch, seq = 8, 48
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
-    mesh = mesh_from_spec("fsdp=2", jax.devices()[:2])
+    cfg, batch, seq, tokens, mesh = _fsdp2_setup(backend)
     loss_w, hlo_w, _ = _example_train_step(cfg, backend, mesh, tokens)
     with partitioning.fsdp_split_as("features"):
         assert partitioning.features_split(mesh)

@@ -53,20 +53,25 @@ def _check_step_on_mesh(backend: str, mesh, label: str, tokens_per_device: int) 
         assert np.isfinite(e) and e < 3e-2, f"{backend} {label}: {jax.tree_util.keystr(path)} rel err {e:.3g}"
 
 
-@pytest.mark.parametrize("axis", MESHES)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_model_step_on_gpus_matches_one_gpu(backend, axis):
+def _mesh_over_all_gpus(axis: str):
+    """The mesh named by ``axis`` (an entry of :data:`MESHES`) over every local GPU; skips the
+    test with fewer than 2 GPUs, or data x fsdp without an even number of 4 or more."""
     n = jax.device_count()
     if n < 2:
         pytest.skip("needs 2 or more GPUs")
     if axis == "data+fsdp":
         if n < 4 or n % 2:
             pytest.skip("data x fsdp needs an even number of 4 or more GPUs")
-        mesh = jax.make_mesh((2, n // 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
-    else:
-        name, _, mode = axis.partition("-")
-        mesh = jax.make_mesh((n,), (name,), axis_types=(AxisType.Explicit if mode == "explicit" else AxisType.Auto,))
-    _check_step_on_mesh(backend, mesh, f"{axis}={n}", tokens_per_device=1024)
+        return jax.make_mesh((2, n // 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    name, _, mode = axis.partition("-")
+    return jax.make_mesh((n,), (name,), axis_types=(AxisType.Explicit if mode == "explicit" else AxisType.Auto,))
+
+
+@pytest.mark.parametrize("axis", MESHES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_step_on_gpus_matches_one_gpu(backend, axis):
+    mesh = _mesh_over_all_gpus(axis)
+    _check_step_on_mesh(backend, mesh, f"{axis}={jax.device_count()}", tokens_per_device=1024)
 
 
 # The routing rules at the library's defaults (the suite turns them off, tests/conftest.py):
@@ -79,13 +84,10 @@ def test_model_step_on_gpus_matches_one_gpu(backend, axis):
 def test_model_step_with_default_routing_matches_one_gpu(backend, axis, tokens_per_device, monkeypatch):
     from conftest import ROUTING_RULES
 
-    n = jax.device_count()
-    if n < 2:
-        pytest.skip("needs 2 or more GPUs")
+    mesh = _mesh_over_all_gpus(axis)
     for name in ROUTING_RULES:
         monkeypatch.delenv(name, raising=False)
-    mesh = jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,))
-    _check_step_on_mesh(backend, mesh, f"{axis}={n}, default routing", tokens_per_device)
+    _check_step_on_mesh(backend, mesh, f"{axis}={jax.device_count()}, default routing", tokens_per_device)
 
 
 # The FSDP split along the weights' features (coda_jax.partitioning.set_fsdp_split): the state
@@ -97,14 +99,6 @@ def test_model_step_with_default_routing_matches_one_gpu(backend, axis, tokens_p
 def test_model_step_with_features_split_matches_one_gpu(backend, axis):
     from coda_jax.partitioning import fsdp_split_as
 
-    n = jax.device_count()
-    if n < 2:
-        pytest.skip("needs 2 or more GPUs")
-    if axis == "data+fsdp":
-        if n < 4 or n % 2:
-            pytest.skip("data x fsdp needs an even number of 4 or more GPUs")
-        mesh = jax.make_mesh((2, n // 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
-    else:
-        mesh = jax.make_mesh((n,), ("fsdp",), axis_types=(AxisType.Auto,))
+    mesh = _mesh_over_all_gpus(axis)
     with fsdp_split_as("features"):
-        _check_step_on_mesh(backend, mesh, f"{axis}={n}, features split", tokens_per_device=1024)
+        _check_step_on_mesh(backend, mesh, f"{axis}={jax.device_count()}, features split", tokens_per_device=1024)
