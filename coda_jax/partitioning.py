@@ -102,14 +102,15 @@ FSDP_SPLITS = ("width", "features")
 # (``embed``), every weight gathered whole where a GEMM uses it (ZeRO-3). "features": the
 # MLP, attention and vocabulary features, where plain JAX's largest-dimension placement puts
 # them; every GEMM is then XLA ops left to the partitioner, which with few tokens in the FSDP
-# group runs the MLP and attention as tensor parallelism over the FSDP axis (gathering
-# activations, not weights). The 1B step against plain JAX on H100s (benchmarks/RESULTS.md,
-# runs 278-282), width -> features: fsdp=2 at 2048 tokens a device 0.894x -> 1.013x (`xla`),
-# 0.876x -> 1.004x (Pallas); fsdp=4 at 1024 0.899x -> 1.052x, at 1536 0.946x -> 1.009x, at
-# 256 1.011x -> 1.035x (Pallas); data=2 x fsdp=2 at 1024 0.783x -> 1.017x (Pallas); fsdp=2 at
-# 512 0.980x -> 0.991x (`xla`); but fsdp=4 at 2048 1.026x -> 0.989x (Pallas), and with the kernels split by tokens
-# at 4096 a device 72.2 -> 75.9 ms (a gather along a weight's minor dimension costs
-# transposes). :func:`choose_fsdp_split` picks by the FSDP group's tokens a step.
+# group runs the MLP as tensor parallelism over the FSDP axis (gathering activations, not
+# its weights). Against plain JAX on H100s (benchmarks/RESULTS.md, runs 278-283), width ->
+# features, 1B: fsdp=2 at 2048 tokens a device 0.894x -> 1.013x (`xla`), 0.876x -> 1.004x
+# (Pallas); fsdp=4 at 1024 0.899x -> 1.052x, at 1536 0.946x -> 1.009x, at 256 1.011x ->
+# 1.035x; data=2 x fsdp=2 at 1024 0.783x -> 1.017x; but fsdp=4 at 2048 1.026x -> 0.989x.
+# The 8B width, fsdp=2: at 2048 0.818x -> 0.957x, at 4096 0.914x -> 0.995x. With the
+# kernels split by tokens (ZeRO-3) the features placement is slower (1B, fsdp=4 at 4096:
+# 72.2 -> 75.9 ms; a gather along a weight's minor dimension costs transposes), so it
+# always comes with the partitioner. :func:`choose_fsdp_split` picks by the tokens a step.
 _fsdp_split: str | None = None
 # choose_fsdp_split: "features" while each FSDP group's tokens a step (tokens a device times
 # the FSDP axis size) are at most this fraction of a block's weight elements over the width
