@@ -60,6 +60,17 @@ def test_on_eight_devices(group):
         assert f"OK {want}" in out, out
 
 
+def test_mesh_fuzz():
+    """Seeded random models on random meshes against one device
+    (``tests/multi_device_cases.py::case_mesh_fuzz``, four draws a seed). The seeds:
+    ``$CODA_JAX_MESH_FUZZ_SEEDS`` (comma-separated), default ``0,1``."""
+    seeds = [int(x) for x in os.environ.get("CODA_JAX_MESH_FUZZ_SEEDS", "0,1").split(",") if x.strip()]
+    out = _run_cases([f"mesh_fuzz_{seed}" for seed in seeds])
+    for seed in seeds:
+        assert f"OK mesh_fuzz_{seed}" in out, out
+    assert out.count("PASS draw") >= len(seeds), out  # most draws run (the rest are refused by a named rule)
+
+
 def test_small_outputs_are_handed_to_xla_per_shard():
     """With the small-output rule on (its default; conftest turns it off for the kernel tests)
     every GEMM of these cases is small. The partitioner must still split them by tokens with
