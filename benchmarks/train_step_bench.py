@@ -125,10 +125,8 @@ def run_context(settings: dict[str, str], mesh, pgle_runs: int, tokens: int = 0,
     """A run's environment settings, its mesh (if any), PGLE (if asked for) and the FSDP split
     that ``examples/train_llama.py --fsdp-split auto`` picks for ``tokens`` a step (unless
     ``$CODA_JAX_FSDP_SPLIT`` is set, by the run or the process)."""
-    named = partitioning.FSDP_SPLIT_ENV in settings or os.environ.get(partitioning.FSDP_SPLIT_ENV)
-    split = None if named else partitioning.choose_fsdp_split(mesh, tokens, block_weights_per_width)
     with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), \
-            pgle(pgle_runs), partitioning.fsdp_split_as(split):
+            pgle(pgle_runs), partitioning.fsdp_split_as(partitioning.auto_fsdp_split(mesh, tokens, block_weights_per_width)):
         yield
 
 
@@ -230,7 +228,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with run_context(settings, mesh, pgle_runs, inputs.size, cfg.block_weights_per_width):
         model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
-        split = "features" if name != "plain" and partitioning.features_split(mesh) else "width"
+        split = "width" if name == "plain" else partitioning.fsdp_split_on(mesh)
         if mesh is not None and name != "plain" and partitioning.axis_size(mesh, "fsdp") > 1:
             print(f"{spec}: FSDP splits the weights' {split}", flush=True)
         opt = nnx.Optimizer(model, train_llama.make_tx(lr, 10, 1000), wrt=nnx.Param)

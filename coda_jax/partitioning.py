@@ -63,7 +63,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import GemmLowering, env_count, gemm_dims, routes_to_xla
+from coda_jax.lowering import GemmLowering, env_count, gemm_dims, routes_to_xla, xla_output_below_env
 from coda_jax.reference import xla_backend_lowering
 
 logger = logging.getLogger("coda_jax")
@@ -158,12 +158,22 @@ def fsdp_split() -> str:
     return _check_split(os.environ.get(FSDP_SPLIT_ENV, "").strip() or "width", f"${FSDP_SPLIT_ENV}")
 
 
+def _fsdp_without_tensor(mesh) -> bool:
+    """Whether ``mesh`` has an FSDP axis and no tensor axis: where the split can be the
+    features (tensor parallelism keeps its own placement, :mod:`coda_jax.layers.tensor_parallel`)."""
+    return mesh is not None and axis_size(mesh, FSDP_AXIS) > 1 and axis_size(mesh, "tensor") <= 1
+
+
 def features_split(mesh) -> bool:
     """Whether the weights on ``mesh`` are split along their features: :func:`fsdp_split` is
-    ``"features"``, the mesh has an FSDP axis and no tensor axis (tensor parallelism keeps its
-    own placement, :mod:`coda_jax.layers.tensor_parallel`)."""
-    return (mesh is not None and fsdp_split() == "features" and axis_size(mesh, FSDP_AXIS) > 1
-            and axis_size(mesh, "tensor") <= 1)
+    ``"features"`` on a mesh with an FSDP axis and no tensor axis."""
+    return _fsdp_without_tensor(mesh) and fsdp_split() == "features"
+
+
+def fsdp_split_on(mesh) -> str:
+    """The split the weights on ``mesh`` actually take: ``"features"`` where
+    :func:`features_split`, else ``"width"``."""
+    return "features" if features_split(mesh) else "width"
 
 
 def choose_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int | None = None) -> str:
@@ -174,14 +184,20 @@ def choose_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int |
     it :data:`FEATURES_SPLIT_MAX_GROUP_TOKENS`, the 1B model's bound), on an Auto mesh with an
     FSDP axis and no tensor axis; else ``"width"``. (On an Explicit mesh the layers gather
     every weight themselves, so the partitioner has no choice to make.)"""
-    if mesh is None or axis_size(mesh, FSDP_AXIS) <= 1 or axis_size(mesh, "tensor") > 1:
-        return "width"
-    if getattr(mesh, "are_all_axes_explicit", False):
+    if not _fsdp_without_tensor(mesh) or getattr(mesh, "are_all_axes_explicit", False):
         return "width"
     group_tokens = tokens_per_step // max(1, axis_size(mesh, "data"))
     bound = (FEATURES_SPLIT_MAX_GROUP_TOKENS if block_weights_per_width is None
              else FEATURES_SPLIT_WEIGHT_FRACTION * block_weights_per_width)
     return "features" if group_tokens <= bound else "width"
+
+
+def auto_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int | None = None) -> str | None:
+    """What ``fsdp_split="auto"`` sets (:func:`set_fsdp_split`): ``None`` where
+    ``$CODA_JAX_FSDP_SPLIT`` is set (the environment decides), else :func:`choose_fsdp_split`."""
+    if os.environ.get(FSDP_SPLIT_ENV, "").strip():
+        return None
+    return choose_fsdp_split(mesh, tokens_per_step, block_weights_per_width)
 
 
 def _few_fsdp_tokens(axes: tuple[str, ...], shards: int, tokens: int) -> bool:
@@ -209,6 +225,13 @@ def fsdp_xla_gemms_below() -> int:
     ``$CODA_JAX_FSDP_XLA_GEMMS_BELOW`` if set (a non-negative integer; ``0``: never), else the
     default."""
     return env_count(FSDP_XLA_GEMMS_ENV, DEFAULT_FSDP_XLA_GEMMS_BELOW)
+
+
+# The environment settings of the routing rules (a kernel backend's small fused GEMMs to XLA,
+# :func:`~coda_jax.lowering.xla_output_below`; the FSDP rules above): what a test turns off,
+# or clears to get the library's defaults.
+ROUTING_ENVS: tuple[str, ...] = (xla_output_below_env("pallas"), xla_output_below_env("cutedsl"),
+                                 FSDP_XLA_TOKENS_ENV, FSDP_XLA_GEMMS_ENV)
 
 
 def partial_sum_dtype(out_dtype) -> jnp.dtype:

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -256,9 +255,8 @@ def main(argv=None) -> dict:
         except ValueError as e:
             raise SystemExit(f"train_llama.py: error: --mesh {args.mesh}: {e}") from None
     split = getattr(args, "fsdp_split", "auto")
-    if split == "auto":  # $CODA_JAX_FSDP_SPLIT, where set, decides; else by the FSDP group's tokens
-        split = None if os.environ.get(partitioning.FSDP_SPLIT_ENV) else partitioning.choose_fsdp_split(
-            mesh, args.batch * args.seq, cfg.block_weights_per_width)
+    if split == "auto":
+        split = partitioning.auto_fsdp_split(mesh, args.batch * args.seq, cfg.block_weights_per_width)
     with partitioning.fsdp_split_as(split):
         return _run(args, out, cfg, train_tokens, val_tokens, mesh, shards, on_gpu, init)
 
@@ -268,7 +266,7 @@ def _run(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, shar
     if mesh is not None:
         print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}: global batch {args.batch}, "
               f"{args.batch // shards} sequences per data shard"
-              + (f"; FSDP splits the weights' {partitioning.fsdp_split()}" if partitioning.axis_size(mesh, "fsdp") > 1 else ""),
+              + (f"; FSDP splits the weights' {partitioning.fsdp_split_on(mesh)}" if partitioning.axis_size(mesh, "fsdp") > 1 else ""),
               flush=True)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         return _train(args, out, cfg, train_tokens, val_tokens, mesh, n_dev, on_gpu, init.get("load"))
@@ -425,7 +423,7 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
         if on_gpu:
             summary["mfu"] = summary["tokens_per_s"] / n_dev * fpt / H100_BF16_FLOPS  # per device
     if mesh is not None and partitioning.axis_size(mesh, "fsdp") > 1:
-        summary["fsdp_split"] = "features" if partitioning.features_split(mesh) else "width"
+        summary["fsdp_split"] = partitioning.fsdp_split_on(mesh)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "history.json").write_text(json.dumps(history))
     print(json.dumps(summary), flush=True)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from coda_jax.pallas.interpret import ensure_interpreter_threads
+from coda_jax.partitioning import ROUTING_ENVS
 
 # The Mosaic GPU interpreter blocks one CPU-client pool thread per simulated warpgroup at a
 # barrier; with the default pool (one thread per core) a 2-core machine hung about one run in
@@ -29,8 +30,7 @@ os.environ["CODA_JAX_KERNEL_CACHE_DIR"] = "off"
 # case tests them.
 # CODA_JAX_TESTS_ROUTING=default keeps the library's defaults instead (the GPU shape fuzz
 # with FUZZ_ROUTING=default: ragged shapes with the routing rules as users get them).
-ROUTING_RULES = ("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW", "CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW",
-                 "CODA_JAX_FSDP_XLA_TOKENS_BELOW", "CODA_JAX_FSDP_XLA_GEMMS_BELOW")
+ROUTING_RULES = ROUTING_ENVS
 if os.environ.get("CODA_JAX_TESTS_ROUTING", "off") == "default":
     for _name in ROUTING_RULES:
         os.environ.pop(_name, None)

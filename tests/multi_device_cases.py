@@ -468,8 +468,6 @@ MESH_FUZZ_MESHES = (
     ((8,), ("data",)), ((8,), ("fsdp",)), ((2,), ("fsdp",)), ((2, 4), ("data", "fsdp")), ((4, 2), ("data", "fsdp")),
     ((2, 2, 2), ("data", "fsdp", "tensor")), ((1, 2, 4), ("data", "fsdp", "tensor")), ((4, 1, 2), ("data", "fsdp", "tensor")),
 )
-ROUTING_RULES = ("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW", "CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW",
-                 "CODA_JAX_FSDP_XLA_TOKENS_BELOW", "CODA_JAX_FSDP_XLA_GEMMS_BELOW")
 
 
 def case_mesh_fuzz(seed: int, draws: int = 4) -> None:
@@ -479,8 +477,9 @@ def case_mesh_fuzz(seed: int, draws: int = 4) -> None:
     GQA ratio, head_dim, FFN, vocabulary that the axes may or may not divide, QK-norm, tied
     head, 1-2 layers, float32 or bfloat16, sequence lengths that are not powers of two). The
     loss and every gradient equal one device's (float32: within 1e-4; bfloat16: as close to
-    float32 math as one device's bfloat16 step, twice its error + 2e-3), or the model refuses the mesh with a ``ValueError`` that names its rule; anything else (a crash, NaN,
-    a wrong gradient) fails. Prints one line per draw."""
+    float32 math as one device's bfloat16 step, twice its error + 2e-3), or the model refuses
+    the mesh with a ``ValueError`` that names its rule; anything else (a crash, NaN, a wrong
+    gradient) fails. Prints one line per draw."""
     import random
 
     _benchmark_tools_on_path()
@@ -516,7 +515,7 @@ def case_mesh_fuzz(seed: int, draws: int = 4) -> None:
         gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(i), backend=backend))
         tokens = jax.random.randint(jax.random.key(seed * 100 + i), (batch, seq + 1), 0, cfg.vocab_size)
         step = jax.jit(jax.value_and_grad(lambda st, t, g=gdef: nnx.merge(g, st).loss(t[:, :-1], t[:, 1:])))
-        settings = {k: ("" if routing == "default" else "0") for k in ROUTING_RULES}
+        settings = {k: ("" if routing == "default" else "0") for k in partitioning.ROUTING_ENVS}
         with environment(settings):
             want = step(state, tokens)
             axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
