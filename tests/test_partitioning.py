@@ -278,9 +278,11 @@ def test_fsdp_split_choice_and_its_errors(monkeypatch):
 
 
 def test_features_split_places_weights_along_their_features():
-    """With the features split, FSDP puts each block weight's split on its features (the MLP
-    columns of ``w_gu``, rows of ``w_down``, the QKV and head columns, the vocabulary), the
-    norms whole; a tensor axis keeps the width split and Megatron's."""
+    """With the features split, FSDP puts each block weight's split where plain JAX's
+    largest-dimension rule puts its own (the MLP columns of ``w_gu``, rows of ``w_down``,
+    the head rows of ``w_o``, the vocabulary; ``w_qkv`` along the width, as plain JAX's
+    separate Q, K, V weights), the norms whole; a tensor axis keeps the width split and
+    Megatron's."""
     from flax import nnx
     from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as P
@@ -298,6 +300,6 @@ def test_features_split_places_weights_along_their_features():
         tp = logical_partition_specs(state, AbstractMesh((2, 2), ("fsdp", "tensor")))
     blk = {k: sp(v) for k, v in specs["blocks"][0].items()}
     assert blk["w_gu"] == P(None, "fsdp") and blk["w_down"] == P("fsdp", None)
-    assert blk["w_qkv"] == P(None, "fsdp") and blk["w_o"] == P("fsdp", None) and blk["attn_norm"] == P()
+    assert blk["w_qkv"] == P("fsdp", None) and blk["w_o"] == P("fsdp", None) and blk["attn_norm"] == P()
     assert sp(specs["embed"]) == P("fsdp", None) and sp(specs["lm_head"]) == P("fsdp", None)
     assert sp(tp["blocks"][0]["w_gu"]) == P("fsdp", "tensor")

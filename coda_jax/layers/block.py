@@ -61,7 +61,7 @@ class CodaLlamaBlock(nnx.Module):
         pd = c.param_dtype
         p = logical_param  # nnx.Param with logical axis names (coda_jax.sharding.LOGICAL_AXIS_RULES)
         self.attn_norm = p(jnp.ones((d,), pd), ("norm",))
-        self.w_qkv = p(_normal(rngs, (d, c.qkv_size), d ** -0.5, pd), ("embed", "qkv"))
+        self.w_qkv = p(_normal(rngs, (d, c.qkv_size), d ** -0.5, pd), ("qkv_embed", "qkv"))
         self.w_o = p(_normal(rngs, (c.num_heads * hd, d), (c.num_heads * hd) ** -0.5 / (2 * c.num_layers) ** 0.5, pd),
                      ("heads", "embed"))
         self.mlp_norm = p(jnp.ones((d,), pd), ("norm",))
