@@ -99,7 +99,8 @@ def fsdp_xla_tokens_below() -> int:
 FSDP_SPLIT_ENV = "CODA_JAX_FSDP_SPLIT"
 FSDP_SPLITS = ("width", "features")
 # Which dimension of each weight FSDP splits. "width" (the default): the model width
-# (``embed``), every weight gathered whole where a GEMM uses it (ZeRO-3). "features": the
+# (``embed``; without a tensor axis each 2-D weight's split moves to its rows,
+# sharding.rows_first), every weight gathered whole where a GEMM uses it (ZeRO-3). "features": the
 # MLP, attention and vocabulary features, where plain JAX's largest-dimension placement puts
 # them; every GEMM is then XLA ops left to the partitioner, which with few tokens in the FSDP
 # group runs the MLP as tensor parallelism over the FSDP axis (gathering activations, not
@@ -158,7 +159,7 @@ def fsdp_split() -> str:
     return _check_split(os.environ.get(FSDP_SPLIT_ENV, "").strip() or "width", f"${FSDP_SPLIT_ENV}")
 
 
-def _fsdp_without_tensor(mesh) -> bool:
+def fsdp_without_tensor(mesh) -> bool:
     """Whether ``mesh`` has an FSDP axis and no tensor axis: where the split can be the
     features (tensor parallelism keeps its own placement, :mod:`coda_jax.layers.tensor_parallel`)."""
     return mesh is not None and axis_size(mesh, FSDP_AXIS) > 1 and axis_size(mesh, "tensor") <= 1
@@ -167,7 +168,7 @@ def _fsdp_without_tensor(mesh) -> bool:
 def features_split(mesh) -> bool:
     """Whether the weights on ``mesh`` are split along their features: :func:`fsdp_split` is
     ``"features"`` on a mesh with an FSDP axis and no tensor axis."""
-    return _fsdp_without_tensor(mesh) and fsdp_split() == "features"
+    return fsdp_without_tensor(mesh) and fsdp_split() == "features"
 
 
 def fsdp_split_on(mesh) -> str:
@@ -182,11 +183,16 @@ def choose_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int |
     most :data:`FEATURES_SPLIT_WEIGHT_FRACTION` of ``block_weights_per_width`` tokens (a
     block's weight elements over the width, ``LlamaConfig.block_weights_per_width``; without
     it :data:`FEATURES_SPLIT_MAX_GROUP_TOKENS`, the 1B model's bound), on an Auto mesh with an
-    FSDP axis and no tensor axis; else ``"width"``. (On an Explicit mesh the layers gather
-    every weight themselves, so the partitioner has no choice to make.)"""
-    if not _fsdp_without_tensor(mesh) or getattr(mesh, "are_all_axes_explicit", False):
+    FSDP axis and no tensor axis, or where each device holds fewer tokens than
+    :func:`fsdp_xla_tokens_below` (every GEMM is then left to the partitioner on either
+    split, and the features placement is the one made for it); else ``"width"``. (On an
+    Explicit mesh the layers gather every weight themselves, so the partitioner has no
+    choice to make.)"""
+    if not fsdp_without_tensor(mesh) or getattr(mesh, "are_all_axes_explicit", False):
         return "width"
     group_tokens = tokens_per_step // max(1, axis_size(mesh, "data"))
+    if group_tokens // axis_size(mesh, FSDP_AXIS) < fsdp_xla_tokens_below():
+        return "features"
     bound = (FEATURES_SPLIT_MAX_GROUP_TOKENS if block_weights_per_width is None
              else FEATURES_SPLIT_WEIGHT_FRACTION * block_weights_per_width)
     return "features" if group_tokens <= bound else "width"

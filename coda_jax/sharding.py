@@ -105,6 +105,26 @@ def logical_param(value: jax.Array, names: tuple[str, ...]):
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def rows_first(spec: P, shape: tuple[int, ...], mesh) -> P:
+    """``spec`` of a 2-D weight split over ``"fsdp"`` along its columns, moved to its rows
+    where the FSDP axis divides them, on a mesh with an FSDP axis, no tensor axis and the
+    width split (``w_o``, ``w_down`` and the embedding, whose logical columns are the width);
+    any other ``spec`` as it is.
+
+    The width split gathers each weight whole, so which dimension holds the split changes
+    only the layouts: split along the columns of a row-major array, the gathers and the
+    gradient's reduce-scatter want column-major buffers, and XLA then makes the optimizer
+    update read the parameter and both moments transposed (as it did for ``w_qkv`` under the
+    features split, RESULTS.md runs 284-285); the vocabulary-parallel LM head's ``shard_map``
+    wants the table split by vocabulary. Plain JAX's largest-dimension placement splits all
+    three along their rows."""
+    n = _axis_size(mesh, FSDP_AXIS)
+    if (len(shape) != 2 or tuple(spec) != (None, FSDP_AXIS) or shape[0] % n
+            or not partitioning.fsdp_without_tensor(mesh) or partitioning.features_split(mesh)):
+        return spec
+    return P(FSDP_AXIS, None)
+
+
 def logical_partition_specs(state: Any, mesh, rules=None) -> Any:
     """``nnx.get_partition_spec(state)`` under ``rules``, made valid for ``mesh``: a mesh axis
     the mesh lacks (or of size 1), or one that does not divide its dimension, becomes
@@ -119,7 +139,9 @@ def logical_partition_specs(state: Any, mesh, rules=None) -> Any:
     with spmd.logical_axis_rules(axis_rules(mesh) if rules is None else rules):
         specs = nnx.get_partition_spec(state)
 
-    return jax.tree.map(lambda x, spec: _fit_spec(x.shape, spec, mesh), state, specs)
+    fit = (lambda x, spec: _fit_spec(x.shape, spec, mesh)) if rules is not None else (  # noqa: E731
+        lambda x, spec: rows_first(_fit_spec(x.shape, spec, mesh), x.shape, mesh))
+    return jax.tree.map(fit, state, specs)
 
 
 def _fit_spec(shape: tuple[int, ...], spec, mesh) -> P:
@@ -149,7 +171,7 @@ def cast_for_use(var, dtype=None, whole: bool = True) -> jax.Array:
     names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
     if mesh is not None and names and not mesh.are_all_axes_explicit and not getattr(mesh, "manual_axes", ()):
         rules = dict(axis_rules(mesh))
-        spec = _fit_spec(c.shape, [rules.get(n) for n in names], mesh)
+        spec = rows_first(_fit_spec(c.shape, [rules.get(n) for n in names], mesh), c.shape, mesh)
         if any(spec):
             c = jax.lax.with_sharding_constraint(c, spec)
     return keep(c)

@@ -230,8 +230,9 @@ def test_parameters_carry_logical_axis_names_that_shard_like_any_flax_model():
 
 
 def test_fsdp_split_choice_and_its_errors(monkeypatch):
-    """``choose_fsdp_split``: ``"features"`` up to 6144 tokens a step in each FSDP group on an
-    Auto mesh with an FSDP axis and no tensor axis, else ``"width"``; a bad setting raises
+    """``choose_fsdp_split``: ``"features"`` up to 6144 tokens a step in each FSDP group (or
+    fewer than ``fsdp_xla_tokens_below`` a device) on an Auto mesh with an FSDP axis and no
+    tensor axis, else ``"width"``; a bad setting raises
     naming ``$CODA_JAX_FSDP_SPLIT`` or the argument and the choices."""
     from jax.sharding import AbstractMesh, AxisType
 
@@ -259,6 +260,16 @@ def test_fsdp_split_choice_and_its_errors(monkeypatch):
     assert choose_fsdp_split(fsdp2, 8192, one_b.block_weights_per_width) == "width"
     assert choose_fsdp_split(fsdp2, 8192, eight_b.block_weights_per_width) == "features"
     assert choose_fsdp_split(fsdp2, 16384, eight_b.block_weights_per_width) == "width"
+    # Fewer tokens a device than fsdp_xla_tokens_below (the tests set it to 0, see conftest):
+    # every GEMM is left to the partitioner on either split, so the features placement.
+    from coda_jax.partitioning import DEFAULT_FSDP_XLA_TOKENS_BELOW, FSDP_XLA_TOKENS_ENV
+
+    fsdp8 = auto((8,), ("fsdp",))
+    assert choose_fsdp_split(fsdp8, 8 * 1000) == "width"
+    monkeypatch.delenv(FSDP_XLA_TOKENS_ENV, raising=False)
+    assert DEFAULT_FSDP_XLA_TOKENS_BELOW == 1024
+    assert choose_fsdp_split(fsdp8, 8 * 1000) == "features" and choose_fsdp_split(fsdp8, 8 * 1024) == "width"
+    assert choose_fsdp_split(auto((8,), ("data",)), 1024) == "width"
     monkeypatch.delenv(FSDP_SPLIT_ENV, raising=False)
     assert fsdp_split() == "width" and not features_split(auto((2,), ("fsdp",)))
     with fsdp_split_as("features"):
@@ -303,3 +314,31 @@ def test_features_split_places_weights_along_their_features():
     assert blk["w_qkv"] == P("fsdp", None) and blk["w_o"] == P("fsdp", None) and blk["attn_norm"] == P()
     assert sp(specs["embed"]) == P("fsdp", None) and sp(specs["lm_head"]) == P("fsdp", None)
     assert sp(tp["blocks"][0]["w_gu"]) == P("fsdp", "tensor")
+
+
+def test_width_split_places_every_weight_along_its_rows():
+    """The width split without a tensor axis (``sharding.rows_first``): every 2-D weight's
+    FSDP split on its rows, where plain JAX's largest-dimension placement puts it (``w_o``,
+    ``w_down`` and the embedding too, whose logical columns are the width); a vocabulary the
+    axis does not divide keeps the split on the width; a tensor mesh keeps Megatron's."""
+    from flax import nnx
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.partitioning import fsdp_split_as
+    from coda_jax.sharding import logical_partition_specs
+
+    sp = lambda v: v.get_value() if isinstance(v, nnx.Variable) else v  # noqa: E731
+    for vocab, head in ((256, P("fsdp", None)), (255, P(None, "fsdp"))):
+        cfg = LlamaConfig.tiny(vocab_size=vocab, hidden_size=64, intermediate_size=192, num_layers=1, num_heads=4,
+                               num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
+        state = nnx.state(CodaLlama(cfg, rngs=nnx.Rngs(0)))
+        with fsdp_split_as("width"):
+            specs = logical_partition_specs(state, AbstractMesh((2, 2), ("data", "fsdp")))
+            tp = logical_partition_specs(state, AbstractMesh((2, 2), ("fsdp", "tensor")))
+        blk = {k: sp(v) for k, v in specs["blocks"][0].items()}
+        assert {k: blk[k] for k in ("w_qkv", "w_o", "w_gu", "w_down")} == dict.fromkeys(
+            ("w_qkv", "w_o", "w_gu", "w_down"), P("fsdp", None)), blk
+        assert sp(specs["embed"]) == head and sp(specs["lm_head"]) == head and blk["attn_norm"] == P()
+        assert sp(tp["blocks"][0]["w_down"]) == P("tensor", "fsdp") and sp(tp["embed"]) == P(None, "fsdp")
