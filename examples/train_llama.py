@@ -70,7 +70,8 @@ def parse_args(argv=None):
                    help="which dimension FSDP splits each weight along (coda_jax.partitioning.set_fsdp_split): "
                         "width (gathered per layer, ZeRO-3), features (few tokens a step: XLA runs the MLP and "
                         "attention tensor-parallel over the fsdp axis), auto (features when each FSDP group's "
-                        "tokens a step are at most 0.21 of a block's weights over the width: 6236 for 1b)")
+                        "tokens a step are at most 0.21 of a block's weights over the width, 6236 for 1b, or each "
+                        "device has under 1024)")
     p.add_argument("--init-from", default=None,
                    help="start from these weights (fine-tuning): a Hugging Face checkpoint directory (its config "
                         "and its tokenizer.json replace --preset/--layers/--vocab) or another "
