@@ -300,6 +300,13 @@ def case_fsdp_step_gathers(backend: str) -> None:
                (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)}
     raw = _weight_gathers_of_parameters(hlo, weights)
     assert not raw, f"{backend}: float32 parameters gathered before their cast:\n" + "\n".join(raw)
+    # ... and along its rows (sharding.rows_first): a gather along the columns of a row-major
+    # weight wants a column-major buffer, and its gradient's reduce-scatter made XLA's
+    # optimizer update read the parameter and both moments transposed (RESULTS.md runs
+    # 284-285, 290).
+    across = [line[:200] for _, dims, _, line in all_gathers(hlo)
+              if tuple(dims) in weights and "dimensions={0}" not in line]
+    assert not across, f"{backend}: weights gathered along their columns:\n" + "\n".join(across)
     if backend == "xla":  # the head's split is the model's choice, the same for every backend
         # With the token-split head (CODA_JAX_FSDP_VOCAB_PARALLEL=0): no activation gather
         # but the lookup's cotangent, the head weight gathered whole instead, and the same loss.
