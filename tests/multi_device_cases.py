@@ -390,6 +390,11 @@ def case_fsdp_features_split(backend: str) -> None:
     mlp = {(cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)}
     gathered = [line for _, dims, _, line in all_gathers(hlo) if tuple(dims) in mlp]
     assert not gathered, f"{backend}: MLP weights gathered whole with the features split:\n" + "\n".join(gathered)
+    # The attention weights it gathers, along their rows (w_qkv split by columns was gathered
+    # and reduce-scattered column-major: RESULTS.md runs 284-286)
+    attn = {(cfg.hidden_size, cfg.qkv_size), (cfg.num_heads * cfg.head_dim, cfg.hidden_size)}
+    across = [line[:200] for _, dims, _, line in all_gathers(hlo) if tuple(dims) in attn and "dimensions={0}" not in line]
+    assert not across, f"{backend}: attention weights gathered along their columns:\n" + "\n".join(across)
     assert [1 for _, dims, _, _ in all_gathers(hlo_w) if tuple(dims) in mlp], "width split: expected ZeRO-3 gathers"
     assert abs(loss - loss_w) <= 1e-3 * abs(loss_w), (loss, loss_w)
     print(f"OK fsdp_features_{backend}")
