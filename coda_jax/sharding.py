@@ -128,7 +128,9 @@ def rows_first(spec: P, shape: tuple[int, ...], mesh) -> P:
 def logical_partition_specs(state: Any, mesh, rules=None) -> Any:
     """``nnx.get_partition_spec(state)`` under ``rules``, made valid for ``mesh``: a mesh axis
     the mesh lacks (or of size 1), or one that does not divide its dimension, becomes
-    ``None``. Variables without logical names get ``P()``. As any Flax model:
+    ``None``. Variables without logical names get ``P()``. With ``rules=None`` (the rules in
+    force, :func:`axis_rules`) each spec also passes through :func:`rows_first`. As any Flax
+    model:
 
         specs = logical_partition_specs(nnx.state(model), mesh)
         state = jax.device_put(nnx.state(model), jax.tree.map(lambda p: NamedSharding(mesh, p), specs))
@@ -201,7 +203,8 @@ def shard_state(state: Any, mesh, axis: str = FSDP_AXIS) -> Any:
     An ``nnx.State`` whose parameters carry logical axis names (the coda-jax layers'
     parameters do, and so do their optimizer moments) is placed by
     :func:`logical_partition_specs` (:data:`LOGICAL_AXIS_RULES`: FSDP over the model width,
-    tensor parallel over MLP features and heads). A plain pytree of arrays is placed by
+    moved to each weight's rows without a tensor axis by :func:`rows_first`; tensor parallel
+    over MLP features and heads; :data:`FEATURE_AXIS_RULES` under the features split). A plain pytree of arrays is placed by
     :func:`param_spec` (the largest dimension over ``axis``, the block weights'
     :data:`TENSOR_SPLIT_DIM` over ``"tensor"``). Everything else is replicated."""
     if axis == FSDP_AXIS and _has_logical_names(state):
