@@ -141,9 +141,15 @@ def logical_partition_specs(state: Any, mesh, rules=None) -> Any:
     with spmd.logical_axis_rules(axis_rules(mesh) if rules is None else rules):
         specs = nnx.get_partition_spec(state)
 
-    fit = (lambda x, spec: _fit_spec(x.shape, spec, mesh)) if rules is not None else (  # noqa: E731
-        lambda x, spec: rows_first(_fit_spec(x.shape, spec, mesh), x.shape, mesh))
-    return jax.tree.map(fit, state, specs)
+    if rules is not None:
+        return jax.tree.map(lambda x, spec: _fit_spec(x.shape, spec, mesh), state, specs)
+    return jax.tree.map(lambda x, spec: _spec_in_force(x.shape, spec, mesh), state, specs)
+
+
+def _spec_in_force(shape: tuple[int, ...], spec, mesh) -> P:
+    """A parameter's placement on ``mesh`` from ``spec`` (its logical names under
+    :func:`axis_rules`): :func:`_fit_spec`, then :func:`rows_first`."""
+    return rows_first(_fit_spec(shape, spec, mesh), shape, mesh)
 
 
 def _fit_spec(shape: tuple[int, ...], spec, mesh) -> P:
@@ -173,7 +179,7 @@ def cast_for_use(var, dtype=None, whole: bool = True) -> jax.Array:
     names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
     if mesh is not None and names and not mesh.are_all_axes_explicit and not getattr(mesh, "manual_axes", ()):
         rules = dict(axis_rules(mesh))
-        spec = rows_first(_fit_spec(c.shape, [rules.get(n) for n in names], mesh), c.shape, mesh)
+        spec = _spec_in_force(c.shape, [rules.get(n) for n in names], mesh)
         if any(spec):
             c = jax.lax.with_sharding_constraint(c, spec)
     return keep(c)

@@ -252,6 +252,15 @@ def _fsdp2_setup(backend: str):
     return cfg, batch, seq, tokens, mesh_from_spec("fsdp=2", jax.devices()[:2])
 
 
+def _gathered_along_columns(hlo: str, shapes: set[tuple[int, int]]) -> list[str]:
+    """The all-gathers in compiled HLO text of a weight shaped as one of ``shapes`` that
+    gather along another dimension than the first, each as the start of its line."""
+    _benchmark_tools_on_path()
+    from train_step_bench import all_gathers
+
+    return [line[:200] for _, dims, _, line in all_gathers(hlo) if tuple(dims) in shapes and "dimensions={0}" not in line]
+
+
 def case_fsdp_step_gathers(backend: str) -> None:
     """The example's train step (``examples/train_llama.make_steps``: loss, gradients, AdamW)
     of CodaLlama with FSDP-split state on ``fsdp=2``: no activation-shaped all-gather in the
@@ -286,8 +295,9 @@ def case_fsdp_step_gathers(backend: str) -> None:
     # plain JAX places it), so the lookup's backward gathers the cotangent [batch, seq, d] of
     # the group's tokens to scatter it into the local vocabulary rows, where the table split
     # along the width was resharded by all-to-alls, V x d / n each way.
+    lookup_shape = rf"\[{batch},{seq},{cfg.hidden_size}\]"
     head = [g for g in gathers if re.search(rf"\[{batch * seq},{cfg.hidden_size}\]", g)]
-    lookup = [g for g in gathers if re.search(rf"\[{batch},{seq},{cfg.hidden_size}\]", g)]
+    lookup = [g for g in gathers if re.search(lookup_shape, g)]
     assert len(head) == 1 and len(lookup) <= 1 and len(gathers) == len(head) + len(lookup), \
         f"{backend}: activation-shaped all-gathers under FSDP besides the LM head's input and the lookup's " \
         "cotangent:\n" + "\n".join(gathers)
@@ -304,8 +314,7 @@ def case_fsdp_step_gathers(backend: str) -> None:
     # weight wants a column-major buffer, and its gradient's reduce-scatter made XLA's
     # optimizer update read the parameter and both moments transposed (RESULTS.md runs
     # 284-285, 290).
-    across = [line[:200] for _, dims, _, line in all_gathers(hlo)
-              if tuple(dims) in weights and "dimensions={0}" not in line]
+    across = _gathered_along_columns(hlo, weights)
     assert not across, f"{backend}: weights gathered along their columns:\n" + "\n".join(across)
     if backend == "xla":  # the head's split is the model's choice, the same for every backend
         # With the token-split head (CODA_JAX_FSDP_VOCAB_PARALLEL=0): no activation gather
@@ -315,8 +324,7 @@ def case_fsdp_step_gathers(backend: str) -> None:
             loss_t, hlo_t, _ = compiled_step()
         finally:
             del os.environ[FSDP_VOCAB_PARALLEL_ENV]
-        others = [g for g in activation_gathers(hlo_t, batch, seq, floating_only=True)
-                  if not re.search(rf"\[{batch},{seq},{cfg.hidden_size}\]", g)]
+        others = [g for g in activation_gathers(hlo_t, batch, seq, floating_only=True) if not re.search(lookup_shape, g)]
         assert not others, "activation gathers, token-split head:\n" + "\n".join(others)
         assert any(dims == [cfg.vocab_size, cfg.hidden_size] for _, dims, _, _ in all_gathers(hlo_t)), \
             "the token-split head did not gather its weight"
@@ -393,7 +401,7 @@ def case_fsdp_features_split(backend: str) -> None:
     # The attention weights it gathers, along their rows (w_qkv split by columns was gathered
     # and reduce-scattered column-major: RESULTS.md runs 284-286)
     attn = {(cfg.hidden_size, cfg.qkv_size), (cfg.num_heads * cfg.head_dim, cfg.hidden_size)}
-    across = [line[:200] for _, dims, _, line in all_gathers(hlo) if tuple(dims) in attn and "dimensions={0}" not in line]
+    across = _gathered_along_columns(hlo, attn)
     assert not across, f"{backend}: attention weights gathered along their columns:\n" + "\n".join(across)
     assert [1 for _, dims, _, _ in all_gathers(hlo_w) if tuple(dims) in mlp], "width split: expected ZeRO-3 gathers"
     assert abs(loss - loss_w) <= 1e-3 * abs(loss_w), (loss, loss_w)
