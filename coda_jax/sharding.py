@@ -107,22 +107,32 @@ def logical_param(value: jax.Array, names: tuple[str, ...]):
 
 def rows_first(spec: P, shape: tuple[int, ...], mesh) -> P:
     """``spec`` of a 2-D weight split over ``"fsdp"`` along its columns, moved to its rows
-    where the FSDP axis divides them, on a mesh with an FSDP axis, no tensor axis and the
-    width split (``w_o``, ``w_down`` and the embedding, whose logical columns are the width);
-    any other ``spec`` as it is.
+    where the rows divide, under the width split (``w_o``, ``w_down`` and the embedding,
+    whose logical columns are the width); any other ``spec`` as it is.
 
-    The width split gathers each weight whole, so which dimension holds the split changes
-    only the layouts: split along the columns of a row-major array, the gathers and the
-    gradient's reduce-scatter want column-major buffers, and XLA then makes the optimizer
-    update read the parameter and both moments transposed (as it did for ``w_qkv`` under the
-    features split, RESULTS.md runs 284-285); the vocabulary-parallel LM head's ``shard_map``
-    wants the table split by vocabulary. Plain JAX's largest-dimension placement splits all
-    three along their rows."""
-    n = _axis_size(mesh, FSDP_AXIS)
-    if (len(shape) != 2 or tuple(spec) != (None, FSDP_AXIS) or shape[0] % n
-            or not partitioning.fsdp_without_tensor(mesh) or partitioning.features_split(mesh)):
-        return spec
-    return P(FSDP_AXIS, None)
+    On a mesh without a tensor axis ``P(None, "fsdp")`` becomes ``P("fsdp", None)``. With a
+    tensor axis the rows may already be split over ``"tensor"`` (``w_o``, ``w_down``:
+    ``P("tensor", "fsdp")``), and FSDP joins it there: ``P(("tensor", "fsdp"), None)``,
+    tensor-major, so that gathering over ``"fsdp"`` leaves each tensor shard its own
+    contiguous rows, the ``P("tensor", None)`` the block's ``shard_map`` takes (the
+    embedding, ``P(None, "fsdp")``, becomes ``P("fsdp", None)`` there too).
+
+    The width split gathers each weight whole (over ``"fsdp"``), so which dimension holds
+    the split changes only the layouts: split along the columns of a row-major array, the
+    gathers and the gradient's reduce-scatter want column-major buffers, and XLA then makes
+    the optimizer update read the parameter and both moments transposed (as it did for
+    ``w_qkv`` under the features split, RESULTS.md runs 284-285); the vocabulary-parallel
+    LM head's ``shard_map`` wants the table split by vocabulary, and resharded a width-split
+    one by all-to-alls. Plain JAX's largest-dimension placement splits all three along their
+    rows."""
+    spec = tuple(spec)
+    if (len(shape) != 2 or len(spec) != 2 or spec[1] != FSDP_AXIS or spec[0] not in (None, TENSOR_AXIS)
+            or partitioning.features_split(mesh)):
+        return P(*spec)
+    rows = (spec[0], FSDP_AXIS) if spec[0] else FSDP_AXIS
+    if shape[0] % (_axis_size(mesh, FSDP_AXIS) * (_axis_size(mesh, spec[0]) if spec[0] else 1)):
+        return P(*spec)
+    return P(rows, None)
 
 
 def logical_partition_specs(state: Any, mesh, rules=None) -> Any:

@@ -478,6 +478,16 @@ def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: 
         got = step(s_state, s_tokens)
         hlo = step.lower(s_state, s_tokens).compile().as_text()
     assert "reduce-scatter" in hlo, "no reduce-scatter in the tensor-parallel step (row-parallel GEMMs)"
+    # FSDP gathers each tensor shard's block weights along their rows (sharding.rows_first:
+    # w_o and w_down stored P(("tensor", "fsdp"), None)); stored P("tensor", "fsdp"), they were
+    # gathered along dimension 1, column-major, as on the FSDP mesh of RESULTS.md runs 284-290.
+    t = shape[2]
+    weights = {(cfg.hidden_size, 2 * cfg.intermediate_size // t), (cfg.num_heads * cfg.head_dim // t, cfg.hidden_size),
+               (cfg.intermediate_size // t, cfg.hidden_size)}
+    # (Gathers over "tensor" alone are W_q / W_k / W_v's column groups, which are whole
+    # over that axis, and their gradients; at these sizes W_q shares w_gu's shard shape.)
+    across = [g for g in _gathered_along_columns(hlo, weights) if "{'tensor'}" not in g]
+    assert not across, f"TP {backend} {shape}: weights gathered along their columns:\n" + "\n".join(across)
     _assert_matches(got, want, 1e-4 if dtype == "float32" else 2e-2, f"TP {backend} {shape} {mode} {dtype}")
     # A head count the tensor axis does not divide is refused by name (where it does not
     # divide: over a tensor axis of 2 the same model is valid, and would only run eagerly here).

@@ -219,11 +219,13 @@ def test_parameters_carry_logical_axis_names_that_shard_like_any_flax_model():
     specs = logical_partition_specs(nnx.state((model, opt)), mesh)
     sp = lambda v: v.get_value() if isinstance(v, nnx.Variable) else v  # noqa: E731
     blk = {k: sp(v) for k, v in specs[0]["blocks"][0].items()}
-    assert blk["w_gu"] == P("fsdp", "tensor") and blk["w_down"] == P("tensor", "fsdp")
-    assert blk["w_o"] == P("tensor", "fsdp") and blk["w_qkv"] == P("fsdp", None)
+    # (FSDP joins the tensor split on the rows of w_down and w_o: sharding.rows_first.)
+    assert blk["w_gu"] == P("fsdp", "tensor") and blk["w_down"] == P(("tensor", "fsdp"), None)
+    assert blk["w_o"] == P(("tensor", "fsdp"), None) and blk["w_qkv"] == P("fsdp", None)
     assert blk["attn_norm"] == P() and blk["q_norm"] == P()
     assert sp(specs[0]["lm_head"]) == P(None, "fsdp")  # vocab 250: not split
     assert sp(specs[1]["opt_state"][0]["mu"]["blocks"][0]["w_gu"]) == P("fsdp", "tensor")
+    assert sp(specs[1]["opt_state"][0]["nu"]["blocks"][0]["w_down"]) == P(("tensor", "fsdp"), None)
     # A tensor axis of 128 divides the 384 gate/up columns but not the 192 rows of w_down.
     specs8 = logical_partition_specs(nnx.state(model), AbstractMesh((128,), ("tensor",)))
     assert sp(specs8["blocks"][0]["w_down"]) == P() and sp(specs8["blocks"][0]["w_gu"]) == P(None, "tensor")
@@ -317,10 +319,13 @@ def test_features_split_places_weights_along_their_features():
 
 
 def test_width_split_places_every_weight_along_its_rows():
-    """The width split without a tensor axis (``sharding.rows_first``): every 2-D weight's
-    FSDP split on its rows, where plain JAX's largest-dimension placement puts it (``w_o``,
-    ``w_down`` and the embedding too, whose logical columns are the width); a vocabulary the
-    axis does not divide keeps the split on the width; a tensor mesh keeps Megatron's."""
+    """The width split (``sharding.rows_first``): every 2-D weight's FSDP split on its rows,
+    where plain JAX's largest-dimension placement puts it (``w_o``, ``w_down`` and the
+    embedding too, whose logical columns are the width); a vocabulary the axis does not
+    divide keeps the split on the width. On a tensor mesh FSDP joins the tensor split of
+    ``w_o`` and ``w_down``'s rows, tensor-major (``P(("tensor", "fsdp"), None)``: gathered
+    over FSDP, each tensor shard's rows, as the block's ``shard_map`` takes them), and
+    ``w_gu`` keeps Megatron's column split."""
     from flax import nnx
     from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as P
@@ -341,4 +346,7 @@ def test_width_split_places_every_weight_along_its_rows():
         assert {k: blk[k] for k in ("w_qkv", "w_o", "w_gu", "w_down")} == dict.fromkeys(
             ("w_qkv", "w_o", "w_gu", "w_down"), P("fsdp", None)), blk
         assert sp(specs["embed"]) == head and sp(specs["lm_head"]) == head and blk["attn_norm"] == P()
-        assert sp(tp["blocks"][0]["w_down"]) == P("tensor", "fsdp") and sp(tp["embed"]) == P(None, "fsdp")
+        tblk = {k: sp(v) for k, v in tp["blocks"][0].items()}
+        assert tblk["w_down"] == tblk["w_o"] == P(("tensor", "fsdp"), None), tblk
+        assert tblk["w_gu"] == P("fsdp", "tensor") and tblk["w_qkv"] == P("fsdp", None), tblk
+        assert sp(tp["embed"]) == head and sp(tp["lm_head"]) == head
