@@ -7,9 +7,10 @@
 benchmark, e.g. ``op:norm_matmul:2048``): autotunes every Pallas kernel call of
 that CodaLlama training step (:func:`coda_jax.pallas.autotune.autotune`: each call under the
 heuristic configuration and the candidates, outputs checked against the heuristic's, CUPTI
-time) and writes the winners to ``<out>/tuned_h100.json``, merged with ``--table`` (default:
-the package's shipped table), ready to copy to ``coda_jax/pallas/tuned_h100.json``. Every
-measurement goes to ``<out>/tune_model.json``.
+time) and writes the winners to ``<out>/tuned_<gpu>.json`` (``tuned_h100.json`` on an H100,
+``tuned_h200.json`` on an H200: :func:`coda_jax.pallas.tuned.table_file_name`), merged with
+``--table`` (default: the package's shipped table for this GPU, if any; ``none``: no merge),
+ready to copy to ``coda_jax/pallas/``. Every measurement goes to ``<out>/tune_model.json``.
 
 ``--mainloop`` (the default when no sweep is named): the identity GEMM at M=8192 tokens and
 the Llama (K, N) pairs, in the forward, dgrad (``a @ b^T``) and wgrad (``a^T @ b``) layouts,
@@ -53,7 +54,7 @@ from bench import Inputs, median_ms  # noqa: E402
 from coda_jax import programs  # noqa: E402
 from coda_jax.pallas import autotune as at  # noqa: E402
 from coda_jax.pallas.autotune import kernel_ms  # noqa: E402
-from coda_jax.pallas.tuned import SHIPPED_TABLE  # noqa: E402
+from coda_jax.pallas.tuned import SHIPPED_TABLES, table_file_name  # noqa: E402
 from coda_jax.pallas.lowering import PallasLowering  # noqa: E402
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig  # noqa: E402
 
@@ -314,8 +315,12 @@ def model_step(spec: str):
 
 def model_sweep(args, out: Path):
     """Autotunes the training steps of ``args.model`` and writes the merged table."""
-    table_path = Path(args.table) if args.table else SHIPPED_TABLE
-    table = json.loads(table_path.read_text()) if table_path.exists() else None
+    name = table_file_name(jax.devices()[0].device_kind)
+    if args.table == "none":
+        table_path = None
+    else:
+        table_path = Path(args.table) if args.table else next((p for p in SHIPPED_TABLES if p.name == name), None)
+    table = json.loads(table_path.read_text()) if table_path and table_path.exists() else None
     rows = json.loads(Path(args.resume).read_text()) if args.resume else []  # calls measured before: not again
     names = args.variants.split(",") if args.variants else None
     log = functools.partial(print, flush=True)
@@ -331,7 +336,7 @@ def model_sweep(args, out: Path):
         if args.heat:
             new["heat_s"] = args.heat
         table = at.merge_tables(table, new)
-        at.write_table(table, out / "tuned_h100.json", merge=False)
+        at.write_table(table, out / name, merge=False)
         (out / "tune_model.json").write_text(json.dumps(rows, indent=1))
         for e in new["entries"]:
             print(f"TUNED {spec} {e['program']:18s} {e['layout']} {e['m']}x{e['n']}x{e['k']} {e['candidate']:18s} "
@@ -357,7 +362,8 @@ def main():
     ap.add_argument("--model", action="append", default=[],
                     help="autotune this CodaLlama training step: preset[-layers]:batch:seq, or one fused op of "
                          "the op benchmark: op:name:d (repeatable)")
-    ap.add_argument("--table", default=None, help="--model: the table to merge into (default: the shipped one)")
+    ap.add_argument("--table", default=None, help="--model: the table to merge into (default: the shipped one "
+                    "for this GPU; 'none': start empty)")
     ap.add_argument("--budget", type=float, default=None, help="--model: seconds per model before it stops tuning")
     ap.add_argument("--with-incumbents", action="store_true",
                     help="--model: also time each GEMM's winner in the table merged into (so a sweep of "

@@ -6,6 +6,7 @@ runs in ``benchmarks/tune.py --model`` on the device; every shipped entry runs t
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -88,18 +89,42 @@ def test_tuned_config_applies_only_where_measured(table_file, monkeypatch):
         T.tuned_config(*args, H100, 132)
 
 
-def test_shipped_table_is_valid():
-    """The package's table (if any) parses, and every entry names a program the library has."""
-    t = T.load_table(str(T.SHIPPED_TABLE))
-    if t is None:
-        pytest.skip("no tuned table shipped")
+def test_each_gpu_kind_takes_its_own_shipped_table(tmp_path, monkeypatch):
+    """With no $CODA_JAX_PALLAS_TUNED every shipped table is looked at, and the one measured
+    on the GPU's kind (and SM count) answers; a GPU no table lists gets the heuristics."""
+    h100, h200 = tmp_path / "tuned_h100.json", tmp_path / "tuned_h200.json"
+    h100.write_text(json.dumps(_table([_entry(grid_minor_dim="m")])))
+    h200.write_text(json.dumps(_table([_entry(cluster_dimension=None)], kinds=("NVIDIA H200",))))
+    monkeypatch.delenv(T.TUNED_ENV, raising=False)
+    monkeypatch.setattr(T, "SHIPPED_TABLES", (h100, h200))
+    args = ("rms_rope", 8192, 3072, 2048, False, False)
+    assert T.tuned_config(*args, H100, 132).grid_minor_dim == "m"
+    got = T.tuned_config(*args, "NVIDIA H200", 132)
+    assert got.cluster_dimension is None and got.grid_minor_dim == CONFIG_TABLE["default"].grid_minor_dim
+    assert T.tuned_config(*args, "NVIDIA A100-SXM4-80GB", 108) is None
+    monkeypatch.setenv(T.TUNED_ENV, str(h100))  # the variable names one table: only it applies
+    assert T.tuned_config(*args, "NVIDIA H200", 132) is None
+
+
+def test_an_h100_table_is_shipped():
+    assert any(Path(p).name == "tuned_h100.json" for p in T.SHIPPED_TABLES), T.SHIPPED_TABLES
+    assert T.table_file_name(H100) == "tuned_h100.json" and T.table_file_name("NVIDIA H200") == "tuned_h200.json"
+    assert T.table_file_name("NVIDIA H100 PCIe") == "tuned_h100.json"
+    assert T.table_file_name("Some GPU") == "tuned_some_gpu.json"
+
+
+@pytest.mark.parametrize("path", T.SHIPPED_TABLES, ids=lambda p: p.name)
+def test_shipped_table_is_valid(path):
+    """Each of the package's tables parses, is named for the GPU kinds it lists, and every
+    entry names a program the library has."""
+    t = T.load_table(str(path))
     names = {e.name for e in (programs.RESIDUAL_RMS, programs.rms_swiglu(True), programs.rms_swiglu(False),
                               programs.rms_rope(64, None, False), programs.rms_rope(64, 1e-6, True),
                               programs.RMS_LSE, programs.RMS_LSE_LOGITS, programs.rms_dgrad(True),
                               programs.rms_dgrad(False), programs.CE_GRAD, programs.ACCUMULATE, programs.NORM_WGRAD,
                               programs.SWIGLU_DGRAD, programs.IDENTITY, programs.RESIDUAL, programs.ROW_SCALE)}
     assert t.entries and {e.program for e in t.entries} <= names
-    assert H100 in t.device_kinds and t.num_sms == 132
+    assert t.num_sms == 132 and {T.table_file_name(k) for k in t.device_kinds} == {path.name}, t.device_kinds
 
 
 class _FakeGpu:

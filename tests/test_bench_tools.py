@@ -97,7 +97,7 @@ def test_backend_variant_sets_and_restores_the_cutedsl_knobs(monkeypatch):
 def test_backend_variant_switches_the_pallas_knobs(monkeypatch, tmp_path):
     """``pallas@table=<path>`` (another tuned table) and ``pallas@os1`` (one output slot on
     every kernel) set their variables within and restore them after."""
-    from coda_jax.pallas.tuned import TUNED_ENV, active_table_path
+    from coda_jax.pallas.tuned import TUNED_ENV, active_table_paths
     from coda_jax.pallas.tuning import OUT_SLOTS_ENV
 
     monkeypatch.delenv(TUNED_ENV, raising=False)
@@ -105,8 +105,8 @@ def test_backend_variant_switches_the_pallas_knobs(monkeypatch, tmp_path):
     old = tmp_path / "old.json"
     old.write_text("{}")
     with bench.backend_variant(f"pallas@table={old}") as base:
-        assert base == "pallas" and active_table_path() == str(old)
-    assert TUNED_ENV not in os.environ and active_table_path() != str(old)
+        assert base == "pallas" and active_table_paths() == (str(old),)
+    assert TUNED_ENV not in os.environ and str(old) not in active_table_paths()
     with bench.backend_variant("pallas@os1") as base:
         assert base == "pallas" and os.environ[OUT_SLOTS_ENV] == "1"
     assert OUT_SLOTS_ENV not in os.environ
@@ -344,13 +344,13 @@ def test_summarize_reports_device_time_beside_wall_clock():
 
 
 def test_untuned_variant_turns_the_tuned_table_off(monkeypatch):
-    from coda_jax.pallas.tuned import TUNED_ENV, active_table_path
+    from coda_jax.pallas.tuned import TUNED_ENV, active_table_paths
 
     monkeypatch.delenv(TUNED_ENV, raising=False)
-    assert active_table_path() is not None
+    assert active_table_paths()
     with bench.backend_variant("pallas@untuned") as base:
-        assert base == "pallas" and active_table_path() is None
-    assert active_table_path() is not None
+        assert base == "pallas" and active_table_paths() == ()
+    assert active_table_paths()
 
 
 def test_per_gpu_trace_analysis_counts_overlapping_streams_once():
@@ -595,8 +595,8 @@ def test_a_config_variant_reaches_the_tuned_tables_entries():
     # variant must not leave (or find) entries parsed under another default.
     from coda_jax.pallas import tuned
 
-    path = str(tuned.SHIPPED_TABLE)
-    entries = lambda: [e.config for e in tuned.load_table(path).entries if e.config is not None]  # noqa: E731
+    entries = lambda: [e.config for path in tuned.SHIPPED_TABLES  # noqa: E731
+                       for e in tuned.load_table(str(path)).entries if e.config is not None]
     assert entries() and not any(c.swizzle_epilogue for c in entries())
     with bench.backend_variant("pallas@swizzle_epilogue=True"):
         assert all(c.swizzle_epilogue for c in entries())

@@ -192,10 +192,16 @@ def test_half_width_tile_without_cluster_on_gpu(epi, kw):
 
 
 def _shipped_entries():
-    from coda_jax.pallas.tuned import SHIPPED_TABLE, load_table
+    """The entries of every shipped tuned table (each GPU kind's) that hold a configuration,
+    one per (program, layout, configuration)."""
+    from coda_jax.pallas.tuned import SHIPPED_TABLES, load_table
 
-    table = load_table(str(SHIPPED_TABLE))
-    return [e for e in table.entries if e.config is not None] if table else []
+    seen = {}
+    for path in SHIPPED_TABLES:
+        for e in load_table(str(path)).entries:
+            if e.config is not None:
+                seen.setdefault((e.program, e.layout, e.config), e)
+    return list(seen.values())
 
 
 @pytest.mark.parametrize("entry", _shipped_entries(), ids=lambda e: f"{e.program}-{e.layout}-{e.m}x{e.n}x{e.k}")

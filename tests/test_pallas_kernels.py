@@ -778,12 +778,11 @@ def test_every_program_config_names_a_real_program():
 
 
 def _shipped_program_configs():
-    """(program case, config) of each distinct configuration in the shipped tuned table."""
-    from coda_jax.pallas.tuned import SHIPPED_TABLE, load_table
+    """(program case, config) of each distinct configuration in the shipped tuned tables."""
+    from coda_jax.pallas.tuned import SHIPPED_TABLES, load_table
 
-    table = load_table(str(SHIPPED_TABLE))
     seen = {}
-    for e in table.entries if table else ():
+    for e in (e for path in SHIPPED_TABLES for e in load_table(str(path)).entries):
         if e.config is not None:
             case = next((c for c in CASES if c[0].name == e.program), None)
             assert case is not None, f"tuned table entry for unknown program {e.program!r}"

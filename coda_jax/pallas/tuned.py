@@ -20,10 +20,13 @@ holds the :class:`TuningConfig` fields that differ from ``CONFIG_TABLE["default"
 ``null`` where no candidate beat the heuristics' choice (the GEMM keeps it, and borrows no
 neighbouring entry).
 
-Lookup (:func:`tuned_config`): the table shipped with the package (``tuned_h100.json``), or
+Lookup (:func:`tuned_config`): the tables shipped with the package, one per GPU kind
+(``tuned_<gpu>.json``, :func:`table_file_name`: ``tuned_h100.json``, ``tuned_h200.json``), or
 the file named by ``$CODA_JAX_PALLAS_TUNED``; ``CODA_JAX_PALLAS_TUNED=0`` turns tables off.
 A table applies only on a GPU whose ``device_kind`` it lists and whose SM count it was
-measured with (wave quantization depends on it). An entry matches a GEMM of the same
+measured with (wave quantization depends on it); the first shipped table that applies is
+used. The H200 has the H100's SMs and more memory bandwidth, and its own table: the
+winners differ where an epilogue's traffic matters. An entry matches a GEMM of the same
 program and layout whose (m, n, k) are each within a factor of 2 of the entry's; the
 nearest (in log distance) wins. Otherwise the heuristics decide.
 """
@@ -36,13 +39,15 @@ import functools
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 
 TUNED_ENV = "CODA_JAX_PALLAS_TUNED"
-SHIPPED_TABLE = Path(__file__).with_name("tuned_h100.json")
+# The tables shipped with the package, one per GPU kind (package data, pyproject.toml).
+SHIPPED_TABLES: tuple[Path, ...] = tuple(sorted(Path(__file__).parent.glob("tuned_*.json")))
 # An entry serves GEMMs whose every dimension is within this factor of its own.
 MATCH_FACTOR = 2.0
 _FIELDS = {f.name for f in dataclasses.fields(TuningConfig)}
@@ -160,15 +165,34 @@ def tables_disabled():
         _DISABLED[0] -= 1
 
 
-def active_table_path() -> str | None:
-    """The table file in use: ``$CODA_JAX_PALLAS_TUNED`` (``0``: none), else the shipped one;
-    None inside :func:`tables_disabled`."""
+def table_file_name(device_kind: str) -> str:
+    """The file a tuned table for GPUs of ``device_kind`` is shipped as: ``"NVIDIA H100 80GB
+    HBM3"`` -> ``"tuned_h100.json"``, ``"NVIDIA H200"`` -> ``"tuned_h200.json"`` (the model
+    name, lower case; the whole kind made a file name where it has none)."""
+    m = re.search(r"\b([A-Z]+\d{2,4}[A-Za-z]?)\b", device_kind)
+    slug = m.group(1) if m else re.sub(r"[^0-9A-Za-z]+", "_", device_kind).strip("_")
+    return f"tuned_{slug.lower() or 'gpu'}.json"
+
+
+def active_table_paths() -> tuple[str, ...]:
+    """The table files in use, in lookup order: ``$CODA_JAX_PALLAS_TUNED`` (``0``: none), else
+    the shipped ones (:data:`SHIPPED_TABLES`); none inside :func:`tables_disabled`."""
     env = os.environ.get(TUNED_ENV, "").strip()
     if env == "0" or _DISABLED[0]:
-        return None
+        return ()
     if env and not Path(env).exists():
         raise ValueError(f"${TUNED_ENV}={env!r}: no such file (set it to a tuned table's path, or 0 to turn tables off)")
-    return env or str(SHIPPED_TABLE)
+    return (env,) if env else tuple(str(p) for p in SHIPPED_TABLES)
+
+
+def table_for(device_kind: str, num_sms: int) -> TunedTable | None:
+    """The first table in use (:func:`active_table_paths`) measured on this GPU kind and SM
+    count, or None."""
+    for path in active_table_paths():
+        table = load_table(path)
+        if table is not None and table.applies_to(device_kind, num_sms):
+            return table
+    return None
 
 
 def tuned_config(program: str, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
@@ -177,9 +201,8 @@ def tuned_config(program: str, m: int, n: int, k: int, transpose_a: bool, transp
 
     An entry whose tile cannot hold the epilogue's pair block (``pair_width``) is skipped.
     """
-    path = active_table_path()
-    table = load_table(path) if path else None
-    if table is None or not table.applies_to(device_kind, num_sms):
+    table = table_for(device_kind, num_sms)
+    if table is None:
         return None
     entry = table.lookup(program, layout_name(transpose_a, transpose_b), m, n, k)
     if entry is None or entry.config is None or (pair_width is not None and entry.config.tile_n % pair_width):
