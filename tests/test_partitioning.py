@@ -223,7 +223,7 @@ def test_parameters_carry_logical_axis_names_that_shard_like_any_flax_model():
     assert blk["w_gu"] == P("fsdp", "tensor") and blk["w_down"] == P(("tensor", "fsdp"), None)
     assert blk["w_o"] == P(("tensor", "fsdp"), None) and blk["w_qkv"] == P("fsdp", None)
     assert blk["attn_norm"] == P() and blk["q_norm"] == P()
-    assert sp(specs[0]["lm_head"]) == P(None, "fsdp")  # vocab 250: not split
+    assert sp(specs[0]["lm_head"]) == P("fsdp", None)  # the vocabulary (250) on its rows: rows_first
     assert sp(specs[1]["opt_state"][0]["mu"]["blocks"][0]["w_gu"]) == P("fsdp", "tensor")
     assert sp(specs[1]["opt_state"][0]["nu"]["blocks"][0]["w_down"]) == P(("tensor", "fsdp"), None)
     # A tensor axis of 128 divides the 384 gate/up columns but not the 192 rows of w_down.
