@@ -488,6 +488,11 @@ def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: 
     # over that axis, and their gradients; at these sizes W_q shares w_gu's shard shape.)
     across = [g for g in _gathered_along_columns(hlo, weights) if "{'tensor'}" not in g]
     assert not across, f"TP {backend} {shape}: weights gathered along their columns:\n" + "\n".join(across)
+    # No all-to-all: the embedding on its rows is not resharded, and W_qkv's Q / K / V column
+    # groups go to their tensor shards by a local slice and a gather along the rows
+    # (tensor_parallel._columns_over_tensor), not by all-to-alls over "fsdp".
+    a2a = [line.strip()[:200] for line in hlo.splitlines() if re.search(r"= .* all-to-all(-start)?\(", line)]
+    assert not a2a, f"TP {backend} {shape} {mode}: all-to-alls in the step:\n" + "\n".join(a2a)
     _assert_matches(got, want, 1e-4 if dtype == "float32" else 2e-2, f"TP {backend} {shape} {mode} {dtype}")
     # A head count the tensor axis does not divide is refused by name (where it does not
     # divide: over a tensor axis of 2 the same model is valid, and would only run eagerly here).

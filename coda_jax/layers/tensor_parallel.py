@@ -31,7 +31,8 @@ GEMM's op (no cross-layer :class:`~coda_jax.NormCarry` under TP).
 Weights enter the ``shard_map`` split as the math needs (``W_q``/``W_k``/``W_v`` and ``W_gu``
 by columns, ``W_o``/``W_down`` by rows); :func:`coda_jax.sharding.shard_state` stores them
 that way (``W_qkv`` excepted: its Q, K and V column groups are split separately, so it is
-stored whole along its columns). Gradients: ``shard_map``'s transpose (``check_vma=False``)
+stored whole along its columns; with an FSDP axis each group is sliced to its tensor
+shard's columns on the device that holds its rows, then gathered along the rows). Gradients: ``shard_map``'s transpose (``check_vma=False``)
 sums each input's cotangent over the axes its spec does not name, which is exactly the sum of
 the shards' partial gradients (data shards for every weight, tensor shards for the norm
 weights and for ``x``).
@@ -82,6 +83,20 @@ def check_tensor_parallel(config, batch: int, seq: int, mesh) -> None:
 
 
 
+def _columns_over_tensor(w: jax.Array, mesh) -> jax.Array:
+    """A column group of ``W_qkv`` (``[d, heads * hd]``, stored split over ``"fsdp"`` along its
+    rows and whole over ``"tensor"``) placed as ``P("fsdp", "tensor")`` under an Auto mesh:
+    each device keeps its own tensor shard's columns of its rows, a local slice, so the
+    ``shard_map``'s ``P(None, "tensor")`` is then a gather over ``"fsdp"`` along the rows.
+    Left to the partitioner, it went from rows over ``"fsdp"`` to columns over ``"tensor"``
+    by all-to-alls, or by replicating the whole group first (XLA's "involuntary full
+    rematerialization")."""
+    f = partitioning.axis_size(mesh, partitioning.FSDP_AXIS)
+    if mesh.are_all_axes_explicit or f <= 1 or w.shape[0] % f:
+        return w
+    return jax.lax.with_sharding_constraint(w, P(partitioning.FSDP_AXIS, TENSOR_AXIS))
+
+
 def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Array:
     """``block(x, positions)`` split over the context mesh's ``"tensor"`` axis.
 
@@ -104,8 +119,9 @@ def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Arra
     tok = dp if len(dp) > 1 else (dp[0] if dp else None)
     w = block._param
     w_qkv = w("w_qkv", dt)  # [d, (H + 2 KV) hd]: Q, K, V column groups, each split by heads
-    params = {"attn_norm": w("attn_norm"), "w_q": w_qkv[:, :nh * hd], "w_k": w_qkv[:, nh * hd:(nh + nkv) * hd],
-              "w_v": w_qkv[:, (nh + nkv) * hd:], "w_o": w("w_o", dt), "mlp_norm": w("mlp_norm"),
+    groups = {"w_q": w_qkv[:, :nh * hd], "w_k": w_qkv[:, nh * hd:(nh + nkv) * hd], "w_v": w_qkv[:, (nh + nkv) * hd:]}
+    params = {"attn_norm": w("attn_norm"), **{k: _columns_over_tensor(v, mesh) for k, v in groups.items()},
+              "w_o": w("w_o", dt), "mlp_norm": w("mlp_norm"),
               "w_gu": w("w_gu", dt), "w_down": w("w_down", dt), "inv_freq": w("inv_freq")}
     col, row = P(None, TENSOR_AXIS), P(TENSOR_AXIS, None)
     specs = {"attn_norm": P(), "w_q": col, "w_k": col, "w_v": col, "w_o": row, "mlp_norm": P(),
