@@ -30,12 +30,14 @@ FSDP_AXIS = partitioning.FSDP_AXIS
 # Logical axis names the layers attach to their parameters (``nnx.Param`` metadata
 # ``out_sharding``, :func:`logical_param`) and the mesh axis each maps to: FSDP splits the
 # model width (``qkv_embed`` is the width as ``w_qkv``'s rows), tensor parallelism the MLP
-# features and the attention heads (of ``w_o``; the ``qkv`` columns split inside the block,
-# see :data:`TENSOR_SPLIT_DIM`).
+# features, the attention heads (of ``w_o``; the ``qkv`` columns split inside the block,
+# see :data:`TENSOR_SPLIT_DIM`) and the vocabulary.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", "fsdp"), ("qkv_embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("qkv", None),
-    ("vocab", None), ("norm", None), ("head_dim", None),
+    ("vocab", "tensor"), ("norm", None), ("head_dim", None),
 )
+# (The vocabulary over "tensor": the vocab-parallel LM head takes the table split so, and a
+# table whole over "tensor" had its head gradient, V x d, gathered whole every step.)
 # Under FSDP with ``partitioning.fsdp_split() == "features"`` (and no tensor axis): the MLP
 # weights, ``w_o`` and the embedding split along their features, not the width (see
 # coda_jax.partitioning.FSDP_SPLIT_ENV). ``w_qkv`` keeps its rows split, as plain JAX places
@@ -219,8 +221,8 @@ def shard_state(state: Any, mesh, axis: str = FSDP_AXIS) -> Any:
     An ``nnx.State`` whose parameters carry logical axis names (the coda-jax layers'
     parameters do, and so do their optimizer moments) is placed by
     :func:`logical_partition_specs` (:data:`LOGICAL_AXIS_RULES`: FSDP over the model width,
-    moved to each weight's rows without a tensor axis by :func:`rows_first`; tensor parallel
-    over MLP features and heads; :data:`FEATURE_AXIS_RULES` under the features split). A plain pytree of arrays is placed by
+    moved to each weight's rows by :func:`rows_first`; tensor parallel over MLP features,
+    heads and the vocabulary; :data:`FEATURE_AXIS_RULES` under the features split). A plain pytree of arrays is placed by
     :func:`param_spec` (the largest dimension over ``axis``, the block weights'
     :data:`TENSOR_SPLIT_DIM` over ``"tensor"``). Everything else is replicated."""
     if axis == FSDP_AXIS and _has_logical_names(state):

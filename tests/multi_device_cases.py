@@ -509,6 +509,34 @@ def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: 
     print(f"OK tp_{backend}_{'x'.join(map(str, shape))}_{mode}_{dtype}")
 
 
+def case_tensor_step_embedding() -> None:
+    """The example's train step (loss, gradients, AdamW) on a ``tensor=2`` mesh and on
+    ``fsdp=2 x tensor=2``: the tied embedding is split by vocabulary over ``"tensor"``
+    (:data:`coda_jax.sharding.LOGICAL_AXIS_RULES`), as the vocab-parallel head takes it, so
+    its gradient is never gathered whole. Stored whole over ``"tensor"``, the head's
+    gradient ``[V / T, d]`` was gathered to ``[V, d]`` every step; with FSDP beside it, the
+    table went from its FSDP split to the head's tensor split by collective-permutes."""
+    _benchmark_tools_on_path()
+    from train_step_bench import all_gathers
+
+    from coda_jax.layers import LlamaConfig
+    from coda_jax.sharding import mesh_from_spec
+
+    cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=640, num_layers=1, num_heads=4,
+                           num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    tokens = jax.random.randint(jax.random.key(1), (8, 49), 0, cfg.vocab_size)
+    for spec in ("tensor=2", "fsdp=2,tensor=2"):
+        mesh = mesh_from_spec(spec, jax.devices()[:4 if "fsdp" in spec else 2])
+        loss, hlo, _ = _example_train_step(cfg, "xla", mesh, tokens)
+        assert np.isfinite(loss), (spec, loss)
+        whole = [line[:200] for _, dims, _, line in all_gathers(hlo) if dims == [cfg.vocab_size, cfg.hidden_size]]
+        assert not whole, f"{spec}: the embedding gathered whole:\n" + "\n".join(whole)
+        permuted = [line.strip()[:200] for line in hlo.splitlines()
+                    if re.search(rf"= \w+\[{cfg.vocab_size // 2},{cfg.hidden_size}\][^ ]* collective-permute", line)]
+        assert not permuted, f"{spec}: the embedding permuted between splits:\n" + "\n".join(permuted)
+    print("OK tp_step_embedding")
+
+
 MESH_FUZZ_MESHES = (
     ((8,), ("data",)), ((8,), ("fsdp",)), ((2,), ("fsdp",)), ((2, 4), ("data", "fsdp")), ((4, 2), ("data", "fsdp")),
     ((2, 2, 2), ("data", "fsdp", "tensor")), ((1, 2, 4), ("data", "fsdp", "tensor")), ((4, 1, 2), ("data", "fsdp", "tensor")),
@@ -803,6 +831,7 @@ def case_step_bench_on_meshes() -> None:
 
 CASES = {
     "train_mesh": case_train_example_on_meshes,
+    "tp_step_embedding": case_tensor_step_embedding,
     "step_bench": case_step_bench_on_meshes,
     "cutedsl_lowers": case_cutedsl_lowers_under_mesh,
     **{f"model_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model(b, s, m))

@@ -34,7 +34,7 @@ GROUPS = {
     "kernel_cache": ["kernel_cache_auto", "kernel_cache_explicit"],
     # Pallas under Explicit (Auto tensor parallel on Pallas runs on GPUs: tests/test_gpu_multi.py).
     "tensor_parallel": ["tp_xla_2x2x2_auto_float32", "tp_pallas_2x2x2_explicit_bfloat16",
-                        "tp_xla_2x1x4_explicit_float32"],
+                        "tp_xla_2x1x4_explicit_float32", "tp_step_embedding"],
 }
 
 
@@ -196,8 +196,8 @@ def test_fsdp_spec_splits_the_largest_divisible_dimension():
 
 def test_parameters_carry_logical_axis_names_that_shard_like_any_flax_model():
     """Every CodaLlama parameter (and its AdamW moments) carries logical names; under
-    LOGICAL_AXIS_RULES they give FSDP over the width and Megatron TP over MLP features and
-    heads, dropping mesh axes that are absent or do not divide the dimension."""
+    LOGICAL_AXIS_RULES they give FSDP over the width and Megatron TP over MLP features, heads
+    and the vocabulary, dropping mesh axes that are absent or do not divide the dimension."""
     import optax
     from flax import nnx
     from jax.sharding import AbstractMesh
@@ -223,7 +223,9 @@ def test_parameters_carry_logical_axis_names_that_shard_like_any_flax_model():
     assert blk["w_gu"] == P("fsdp", "tensor") and blk["w_down"] == P(("tensor", "fsdp"), None)
     assert blk["w_o"] == P(("tensor", "fsdp"), None) and blk["w_qkv"] == P("fsdp", None)
     assert blk["attn_norm"] == P() and blk["q_norm"] == P()
-    assert sp(specs[0]["lm_head"]) == P("fsdp", None)  # the vocabulary (250) on its rows: rows_first
+    # The vocabulary over "tensor" (the vocab-parallel head's split); 250 rows do not divide
+    # by tensor x fsdp, so FSDP stays on the width.
+    assert sp(specs[0]["lm_head"]) == P("tensor", "fsdp")
     assert sp(specs[1]["opt_state"][0]["mu"]["blocks"][0]["w_gu"]) == P("fsdp", "tensor")
     assert sp(specs[1]["opt_state"][0]["nu"]["blocks"][0]["w_down"]) == P(("tensor", "fsdp"), None)
     # A tensor axis of 128 divides the 384 gate/up columns but not the 192 rows of w_down.
@@ -349,4 +351,8 @@ def test_width_split_places_every_weight_along_its_rows():
         tblk = {k: sp(v) for k, v in tp["blocks"][0].items()}
         assert tblk["w_down"] == tblk["w_o"] == P(("tensor", "fsdp"), None), tblk
         assert tblk["w_gu"] == P("fsdp", "tensor") and tblk["w_qkv"] == P("fsdp", None), tblk
-        assert sp(tp["embed"]) == head and sp(tp["lm_head"]) == head
+        # The vocabulary over "tensor" too, FSDP beside it on the rows where they divide.
+        tp_head = P(("tensor", "fsdp"), None) if vocab % 4 == 0 else P(None, "fsdp")
+        assert sp(tp["embed"]) == tp_head and sp(tp["lm_head"]) == tp_head
+        t_only = logical_partition_specs(state, AbstractMesh((2,), ("tensor",)))
+        assert sp(t_only["embed"]) == (P("tensor", None) if vocab % 2 == 0 else P())
