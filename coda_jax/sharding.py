@@ -117,7 +117,7 @@ def rows_first(spec: P, shape: tuple[int, ...], mesh) -> P:
     ``P("tensor", "fsdp")``), and FSDP joins it there: ``P(("tensor", "fsdp"), None)``,
     tensor-major, so that gathering over ``"fsdp"`` leaves each tensor shard its own
     contiguous rows, the ``P("tensor", None)`` the block's ``shard_map`` takes (the
-    embedding, ``P(None, "fsdp")``, becomes ``P("fsdp", None)`` there too).
+    embedding, split by vocabulary over ``"tensor"``, likewise: the vocab-parallel head's).
 
     The width split gathers each weight whole (over ``"fsdp"``), so which dimension holds
     the split changes only the layouts: split along the columns of a row-major array, the
