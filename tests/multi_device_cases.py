@@ -488,6 +488,13 @@ def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: 
     # over that axis, and their gradients; at these sizes W_q shares w_gu's shard shape.)
     across = [g for g in _gathered_along_columns(hlo, weights) if "{'tensor'}" not in g]
     assert not across, f"TP {backend} {shape}: weights gathered along their columns:\n" + "\n".join(across)
+    # Each device gathers its tensor shard's columns of w_gu over "fsdp", never the whole
+    # [d, 2F] (under an Explicit mesh the block gathered every weight whole before).
+    _benchmark_tools_on_path()
+    from train_step_bench import all_gathers
+
+    whole = [line[:200] for _, dims, _, line in all_gathers(hlo) if dims == [cfg.hidden_size, 2 * cfg.intermediate_size]]
+    assert not whole, f"TP {backend} {shape} {mode}: w_gu gathered whole:\n" + "\n".join(whole)
     # No all-to-all: the embedding on its rows is not resharded, and W_qkv's Q / K / V column
     # groups go to their tensor shards by a local slice and a gather along the rows
     # (tensor_parallel._columns_over_tensor), not by all-to-alls over "fsdp".

@@ -49,7 +49,7 @@ from coda_jax.layers.attention import causal_attention
 from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
 from coda_jax.ops.swiglu_mlp import swiglu_mlp_partial
 from coda_jax.programs import SWIGLU_BLOCK
-from coda_jax.sharding import reshape_tokens
+from coda_jax.sharding import cast_for_use, reshape_tokens
 
 TENSOR_AXIS = "tensor"
 
@@ -85,16 +85,18 @@ def check_tensor_parallel(config, batch: int, seq: int, mesh) -> None:
 
 def _columns_over_tensor(w: jax.Array, mesh) -> jax.Array:
     """A column group of ``W_qkv`` (``[d, heads * hd]``, stored split over ``"fsdp"`` along its
-    rows and whole over ``"tensor"``) placed as ``P("fsdp", "tensor")`` under an Auto mesh:
+    rows and whole over ``"tensor"``) placed as ``P("fsdp", "tensor")``:
     each device keeps its own tensor shard's columns of its rows, a local slice, so the
-    ``shard_map``'s ``P(None, "tensor")`` is then a gather over ``"fsdp"`` along the rows.
+    ``shard_map``'s ``P(None, "tensor")`` is then a gather over ``"fsdp"`` along the rows
+    (under an Explicit mesh the same as a ``reshard``).
     Left to the partitioner, it went from rows over ``"fsdp"`` to columns over ``"tensor"``
     by all-to-alls, or by replicating the whole group first (XLA's "involuntary full
     rematerialization")."""
     f = partitioning.axis_size(mesh, partitioning.FSDP_AXIS)
-    if mesh.are_all_axes_explicit or f <= 1 or w.shape[0] % f:
+    if f <= 1 or w.shape[0] % f:
         return w
-    return jax.lax.with_sharding_constraint(w, P(partitioning.FSDP_AXIS, TENSOR_AXIS))
+    spec = P(partitioning.FSDP_AXIS, TENSOR_AXIS)
+    return jax.sharding.reshard(w, spec) if mesh.are_all_axes_explicit else jax.lax.with_sharding_constraint(w, spec)
 
 
 def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -117,7 +119,13 @@ def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Arra
     m = b * s
     dp = partitioning.token_axes(mesh)
     tok = dp if len(dp) > 1 else (dp[0] if dp else None)
-    w = block._param
+    # Each weight cast on its stored split (not gathered whole): the shard_map's in_specs
+    # below say what each device needs, so only the FSDP split is gathered (under an
+    # Explicit mesh, shard_map_over reshards to them; whole, every device gathered every
+    # weight over "tensor" too).
+    def w(name, dtype=None):
+        return cast_for_use(getattr(block, name), dtype, whole=False)
+
     w_qkv = w("w_qkv", dt)  # [d, (H + 2 KV) hd]: Q, K, V column groups, each split by heads
     groups = {"w_q": w_qkv[:, :nh * hd], "w_k": w_qkv[:, nh * hd:(nh + nkv) * hd], "w_v": w_qkv[:, (nh + nkv) * hd:]}
     params = {"attn_norm": w("attn_norm"), **{k: _columns_over_tensor(v, mesh) for k, v in groups.items()},
