@@ -13,6 +13,7 @@ Each case prints ``OK <case>`` or raises.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -623,9 +624,12 @@ def case_mesh_fuzz(seed: int, draws: int = 4) -> None:
 
 def case_fsdp_head_explicit() -> None:
     """Under an Explicit FSDP mesh the vocab-parallel LM head takes the head weight on its
-    stored split (``CodaLlama.vocab_weight(whole=False)``): no all-gather of the whole
-    ``[V, d]`` head in the compiled step besides the embedding lookup's read of the table
-    (three such gathers before: the lookup's, the head's forward and its backward)."""
+    stored split (``CodaLlama.vocab_weight(whole=False)``), and the embedding lookup reads
+    the table where its rows lie (``coda_jax.layers.embedding``): no all-gather of the whole
+    ``[V, d]`` table in the compiled step (three such gathers before the head's split: the
+    lookup's, the head's forward and its backward; one, the lookup's, before the split
+    lookup, with a dense ``[V, d]`` reduce-scatter in its backward). The same with tensor
+    parallelism beside FSDP (the table split by vocabulary over both)."""
     _benchmark_tools_on_path()
     from train_step_bench import all_gathers
 
@@ -634,12 +638,50 @@ def case_fsdp_head_explicit() -> None:
     cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=640, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
     tokens = jax.random.randint(jax.random.key(1), (8, 49), 0, cfg.vocab_size)
-    mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
-    loss, hlo, _ = _example_train_step(cfg, "xla", mesh, tokens)
-    assert np.isfinite(loss), loss
-    head = [line for _, dims, _, line in all_gathers(hlo) if dims == [cfg.vocab_size, cfg.hidden_size]]
-    assert len(head) <= 1, "the LM head weight gathered whole under Explicit FSDP:\n" + "\n".join(head)
+    for shape, names in (((2,), ("fsdp",)), ((2, 2), ("fsdp", "tensor"))):
+        mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape),
+                             devices=jax.devices()[:math.prod(shape)])
+        loss, hlo, _ = _example_train_step(cfg, "xla", mesh, tokens)
+        assert np.isfinite(loss), loss
+        whole = [line for _, dims, _, line in all_gathers(hlo) if dims == [cfg.vocab_size, cfg.hidden_size]]
+        assert not whole, f"{names}: the [V, d] table gathered whole under Explicit FSDP:\n" + "\n".join(whole)
+        scattered = [line.strip()[:200] for line in hlo.splitlines()
+                     if re.search(rf"= \w+\[{cfg.vocab_size},{cfg.hidden_size}\][^ ]* reduce-scatter", line)]
+        assert not scattered, f"{names}: a dense [V, d] cotangent reduce-scattered:\n" + "\n".join(scattered)
     print("OK fsdp_head_explicit")
+
+
+def case_embedding_explicit() -> None:
+    """``coda_jax.layers.embedding.embedding_lookup`` under Explicit meshes, the table split
+    by vocabulary over FSDP, tensor or both (the split lookup) or whole: the rows and the
+    table's gradient equal one device's (float32, the first and last rows among the tokens;
+    bfloat16 output)."""
+    from coda_jax.layers.embedding import embedding_lookup
+
+    v, d = 64 * 8, 16
+    table = jax.random.normal(jax.random.key(0), (v, d), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(1), (8, 12), 0, v).at[0, :2].set(jnp.array([0, v - 1]))
+    ct = jax.random.normal(jax.random.key(2), (8, 12, d), jnp.float32)
+
+    def loss(t, tok, dtype):
+        return jnp.sum(embedding_lookup(t, tok, dtype).astype(jnp.float32) * ct)
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        want = (jnp.take(table, tokens, axis=0).astype(dtype), jax.grad(loss)(table, tokens, dtype))
+        for shape, names, rows in (((8,), ("fsdp",), "fsdp"), ((2, 4), ("data", "fsdp"), "fsdp"),
+                                   ((2, 2, 2), ("data", "fsdp", "tensor"), ("tensor", "fsdp")),
+                                   ((2, 4), ("data", "tensor"), "tensor"), ((2, 4), ("data", "fsdp"), None)):
+            mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+            tok_axes = tuple(a for a in names if a in ("data", "fsdp"))
+            with jax.set_mesh(mesh):
+                t = jax.device_put(table, NamedSharding(mesh, P(rows, None)))
+                k = jax.device_put(tokens, NamedSharding(mesh, P(tok_axes if len(tok_axes) > 1 else tok_axes[0])))
+                got = jax.jit(lambda t, k: (embedding_lookup(t, k, dtype), jax.grad(loss)(t, k, dtype)))(t, k)
+            assert got[0].dtype == dtype and got[0].sharding.spec[0] == k.sharding.spec[0], (names, got[0].sharding)
+            np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+            np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6, atol=1e-6,
+                                       err_msg=f"{names} rows={rows} {dtype.__name__}")
+    print("OK embedding_explicit")
 
 
 def case_vocab_parallel_ce(shape: tuple[int, int, int], mode: str, axis: str = "tensor") -> None:
@@ -852,6 +894,7 @@ CASES = {
     "fsdp_gathers_xla": lambda: case_fsdp_step_gathers("xla"),
     "fsdp_gathers_pallas": lambda: case_fsdp_step_gathers("pallas"),
     "fsdp_head_explicit": case_fsdp_head_explicit,
+    "embedding_explicit": case_embedding_explicit,
     "fsdp_features_xla": lambda: case_fsdp_features_split("xla"),
     "fsdp_features_pallas": lambda: case_fsdp_features_split("pallas"),
     "kernel_cache_auto": lambda: case_kernel_cache_under_mesh("auto"),

@@ -23,7 +23,7 @@ from coda_jax.sharding import fsdp_spec
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
     "ops": ["ops_dp_auto", "ops_dp_explicit", "cutedsl_lowers", "wgrad_partials"],
-    "fsdp_gathers": ["fsdp_gathers_xla", "fsdp_gathers_pallas", "fsdp_head_explicit"],
+    "fsdp_gathers": ["fsdp_gathers_xla", "fsdp_gathers_pallas", "fsdp_head_explicit", "embedding_explicit"],
     "fsdp_features": ["fsdp_features_xla", "fsdp_features_pallas"],
     # Pallas on the 2-D meshes only (its 8-way data / FSDP paths run on GPUs: tests/test_gpu_multi.py).
     "model_auto": ["model_xla_8_auto", "model_xla_2x4_auto", "model_pallas_2x4_auto"],

@@ -11,30 +11,16 @@ from flax import nnx
 from coda_jax.backend import BackendUnavailableError, resolve_backend
 from coda_jax.layers.block import CodaLlamaBlock
 from coda_jax.layers.config import LlamaConfig
+from coda_jax.layers.embedding import embedding_lookup
 from coda_jax.layers.vocab_parallel import vocab_parallel_axis, vocab_parallel_cross_entropy
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
 from coda_jax.partitioning import context_mesh
 from coda_jax.pallas.interpret import interpret_enabled
-from coda_jax.sharding import cast_for_use, explicit_sharding, gathered, logical_param, reshape_tokens
+from coda_jax.sharding import cast_for_use, gathered, logical_param, reshape_tokens
 
 logger = logging.getLogger("coda_jax")
 _remat_interpret_logged: list[bool] = []
-
-
-def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``table [V, d]`` rows at ``tokens [B, S]`` -> ``[B, S, d]``.
-
-    Under an Explicit-mode mesh the gather's output sharding must be named: it follows the
-    tokens' (batch split as the tokens are, ``d`` unsplit), and a sharded table (FSDP) is
-    gathered first.
-    """
-    sh = explicit_sharding(tokens)
-    if sh is None:
-        return jnp.take(table, tokens, axis=0)
-    spec = tuple(sh.spec) + (None,) * (tokens.ndim - len(sh.spec))
-    table = jax.sharding.reshard(table, jax.sharding.PartitionSpec())
-    return table.at[tokens].get(out_sharding=jax.sharding.PartitionSpec(*spec, None))
 
 
 def _run_block(block: CodaLlamaBlock, x, positions, carry, next_norm):
@@ -98,7 +84,7 @@ class CodaLlama(nnx.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq] integers, got shape {tokens.shape}")
         b, s = tokens.shape
-        x = embedding_lookup(self.embed[...], tokens).astype(c.dtype)
+        x = embedding_lookup(self.embed[...], tokens, c.dtype)
         carry = None
         n = len(self.blocks)
         run = _run_block_remat if self._remat_blocks() else _run_block
