@@ -798,6 +798,30 @@ def test_gpu_suite_ncu_source_step_with_a_stub_ncu(tmp_path):
     assert run.returncode == 5, run.stdout[-2000:]
 
 
+def test_gpu_suite_packs_its_files_when_more_than_eight(tmp_path):
+    # The device tool returns at most 8 files of $OUT, the first in path order: with more,
+    # the script leaves one archive of all of them, named to sort first.
+    import tarfile
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'stub GPU'\n")
+    (bin_dir / "python3").write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "$@"\n')
+    for f in ("nvidia-smi", "python3"):
+        (bin_dir / f).chmod(0o755)
+    out = tmp_path / "out"
+    (out / "tune").mkdir(parents=True)
+    for i in range(9):
+        (out / "tune" / f"f{i}.txt").write_text(str(i))
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), SKIP_TESTS="1", SKIP_BENCH="1",
+               JAX_PLATFORMS="cpu")
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh")], env=env, cwd=ROOT, check=True,
+                   capture_output=True, text=True, timeout=300)
+    assert sorted(p.name for p in out.iterdir())[0] == "0_all.tgz"
+    with tarfile.open(out / "0_all.tgz") as tar:
+        assert {f"./tune/f{i}.txt" for i in range(9)} <= set(tar.getnames())
+
+
 def test_kernel_plans_prints_each_calls_plan(capsys):
     """``benchmarks/kernel_plans.py`` prints one row per kernel call of the step with each
     variant's planned configuration; one output slot shows as ``1o``, an unknown variant is
