@@ -42,6 +42,11 @@ def embedding_lookup(table: jax.Array, tokens: jax.Array, dtype=None) -> jax.Arr
     tspec = tuple(tsh.spec) + (None,) * (2 - len(tsh.spec)) if tsh is not None else (None, None)
     if tspec[0] is not None and tspec[1] is None:
         return _split_table_lookup(table, tokens, tspec[0], spec, dtype)
+    return _whole_table_lookup(table, tokens, spec, dtype)
+
+
+def _whole_table_lookup(table: jax.Array, tokens: jax.Array, spec: tuple, dtype) -> jax.Array:
+    """The lookup on the table gathered whole, the output split as the tokens (``spec``)."""
     table = jax.sharding.reshard(table, P())
     return table.at[tokens].get(out_sharding=P(*spec, None)).astype(dtype)
 
@@ -68,8 +73,7 @@ def _split_table_lookup(table: jax.Array, tokens: jax.Array, rows, spec: tuple, 
     if gather and batch_axes[-len(gather):] != gather:
         # The batch's split must end with the gathered axes, so that gathering them is a
         # tiled all-gather along the batch (it does for ("data", "fsdp") and rows over fsdp).
-        table = jax.sharding.reshard(table, P())
-        return table.at[tokens].get(out_sharding=P(*spec, None)).astype(dtype)
+        return _whole_table_lookup(table, tokens, spec, dtype)
     n_rows = table.shape[0] // math.prod(partitioning.axis_size(mesh, a) for a in row_axes)
 
     def body(tab, tok):
