@@ -32,8 +32,9 @@ Weights enter the ``shard_map`` split as the math needs (``W_q``/``W_k``/``W_v``
 by columns, ``W_o``/``W_down`` by rows); :func:`coda_jax.sharding.shard_state` stores them
 that way (``W_qkv`` excepted: its Q, K and V column groups are split separately, so it is
 stored whole along its columns; with an FSDP axis each group is sliced to its tensor
-shard's columns on the device that holds its rows, then gathered along the rows). Gradients: ``shard_map``'s transpose (``check_vma=False``)
-sums each input's cotangent over the axes its spec does not name, which is exactly the sum of
+shard's columns on the device that holds its rows, then gathered along the rows).
+Gradients: ``shard_map``'s transpose (``check_vma=False``) sums each input's cotangent
+over the axes its spec does not name, which is exactly the sum of
 the shards' partial gradients (data shards for every weight, tensor shards for the norm
 weights and for ``x``).
 """
