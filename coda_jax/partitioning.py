@@ -99,8 +99,9 @@ def fsdp_xla_tokens_below() -> int:
 FSDP_SPLIT_ENV = "CODA_JAX_FSDP_SPLIT"
 FSDP_SPLITS = ("width", "features")
 # Which dimension of each weight FSDP splits. "width" (the default): the model width
-# (``embed``; without a tensor axis each 2-D weight's split moves to its rows,
-# sharding.rows_first), every weight gathered whole where a GEMM uses it (ZeRO-3). "features": the
+# (``embed``; each 2-D weight's split then moves to its rows, beside a tensor split where
+# there is one, sharding.rows_first), every weight gathered whole where a GEMM uses it
+# (ZeRO-3). "features": the
 # MLP, attention and vocabulary features, where plain JAX's largest-dimension placement puts
 # them; every GEMM is then XLA ops left to the partitioner, which with few tokens in the FSDP
 # group runs the MLP as tensor parallelism over the FSDP axis (gathering activations, not
@@ -159,7 +160,7 @@ def fsdp_split() -> str:
     return _check_split(os.environ.get(FSDP_SPLIT_ENV, "").strip() or "width", f"${FSDP_SPLIT_ENV}")
 
 
-def fsdp_without_tensor(mesh) -> bool:
+def _fsdp_without_tensor(mesh) -> bool:
     """Whether ``mesh`` has an FSDP axis and no tensor axis: where the split can be the
     features (tensor parallelism keeps its own placement, :mod:`coda_jax.layers.tensor_parallel`)."""
     return mesh is not None and axis_size(mesh, FSDP_AXIS) > 1 and axis_size(mesh, "tensor") <= 1
@@ -168,7 +169,7 @@ def fsdp_without_tensor(mesh) -> bool:
 def features_split(mesh) -> bool:
     """Whether the weights on ``mesh`` are split along their features: :func:`fsdp_split` is
     ``"features"`` on a mesh with an FSDP axis and no tensor axis."""
-    return fsdp_without_tensor(mesh) and fsdp_split() == "features"
+    return _fsdp_without_tensor(mesh) and fsdp_split() == "features"
 
 
 def fsdp_split_on(mesh) -> str:
@@ -188,7 +189,7 @@ def choose_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int |
     split, and the features placement is the one made for it); else ``"width"``. (On an
     Explicit mesh the layers gather every weight themselves, so the partitioner has no
     choice to make.)"""
-    if not fsdp_without_tensor(mesh) or getattr(mesh, "are_all_axes_explicit", False):
+    if not _fsdp_without_tensor(mesh) or getattr(mesh, "are_all_axes_explicit", False):
         return "width"
     group_tokens = tokens_per_step // max(1, axis_size(mesh, "data"))
     if group_tokens // axis_size(mesh, FSDP_AXIS) < fsdp_xla_tokens_below():

@@ -72,10 +72,11 @@ class CodaLlamaBlock(nnx.Module):
             self.k_norm = p(jnp.ones((hd,), pd), ("head_dim",))
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(hd, c.rope_theta, c.rope_scaling)))
 
-    def _param(self, name: str, dtype=None) -> jax.Array:
+    def _param(self, name: str, dtype=None, whole: bool = True) -> jax.Array:
         """Parameter ``name`` as the layer uses it: cast to ``dtype`` (before any gather: half
-        the bytes), then whole on every device (:func:`coda_jax.sharding.cast_for_use`)."""
-        return cast_for_use(getattr(self, name), dtype)
+        the bytes), then whole on every device (``whole=False``: left on its stored split,
+        for a ``shard_map`` that takes its own part; :func:`coda_jax.sharding.cast_for_use`)."""
+        return cast_for_use(getattr(self, name), dtype, whole)
 
     def __call__(
         self,

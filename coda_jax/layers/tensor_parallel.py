@@ -50,7 +50,7 @@ from coda_jax.layers.attention import causal_attention
 from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
 from coda_jax.ops.swiglu_mlp import swiglu_mlp_partial
 from coda_jax.programs import SWIGLU_BLOCK
-from coda_jax.sharding import cast_for_use, reshape_tokens
+from coda_jax.sharding import reshape_tokens
 
 TENSOR_AXIS = "tensor"
 
@@ -125,7 +125,7 @@ def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Arra
     # Explicit mesh, shard_map_over reshards to them; whole, every device gathered every
     # weight over "tensor" too).
     def w(name, dtype=None):
-        return cast_for_use(getattr(block, name), dtype, whole=False)
+        return block._param(name, dtype, whole=False)
 
     w_qkv = w("w_qkv", dt)  # [d, (H + 2 KV) hd]: Q, K, V column groups, each split by heads
     groups = {"w_q": w_qkv[:, :nh * hd], "w_k": w_qkv[:, nh * hd:(nh + nkv) * hd], "w_v": w_qkv[:, (nh + nkv) * hd:]}
