@@ -253,6 +253,15 @@ def _fsdp2_setup(backend: str):
     return cfg, batch, seq, tokens, mesh_from_spec("fsdp=2", jax.devices()[:2])
 
 
+def _collectives(hlo: str, kind: str, dims: list[int] | None = None) -> list[str]:
+    """The lines of compiled HLO text whose result comes from a ``kind`` collective (e.g.
+    ``"all-gather"``, also its ``-start``) shaped ``dims`` (``None``: any shape), each
+    stripped and cut to 200 characters."""
+    shape = r"\(?\w+\[" + ",".join(map(str, dims)) + r"\]" if dims is not None else ""
+    pattern = re.compile(rf"= {shape}.*? {kind}(?:-start)?\(")
+    return [line.strip()[:200] for line in hlo.splitlines() if pattern.search(line)]
+
+
 def _gathered_along_columns(hlo: str, shapes: set[tuple[int, int]]) -> list[str]:
     """The all-gathers in compiled HLO text of a weight shaped as one of ``shapes`` that
     gather along another dimension than the first, each as the start of its line."""
@@ -491,15 +500,12 @@ def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: 
     assert not across, f"TP {backend} {shape}: weights gathered along their columns:\n" + "\n".join(across)
     # Each device gathers its tensor shard's columns of w_gu over "fsdp", never the whole
     # [d, 2F] (under an Explicit mesh the block gathered every weight whole before).
-    _benchmark_tools_on_path()
-    from train_step_bench import all_gathers
-
-    whole = [line[:200] for _, dims, _, line in all_gathers(hlo) if dims == [cfg.hidden_size, 2 * cfg.intermediate_size]]
+    whole = _collectives(hlo, "all-gather", [cfg.hidden_size, 2 * cfg.intermediate_size])
     assert not whole, f"TP {backend} {shape} {mode}: w_gu gathered whole:\n" + "\n".join(whole)
     # No all-to-all: the embedding on its rows is not resharded, and W_qkv's Q / K / V column
     # groups go to their tensor shards by a local slice and a gather along the rows
     # (tensor_parallel._columns_over_tensor), not by all-to-alls over "fsdp".
-    a2a = [line.strip()[:200] for line in hlo.splitlines() if re.search(r"= .* all-to-all(-start)?\(", line)]
+    a2a = _collectives(hlo, "all-to-all")
     assert not a2a, f"TP {backend} {shape} {mode}: all-to-alls in the step:\n" + "\n".join(a2a)
     _assert_matches(got, want, 1e-4 if dtype == "float32" else 2e-2, f"TP {backend} {shape} {mode} {dtype}")
     # A head count the tensor axis does not divide is refused by name (where it does not
@@ -525,7 +531,6 @@ def case_tensor_step_embedding() -> None:
     gradient ``[V / T, d]`` was gathered to ``[V, d]`` every step; with FSDP beside it, the
     table went from its FSDP split to the head's tensor split by collective-permutes."""
     _benchmark_tools_on_path()
-    from train_step_bench import all_gathers
 
     from coda_jax.layers import LlamaConfig
     from coda_jax.sharding import mesh_from_spec
@@ -537,10 +542,9 @@ def case_tensor_step_embedding() -> None:
         mesh = mesh_from_spec(spec, jax.devices()[:4 if "fsdp" in spec else 2])
         loss, hlo, _ = _example_train_step(cfg, "xla", mesh, tokens)
         assert np.isfinite(loss), (spec, loss)
-        whole = [line[:200] for _, dims, _, line in all_gathers(hlo) if dims == [cfg.vocab_size, cfg.hidden_size]]
+        whole = _collectives(hlo, "all-gather", [cfg.vocab_size, cfg.hidden_size])
         assert not whole, f"{spec}: the embedding gathered whole:\n" + "\n".join(whole)
-        permuted = [line.strip()[:200] for line in hlo.splitlines()
-                    if re.search(rf"= \w+\[{cfg.vocab_size // 2},{cfg.hidden_size}\][^ ]* collective-permute", line)]
+        permuted = _collectives(hlo, "collective-permute", [cfg.vocab_size // 2, cfg.hidden_size])
         assert not permuted, f"{spec}: the embedding permuted between splits:\n" + "\n".join(permuted)
     print("OK tp_step_embedding")
 
@@ -631,7 +635,6 @@ def case_fsdp_head_explicit() -> None:
     lookup, with a dense ``[V, d]`` reduce-scatter in its backward). The same with tensor
     parallelism beside FSDP (the table split by vocabulary over both)."""
     _benchmark_tools_on_path()
-    from train_step_bench import all_gathers
 
     from coda_jax.layers import LlamaConfig
 
@@ -643,10 +646,9 @@ def case_fsdp_head_explicit() -> None:
                              devices=jax.devices()[:math.prod(shape)])
         loss, hlo, _ = _example_train_step(cfg, "xla", mesh, tokens)
         assert np.isfinite(loss), loss
-        whole = [line for _, dims, _, line in all_gathers(hlo) if dims == [cfg.vocab_size, cfg.hidden_size]]
+        whole = _collectives(hlo, "all-gather", [cfg.vocab_size, cfg.hidden_size])
         assert not whole, f"{names}: the [V, d] table gathered whole under Explicit FSDP:\n" + "\n".join(whole)
-        scattered = [line.strip()[:200] for line in hlo.splitlines()
-                     if re.search(rf"= \w+\[{cfg.vocab_size},{cfg.hidden_size}\][^ ]* reduce-scatter", line)]
+        scattered = _collectives(hlo, "reduce-scatter", [cfg.vocab_size, cfg.hidden_size])
         assert not scattered, f"{names}: a dense [V, d] cotangent reduce-scattered:\n" + "\n".join(scattered)
     print("OK fsdp_head_explicit")
 
