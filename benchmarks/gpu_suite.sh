@@ -16,6 +16,7 @@
 # STEP_BENCH="1b:8:1024 8b-4:4:1024" times the train step of CodaLlama per backend against the
 # plain JAX Llama in one process per configuration (benchmarks/train_step_bench.py, STEP_RUNS;
 # STEP_REMAT=block runs every model with its blocks rematerialized (LlamaConfig.remat);
+# STEP_HLO=1 writes each run's compiled step to $OUT/hlo/ (train_step_bench.py --hlo-out);
 # STEP_PROFILE=1 also traces each run's whole step, optimizer included, and prints its kernel classes
 # and the bounds on its ratio to plain JAX (benchmarks/step_ceiling.py);
 # a run "pallas:VAR=VALUE" runs under one setting, e.g. CODA_JAX_LATENCY_HINTS=1, JAX_ENABLE_PGLE=1 or
@@ -166,17 +167,18 @@ fi
 if [ -n "${STEP_BENCH:-}" ]; then
   # Train-step tokens/s of CodaLlama per backend against the plain JAX Llama, in one process per
   # configuration (benchmarks/train_step_bench.py). STEP_BENCH="1b:8:1024 8b-4:4:1024 1b:16:1024:fsdp=2" lists
-  # preset[-layers]:batch:seq[:mesh] (mesh: data=N,fsdp=M over all GPUs; batch is global); STEP_RUNS the runs (default: plain, every backend, Pallas with the
+  # preset[-layers]:batch:seq[:mesh[:explicit]] (mesh: data=N,fsdp=M over all GPUs, Auto axes unless
+  # ":explicit" follows; batch is global); STEP_RUNS the runs (default: plain, every backend, Pallas with the
   # cross-entropy recomputing its logits, plain again to show the drift).
   echo "== train step vs plain JAX ==" | tee "$OUT/train_step.log"
   RUNS_DEFAULT="plain,${BACKENDS},pallas:CODA_JAX_CE_SAVE_LOGITS=0,plain"
   for cfg in $STEP_BENCH; do
-    IFS=':' read -r preset_layers sb_batch sb_seq sb_mesh <<< "$cfg"
+    IFS=':' read -r preset_layers sb_batch sb_seq sb_mesh sb_mesh_type <<< "$cfg"
     sb_preset="${preset_layers%%-*}"; sb_layers=(); [[ $preset_layers == *-* ]] && sb_layers=(--layers "${preset_layers#*-}")
-    sb_mesh_arg=(); [ -n "${sb_mesh:-}" ] && sb_mesh_arg=(--mesh "$sb_mesh")
+    sb_mesh_arg=(); [ -n "${sb_mesh:-}" ] && sb_mesh_arg=(--mesh "$sb_mesh" --mesh-type "${sb_mesh_type:-auto}")
     timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/train_step_bench.py --preset "$sb_preset" "${sb_layers[@]}" "${sb_mesh_arg[@]}" \
       --batch "$sb_batch" --seq "$sb_seq" --runs "${STEP_RUNS:-$RUNS_DEFAULT}" --out "$OUT" ${STEP_PROFILE:+--profile} \
-      ${STEP_REMAT:+--remat "$STEP_REMAT"} 2>&1 \
+      ${STEP_REMAT:+--remat "$STEP_REMAT"} ${STEP_HLO:+--hlo-out "$OUT/hlo"} 2>&1 \
       | grep -v '^{' | tee -a "$OUT/train_step.log" | tail -n 14
     [ -n "${STEP_PROFILE:-}" ] && grep '^PROFILE' "$OUT/train_step.log" | tail -n 60
   done

@@ -4,7 +4,9 @@ Flax NNX, the same :class:`coda_jax.layers.LlamaConfig` (shapes, tied embeddings
 scaling, float32 parameters with bfloat16 compute), separate Q/K/V and gate/up projections,
 RMSNorm written out in ``jnp``, ``jax.nn.dot_product_attention`` (cuDNN on a GPU, the same
 choice :class:`coda_jax.layers.CodaLlamaBlock` makes), and full-logit cross-entropy in XLA
-(``optax.softmax_cross_entropy_with_integer_labels`` on the bf16 logits, upcast). No coda-jax
+(``optax.softmax_cross_entropy_with_integer_labels`` on the bf16 logits, upcast). Under an
+Explicit mesh (sharding in types) each weight is gathered whole where it is used, as a user
+writes FSDP there (``jax.sharding.reshard``); under Auto the partitioner decides. No coda-jax
 op runs in it: every speed target of coda-jax is "this model's train step, same config, same
 optimizer, same batch, same process" (``benchmarks/train_step_bench.py``).
 
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import AxisType, PartitionSpec
 
 from coda_jax.layers import CodaLlama, LlamaConfig
 from coda_jax.layers.attention import causal_attention
@@ -36,6 +39,20 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE of ``x [B, S, H, hd]`` with ``cos, sin [B, S, 1, hd/2]``."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _explicit_mesh() -> bool:
+    """Whether the context mesh has an Explicit axis (``jax.set_mesh`` of such a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and AxisType.Explicit in mesh.axis_types
+
+
+def _use(w: nnx.Variable, dtype) -> jax.Array:
+    """Weight ``w`` in ``dtype``; under an Explicit mesh gathered whole (FSDP's all-gather, whose
+    transpose reduce-scatters the gradient), since sharding in types refuses a matmul whose
+    contracted axis is split."""
+    x = w[...].astype(dtype)
+    return jax.sharding.reshard(x, PartitionSpec()) if _explicit_mesh() else x
 
 
 def _param(rngs: nnx.Rngs, shape, std, dtype) -> nnx.Param:
@@ -64,15 +81,16 @@ class PlainLlamaBlock(nnx.Module):
         c = self.config
         b, s, _ = x.shape
         dt, hd = c.dtype, c.head_dim
-        h = rms_norm(x, self.attn_norm[...], c.rms_norm_eps)
-        q = rope((h @ self.wq[...].astype(dt)).reshape(b, s, c.num_heads, hd), cos, sin)
-        k = rope((h @ self.wk[...].astype(dt)).reshape(b, s, c.num_kv_heads, hd), cos, sin)
-        v = (h @ self.wv[...].astype(dt)).reshape(b, s, c.num_kv_heads, hd)
+        f32 = jnp.float32
+        h = rms_norm(x, _use(self.attn_norm, f32), c.rms_norm_eps)
+        q = rope((h @ _use(self.wq, dt)).reshape(b, s, c.num_heads, hd), cos, sin)
+        k = rope((h @ _use(self.wk, dt)).reshape(b, s, c.num_kv_heads, hd), cos, sin)
+        v = (h @ _use(self.wv, dt)).reshape(b, s, c.num_kv_heads, hd)
         o = causal_attention(q, k, v, c.attention_implementation)  # the choice CodaLlamaBlock makes
-        x = x + o.reshape(b, s, -1) @ self.wo[...].astype(dt)
-        h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps)
-        y = jax.nn.silu(h @ self.w_gate[...].astype(dt)) * (h @ self.w_up[...].astype(dt))
-        return x + y @ self.w_down[...].astype(dt)
+        x = x + o.reshape(b, s, -1) @ _use(self.wo, dt)
+        h = rms_norm(x, _use(self.mlp_norm, f32), c.rms_norm_eps)
+        y = jax.nn.silu(h @ _use(self.w_gate, dt)) * (h @ _use(self.w_up, dt))
+        return x + y @ _use(self.w_down, dt)
 
 
 def _run_block(block: PlainLlamaBlock, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -98,16 +116,22 @@ class PlainLlama(nnx.Module):
         """``tokens [B, S]`` int -> logits ``[B, S, V]`` in the compute dtype."""
         c = self.config
         b, s = tokens.shape
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
-        ang = jnp.arange(s, dtype=jnp.float32)[:, None] * self.inv_freq[...][None, :]
+        if _explicit_mesh():  # one gathered bf16 table for the lookup and the tied head
+            table = _use(self.embed, c.dtype)
+            rows = jax.typeof(tokens).sharding.spec  # the rows land where their tokens lie
+            x = table.at[tokens].get(out_sharding=PartitionSpec(*rows, None))
+        else:
+            x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
+        ang = jnp.arange(s, dtype=jnp.float32)[:, None] * _use(self.inv_freq, jnp.float32)[None, :]
         cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
         # config.remat == "block": each block's forward runs again in the backward, as CodaLlama's
         run = nnx.remat(_run_block) if c.remat == "block" else _run_block
         for block in self.blocks:
             x = run(block, x, cos, sin)
-        h = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
-        w = self.embed[...] if c.tie_word_embeddings else self.lm_head[...]
-        return h @ w.astype(c.dtype).T
+        h = rms_norm(x, _use(self.final_norm, jnp.float32), c.rms_norm_eps)
+        if not c.tie_word_embeddings:
+            return h @ _use(self.lm_head, c.dtype).T
+        return h @ (table if _explicit_mesh() else self.embed[...].astype(c.dtype)).T
 
     def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy (float32) over all ``[B, S]`` positions."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
 import json
 import os
 import re
@@ -54,10 +55,10 @@ from coda_jax.layers import PRESETS, CodaLlama  # noqa: E402
 from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state  # noqa: E402
 
 
-def parse_mesh(spec: str | None):
-    """``"data=2,fsdp=4"`` -> a mesh over all devices (:func:`coda_jax.sharding.mesh_from_spec`);
-    no spec: no mesh (one device)."""
-    return mesh_from_spec(spec) if spec else None
+def parse_mesh(spec: str | None, explicit: bool = False):
+    """``"data=2,fsdp=4"`` -> a mesh over all devices (:func:`coda_jax.sharding.mesh_from_spec`;
+    Explicit axes with ``explicit``); no spec: no mesh (one device)."""
+    return mesh_from_spec(spec, explicit=explicit) if spec else None
 
 
 def all_gathers(hlo: str) -> list[tuple[str, list[int], str, str]]:
@@ -210,11 +211,28 @@ def step_profile(compiled, state, inputs, targets, steps: int):
     return box[0], summary
 
 
+# A Mosaic GPU kernel's serialized module (and hash) in its custom call's backend_config: tens
+# of kB each, of no use to a reader of the schedule.
+_KERNEL_BYTES = re.compile(r'(module|kernel_hash) = "(?:[^"\\]|\\.)*"')
+
+
+def write_hlo(hlo: str, path: Path) -> None:
+    """The compiled step's HLO text (its schedule) to ``path`` (gzip), each kernel's
+    serialized module replaced by ``<stripped>`` (a line still over 8000 characters keeps its
+    first and last 3000)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = _KERNEL_BYTES.sub(r'\1 = "<stripped>"', hlo).splitlines()
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(x if len(x) <= 8000 else x[:3000] + " <...> " + x[-3000:] for x in lines) + "\n")
+
+
 def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, mesh=None,
-            profile: bool = False) -> dict:
+            profile: bool = False, hlo_out: Path | None = None) -> dict:
     """One run: build, compile, time. ``tokens [B, S+1]`` int32. With ``mesh``: the state
     FSDP-split over its "fsdp" axis (replicated over "data"), the batch over both. With
-    ``profile``, also the kernel summary of the whole step (:func:`step_profile`)."""
+    ``profile``, also the kernel summary of the whole step (:func:`step_profile`). With
+    ``hlo_out``, the compiled step's HLO goes to ``<hlo_out>/hlo_<run>.txt.gz``
+    (:func:`write_hlo`)."""
     name, settings = parse_run(spec)
     # JAX_ENABLE_PGLE=1 (JAX_PGLE_PROFILING_RUNS=N, default 3): JAX's automatic profile-guided
     # latency estimation. The step is then called through jit dispatch (not compiled ahead of
@@ -265,7 +283,9 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             print(f"{spec}: PGLE profile of {aot_steps} steps: {pgle_info['bytes']} bytes, "
                   f"{pgle_info['custom_calls']} custom-call instructions named", flush=True)
     mem = hlo_source.memory_analysis()
-    hlo = hlo_source.as_text() if mesh is not None or profile else ""  # tens of MB at 1B: once
+    hlo = hlo_source.as_text() if mesh is not None or profile or hlo_out else ""  # tens of MB at 1B: once
+    if hlo_out is not None:
+        write_hlo(hlo, hlo_out / f"hlo_{re.sub(r'[^A-Za-z0-9_.-]+', '_', spec)}.txt.gz")
     gather_lines = activation_gathers(hlo, *inputs.shape) if mesh is not None else []
     for line in gather_lines[:20]:
         print(f"{spec}: activation-shaped all-gather: {line}", flush=True)
@@ -363,12 +383,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default=None, help="name of this configuration in train_step.json")
     ap.add_argument("--mesh", default=None, help="e.g. data=2 or fsdp=2 or data=2,fsdp=4 (all devices of the host)")
+    ap.add_argument("--mesh-type", default="auto", choices=["auto", "explicit"],
+                    help="the mesh's axis types (the plain baseline gathers each weight where it is used under "
+                         "explicit)")
     ap.add_argument("--remat", default="none", choices=["none", "block"],
                     help="activation checkpointing of every model's blocks (LlamaConfig.remat; the plain "
                          "baseline's blocks too)")
     ap.add_argument("--profile", action="store_true",
                     help="also trace --steps whole train steps per run (optimizer included) and print the kernel "
                          "classes' device time (PROFILE lines; 'profile' in train_step.json)")
+    ap.add_argument("--hlo-out", default=None,
+                    help="write each run's compiled step (HLO text in schedule order, kernel modules stripped) "
+                         "to DIR/hlo_<run>.txt.gz")
     args = ap.parse_args(argv)
     for flag in ("batch", "seq", "steps", "rounds"):
         if getattr(args, flag) < 1:
@@ -380,7 +406,7 @@ def main(argv=None) -> list[dict]:
         except ValueError as e:
             ap.error(str(e))
     try:
-        mesh = parse_mesh(args.mesh)
+        mesh = parse_mesh(args.mesh, args.mesh_type == "explicit")
     except ValueError as e:
         ap.error(str(e))
     cfg = PRESETS[args.preset](remat=args.remat)
@@ -388,13 +414,15 @@ def main(argv=None) -> list[dict]:
         cfg = cfg.replace(num_layers=args.layers)
     tokens = jax.random.randint(jax.random.key(5), (args.batch, args.seq + 1), 0, cfg.vocab_size, jnp.int32)
     tag = args.tag or (f"{args.preset}{'' if args.layers is None else f'-{args.layers}L'} {args.batch}x{args.seq}"
-                       + (f" mesh {args.mesh}" if args.mesh else "") + (" remat block" if args.remat == "block" else ""))
+                       + (f" mesh {args.mesh}" if args.mesh else "")
+                       + (" explicit" if args.mesh and args.mesh_type == "explicit" else "") + (" remat block" if args.remat == "block" else ""))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {tag}", flush=True)
     rows = []
     out = Path(args.out) if args.out else None
     for spec in specs:
         try:
-            rows.append(measure(spec, cfg, tokens, args.steps, args.rounds, mesh=mesh, profile=args.profile))
+            rows.append(measure(spec, cfg, tokens, args.steps, args.rounds, mesh=mesh, profile=args.profile,
+                                hlo_out=Path(args.hlo_out) if args.hlo_out else None))
             print(json.dumps(rows[-1]), flush=True)
             r = rows[-1]
             # One line per finished run, and train_step.json rewritten: a run cut by a timeout

@@ -291,14 +291,16 @@ def gathered(w: jax.Array) -> jax.Array:
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
-def mesh_from_spec(spec: str | None, devices=None):
+def mesh_from_spec(spec: str | None, devices=None, *, explicit: bool = False):
     """``"data=2,fsdp=4"`` -> a mesh over ``devices`` (default: all) with those axes (Auto
-    axis types); ``None`` or ``""`` -> data parallel over all devices (``None`` if only one).
-    The sizes must multiply to the number of devices."""
+    axis types; ``explicit``: Explicit, sharding in types); ``None`` or ``""`` -> data
+    parallel over all devices (``None`` if only one). The sizes must multiply to the number
+    of devices."""
     devices = list(devices if devices is not None else jax.devices())
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
     if not spec:
         return None if len(devices) == 1 else jax.make_mesh((len(devices),), ("data",),
-                                                            axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+                                                            axis_types=(kind,), devices=devices)
     names, sizes = [], []
     for item in spec.split(","):
         name, eq, size = item.partition("=")
@@ -312,8 +314,7 @@ def mesh_from_spec(spec: str | None, devices=None):
         n *= x
     if n != len(devices):
         raise ValueError(f"mesh {spec!r} has {n} devices; there are {len(devices)}")
-    return jax.make_mesh(tuple(sizes), tuple(names), axis_types=(jax.sharding.AxisType.Auto,) * len(names),
-                         devices=devices)
+    return jax.make_mesh(tuple(sizes), tuple(names), axis_types=(kind,) * len(names), devices=devices)
 
 
 def token_shards(mesh) -> int:

@@ -66,6 +66,10 @@ def parse_args(argv=None):
                         "tensor parallel blocks; sizes multiply to the device count); "
                         "default: data parallel over all local devices. --batch is the global batch, split over "
                         "the mesh (it must divide evenly)")
+    p.add_argument("--mesh-type", default="auto", choices=["auto", "explicit"],
+                   help="the mesh's axis types: auto (the partitioner places what the layers leave to it) or "
+                        "explicit (sharding in types; the layers and the vocabulary-split lookup place every "
+                        "array themselves)")
     p.add_argument("--fsdp-split", default="auto", choices=["auto", "width", "features"],
                    help="which dimension FSDP splits each weight along (coda_jax.partitioning.set_fsdp_split): "
                         "width (gathered per layer, ZeRO-3), features (few tokens a step: XLA runs the MLP and "
@@ -243,7 +247,7 @@ def main(argv=None) -> dict:
           f"{len(train_tokens):,} train tokens", flush=True)
 
     try:
-        mesh = mesh_from_spec(args.mesh)
+        mesh = mesh_from_spec(args.mesh, explicit=args.mesh_type == "explicit")
     except ValueError as e:
         raise SystemExit(f"train_llama.py: error: --mesh: {e}") from None
     shards = token_shards(mesh)
@@ -265,7 +269,8 @@ def main(argv=None) -> dict:
 def _run(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, shards: int, on_gpu: bool, init: dict):
     n_dev = 1 if mesh is None else mesh.size
     if mesh is not None:
-        print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}: global batch {args.batch}, "
+        print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}"
+              f"{' (Explicit axes)' if mesh.are_all_axes_explicit else ''}: global batch {args.batch}, "
               f"{args.batch // shards} sequences per data shard"
               + (f"; FSDP splits the weights' {partitioning.fsdp_split_on(mesh)}" if partitioning.axis_size(mesh, "fsdp") > 1 else ""),
               flush=True)

@@ -686,6 +686,36 @@ def case_embedding_explicit() -> None:
     print("OK embedding_explicit")
 
 
+def case_plain_explicit() -> None:
+    """The plain JAX baseline (``benchmarks/plain_llama.py``) under Explicit meshes, each
+    weight gathered where it is used: its loss and every gradient equal one device's (float32),
+    and each gradient comes back placed as its parameter (FSDP's reduce-scatter)."""
+    from flax import nnx
+
+    from coda_jax.layers import LlamaConfig
+    from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
+
+    _benchmark_tools_on_path()
+    from plain_llama import PlainLlama
+
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=16, dtype=jnp.float32)
+    gdef, state = nnx.split(PlainLlama(cfg, rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.vocab_size)
+    step = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(gdef, st).loss(t[:, :-1], t[:, 1:])))
+    want = step(state, tokens)
+    for spec in ("fsdp=8", "data=2,fsdp=4", "fsdp=2,tensor=4"):
+        mesh = mesh_from_spec(spec, explicit=True)
+        with jax.set_mesh(mesh):
+            placed = shard_state(state, mesh)
+            got = step(placed, jax.device_put(tokens, batch_sharding(mesh)))
+        assert abs(float(got[0]) - float(want[0])) < 1e-5 * abs(float(want[0])), (spec, got[0], want[0])
+        _assert_matches(got[1], want[1], 1e-5, f"plain {spec} explicit")
+        for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(placed)):
+            assert g.sharding.spec == p.sharding.spec, (spec, jax.tree_util.keystr(path), g.sharding, p.sharding)
+    print("OK plain_explicit")
+
+
 def case_vocab_parallel_ce(shape: tuple[int, int, int], mode: str, axis: str = "tensor") -> None:
     """The vocab-split cross-entropy (each shard of ``axis``: its LM-head GEMM on V/n vocab
     rows) equals one device's linear_cross_entropy in float32: loss and the gradients of x,
@@ -845,10 +875,11 @@ def case_step_bench_on_meshes() -> None:
     import train_step_bench
 
     with tempfile.TemporaryDirectory() as d:
-        for mesh, runs in (("fsdp=8", ["xla"]), ("data=2,fsdp=2,tensor=2", ["plain", "xla"])):
+        for mesh, runs, kind in (("fsdp=8", ["xla"], "auto"), ("data=2,fsdp=2,tensor=2", ["plain", "xla"], "auto"),
+                                 ("data=2,fsdp=4", ["plain", "xla"], "explicit")):
             rows = train_step_bench.main(["--preset", "tiny", "--layers", "1", "--batch", "8", "--seq", "32",
-                                          "--runs", ",".join(runs), "--mesh", mesh, "--steps", "2", "--rounds", "1",
-                                          "--out", d])
+                                          "--runs", ",".join(runs), "--mesh", mesh, "--mesh-type", kind,
+                                          "--steps", "2", "--rounds", "1", "--out", d])
             assert [r["run"] for r in rows] == runs, (mesh, rows)
             assert all(r["devices"] == 8 and r["tokens_per_s"] > 0 for r in rows), rows
     # The example's jitted step compiles once on such a mesh (it compiled again at step 2
@@ -897,6 +928,7 @@ CASES = {
     "fsdp_gathers_pallas": lambda: case_fsdp_step_gathers("pallas"),
     "fsdp_head_explicit": case_fsdp_head_explicit,
     "embedding_explicit": case_embedding_explicit,
+    "plain_explicit": case_plain_explicit,
     "fsdp_features_xla": lambda: case_fsdp_features_split("xla"),
     "fsdp_features_pallas": lambda: case_fsdp_features_split("pallas"),
     "kernel_cache_auto": lambda: case_kernel_cache_under_mesh("auto"),
