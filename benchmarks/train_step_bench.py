@@ -394,7 +394,7 @@ def main(argv=None) -> list[dict]:
                          "classes' device time (PROFILE lines; 'profile' in train_step.json)")
     ap.add_argument("--hlo-out", default=None,
                     help="write each run's compiled step (HLO text in schedule order, kernel modules stripped) "
-                         "to DIR/hlo_<run>.txt.gz")
+                         "to DIR/<configuration>/hlo_<run>.txt.gz")
     args = ap.parse_args(argv)
     for flag in ("batch", "seq", "steps", "rounds"):
         if getattr(args, flag) < 1:
@@ -422,7 +422,8 @@ def main(argv=None) -> list[dict]:
     for spec in specs:
         try:
             rows.append(measure(spec, cfg, tokens, args.steps, args.rounds, mesh=mesh, profile=args.profile,
-                                hlo_out=Path(args.hlo_out) if args.hlo_out else None))
+                                hlo_out=Path(args.hlo_out) / re.sub(r"[^A-Za-z0-9_.-]+", "_", tag)
+                                if args.hlo_out else None))
             print(json.dumps(rows[-1]), flush=True)
             r = rows[-1]
             # One line per finished run, and train_step.json rewritten: a run cut by a timeout
