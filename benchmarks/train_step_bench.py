@@ -234,6 +234,10 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     ``hlo_out``, the compiled step's HLO goes to ``<hlo_out>/hlo_<run>.txt.gz``
     (:func:`write_hlo`)."""
     name, settings = parse_run(spec)
+    # Settings named xla_* are XLA options of this step's compile (e.g.
+    # xla_gpu_all_reduce_combine_threshold_bytes=0), not environment variables.
+    xla_options = {k: v for k, v in settings.items() if k.startswith("xla_")}
+    settings = {k: v for k, v in settings.items() if k not in xla_options}
     # JAX_ENABLE_PGLE=1 (JAX_PGLE_PROFILING_RUNS=N, default 3): JAX's automatic profile-guided
     # latency estimation. The step is then called through jit dispatch (not compiled ahead of
     # time): its first N runs are profiled and it is compiled again with the measured op
@@ -262,10 +266,10 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         del model, opt
         t0 = time.perf_counter()
         if pgle_runs:
-            hlo_source = train_step.lower(state, inputs, targets).compile()  # the step's HLO and memory
+            hlo_source = train_step.lower(state, inputs, targets).compile(xla_options)  # the step's HLO and memory
             compiled = train_step
         else:
-            compiled = hlo_source = train_step.lower(state, inputs, targets).compile()
+            compiled = hlo_source = train_step.lower(state, inputs, targets).compile(xla_options)
         compile_s = time.perf_counter() - t0
         state, loss = compiled(state, inputs, targets)
         first_loss = float(loss)
