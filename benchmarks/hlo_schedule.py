@@ -9,12 +9,19 @@ those kernels out of the windows, or the runtime serialized them although they w
 
     from hlo_schedule import collective_windows, window_summary
     print(window_summary(collective_windows(compiled.as_text())))
+
+:func:`kind_timeline` draws the entry computation's schedule one letter per kernel, so
+where the collectives fall against the kernels shows at a glance; from the command line,
+``python benchmarks/hlo_schedule.py hlo.txt[.gz]`` (``train_step_bench.py --hlo-out``)
+prints both.
 """
 
 from __future__ import annotations
 
 import collections
+import gzip
 import re
+import sys
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*.*?\s([a-z][a-z0-9-]*)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
@@ -162,3 +169,43 @@ def window_summary(windows: list[dict]) -> str:
                      + f"; kernels between operands ready and start: {mean_of('before_start')}"
                      + f"; between done and first use: {mean_of('before_use')}")
     return "\n".join(lines) if lines else "no async collectives"
+
+
+# One letter per kernel kind in kind_timeline; "[" and "]" an async collective's start and done.
+TIMELINE_LETTERS = {"mosaic": "M", "ffi": "K", "cublas": "C", "cudnn": "A", "gemm_fusion": "G", "fusion": "f"}
+
+
+def kind_timeline(hlo: str) -> str:
+    """The entry computation of ``hlo`` in schedule order, one letter per kernel
+    (:data:`TIMELINE_LETTERS`; a ``call`` as the kind of the kernels it calls), ``[`` at each
+    async collective's start and ``]`` at its done, ``S`` at a synchronous collective; other
+    instructions (bitcasts, tuples, parameters) are left out. E.g. ``MMfM[Gf][G]`` is three
+    Pallas kernels and a fusion, then two gradient all-reduces in a row, each beside one GEMM
+    fusion."""
+    comps = {}
+    entry = None
+    for comp, lines in _computations(hlo):
+        comps[comp] = [(m.group(1), m.group(2), m.group(3), line) for line in lines if (m := _INSTR.match(line))]
+    for line in hlo.splitlines():
+        if line.startswith("ENTRY"):
+            entry = line.split("(", 1)[0].replace("ENTRY", "").strip().lstrip("%")
+    call_kinds = _kinds(comps)
+    out = []
+    for _, opcode, _, line in comps.get(entry, ()):
+        if opcode.endswith("-start") and opcode != "copy-start":
+            out.append("[")
+        elif opcode.endswith("-done") and opcode != "copy-done":
+            out.append("]")
+        elif opcode in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+            out.append("S")
+        else:
+            k = call_kinds.get(c.group(1), "other") if opcode == "call" and (c := _CALLED.search(line)) \
+                else op_kind(opcode, line)
+            out.append(TIMELINE_LETTERS.get(k, ""))
+    return "".join(out)
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        text = (gzip.open if path.endswith(".gz") else open)(path, "rt").read()
+        print(f"== {path}\n{window_summary(collective_windows(text))}\n{kind_timeline(text)}")

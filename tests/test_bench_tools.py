@@ -465,7 +465,7 @@ def test_hlo_fusions_names_a_profiled_xla_kernel():
 def test_collective_windows_count_what_the_schedule_overlaps():
     """hlo_schedule: the instructions scheduled between each async collective's start and
     done, by kind (a Mosaic GPU custom call, XLA's GEMM fusion, other fusions)."""
-    from hlo_schedule import collective_windows, window_summary
+    from hlo_schedule import collective_windows, kind_timeline, window_summary
 
     hlo = """HloModule m, is_scheduled=true
 
@@ -512,6 +512,10 @@ ENTRY %main (p: bf16[8,8]) -> (bf16[8,8], bf16[4,8]) {
     assert s[1].startswith("all-reduce: 1 async, 0 with no kernel inside; mean ops inside: fusion 1.0  mosaic 1.0")
     assert s[2].startswith("reduce-scatter: 1 async, 1 with no kernel inside; mean ops inside: none")
     assert window_summary([]) == "no async collectives"
+    # the same schedule drawn one letter per kernel (the call of a jitted kernel as M)
+    assert kind_timeline(hlo) == "[Mf][]f[GM]"
+    assert kind_timeline(hlo.replace("%all-reduce-start = bf16[8,8]{1,0} all-reduce-start(%p)",
+                                     "%all-reduce.0 = bf16[8,8]{1,0} all-reduce(%p)")) == "SMf][]f[GM]"
 
 
 def test_plain_residual_rms_computes_the_carry_the_fused_op_writes():
