@@ -841,8 +841,8 @@ def case_kernel_cache_under_mesh(mode: str) -> None:
 
 def case_train_example_on_meshes() -> None:
     """examples/train_llama.py on an 8-device data-parallel mesh, checkpointed, resumed on an
-    FSDP mesh, then on a data x fsdp x tensor mesh: prints the history (the driver compares it
-    with one device's)."""
+    FSDP mesh, then on a data x fsdp x tensor mesh, then on an Explicit data x fsdp mesh:
+    prints the history (the driver compares it with one device's)."""
     import json
     import tempfile
     from pathlib import Path
@@ -859,6 +859,9 @@ def case_train_example_on_meshes() -> None:
         assert train_llama.main(common + ["--steps", "6", "--mesh", "fsdp=8", "--out", d])["fsdp_split"] == "features"
         s = train_llama.main(common + ["--steps", "8", "--mesh", "data=2,fsdp=2,tensor=2", "--out", d])
         assert s["fsdp_split"] == "width"  # a tensor axis keeps Megatron's placement
+        # and restored onto a mesh of Explicit axes
+        s = train_llama.main(common + ["--steps", "10", "--mesh", "data=2,fsdp=4", "--mesh-type", "explicit",
+                                       "--out", d])
         hist = json.loads((Path(d) / "history.json").read_text())
     assert s["devices"] == 8
     print("HISTORY " + json.dumps(hist["loss"]))

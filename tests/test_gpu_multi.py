@@ -18,9 +18,9 @@ from jax.sharding import AxisType
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ["xla", "pallas"] + (["cutedsl"] if importlib.util.find_spec("cutlass") else [])
-# one axis over all GPUs (Auto), FSDP under an Explicit mesh, and data x fsdp (4+ GPUs): under
-# FSDP the LM head and cross-entropy are split by vocabulary over "fsdp"
-MESHES = ["data", "fsdp", "tensor", "fsdp-explicit", "data+fsdp"]
+# one axis over all GPUs (Auto), FSDP and tensor parallelism under an Explicit mesh, and data x
+# fsdp (4+ GPUs): under FSDP the LM head and cross-entropy are split by vocabulary over "fsdp"
+MESHES = ["data", "fsdp", "tensor", "fsdp-explicit", "tensor-explicit", "data+fsdp"]
 
 
 def _rel(a, b) -> float:
