@@ -17,7 +17,12 @@ between them. The compiled step's temp memory (XLA's memory analysis) is reporte
 Two settings are not environment variables: ``JAX_ENABLE_PGLE=1`` (JAX's automatic
 profile-guided latency estimation, through jit dispatch) and ``PGLE_AOT=N`` (the same from N
 traced steps, compiled ahead of time, so that the schedule XLA made with the measured costs
-can be read: the ``SCHEDULE`` lines on a mesh). Results: ``<out>/train_step.json`` and a table, ratios against the mean of the plain runs.
+can be read: the ``SCHEDULE`` lines on a mesh); settings named ``xla_*`` are XLA options of
+the step's compile (e.g. ``pallas:xla_gpu_all_reduce_combine_threshold_bytes=0``). On a mesh
+(``--mesh data=2``, ``--mesh-type explicit`` for Explicit axes) every run gets the same
+placement of its state; ``--hlo-out DIR`` keeps each compiled step's schedule for
+``python benchmarks/hlo_schedule.py``. Results: ``<out>/train_step.json`` and a table,
+ratios against the mean of the plain runs.
 """
 
 from __future__ import annotations
