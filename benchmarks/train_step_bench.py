@@ -19,8 +19,8 @@ profile-guided latency estimation, through jit dispatch) and ``PGLE_AOT=N`` (the
 traced steps, compiled ahead of time, so that the schedule XLA made with the measured costs
 can be read: the ``SCHEDULE`` lines on a mesh); settings named ``xla_*`` are XLA options of
 the step's compile (e.g. ``pallas:xla_gpu_all_reduce_combine_threshold_bytes=0``). On a mesh
-(``--mesh data=2``, ``--mesh-type explicit`` for Explicit axes) every run gets the same
-placement of its state; ``--hlo-out DIR`` keeps each compiled step's schedule for
+(``--mesh data=2``, ``--mesh-type explicit`` for Explicit axes) each run's state, the plain
+model's too, is placed by :func:`coda_jax.sharding.shard_state`; ``--hlo-out DIR`` keeps each compiled step's schedule for
 ``python benchmarks/hlo_schedule.py``. Results: ``<out>/train_step.json`` and a table,
 ratios against the mean of the plain runs.
 """
