@@ -20,9 +20,9 @@ traced steps, compiled ahead of time, so that the schedule XLA made with the mea
 can be read: the ``SCHEDULE`` lines on a mesh); settings named ``xla_*`` are XLA options of
 the step's compile (e.g. ``pallas:xla_gpu_all_reduce_combine_threshold_bytes=0``). On a mesh
 (``--mesh data=2``, ``--mesh-type explicit`` for Explicit axes) each run's state, the plain
-model's too, is placed by :func:`coda_jax.sharding.shard_state`; ``--hlo-out DIR`` keeps each compiled step's schedule for
-``python benchmarks/hlo_schedule.py``. Results: ``<out>/train_step.json`` and a table,
-ratios against the mean of the plain runs.
+model's too, is placed by :func:`coda_jax.sharding.shard_state`; ``--hlo-out DIR`` keeps
+each compiled step's schedule for ``python benchmarks/hlo_schedule.py``. Results:
+``<out>/train_step.json`` and a table, ratios against the mean of the plain runs.
 """
 
 from __future__ import annotations
@@ -221,6 +221,11 @@ def step_profile(compiled, state, inputs, targets, steps: int):
 _KERNEL_BYTES = re.compile(r'(module|kernel_hash) = "(?:[^"\\]|\\.)*"')
 
 
+def file_name(text: str) -> str:
+    """``text`` (a run spec or a configuration's tag) as a file or folder name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
 def write_hlo(hlo: str, path: Path) -> None:
     """The compiled step's HLO text (its schedule) to ``path`` (gzip), each kernel's
     serialized module replaced by ``<stripped>`` (a line still over 8000 characters keeps its
@@ -294,7 +299,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     mem = hlo_source.memory_analysis()
     hlo = hlo_source.as_text() if mesh is not None or profile or hlo_out else ""  # tens of MB at 1B: once
     if hlo_out is not None:
-        write_hlo(hlo, hlo_out / f"hlo_{re.sub(r'[^A-Za-z0-9_.-]+', '_', spec)}.txt.gz")
+        write_hlo(hlo, hlo_out / f"hlo_{file_name(spec)}.txt.gz")
     gather_lines = activation_gathers(hlo, *inputs.shape) if mesh is not None else []
     for line in gather_lines[:20]:
         print(f"{spec}: activation-shaped all-gather: {line}", flush=True)
@@ -424,15 +429,15 @@ def main(argv=None) -> list[dict]:
     tokens = jax.random.randint(jax.random.key(5), (args.batch, args.seq + 1), 0, cfg.vocab_size, jnp.int32)
     tag = args.tag or (f"{args.preset}{'' if args.layers is None else f'-{args.layers}L'} {args.batch}x{args.seq}"
                        + (f" mesh {args.mesh}" if args.mesh else "")
-                       + (" explicit" if args.mesh and args.mesh_type == "explicit" else "") + (" remat block" if args.remat == "block" else ""))
+                       + (" explicit" if args.mesh and args.mesh_type == "explicit" else "")
+                       + (" remat block" if args.remat == "block" else ""))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {tag}", flush=True)
     rows = []
     out = Path(args.out) if args.out else None
     for spec in specs:
         try:
             rows.append(measure(spec, cfg, tokens, args.steps, args.rounds, mesh=mesh, profile=args.profile,
-                                hlo_out=Path(args.hlo_out) / re.sub(r"[^A-Za-z0-9_.-]+", "_", tag)
-                                if args.hlo_out else None))
+                                hlo_out=Path(args.hlo_out) / file_name(tag) if args.hlo_out else None))
             print(json.dumps(rows[-1]), flush=True)
             r = rows[-1]
             # One line per finished run, and train_step.json rewritten: a run cut by a timeout
