@@ -843,3 +843,28 @@ def test_kernel_plans_prints_each_calls_plan(capsys):
     assert {k: os.environ.get(k) for k in kernel_plans.TRACE_ENV} == before  # restored
     with pytest.raises(SystemExit):
         kernel_plans.main(["--model", "1b-1:8:1024", "--variants", "heuristic,no_such_candidate"])
+
+
+def test_write_hlo_strips_kernel_modules(tmp_path):
+    """train_step_bench --hlo-out: each Mosaic GPU kernel's serialized module and hash are cut
+    from the written schedule (escaped quotes inside them included), other lines are kept
+    whole, and a line still over 8000 characters keeps its two ends."""
+    import gzip
+
+    import train_step_bench as tsb
+
+    kernel = ('  %mpmd_map.1 = bf16[8,8]{1,0} custom-call(%p), custom_call_target="mosaic_gpu_v2", '
+              'backend_config={kernel_hash = "\\12\\22\\ab", module = "ML\\EFR' + "x" * 50000 + '\\22tail", '
+              'use_custom_barrier = false}, metadata={op_name="coda_rms_rope"}')
+    long_line = "  %fusion.9 = f32[8]{0} fusion(%p), kind=kLoop, " + "y" * 9000 + " END"
+    hlo = "\n".join(["HloModule m, is_scheduled=true", "ENTRY %main (p: bf16[8,8]) -> bf16[8,8] {", kernel,
+                     long_line, "}"])
+    tsb.write_hlo(hlo, tmp_path / "a" / "hlo_pallas.txt.gz")
+    lines = gzip.open(tmp_path / "a" / "hlo_pallas.txt.gz", "rt").read().splitlines()
+    assert lines[2] == ('  %mpmd_map.1 = bf16[8,8]{1,0} custom-call(%p), custom_call_target="mosaic_gpu_v2", '
+                        'backend_config={kernel_hash = "<stripped>", module = "<stripped>", '
+                        'use_custom_barrier = false}, metadata={op_name="coda_rms_rope"}')
+    assert lines[3].startswith("  %fusion.9 = f32[8]{0} fusion(%p)") and lines[3].endswith(" END")
+    assert " <...> " in lines[3] and len(lines[3]) == 6007
+    assert lines[:2] == hlo.splitlines()[:2] and lines[4] == "}"
+    assert tsb.file_name("pallas:xla_gpu_x=0+A=1") == "pallas_xla_gpu_x_0_A_1"
