@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from coda_jax.layers import CodaLlama, LlamaConfig
 from coda_jax.layers.attention import causal_attention
 from coda_jax.ops.rope_frequencies import rope_inv_freq
 from coda_jax.ops.swiglu_layout import split_gate_up
+from coda_jax.sharding import explicit_sharding, gathered
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -41,18 +42,11 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _explicit_mesh() -> bool:
-    """Whether the context mesh has an Explicit axis (``jax.set_mesh`` of such a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and AxisType.Explicit in mesh.axis_types
-
-
 def _use(w: nnx.Variable, dtype) -> jax.Array:
-    """Weight ``w`` in ``dtype``; under an Explicit mesh gathered whole (FSDP's all-gather, whose
-    transpose reduce-scatters the gradient), since sharding in types refuses a matmul whose
-    contracted axis is split."""
-    x = w[...].astype(dtype)
-    return jax.sharding.reshard(x, PartitionSpec()) if _explicit_mesh() else x
+    """Weight ``w`` in ``dtype``; under an Explicit mesh gathered whole
+    (:func:`coda_jax.sharding.gathered`: FSDP's all-gather, whose transpose reduce-scatters the
+    gradient), since sharding in types refuses a matmul whose contracted axis is split."""
+    return gathered(w[...].astype(dtype))
 
 
 def _param(rngs: nnx.Rngs, shape, std, dtype) -> nnx.Param:
@@ -116,10 +110,11 @@ class PlainLlama(nnx.Module):
         """``tokens [B, S]`` int -> logits ``[B, S, V]`` in the compute dtype."""
         c = self.config
         b, s = tokens.shape
-        if _explicit_mesh():  # one gathered bf16 table for the lookup and the tied head
+        explicit = explicit_sharding(tokens)
+        if explicit is not None:  # one gathered bf16 table for the lookup and the tied head
             table = _use(self.embed, c.dtype)
-            rows = jax.typeof(tokens).sharding.spec  # the rows land where their tokens lie
-            x = table.at[tokens].get(out_sharding=PartitionSpec(*rows, None))
+            # the rows land where their tokens lie
+            x = table.at[tokens].get(out_sharding=PartitionSpec(*explicit.spec, None))
         else:
             x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
         ang = jnp.arange(s, dtype=jnp.float32)[:, None] * _use(self.inv_freq, jnp.float32)[None, :]
@@ -131,7 +126,7 @@ class PlainLlama(nnx.Module):
         h = rms_norm(x, _use(self.final_norm, jnp.float32), c.rms_norm_eps)
         if not c.tie_word_embeddings:
             return h @ _use(self.lm_head, c.dtype).T
-        return h @ (table if _explicit_mesh() else self.embed[...].astype(c.dtype)).T
+        return h @ (table if explicit is not None else self.embed[...].astype(c.dtype)).T
 
     def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy (float32) over all ``[B, S]`` positions."""
