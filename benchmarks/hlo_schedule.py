@@ -27,6 +27,8 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*.*?\s([a-z][a-z0-9-]*)\((.*)$
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _WRAPPED = re.compile(r"calls=%([\w.\-]+)")
+# The collectives' synchronous opcodes (the async ones end in -start / -done).
+_SYNC_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def op_kind(opcode: str, line: str) -> str:
@@ -46,8 +48,7 @@ def op_kind(opcode: str, line: str) -> str:
     if opcode == "fusion":
         return "gemm_fusion" if "gemm_fusion" in line.split("=", 1)[0] or '"kind":"__triton_gemm"' in line \
             or "__cublas" in line else "fusion"
-    if opcode.endswith("-start") or opcode.endswith("-done") or opcode in (
-            "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+    if opcode.endswith("-start") or opcode.endswith("-done") or opcode in _SYNC_COLLECTIVES:
         return "collective"
     return "other"
 
@@ -92,12 +93,10 @@ def _kinds(comps: dict[str, list[tuple[str, str, str, str]]]) -> dict[str, str]:
     return {name: kind_of(name) for name in comps}
 
 
-def collective_windows(hlo: str) -> list[dict]:
-    """One record per async collective of ``hlo`` (scheduled module text): its computation,
-    ``op`` (e.g. ``all-reduce`` or the wrapped op of an ``async-start``), ``between``, the
-    count of each :func:`op_kind` scheduled between its start and its done (a ``call``
-    counts as the kind of the kernels it calls, e.g. a jitted Pallas kernel as ``mosaic``),
-    and ``after``: the kind of the instruction just after the done."""
+def _parsed(hlo: str):
+    """``(comps, kind)``: each computation's instructions ``(name, opcode, rest, line)`` in
+    schedule order, and ``kind(opcode, line)``, :func:`op_kind` with a ``call`` counted as the
+    kind of the kernels it calls."""
     comps = {}
     for comp, lines in _computations(hlo):
         comps[comp] = [(m.group(1), m.group(2), m.group(3), line) for line in lines if (m := _INSTR.match(line))]
@@ -108,6 +107,16 @@ def collective_windows(hlo: str) -> list[dict]:
             return call_kinds.get(c.group(1), "other")
         return op_kind(opcode, line)
 
+    return comps, kind
+
+
+def collective_windows(hlo: str) -> list[dict]:
+    """One record per async collective of ``hlo`` (scheduled module text): its computation,
+    ``op`` (e.g. ``all-reduce`` or the wrapped op of an ``async-start``), ``between``, the
+    count of each :func:`op_kind` scheduled between its start and its done (a ``call``
+    counts as the kind of the kernels it calls, e.g. a jitted Pallas kernel as ``mosaic``),
+    and ``after``: the kind of the instruction just after the done."""
+    comps, kind = _parsed(hlo)
     out = []
     for comp, parsed in comps.items():
         open_at: dict[str, tuple[int, str]] = {}
@@ -182,26 +191,19 @@ def kind_timeline(hlo: str) -> str:
     instructions (bitcasts, tuples, parameters) are left out. E.g. ``MMfM[Gf][G]`` is three
     Pallas kernels and a fusion, then two gradient all-reduces in a row, each beside one GEMM
     fusion."""
-    comps = {}
-    entry = None
-    for comp, lines in _computations(hlo):
-        comps[comp] = [(m.group(1), m.group(2), m.group(3), line) for line in lines if (m := _INSTR.match(line))]
-    for line in hlo.splitlines():
-        if line.startswith("ENTRY"):
-            entry = line.split("(", 1)[0].replace("ENTRY", "").strip().lstrip("%")
-    call_kinds = _kinds(comps)
+    comps, kind = _parsed(hlo)
+    entry = next((line.split("(", 1)[0].replace("ENTRY", "").strip().lstrip("%")
+                  for line in hlo.splitlines() if line.startswith("ENTRY")), None)
     out = []
     for _, opcode, _, line in comps.get(entry, ()):
         if opcode.endswith("-start") and opcode != "copy-start":
             out.append("[")
         elif opcode.endswith("-done") and opcode != "copy-done":
             out.append("]")
-        elif opcode in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+        elif opcode in _SYNC_COLLECTIVES:
             out.append("S")
         else:
-            k = call_kinds.get(c.group(1), "other") if opcode == "call" and (c := _CALLED.search(line)) \
-                else op_kind(opcode, line)
-            out.append(TIMELINE_LETTERS.get(k, ""))
+            out.append(TIMELINE_LETTERS.get(kind(opcode, line), ""))
     return "".join(out)
 
 
