@@ -13,14 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ["xla", "pallas"] + (["cutedsl"] if importlib.util.find_spec("cutlass") else [])
-# one axis over all GPUs (Auto), FSDP and tensor parallelism under an Explicit mesh, and data x
-# fsdp (4+ GPUs): under FSDP the LM head and cross-entropy are split by vocabulary over "fsdp"
-MESHES = ["data", "fsdp", "tensor", "fsdp-explicit", "tensor-explicit", "data+fsdp"]
+# one axis over all GPUs (Auto), FSDP and tensor parallelism under an Explicit mesh, data x
+# fsdp, and fsdp x tensor (Auto and Explicit; these three need 4+ GPUs, tensor = 2): under FSDP
+# the LM head and cross-entropy are split by vocabulary over "fsdp"
+MESHES = ["data", "fsdp", "tensor", "fsdp-explicit", "tensor-explicit", "data+fsdp", "fsdp+tensor",
+          "fsdp+tensor-explicit"]
 
 
 def _rel(a, b) -> float:
@@ -55,16 +56,21 @@ def _check_step_on_mesh(backend: str, mesh, label: str, tokens_per_device: int) 
 
 def _mesh_over_all_gpus(axis: str):
     """The mesh named by ``axis`` (an entry of :data:`MESHES`) over every local GPU; skips the
-    test with fewer than 2 GPUs, or data x fsdp without an even number of 4 or more."""
+    test with fewer than 2 GPUs, or a two-axis mesh without an even number of 4 or more."""
+    from coda_jax.sharding import mesh_from_spec
+
     n = jax.device_count()
     if n < 2:
         pytest.skip("needs 2 or more GPUs")
-    if axis == "data+fsdp":
+    axes, _, mode = axis.partition("-")
+    if "+" in axes:
         if n < 4 or n % 2:
-            pytest.skip("data x fsdp needs an even number of 4 or more GPUs")
-        return jax.make_mesh((2, n // 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
-    name, _, mode = axis.partition("-")
-    return jax.make_mesh((n,), (name,), axis_types=(AxisType.Explicit if mode == "explicit" else AxisType.Auto,))
+            pytest.skip(f"{axes.replace('+', ' x ')} needs an even number of 4 or more GPUs")
+        # data x fsdp: 2 x n/2; fsdp x tensor: n/2 x 2 (the block's heads split in two)
+        first, second = axes.split("+")
+        sizes = (2, n // 2) if axes == "data+fsdp" else (n // 2, 2)
+        return mesh_from_spec(f"{first}={sizes[0]},{second}={sizes[1]}", explicit=mode == "explicit")
+    return mesh_from_spec(f"{axes}={n}", explicit=mode == "explicit")
 
 
 @pytest.mark.parametrize("axis", MESHES)
