@@ -176,13 +176,17 @@ def profile(fn, args, steps: int, hlo_path: Path | None = None) -> dict:
     return out
 
 
-def on_mesh(args, mesh):
-    """A model fwd+bwd's ``(state, tokens)`` with the state placed by ``shard_state`` and
-    the tokens split by ``batch_sharding`` over ``mesh``."""
+def on_mesh(args, mesh, plain: bool = False):
+    """A model fwd+bwd's ``(state, tokens)`` with the state placed by ``shard_state`` (the
+    plain JAX Llama's, ``plain``: by :func:`plain_llama.shard_plain_state`) and the tokens
+    split by ``batch_sharding`` over ``mesh``."""
+    from plain_llama import shard_plain_state
+
     from coda_jax.sharding import batch_sharding, shard_state
 
     state, tokens = args
-    return shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh))
+    placed = shard_plain_state(state, mesh) if plain else shard_state(state, mesh)
+    return placed, jax.device_put(tokens, batch_sharding(mesh))
 
 
 def main():
@@ -239,7 +243,7 @@ def main():
             with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
                 fb, a = model(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
                 if mesh is not None:
-                    a = on_mesh(a, mesh)
+                    a = on_mesh(a, mesh, plain=b == "plain")
                 results[b] = profile(fb, a, args.steps, out / f"hlo_{tag}_{b}.txt")
     else:
         tag = str(args.width)

@@ -19,8 +19,9 @@ profile-guided latency estimation, through jit dispatch) and ``PGLE_AOT=N`` (the
 traced steps, compiled ahead of time, so that the schedule XLA made with the measured costs
 can be read: the ``SCHEDULE`` lines on a mesh); settings named ``xla_*`` are XLA options of
 the step's compile (e.g. ``pallas:xla_gpu_all_reduce_combine_threshold_bytes=0``). On a mesh
-(``--mesh data=2``, ``--mesh-type explicit`` for Explicit axes) each run's state, the plain
-model's too, is placed by :func:`coda_jax.sharding.shard_state`; ``--hlo-out DIR`` keeps
+(``--mesh data=2``, ``--mesh-type explicit`` for Explicit axes) each run's state is placed
+by :func:`coda_jax.sharding.shard_state` (the plain model's by
+:func:`plain_llama.shard_plain_state`: Megatron's split over a tensor axis); ``--hlo-out DIR`` keeps
 each compiled step's schedule for ``python benchmarks/hlo_schedule.py``. Results:
 ``<out>/train_step.json`` and a table, ratios against the mean of the plain runs.
 """
@@ -53,7 +54,7 @@ import train_llama  # noqa: E402
 from bench import environment  # noqa: E402
 from gpu_clock import ClockSampler  # noqa: E402
 from hlo_schedule import collective_windows, window_summary  # noqa: E402
-from plain_llama import PlainLlama  # noqa: E402
+from plain_llama import PlainLlama, shard_plain_state  # noqa: E402
 
 from coda_jax import partitioning  # noqa: E402
 from coda_jax.layers import PRESETS, CodaLlama  # noqa: E402
@@ -267,7 +268,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         state = nnx.state((model, opt))
         shardings = None
         if mesh is not None:
-            state = shard_state(state, mesh)
+            state = shard_plain_state(state, mesh) if name == "plain" else shard_state(state, mesh)
             shardings = jax.tree.map(lambda x: x.sharding, state)
             inputs, targets = (jax.device_put(x, batch_sharding(mesh)) for x in (inputs, targets))
         # The updated state keeps the input's placement: the ahead-of-time compiled step

@@ -18,6 +18,7 @@ axes :mod:`coda_jax.partitioning` runs the kernels over.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -83,12 +84,15 @@ def fsdp_spec(shape: tuple[int, ...], mesh, axis: str = FSDP_AXIS, *, skip: int 
     return P()
 
 
-def param_spec(name: str | None, shape: tuple[int, ...], mesh, axis: str = FSDP_AXIS) -> P:
+def param_spec(name: str | None, shape: tuple[int, ...], mesh, axis: str = FSDP_AXIS,
+               tensor_split_dims: Mapping[str, int] | None = None) -> P:
     """Where a parameter (or its optimizer moment) named ``name`` lives on ``mesh``: its
-    :data:`TENSOR_SPLIT_DIM` over ``"tensor"`` (when the axis divides it), and the largest
-    other dimension over ``axis`` (:func:`fsdp_spec`)."""
+    dimension in ``tensor_split_dims`` (default :data:`TENSOR_SPLIT_DIM`) over ``"tensor"``
+    (when the axis divides it), and the largest other dimension over ``axis``
+    (:func:`fsdp_spec`)."""
     t = _axis_size(mesh, TENSOR_AXIS)
-    tdim = TENSOR_SPLIT_DIM.get(name) if t > 1 else None
+    split_dims = TENSOR_SPLIT_DIM if tensor_split_dims is None else tensor_split_dims
+    tdim = split_dims.get(name) if t > 1 else None
     if tdim is not None and (len(shape) <= tdim or shape[tdim] % t):
         tdim = None
     spec = list(fsdp_spec(shape, mesh, axis, skip=tdim)) + [None] * len(shape)
@@ -215,7 +219,7 @@ def _has_logical_names(state: Any) -> bool:
     return any(found)
 
 
-def shard_state(state: Any, mesh, axis: str = FSDP_AXIS) -> Any:
+def shard_state(state: Any, mesh, axis: str = FSDP_AXIS, tensor_split_dims: Mapping[str, int] | None = None) -> Any:
     """``state`` (e.g. ``nnx.state((model, optimizer))``) placed on ``mesh``.
 
     An ``nnx.State`` whose parameters carry logical axis names (the coda-jax layers'
@@ -224,13 +228,15 @@ def shard_state(state: Any, mesh, axis: str = FSDP_AXIS) -> Any:
     moved to each weight's rows by :func:`rows_first`; tensor parallel over MLP features,
     heads and the vocabulary; :data:`FEATURE_AXIS_RULES` under the features split). A plain pytree of arrays is placed by
     :func:`param_spec` (the largest dimension over ``axis``, the block weights'
-    :data:`TENSOR_SPLIT_DIM` over ``"tensor"``). Everything else is replicated."""
+    :data:`TENSOR_SPLIT_DIM` over ``"tensor"``, or ``tensor_split_dims``: ``{leaf name:
+    dimension}``). Everything else is replicated."""
     if axis == FSDP_AXIS and _has_logical_names(state):
         specs = logical_partition_specs(state, mesh)
         return jax.tree.map(lambda x, p: jax.device_put(x, NamedSharding(mesh, p)), state, specs)
 
     def place(path, x):
-        return jax.device_put(x, NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh, axis)))
+        return jax.device_put(x, NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh, axis,
+                                                                tensor_split_dims)))
 
     return jax.tree_util.tree_map_with_path(place, state)
 

@@ -693,10 +693,10 @@ def case_plain_explicit() -> None:
     from flax import nnx
 
     from coda_jax.layers import LlamaConfig
-    from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
+    from coda_jax.sharding import batch_sharding, mesh_from_spec
 
     _benchmark_tools_on_path()
-    from plain_llama import PlainLlama
+    from plain_llama import PlainLlama, shard_plain_state
 
     cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, dtype=jnp.float32)
@@ -707,13 +707,62 @@ def case_plain_explicit() -> None:
     for spec in ("fsdp=8", "data=2,fsdp=4", "fsdp=2,tensor=4"):
         mesh = mesh_from_spec(spec, explicit=True)
         with jax.set_mesh(mesh):
-            placed = shard_state(state, mesh)
+            placed = shard_plain_state(state, mesh)
             got = step(placed, jax.device_put(tokens, batch_sharding(mesh)))
         assert abs(float(got[0]) - float(want[0])) < 1e-5 * abs(float(want[0])), (spec, got[0], want[0])
         _assert_matches(got[1], want[1], 1e-5, f"plain {spec} explicit")
         for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(placed)):
             assert g.sharding.spec == p.sharding.spec, (spec, jax.tree_util.keystr(path), g.sharding, p.sharding)
     print("OK plain_explicit")
+
+
+def case_plain_tensor() -> None:
+    """The plain JAX baseline on Auto meshes with a tensor axis, placed as the benchmarks place
+    it (``plain_llama.shard_plain_state``: Megatron's split of the block weights): the loss and
+    every gradient equal one device's (float32), each block weight is split over "tensor"
+    along its Megatron dimension, and the compiled step gathers no activation (the
+    partitioner shards heads and MLP features and all-reduces after ``wo`` and ``w_down``).
+    The same step with the embedding split by vocabulary gathers activations, so the check
+    can fail."""
+    from flax import nnx
+
+    from coda_jax.layers import LlamaConfig
+    from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
+
+    _benchmark_tools_on_path()
+    from plain_llama import TENSOR_SPLIT_DIM, PlainLlama, shard_plain_state
+    from train_step_bench import activation_gathers
+
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                           num_kv_heads=4, head_dim=16, dtype=jnp.float32)
+    gdef, state = nnx.split(PlainLlama(cfg, rngs=nnx.Rngs(0)))
+    b, s = 8, 32
+    tokens = jax.random.randint(jax.random.key(1), (b, s + 1), 0, cfg.vocab_size)
+    step = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(gdef, st).loss(t[:, :-1], t[:, 1:])))
+    want = step(state, tokens)
+
+    def compiled(placed, mesh):
+        with jax.set_mesh(mesh):
+            t = jax.device_put(tokens, batch_sharding(mesh))
+            return step(placed, t), step.lower(placed, t).compile().as_text()
+
+    for spec in ("data=2,tensor=4", "fsdp=2,tensor=4", "data=2,fsdp=2,tensor=2"):
+        mesh = mesh_from_spec(spec)
+        placed = shard_plain_state(state, mesh)
+        for path, x in jax.tree_util.tree_leaves_with_path(placed):
+            name = jax.tree_util.keystr(path).split("'")[-2]
+            if name in TENSOR_SPLIT_DIM:
+                assert x.sharding.spec[TENSOR_SPLIT_DIM[name]] == "tensor", (spec, name, x.sharding.spec)
+        got, hlo = compiled(placed, mesh)
+        assert abs(float(got[0]) - float(want[0])) < 1e-5 * abs(float(want[0])), (spec, got[0], want[0])
+        _assert_matches(got[1], want[1], 1e-5, f"plain {spec}")
+        gathers = activation_gathers(hlo, b, s)
+        assert not gathers, f"plain {spec}: activations gathered: {gathers[:3]}"
+    # The embedding split by vocabulary over "tensor" too: the partitioner gathers activations.
+    mesh = mesh_from_spec("fsdp=2,tensor=4")
+    _, hlo = compiled(shard_state(state, mesh, tensor_split_dims={**TENSOR_SPLIT_DIM, "embed": 0}), mesh)
+    assert activation_gathers(hlo, b, s), "the vocab-split embedding gathered no activation: the check cannot fail"
+    print("OK plain_tensor")
 
 
 def case_vocab_parallel_ce(shape: tuple[int, int, int], mode: str, axis: str = "tensor") -> None:
@@ -932,6 +981,7 @@ CASES = {
     "fsdp_head_explicit": case_fsdp_head_explicit,
     "embedding_explicit": case_embedding_explicit,
     "plain_explicit": case_plain_explicit,
+    "plain_tensor": case_plain_tensor,
     "fsdp_features_xla": lambda: case_fsdp_features_split("xla"),
     "fsdp_features_pallas": lambda: case_fsdp_features_split("pallas"),
     "kernel_cache_auto": lambda: case_kernel_cache_under_mesh("auto"),

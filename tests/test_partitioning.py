@@ -30,7 +30,7 @@ GROUPS = {
     "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_2x4_explicit"],
     "vocab_parallel": ["vocab_ce_2x1x4_explicit", "vocab_ce_2x2x2_auto", "vocab_ce_2x4x1_auto_fsdp",
                        "vocab_ce_1x8x1_explicit_fsdp"],
-    "step_bench": ["step_bench", "plain_explicit"],
+    "step_bench": ["step_bench", "plain_explicit", "plain_tensor"],
     "kernel_cache": ["kernel_cache_auto", "kernel_cache_explicit"],
     # Pallas under Explicit (Auto tensor parallel on Pallas runs on GPUs: tests/test_gpu_multi.py).
     "tensor_parallel": ["tp_xla_2x2x2_auto_float32", "tp_pallas_2x2x2_explicit_bfloat16",
