@@ -53,6 +53,11 @@ def op_kind(opcode: str, line: str) -> str:
     return "other"
 
 
+def _computation_name(header: str) -> str:
+    """The name in a computation's header line (``ENTRY %main (p: ...) -> ... {`` -> ``main``)."""
+    return header.strip().split("(", 1)[0].replace("ENTRY", "").strip().lstrip("%")
+
+
 def _computations(hlo: str):
     """``(name, [lines])`` of each computation of the module text, in order."""
     name, body = None, []
@@ -60,7 +65,7 @@ def _computations(hlo: str):
         stripped = line.strip()
         if name is None:
             if stripped.endswith("{") and not stripped.startswith("HloModule"):
-                name, body = stripped.split("(", 1)[0].replace("ENTRY", "").strip().lstrip("%"), []
+                name, body = _computation_name(stripped), []
             continue
         if stripped == "}":
             yield name, body
@@ -192,8 +197,7 @@ def kind_timeline(hlo: str) -> str:
     Pallas kernels and a fusion, then two gradient all-reduces in a row, each beside one GEMM
     fusion."""
     comps, kind = _parsed(hlo)
-    entry = next((line.split("(", 1)[0].replace("ENTRY", "").strip().lstrip("%")
-                  for line in hlo.splitlines() if line.startswith("ENTRY")), None)
+    entry = next((_computation_name(line) for line in hlo.splitlines() if line.startswith("ENTRY")), None)
     out = []
     for _, opcode, _, line in comps.get(entry, ()):
         if opcode.endswith("-start") and opcode != "copy-start":

@@ -727,7 +727,7 @@ def case_plain_tensor() -> None:
     from flax import nnx
 
     from coda_jax.layers import LlamaConfig
-    from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
+    from coda_jax.sharding import _leaf_name, batch_sharding, mesh_from_spec, shard_state
 
     _benchmark_tools_on_path()
     from plain_llama import TENSOR_SPLIT_DIM, PlainLlama, shard_plain_state
@@ -741,16 +741,17 @@ def case_plain_tensor() -> None:
     step = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(gdef, st).loss(t[:, :-1], t[:, 1:])))
     want = step(state, tokens)
 
-    def compiled(placed, mesh):
+    def compiled(placed, mesh):  # (loss and gradients, the compiled step's HLO), one compile
         with jax.set_mesh(mesh):
             t = jax.device_put(tokens, batch_sharding(mesh))
-            return step(placed, t), step.lower(placed, t).compile().as_text()
+            c = step.lower(placed, t).compile()
+            return c(placed, t), c.as_text()
 
     for spec in ("data=2,tensor=4", "fsdp=2,tensor=4", "data=2,fsdp=2,tensor=2"):
         mesh = mesh_from_spec(spec)
         placed = shard_plain_state(state, mesh)
         for path, x in jax.tree_util.tree_leaves_with_path(placed):
-            name = jax.tree_util.keystr(path).split("'")[-2]
+            name = _leaf_name(path)
             if name in TENSOR_SPLIT_DIM:
                 assert x.sharding.spec[TENSOR_SPLIT_DIM[name]] == "tensor", (spec, name, x.sharding.spec)
         got, hlo = compiled(placed, mesh)
