@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import jax
@@ -625,26 +624,23 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
 # (inside it, per chunk, ``load_wait``: the tile
 # loads' barrier; ``store_wait``: the staging slot's previous TMA store), and the ring
 # producer's ``free_wait`` per K step (a stage not yet released by the consumers).
-PROFILE_ENV = "CODA_JAX_PALLAS_PROFILE_DIR"
-PROFILE_RANGES_ENV = "CODA_JAX_PALLAS_PROFILE_RANGES"
-PROFILE_SCOPES_ENV = "CODA_JAX_PALLAS_PROFILE_SCOPES"
 PROFILE_SCOPES = ("mainloop", "epilogue", "full_wait", "free_wait", "load_wait", "store_wait", "turn_wait")
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfileSettings:
-    """Profiling of the Pallas kernels (debugging only; off unless ``$CODA_JAX_PALLAS_PROFILE_DIR``
-    is set).
+    """Profiling of the Pallas kernels (debugging only): pass one to
+    :class:`coda_jax.pallas.PallasLowering` (``profile=``) and run under
+    :func:`coda_jax.backend.use_lowering`.
 
     Attributes:
       directory: where every kernel launch writes its timeline (a Chrome-trace JSON, one per
         launch, ``ts`` in microseconds).
-      ranges: ranges one warpgroup records per launch (``$CODA_JAX_PALLAS_PROFILE_RANGES``,
-        default 40). Mosaic GPU keeps them in SMEM (16 bytes each) beside the kernel's own
+      ranges: ranges one warpgroup records per launch (default 40). Mosaic GPU keeps them in SMEM (16 bytes each) beside the kernel's own
         staging, so only a few fit: the first ones are kept (the first tiles), later ones
         dropped.
-      scopes: the ranges recorded (``$CODA_JAX_PALLAS_PROFILE_SCOPES``, comma-separated, of
-        :data:`PROFILE_SCOPES`; default ``mainloop,epilogue``: two a tile).
+      scopes: the ranges recorded, of :data:`PROFILE_SCOPES` (default ``mainloop`` and
+        ``epilogue``: two a tile).
     A profiled kernel reads the clock per range and returns through a host callback; it is
     never taken from or written to the kernel cache.
     """
@@ -654,19 +650,11 @@ class ProfileSettings:
     scopes: frozenset[str] = frozenset({"mainloop", "epilogue"})
 
 
-def profile_settings() -> ProfileSettings | None:
-    """The :class:`ProfileSettings` of the environment, or None (profiling off)."""
-    d = os.environ.get(PROFILE_ENV, "").strip()
-    if not d:
-        return None
-    ranges = int(os.environ.get(PROFILE_RANGES_ENV, "40"))
-    raw = os.environ.get(PROFILE_SCOPES_ENV, "").strip()
-    scopes = frozenset(x.strip() for x in raw.split(",") if x.strip()) if raw else ProfileSettings.scopes
-    unknown = sorted(scopes - set(PROFILE_SCOPES))
-    if unknown or ranges < 1:
-        raise ValueError(f"${PROFILE_SCOPES_ENV} must name ranges of {PROFILE_SCOPES} (got {sorted(unknown)}) and "
-                         f"${PROFILE_RANGES_ENV} must be >= 1 (got {ranges})")
-    return ProfileSettings(d, ranges, scopes)
+    def __post_init__(self):
+        unknown = sorted(set(self.scopes) - set(PROFILE_SCOPES))
+        if unknown or self.ranges < 1 or not self.directory:
+            raise ValueError(f"ProfileSettings: scopes must be of {PROFILE_SCOPES} (got {unknown}), ranges >= 1 "
+                             f"(got {self.ranges}) and directory non-empty (got {self.directory!r})")
 
 
 def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool,
