@@ -3,37 +3,37 @@
 A backend name is resolved per op call, at trace time, from (first match wins):
 
 1. the explicit ``backend=`` argument of the op / layer;
-2. the innermost :func:`use_backend` context manager;
-3. the process-wide :func:`set_backend`;
-4. the ``CODA_JAX_BACKEND`` environment variable;
-5. ``"auto"``: ``"pallas"`` on a Hopper GPU, else ``"xla"`` (logged once, with the reason).
+2. the option ``backend`` (:func:`coda_jax.options`, :func:`coda_jax.set_options`; or their
+   shorthands :func:`use_backend` and :func:`set_backend`), whose last fallback is the
+   ``CODA_JAX_BACKEND`` environment variable;
+3. ``"auto"``: ``"pallas"`` on a Hopper GPU, else ``"xla"`` (logged once, with the reason).
 
-Backends register the ops they implement in one registry (:func:`register_op`). If the
-resolved backend lacks an op, the call raises :class:`BackendOpMissingError`, unless
-fallback is allowed (``allow_fallback=True`` in :func:`use_backend` / :func:`set_backend`,
-or ``CODA_JAX_ALLOW_FALLBACK=1``), in which case the op runs on ``"xla"`` and a warning
-says so once per (op, backend).
+Backends register the ops they implement in one registry (:func:`register_lowering`). If the
+resolved backend lacks an op, the call raises :class:`BackendOpMissingError`, unless the
+option ``allow_fallback`` is on (``allow_fallback=True`` in :func:`use_backend` /
+:func:`set_backend`, or ``CODA_JAX_ALLOW_FALLBACK=1``), in which case the op runs on ``"xla"``
+and a warning says so once per (op, backend).
+
+:func:`use_lowering` runs a backend's ops on a lowering built with other launch or tuning
+settings (a benchmark's variant, a profiled run), for the ops traced inside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import importlib.util
 import logging
-import os
 from collections.abc import Callable, Iterator
 
 import jax
 
 from coda_jax.lowering import GemmLowering
+from coda_jax.options import current_options, options, reset_options, set_options
 
 logger = logging.getLogger("coda_jax")
 
 BACKENDS = ("xla", "pallas", "cutedsl")
-ENV_BACKEND = "CODA_JAX_BACKEND"
-ENV_FALLBACK = "CODA_JAX_ALLOW_FALLBACK"
 
 
 class BackendError(RuntimeError):
@@ -52,14 +52,8 @@ class BackendOpMissingError(BackendError, NotImplementedError):
     """The backend does not implement this op and fallback is not allowed."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Setting:
-    backend: str | None = None
-    allow_fallback: bool | None = None
-
-
-_context: contextvars.ContextVar[_Setting] = contextvars.ContextVar("coda_jax_backend", default=_Setting())
-_process = _Setting()
+_lowering_overrides: contextvars.ContextVar[dict[str, GemmLowering]] = contextvars.ContextVar(
+    "coda_jax_lowerings", default={})
 _auto_logged: set[str] = set()
 _fallback_warned: set[tuple[str, str]] = set()
 
@@ -73,39 +67,41 @@ def _check_name(name: str) -> str:
 
 
 def set_backend(name: str | None, *, allow_fallback: bool | None = None) -> None:
-    """Sets the process-wide backend (``None`` clears it)."""
-    global _process
-    _process = _Setting(None if name is None else _check_name(name), allow_fallback)
+    """Sets the process-wide backend: the option ``backend`` (``None`` clears it, and the
+    fallback setting with it, back to the environment or the default)."""
+    if name is None:
+        reset_options("backend", "allow_fallback")
+    set_options(backend=None if name is None else _check_name(name), allow_fallback=allow_fallback)
+
+
+def use_backend(name: str, *, allow_fallback: bool | None = None):
+    """Selects a backend for the ops traced inside the ``with`` block: the option
+    ``backend`` for the block."""
+    return options(backend=_check_name(name), allow_fallback=allow_fallback)
 
 
 @contextlib.contextmanager
-def use_backend(name: str, *, allow_fallback: bool | None = None) -> Iterator[None]:
-    """Selects a backend for the ops traced inside the ``with`` block."""
-    token = _context.set(_Setting(_check_name(name), allow_fallback))
+def use_lowering(lowering: GemmLowering) -> Iterator[None]:
+    """Inside the ``with`` block, ops that resolve to backend ``lowering.name`` run on
+    ``lowering`` (e.g. ``PallasLowering(latency_hints=True)``, a CuTeDSL lowering with another
+    :class:`~coda_jax.ffi.tuning.CuteDslTuning`) instead of the backend's default lowering."""
+    _check_name(lowering.name)
+    token = _lowering_overrides.set({**_lowering_overrides.get(), lowering.name: lowering})
     try:
         yield
     finally:
-        _context.reset(token)
+        _lowering_overrides.reset(token)
 
 
 def _requested() -> str:
-    for s in (_context.get(), _process):
-        if s.backend is not None:
-            return s.backend
-    env = os.environ.get(ENV_BACKEND)
-    if env:
-        try:
-            return _check_name(env.strip().lower())
-        except UnknownBackendError as e:
-            raise UnknownBackendError(f"{ENV_BACKEND}={env!r}: {e}") from None
-    return "auto"
+    try:
+        return current_options().backend
+    except ValueError as e:  # a bad $CODA_JAX_BACKEND
+        raise UnknownBackendError(str(e)) from None
 
 
 def _fallback_allowed() -> bool:
-    for s in (_context.get(), _process):
-        if s.allow_fallback is not None:
-            return s.allow_fallback
-    return os.environ.get(ENV_FALLBACK, "").strip().lower() in ("1", "true", "yes")
+    return current_options().allow_fallback
 
 
 def _gpu_description() -> tuple[bool, str]:
@@ -139,7 +135,7 @@ def backend_unavailable_reason(name: str) -> str | None:
         return (
             f"backend 'pallas' needs an NVIDIA Hopper GPU (H100/H200) and {what}. Install "
             "`pip install 'coda-jax[cuda]'` on a Hopper machine, use backend='xla', or set "
-            "CODA_JAX_PALLAS_INTERPRET=1 to run the kernels in the (slow) GPU interpreter"
+            "CODA_JAX_PALLAS_INTERPRET=1 (before JAX starts) to run the kernels in the (slow) GPU interpreter"
         )
     if name == "cutedsl":
         if importlib.util.find_spec("cutlass") is None:
@@ -209,12 +205,12 @@ def lowering_for(op: str, backend: str | None = None) -> GemmLowering:
     from coda_jax.partitioning import PartitionedLowering
 
     if op in _ops[name]:
-        return PartitionedLowering(_lowerings[name]())
+        return PartitionedLowering(_lowering_overrides.get().get(name) or _lowerings[name]())
     if not _fallback_allowed():
         raise BackendOpMissingError(
             f"op {op!r} is not implemented by backend {name!r} (it has: {sorted(_ops[name])}); "
             f"use backend='xla' for it, or allow the reference fallback with "
-            f"use_backend({name!r}, allow_fallback=True) or {ENV_FALLBACK}=1"
+            f"use_backend({name!r}, allow_fallback=True) or CODA_JAX_ALLOW_FALLBACK=1"
         )
     if (op, name) not in _fallback_warned:
         _fallback_warned.add((op, name))

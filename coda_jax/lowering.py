@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, OutputKind
+from coda_jax.options import current_options
 
 
 class GemmLowering(Protocol):
@@ -198,79 +198,28 @@ def gpu_sm_count() -> int:
     return getattr(jax.devices()[0], "core_count", None) or H100_SMS
 
 
-RESERVED_SMS_ENV = "CODA_JAX_RESERVED_SMS"
-
-
-def reserved_sms() -> int:
-    """SMs the persistent kernels leave free: ``$CODA_JAX_RESERVED_SMS`` (default 0).
+def persistent_grid_sms(num_sms: int, reserved_sms: int = 0) -> int:
+    """SMs a persistent kernel's grid covers on a GPU of ``num_sms``: all but ``reserved_sms``
+    (a kernel lowering's argument), which must leave at least 2 (a CTA pair's cluster).
 
     A persistent kernel launches one CTA per SM, each holding most of its SM's shared memory
     until the kernel ends, so a kernel launched beside it on another stream (NCCL's
-    all-reduce or reduce-scatter of the gradients under data parallelism) gets no SM until it
-    ends. Reserving SMs gives such kernels room to run concurrently, at the cost of the
-    GEMMs' share of those SMs. Read when a kernel is traced.
+    collectives under data parallelism) gets no SM until it ends; reserved SMs give such
+    kernels room, at the cost of the GEMMs' share of those SMs.
     """
-    return env_count(RESERVED_SMS_ENV)
+    if not isinstance(reserved_sms, int) or reserved_sms < 0:
+        raise ValueError(f"reserved_sms must be a non-negative integer, got {reserved_sms!r}")
+    if num_sms - reserved_sms < 2:
+        raise ValueError(f"reserved_sms={reserved_sms} leaves {num_sms - reserved_sms} of the GPU's {num_sms} SMs to "
+                         f"the kernels; it must leave at least 2")
+    return num_sms - reserved_sms
 
 
-def env_count(name: str, default: int = 0) -> int:
-    """A non-negative integer environment setting (unset or empty: ``default``), or an error
-    naming it."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"${name} must be a non-negative integer, got {text!r}") from None
-    if n < 0:
-        raise ValueError(f"${name} must be a non-negative integer, got {n}")
-    return n
-
-
-def persistent_grid_sms(num_sms: int) -> int:
-    """SMs a persistent kernel's grid covers on a GPU of ``num_sms``: all but
-    :func:`reserved_sms`, which must leave at least 2 (a CTA pair's cluster)."""
-    r = reserved_sms()
-    if num_sms - r < 2:
-        raise ValueError(f"${RESERVED_SMS_ENV}={r} leaves {num_sms - r} of the GPU's {num_sms} SMs to the "
-                         f"kernels; it must leave at least 2")
-    return num_sms - r
-
-
-TILES_PER_CTA_ENV = "CODA_JAX_TILES_PER_CTA"
-
-
-def tiles_per_cta() -> int:
-    """``$CODA_JAX_TILES_PER_CTA`` (default 0): 0 keeps the persistent grid (one CTA, or CTA
-    pair, per SM, each walking its share of the output tiles in a fixed order); ``N > 0``
-    launches one CTA (pair) per ``N`` output tiles instead, so the GPU hands the tiles to
-    whichever SMs are free.
-
-    Why: a persistent CTA whose SM is held by a kernel on another stream (NCCL beside the
-    GEMM under data parallelism or FSDP) starts late, and the whole GEMM waits for its
-    share; with more, shorter CTAs the other SMs take over the work. The price: a CTA's
-    pipeline fill is no longer hidden behind the previous tile's epilogue. Pallas only;
-    read when a kernel is traced.
-    """
-    return env_count(TILES_PER_CTA_ENV)
-
-
-LATENCY_HINTS_ENV = "CODA_JAX_LATENCY_HINTS"
 # Rates of the estimate that XLA's scheduler is given for a kernel (one H100 SXM's worth of
 # SMs; scaled by the GPU's SM count): dense bf16 at the rate the fused kernels reach (about
-# 75 % of the 989 TFLOP/s peak, benchmarks/RESULTS.md), and HBM3 bandwidth.
+# 75 % of the 989 TFLOP/s peak), and HBM3 bandwidth.
 HINT_FLOPS_PER_S = 0.75 * 989e12
 HINT_BYTES_PER_S = 3.35e12
-
-
-def latency_hints_enabled() -> bool:
-    """``$CODA_JAX_LATENCY_HINTS`` (``1`` on; default off): whether each kernel call tells
-    XLA's scheduler its estimated run time (:func:`with_latency_hint`)."""
-    text = os.environ.get(LATENCY_HINTS_ENV, "0").strip().lower()
-    if text not in ("0", "1", "", "false", "true", "off", "on"):
-        raise ValueError(f"${LATENCY_HINTS_ENV} must be 0 or 1, got {text!r}")
-    return text in ("1", "true", "on")
 
 
 def estimated_kernel_ns(m: int, n: int, k: int, bytes_moved: int, num_sms: int = H100_SMS) -> int:
@@ -285,10 +234,10 @@ def with_latency_hint(fn: Callable, ns: int) -> Callable:
     """``fn`` with every op it creates annotated for XLA's latency-hiding scheduler: the
     frontend attribute ``latency_metadata`` (nanoseconds), which XLA's GPU latency
     estimators take as the op's cost. Without it a custom call costs the scheduler next to
-    nothing (the analytical estimator charges it 10 us; a fused GEMM takes 0.1-7 ms), and
-    under data parallelism the scheduler kept every Pallas call out of the windows in which
-    the gradient all-reduces run (benchmarks/RESULTS.md, runs 154-157). ``fn`` must create
-    the kernel's custom call and nothing else."""
+    nothing (the analytical estimator charges it 10 us; a fused GEMM takes 0.1-7 ms), so under
+    data parallelism the scheduler may keep kernels out of the windows in which the gradient
+    all-reduces run (docs/performance.md#multi-gpu). ``fn`` must create the kernel's custom
+    call and nothing else."""
     from jax.experimental.xla_metadata import set_xla_metadata
 
     @functools.wraps(fn)
@@ -299,137 +248,60 @@ def with_latency_hint(fn: Callable, ns: int) -> Callable:
     return hinted
 
 
-def kernel_latency_hint(m: int, n: int, k: int, arrays) -> int | None:
+def kernel_latency_hint(m: int, n: int, k: int, arrays) -> int:
     """The run time XLA's scheduler is told for a kernel backend's ``[m, k] @ [k, n]`` kernel
     (:func:`estimated_kernel_ns`; ``arrays``: its operands, loads and outputs, arrays or
-    shape-dtype structs, whose bytes it moves), or None unless ``$CODA_JAX_LATENCY_HINTS=1``."""
-    if not latency_hints_enabled():
-        return None
+    shape-dtype structs, whose bytes it moves)."""
     moved = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays)
     return estimated_kernel_ns(m, n, k, moved, gpu_sm_count())
 
 
-def plain_gemm_env(backend: str) -> str:
-    """The environment variable that routes a kernel backend's plain GEMMs."""
-    return f"CODA_JAX_{backend.upper()}_PLAIN_GEMM"
+PLAIN_GEMM_CHOICES = ("xla", "kernel")
 
 
-def check_plain_gemm(backend: str, choice: str | None) -> None:
-    """``choice`` must be ``None``, ``"xla"`` or the backend's name."""
-    if choice not in (None, backend, "xla"):
-        raise ValueError(f"plain_gemm must be {backend!r} or 'xla', got {choice!r}")
+def check_plain_gemm(backend: str, choice: str | None) -> str | None:
+    """A kernel lowering's ``plain_gemm`` argument: ``None`` (the option
+    ``routing.plain_gemm`` decides), ``"xla"``, or ``"kernel"`` (the backend's own name means
+    the same); returned as ``None``, ``"xla"`` or ``"kernel"``."""
+    if choice is None or choice in PLAIN_GEMM_CHOICES:
+        return choice
+    if choice == backend:
+        return "kernel"
+    raise ValueError(f"plain_gemm must be 'xla', 'kernel' or {backend!r}, got {choice!r}")
 
 
-def plain_gemm_route(backend: str, choice: str | None) -> str:
-    """Where a kernel backend runs a *plain* GEMM (the identity epilogue: the backward
-    dgrad / wgrad GEMMs with nothing to fuse): ``"xla"`` (XLA's GEMM, cuBLAS on a GPU; the
-    default) or ``backend`` (its own kernel).
-
-    ``choice`` (the lowering's ``plain_gemm`` argument) wins, then the environment variable
-    ``CODA_JAX_<BACKEND>_PLAIN_GEMM``. An epilogue without loads or reductions gains
-    nothing from a fused kernel, and cuBLAS ran each of the block's plain GEMMs 1-3.5 %
-    faster than the Pallas kernel (benchmarks/RESULTS.md, run 33) and faster still than the
-    CuTeDSL kernel.
-    """
-    check_plain_gemm(backend, choice)
-    env = plain_gemm_env(backend)
-    route = choice or os.environ.get(env, "xla")
-    if route not in (backend, "xla"):
-        raise ValueError(f"{env} must be {backend!r} or 'xla', got {route!r}")
-    return route
-
-
-def xla_programs_env(backend: str) -> str:
-    """The environment variable that lists the fused programs a kernel backend hands to XLA."""
-    return f"CODA_JAX_{backend.upper()}_XLA_PROGRAMS"
-
-
-# Fused programs that a kernel backend runs as XLA's GEMM (cuBLAS) plus an XLA fusion of the
-# same epilogue body (the reference lowering) instead of its own kernel, by default, each with
-# the largest GEMM it applies to (m * n * k in units of 2^30, None: any size). Chosen by
-# measurement of the whole train step against the kernel. Empty: every fused program runs
-# on the backend's kernel; at 1B each hand-off tried (the CE forward, the QKV and o-projection
-# programs) slowed the Pallas train step (benchmarks/RESULTS.md, run 117).
-DEFAULT_XLA_PROGRAMS: dict[str, dict[str, float | None]] = {"pallas": {}, "cutedsl": {}}
-
-
-def xla_output_below_env(backend: str) -> str:
-    """The environment variable that sets a kernel backend's :func:`xla_output_below`."""
-    return f"CODA_JAX_{backend.upper()}_XLA_OUTPUT_BELOW"
-
-
-# Fused GEMMs whose output has fewer elements than this (M * N) run on XLA's GEMM plus a
-# fusion of the epilogue body (the reference lowering) instead of the backend's kernel, by
-# default (0: never). Such an output is the Pallas kernel's "small" shape class (64 x 128
-# tiles, two stages, no warp specialization: 512 x 2048 is 128 tiles for 132 SMs, each
-# running all of K, 16384 in the 1B MLP's dgrad); there it ran at 93-167 TFLOP/s (run 262),
-# and the epilogue passes fusion saves are a few MB. The 1B train step at 2 x 256 tokens
-# (benchmarks/RESULTS.md, runs 262-263): Pallas 0.864x -> 1.036x plain JAX, CuTeDSL 1.018x ->
-# 1.037x; twice this bound (2^23) routed 2 x 1024 tokens' QKV and o-projection too and lost
-# 4 % there (1.061x -> 1.021x); at 8 x 1024 tokens and the block's 8192 no GEMM is this small.
-DEFAULT_XLA_OUTPUT_BELOW: dict[str, int] = {"pallas": 1 << 22, "cutedsl": 1 << 22}
 _logger = logging.getLogger("coda_jax")
 _small_output_logged: set[tuple[str, str]] = set()
-
-
-def xla_output_below(backend: str) -> int:
-    """Output size (``M * N`` elements) below which kernel backend ``backend`` hands a fused GEMM
-    to XLA: ``$CODA_JAX_<BACKEND>_XLA_OUTPUT_BELOW`` if set (an integer; ``0`` turns the rule
-    off, so that every fused GEMM runs on the kernel), else :data:`DEFAULT_XLA_OUTPUT_BELOW`."""
-    return env_count(xla_output_below_env(backend), DEFAULT_XLA_OUTPUT_BELOW.get(backend, 0))
-
-
-def parse_xla_programs(text: str, source: str) -> dict[str, float | None]:
-    """``"rms_rope,rms_dgrad_res<64"`` -> ``{"rms_rope": None, "rms_dgrad_res": 64.0}``;
-    ``""`` or ``"none"`` -> ``{}``. Items are separated by commas or ``+`` (for settings that
-    travel inside comma-separated lists). ``source`` names the setting in errors."""
-    out: dict[str, float | None] = {}
-    text = text.strip()
-    if text.lower() in ("", "none"):
-        return out
-    for item in text.replace("+", ",").split(","):
-        name, _, cap = item.strip().partition("<")
-        if not name.strip():
-            raise ValueError(f"{source}: empty program name in {text!r} (expected 'name' or 'name<GIGA_MNK', "
-                             f"comma-separated)")
-        try:
-            out[name.strip()] = float(cap) if cap.strip() else None
-        except ValueError:
-            raise ValueError(f"{source}: {item.strip()!r} must be 'name' or 'name<N' with N the largest "
-                             f"m*n*k in units of 2^30") from None
-    return out
 
 
 def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plain_choice: str | None = None,
                   by_size: bool = True) -> bool:
     """Whether kernel backend ``backend`` runs this ``[m, k] @ [k, n]`` GEMM and its epilogue
-    through the reference lowering (XLA's GEMM and a fusion of the body) instead of its kernel.
+    through the reference lowering (XLA's GEMM and a fusion of the body) instead of its kernel,
+    by the options of :class:`coda_jax.options.RoutingOptions` in force:
 
-    The identity epilogue follows :func:`plain_gemm_route`. A fused program goes to XLA when its
-    output has fewer than :func:`xla_output_below` elements (``m * n``), or when it is in the
-    backend's table, ``$CODA_JAX_<BACKEND>_XLA_PROGRAMS`` if set (e.g.
-    ``"rms_rope,rms_dgrad_res<64"``: those programs, the second only where ``m*n*k <= 64 * 2^30``;
-    ``"none"``: no program), else :data:`DEFAULT_XLA_PROGRAMS`: where the kernel's fused
-    epilogue saves less than the kernel loses to cuBLAS on the GEMM itself.
+    * the identity epilogue (a plain GEMM): ``plain_choice`` (the lowering's argument, as
+      :func:`check_plain_gemm` returns it), else ``routing.plain_gemm``;
+    * a fused program: when its output has fewer than ``routing.xla_output_below`` elements
+      (``m * n``), or when ``routing.xla_programs`` names it (up to its ``m*n*k`` cap, in units
+      of ``2**30``). Why these defaults: docs/performance.md#routing.
 
     ``by_size=False`` leaves the output-size rule out: the mesh partitioner
     (:mod:`coda_jax.partitioning`) asks with the global shape, and the rule is about the GEMM
     each device runs, which the backend's lowering decides on its shard.
     """
+    routing = current_options().routing
     if epilogue.name == "identity":
-        return plain_gemm_route(backend, plain_choice) == "xla"
-    below = xla_output_below(backend) if by_size else 0
+        return (plain_choice or routing.plain_gemm) == "xla"
+    below = routing.xla_output_below if by_size else 0
     if m * n < below:
         if (backend, epilogue.name) not in _small_output_logged:  # once per program (INFO)
             _small_output_logged.add((backend, epilogue.name))
             _logger.info("coda_jax: %s runs %r GEMMs with outputs under %d elements (here %d x %d) on XLA; "
-                         "$%s=0 keeps them on the kernel", backend, epilogue.name, below, m, n,
-                         xla_output_below_env(backend))
+                         "the option routing.xla_output_below=0 keeps them on the kernel", backend, epilogue.name,
+                         below, m, n)
         return True
-    env = xla_programs_env(backend)
-    text = os.environ.get(env)
-    table = DEFAULT_XLA_PROGRAMS.get(backend, {}) if text is None else parse_xla_programs(text, f"${env}")
-    if epilogue.name not in table:
+    if epilogue.name not in routing.xla_programs:
         return False
-    cap = table[epilogue.name]
+    cap = routing.xla_programs[epilogue.name]
     return cap is None or m * n * k <= cap * 2 ** 30

@@ -90,7 +90,7 @@ class CrossEntropyOptions:
         ``"auto"`` (default): save them when they fit ``logits_budget_mb``.
       logits_dtype: storage dtype of saved logits, ``"float32"`` (default) or ``"bfloat16"``.
       logits_budget_mb: memory the saved logits may take (MiB); ``"auto"`` (default): 1/8 of
-        the default device's memory (256 MiB without a memory figure).
+        the default device's memory (2 GiB where the device reports none).
     """
 
     save_logits: bool | Literal["auto"] | None = None
@@ -284,7 +284,7 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
                 out[k] = None if cap is None else float(cap)
             else:
                 return out
-    raise OptionError(f"coda_jax option {path} must be {_describe(tp)}, got {value!r}")
+    raise OptionError(f"coda_jax option {path} must be one of: {_describe(tp)}; got {value!r}")
 
 
 def _check_group(name: str, value: Any) -> Any:
@@ -347,7 +347,7 @@ def _parse_scalar(path: str, tp: Any, text: str) -> Any:
             return tuple(p for p in raw.split(os.pathsep) if p)
         if t is str and raw:
             return raw
-    raise OptionError(f"coda_jax option {path} must be {_describe(tp)}, got {text!r}")
+    raise OptionError(f"coda_jax option {path} must be one of: {_describe(tp)}; got {text!r}")
 
 
 def _parse_programs(path: str, text: str) -> dict[str, float | None]:
@@ -459,10 +459,23 @@ def set_options(**overrides: Any) -> None:
     _process = _merge(_process, _checked(overrides))
 
 
-def reset_options() -> None:
-    """Clears every process-wide option set by :func:`set_options`."""
+def reset_options(*paths: str) -> None:
+    """Clears the process-wide options that :func:`set_options` set: those named (``"backend"``,
+    ``"mesh.fsdp_split"``, a whole group ``"routing"``), or all of them."""
     global _process
-    _process = _EMPTY
+    if not paths:
+        _process = _EMPTY
+        return
+    for path in paths:
+        group, _, name = path.partition(".")
+        valid = group in GROUPS and (not name or name in {f.name for f in dataclasses.fields(GROUPS[group])})
+        if not (valid or (not name and group in {f.name for f in dataclasses.fields(Options)})):
+            raise OptionError(f"unknown coda_jax option {path!r}")
+        if group in GROUPS:
+            cleared = GROUPS[group]() if not name else dataclasses.replace(getattr(_process, group), **{name: None})
+            _process = dataclasses.replace(_process, **{group: cleared})
+        else:
+            _process = dataclasses.replace(_process, **{group: None})
 
 
 def current_options() -> Options:

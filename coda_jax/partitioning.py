@@ -23,8 +23,8 @@ shardings derived from the epilogue declaration:
   schedules it with the other gradients'. The partials are summed in the dtype the op asked
   for (a bfloat16 weight gradient is all-reduced in bfloat16, as XLA's partitioner does for
   plain JAX's wgrad dots: half the bytes of float32); reductions (``row_sum``,
-  ``col_sum``) stay float32. :func:`partial_sum_dtype` says which, and
-  ``CODA_JAX_PARTIAL_SUMS=float32`` sums every partial in float32. Any other epilogue is
+  ``col_sum``) stay float32. :func:`partial_sum_dtype` says which, and the option
+  ``mesh.partial_sums="float32"`` sums every partial in float32. Any other epilogue is
   not partitioned: the partitioner gathers its operands (correct, not fast).
 
 Which mesh axes shard tokens: :data:`TOKEN_AXES` (``("data", "fsdp")``), those present in
@@ -35,16 +35,15 @@ unpartitioned (logged once).
 GEMMs that are ordinary XLA ops (every GEMM of the ``"xla"`` backend; the plain GEMMs that
 the kernel backends route to XLA's dot) follow the same rules when the mesh splits the
 parameters (an :data:`FSDP_AXIS` among the token axes). Left to the partitioner there, they
-gathered activations instead of the weight: the ``xla`` backend's 1B step ran at 0.71x
-plain JAX on two H100s (benchmarks/RESULTS.md, run 140). With few tokens a device
+gather activations instead of the weight, which is slow. With few tokens a device
 (:func:`fsdp_xla_tokens_below`) that is the faster choice: there every GEMM, a kernel
 backend's too, runs as XLA ops left to it. With a middling number
 (:func:`fsdp_xla_gemms_below`) a kernel backend's GEMMs run as XLA ops split by tokens, as
 the ``xla`` backend's do, since XLA overlaps the weight gathers with those and not with the
-kernels. With the weights split along their features (:func:`set_fsdp_split`,
-``"features"``), every GEMM is left to the partitioner. With the weights whole (data parallel) the
-partitioner splits them by tokens itself, as measured (runs 96, 139).
-``docs/multi_gpu.md`` has the rules per op.
+kernels. With the weights split along their features (the option ``mesh.fsdp_split``,
+``"features"``), every GEMM is left to the partitioner. With the weights whole (data parallel)
+the partitioner splits them by tokens itself. ``docs/multi_gpu.md`` has the rules per op and
+docs/performance.md#fsdp-split the measurements behind them.
 """
 
 from __future__ import annotations
@@ -52,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,7 +61,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
-from coda_jax.lowering import GemmLowering, env_count, gemm_dims, routes_to_xla, xla_output_below_env
+from coda_jax.lowering import GemmLowering, gemm_dims, routes_to_xla
+from coda_jax.options import MeshOptions, current_options, is_set, options
 from coda_jax.reference import xla_backend_lowering
 
 logger = logging.getLogger("coda_jax")
@@ -71,93 +70,49 @@ logger = logging.getLogger("coda_jax")
 TOKEN_AXES: tuple[str, ...] = ("data", "fsdp")
 # The token axis over which the parameters are split too (FSDP, ZeRO-3).
 FSDP_AXIS = "fsdp"
-PARTIAL_SUMS_ENV = "CODA_JAX_PARTIAL_SUMS"
 _warned: set[str] = set()
-
-
-FSDP_XLA_TOKENS_ENV = "CODA_JAX_FSDP_XLA_TOKENS_BELOW"
-# Under FSDP, every GEMM runs as XLA ops left to XLA's partitioner when each device holds
-# fewer tokens than this (its ``a``'s first dimension over the token shards): the `xla`
-# backend's, and a kernel backend's on the `xla` backend's lowering (a kernel whose epilogue
-# is not linear cannot run on the partial sums that a weight split along K gives). With more,
-# each is split by tokens in a ``shard_map`` with the weight gathered (ZeRO-3). With few
-# tokens the partitioner gathers the activations instead and leaves each weight shard in
-# place, as it does for plain JAX. The 1B step on fsdp=2, 2 x H200, `xla` backend against
-# plain JAX (benchmarks/RESULTS.md, runs 269-270): 512 tokens a device 0.752x split -> 0.928x
-# left to the partitioner; 2048: 0.877x -> 0.781x; 8192: 1.027x -> 0.765x. 1024 is unmeasured
-# and stays split.
-DEFAULT_FSDP_XLA_TOKENS_BELOW = 1024
 
 
 def fsdp_xla_tokens_below() -> int:
     """Tokens a device below which, under FSDP, every GEMM runs as XLA ops left to XLA's
-    partitioner (see :data:`DEFAULT_FSDP_XLA_TOKENS_BELOW`): ``$CODA_JAX_FSDP_XLA_TOKENS_BELOW``
-    if set (a non-negative integer; ``0``: never), else the default."""
-    return env_count(FSDP_XLA_TOKENS_ENV, DEFAULT_FSDP_XLA_TOKENS_BELOW)
+    partitioner: the option ``mesh.fsdp_xla_tokens_below``. With few tokens the partitioner
+    gathers the activations and leaves each weight shard in place, as it does for plain JAX,
+    which beats gathering the weights (docs/performance.md#fsdp-split)."""
+    return current_options().mesh.fsdp_xla_tokens_below
 
 
-FSDP_SPLIT_ENV = "CODA_JAX_FSDP_SPLIT"
 FSDP_SPLITS = ("width", "features")
-# Which dimension of each weight FSDP splits. "width" (the default): the model width
-# (``embed``; each 2-D weight's split then moves to its rows, beside a tensor split where
-# there is one, sharding.rows_first), every weight gathered whole where a GEMM uses it
-# (ZeRO-3). "features": the
-# MLP, attention and vocabulary features, where plain JAX's largest-dimension placement puts
-# them; every GEMM is then XLA ops left to the partitioner, which with few tokens in the FSDP
-# group runs the MLP as tensor parallelism over the FSDP axis (gathering activations, not
-# its weights). Against plain JAX on H100s (benchmarks/RESULTS.md, runs 278-283), width ->
-# features, 1B: fsdp=2 at 2048 tokens a device 0.894x -> 1.013x (`xla`), 0.876x -> 1.004x
-# (Pallas); fsdp=4 at 1024 0.899x -> 1.052x, at 1536 0.946x -> 1.009x, at 256 1.011x ->
-# 1.035x; data=2 x fsdp=2 at 1024 0.783x -> 1.017x; but fsdp=4 at 2048 1.026x -> 0.989x.
-# The 8B width, fsdp=2: at 2048 0.818x -> 0.957x, at 4096 0.914x -> 0.995x. With the
-# kernels split by tokens (ZeRO-3) the features placement is slower (1B, fsdp=4 at 4096:
-# 72.2 -> 75.9 ms; a gather along a weight's minor dimension costs transposes), so it
-# always comes with the partitioner. :func:`choose_fsdp_split` picks by the tokens a step.
-_fsdp_split: str | None = None
+# Which dimension of each weight FSDP splits (the option mesh.fsdp_split). "width": the model
+# width (``embed``; each 2-D weight's split then moves to its rows, beside a tensor split
+# where there is one, sharding.rows_first), every weight gathered whole where a GEMM uses it
+# (ZeRO-3). "features": the MLP, attention and vocabulary features, where plain JAX's
+# largest-dimension placement puts them; every GEMM is then XLA ops left to the partitioner,
+# which with few tokens in the FSDP group runs the MLP as tensor parallelism over the FSDP
+# axis (gathering activations, not its weights). Features win with few tokens a step and lose
+# with many; with the kernels split by tokens the features placement is slower (a gather
+# along a weight's minor dimension costs transposes), so it always comes with the
+# partitioner. :func:`choose_fsdp_split` picks by the tokens a step.
+#
 # choose_fsdp_split: "features" while each FSDP group's tokens a step (tokens a device times
 # the FSDP axis size) are at most this fraction of a block's weight elements over the width
 # (LlamaConfig.block_weights_per_width): the group's activations [tokens, d] against a block's
-# weights. Measured on H100s (runs 278-283): the 1B model (29,696) faster with features at
-# 1024-6144 tokens in the group, slower at 8192 (bound 0.207-0.276); the 8B width (53,248)
-# faster with features at 4096 and 8192 (0.154 of it). Without the model's sizes: the 1B
-# bound, FEATURES_SPLIT_MAX_GROUP_TOKENS.
+# weights (the crossover measured at the 1B and 8B widths: docs/performance.md#fsdp-split).
+# Without the model's sizes: the 1B bound, FEATURES_SPLIT_MAX_GROUP_TOKENS.
 FEATURES_SPLIT_WEIGHT_FRACTION = 0.21
 FEATURES_SPLIT_MAX_GROUP_TOKENS = 6144
 
 
-def _check_split(split: str, where: str) -> str:
-    if split not in FSDP_SPLITS:
-        raise ValueError(f"{where} must be one of {FSDP_SPLITS}, got {split!r}")
-    return split
-
-
-def set_fsdp_split(split: str | None) -> None:
-    """Set which dimension FSDP splits the weights along (``"width"`` or ``"features"``;
-    ``None``: back to ``$CODA_JAX_FSDP_SPLIT``, default ``"width"``). Set it before the state
-    is sharded (:func:`coda_jax.sharding.shard_state`) and keep it while the step is traced:
-    the placement and the GEMMs' partitioning rules follow it together."""
-    global _fsdp_split
-    _fsdp_split = None if split is None else _check_split(split, "fsdp_split")
-
-
-@contextlib.contextmanager
 def fsdp_split_as(split: str | None):
-    """:func:`set_fsdp_split` for the ``with`` block, the previous setting restored after."""
-    global _fsdp_split
-    before = _fsdp_split
-    set_fsdp_split(split)
-    try:
-        yield
-    finally:
-        _fsdp_split = before
+    """The option ``mesh.fsdp_split`` set to ``split`` for the ``with`` block (``None``: left as
+    it is). Set it before the state is sharded (:func:`coda_jax.sharding.shard_state`) and keep
+    it while the step is traced: the placement and the GEMMs' partitioning rules follow it
+    together."""
+    return options(mesh=MeshOptions(fsdp_split=split))
 
 
 def fsdp_split() -> str:
-    """The FSDP split in force: :func:`set_fsdp_split`'s, else ``$CODA_JAX_FSDP_SPLIT``, else
-    ``"width"`` (see :data:`FSDP_SPLITS`)."""
-    if _fsdp_split is not None:
-        return _fsdp_split
-    return _check_split(os.environ.get(FSDP_SPLIT_ENV, "").strip() or "width", f"${FSDP_SPLIT_ENV}")
+    """The FSDP split in force (the option ``mesh.fsdp_split``, see :data:`FSDP_SPLITS`)."""
+    return current_options().mesh.fsdp_split
 
 
 def _fsdp_without_tensor(mesh) -> bool:
@@ -200,9 +155,9 @@ def choose_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int |
 
 
 def auto_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int | None = None) -> str | None:
-    """What ``fsdp_split="auto"`` sets (:func:`set_fsdp_split`): ``None`` where
-    ``$CODA_JAX_FSDP_SPLIT`` is set (the environment decides), else :func:`choose_fsdp_split`."""
-    if os.environ.get(FSDP_SPLIT_ENV, "").strip():
+    """What ``fsdp_split="auto"`` sets (:func:`fsdp_split_as`): ``None`` where the option
+    ``mesh.fsdp_split`` is already set (a context, the process), else :func:`choose_fsdp_split`."""
+    if is_set("mesh.fsdp_split"):
         return None
     return choose_fsdp_split(mesh, tokens_per_step, block_weights_per_width)
 
@@ -214,31 +169,14 @@ def _few_fsdp_tokens(axes: tuple[str, ...], shards: int, tokens: int) -> bool:
     return FSDP_AXIS in axes and (features_split(context_mesh()) or tokens // shards < fsdp_xla_tokens_below())
 
 
-FSDP_XLA_GEMMS_ENV = "CODA_JAX_FSDP_XLA_GEMMS_BELOW"
-# Under FSDP, a kernel backend runs its GEMMs on the `xla` backend's lowering (XLA's GEMM and
-# fusions of the same epilogue bodies), still split by tokens with the weight gathered, when
-# each device holds fewer tokens than this. XLA's scheduler overlaps the weight all-gathers
-# and gradient reduce-scatters with its own GEMMs and fusions, not with the Pallas kernels
-# (benchmarks/RESULTS.md, runs 154-161), and with fewer tokens a device those collectives
-# are a larger part of the step. The 1B step against plain JAX on H100s (runs 275-276),
-# Pallas with its kernels -> on the `xla` lowering: fsdp=4 at 2048 tokens a device 0.986x ->
-# 1.038x, at 4096 1.017x -> 0.980x; fsdp=2 at 2048 0.876x -> 0.887x.
-DEFAULT_FSDP_XLA_GEMMS_BELOW = 4096
-
-
 def fsdp_xla_gemms_below() -> int:
     """Tokens a device below which, under FSDP, a kernel backend's GEMMs run on the ``xla``
-    backend's lowering, split by tokens (see :data:`DEFAULT_FSDP_XLA_GEMMS_BELOW`):
-    ``$CODA_JAX_FSDP_XLA_GEMMS_BELOW`` if set (a non-negative integer; ``0``: never), else the
-    default."""
-    return env_count(FSDP_XLA_GEMMS_ENV, DEFAULT_FSDP_XLA_GEMMS_BELOW)
-
-
-# The environment settings of the routing rules (a kernel backend's small fused GEMMs to XLA,
-# :func:`~coda_jax.lowering.xla_output_below`; the FSDP rules above): what a test turns off,
-# or clears to get the library's defaults.
-ROUTING_ENVS: tuple[str, ...] = (xla_output_below_env("pallas"), xla_output_below_env("cutedsl"),
-                                 FSDP_XLA_TOKENS_ENV, FSDP_XLA_GEMMS_ENV)
+    backend's lowering (XLA's GEMM and fusions of the same epilogue bodies), still split by
+    tokens with the weight gathered: the option ``mesh.fsdp_xla_gemms_below``. XLA's scheduler
+    overlaps the weight all-gathers and gradient reduce-scatters with its own GEMMs and
+    fusions, not with the kernels, and with fewer tokens a device those collectives are a
+    larger part of the step (docs/performance.md#fsdp-split)."""
+    return current_options().mesh.fsdp_xla_gemms_below
 
 
 def partial_sum_dtype(out_dtype) -> jnp.dtype:
@@ -247,13 +185,11 @@ def partial_sum_dtype(out_dtype) -> jnp.dtype:
 
     ``out_dtype`` (what the op asked for: a bfloat16 weight gradient is all-reduced in
     bfloat16, which is what XLA's partitioner does for a plain ``jnp.dot`` whose contracted
-    dimension is sharded, so the kernel backends move the bytes plain JAX moves), unless
-    ``$CODA_JAX_PARTIAL_SUMS`` is ``float32`` (every partial summed in float32: twice the
+    dimension is sharded, so the kernel backends move the bytes plain JAX moves), unless the
+    option ``mesh.partial_sums`` is ``"float32"`` (every partial summed in float32: twice the
     bytes, one rounding at the end). Float32 outputs (the reductions) stay float32.
     """
-    choice = os.environ.get(PARTIAL_SUMS_ENV, "output")
-    if choice not in ("output", "float32"):
-        raise ValueError(f"${PARTIAL_SUMS_ENV} must be 'output' or 'float32', got {choice!r}")
+    choice = current_options().mesh.partial_sums
     return jnp.dtype(jnp.float32 if choice == "float32" else out_dtype)
 
 
@@ -344,7 +280,7 @@ class PartitionedLowering:
             return inner.gemm(epilogue, a, b, loads, **kw)
         if FSDP_AXIS not in axes and self._xla_ops(epilogue, a, b, transpose_a, transpose_b):
             # XLA ops with the weights whole (data parallel), which the partitioner splits by
-            # tokens itself (runs 96 and 139: `xla` 1.00-1.01x plain JAX).
+            # tokens itself, as fast as plain JAX's step.
             return inner.gemm(epilogue, a, b, loads, **kw)
         tok = axes if len(axes) > 1 else axes[0]
         if a.shape[0] % shards:

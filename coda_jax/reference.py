@@ -303,19 +303,13 @@ class ReferenceLowering:
 REFERENCE = ReferenceLowering()
 """The exact reference: float32 accumulators end to end (what kernels are tested against)."""
 
-XLA_ACC_ENV = "CODA_JAX_XLA_ACC"
-
-
 def xla_backend_lowering() -> ReferenceLowering:
     """The ``"xla"`` backend's lowering: :data:`REFERENCE`'s math with the GEMM output
-    rounded to the 16-bit operand dtype (the default, ``CODA_JAX_XLA_ACC=operand``), or kept
-    in float32 (``CODA_JAX_XLA_ACC=float32``: exact, slower). Read at trace time."""
-    import os
+    rounded to the 16-bit operand dtype (the option ``xla.accumulate="operand"``, the
+    default), or kept in float32 (``"float32"``: exact, slower). Read at trace time."""
+    from coda_jax.options import current_options
 
-    mode = os.environ.get(XLA_ACC_ENV, "operand")
-    if mode not in ("operand", "float32"):
-        raise ValueError(f"{XLA_ACC_ENV} must be 'operand' or 'float32', got {mode!r}")
-    return REFERENCE if mode == "float32" else _XLA_ROUNDED
+    return REFERENCE if current_options().xla.accumulate == "float32" else _XLA_ROUNDED
 
 
 _XLA_ROUNDED = ReferenceLowering(round_acc=True)

@@ -3,7 +3,7 @@
 Mesh axes by name: ``"data"`` (data parallel: batch split, parameters replicated),
 ``"fsdp"`` (ZeRO-3: batch split *and* every parameter, with its optimizer moments, split
 along the model width by default, along its features with the FSDP split ``"features"``
-(:func:`coda_jax.partitioning.set_fsdp_split`), along its largest dimension for a plain
+(the option ``mesh.fsdp_split``), along its largest dimension for a plain
 pytree; the partitioner gathers a weight where a GEMM needs it and reduce-scatters its
 gradient), ``"tensor"`` (Megatron tensor parallelism,
 :mod:`coda_jax.layers.tensor_parallel`: ``w_gu`` split by columns, ``w_o`` and ``w_down``
@@ -41,11 +41,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
 # table whole over "tensor" had its head gradient, V x d, gathered whole every step.)
 # Under FSDP with ``partitioning.fsdp_split() == "features"`` (and no tensor axis): the MLP
 # weights, ``w_o`` and the embedding split along their features, not the width (see
-# coda_jax.partitioning.FSDP_SPLIT_ENV). ``w_qkv`` keeps its rows split, as plain JAX places
+# coda_jax.partitioning.FSDP_SPLITS). ``w_qkv`` keeps its rows split, as plain JAX places
 # its separate Q, K and V weights: split by columns, its gradient's reduce-scatter wants a
 # column-major layout and the optimizer update then transposes the parameter and both
-# moments, and the attention input is resharded by all-to-alls (8B width, 4 layers, fsdp=2 at
-# 2048 tokens a GPU on two H200s: 0.938x -> 0.996x plain JAX; 1B: 0.985x -> 1.020x).
+# moments, and the attention input is resharded by all-to-alls (slower:
+# docs/performance.md#fsdp-split).
 FEATURE_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None), ("qkv_embed", "fsdp"), ("mlp", "fsdp"), ("heads", "fsdp"), ("qkv", None),
     ("vocab", "fsdp"), ("norm", None), ("head_dim", None),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from coda_jax.pallas.interpret import ensure_interpreter_threads
-from coda_jax.partitioning import ROUTING_ENVS
+from suite_options import apply_suite_options
 
 # The Mosaic GPU interpreter blocks one CPU-client pool thread per simulated warpgroup at a
 # barrier; with the default pool (one thread per core) a 2-core machine hung about one run in
@@ -20,23 +20,8 @@ ensure_interpreter_threads()
 # subprocess, on only where tests/test_kernel_cache.py turns it on.
 os.environ["CODA_JAX_KERNEL_CACHE_DIR"] = "off"
 
-# Kernel backends hand fused GEMMs with small outputs (fewer than 2^22 elements) to XLA by
-# default (coda_jax.lowering.xla_output_below); every test shape is that small, so the rule
-# is off here and in every subprocess, and tests/test_pallas_kernels.py tests it.
-# Under FSDP, XLA-op GEMMs go to XLA's partitioner when a device holds fewer than 1024 tokens
-# (coda_jax.partitioning.fsdp_xla_tokens_below), and a kernel backend's GEMMs run on the xla
-# backend's lowering below 4096 (fsdp_xla_gemms_below); the mesh tests' batches are that
-# small and test the token-split kernel rules, so these are off too, and the FSDP gathers
-# case tests them.
-# CODA_JAX_TESTS_ROUTING=default keeps the library's defaults instead (the GPU shape fuzz
-# with FUZZ_ROUTING=default: ragged shapes with the routing rules as users get them).
-ROUTING_RULES = ROUTING_ENVS
-if os.environ.get("CODA_JAX_TESTS_ROUTING", "off") == "default":
-    for _name in ROUTING_RULES:
-        os.environ.pop(_name, None)
-else:
-    for _name in ROUTING_RULES:
-        os.environ[_name] = "0"
+# The routing rules off for the suite's small shapes (tests/suite_options.py).
+apply_suite_options()
 
 
 def _hopper() -> bool:
@@ -81,14 +66,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _clean_backend_state(monkeypatch):
-    """Each test starts with no process-wide backend and no env overrides."""
+    """Each test starts with the suite's options only: no process-wide backend, no env overrides."""
     import coda_jax
 
     monkeypatch.delenv("CODA_JAX_BACKEND", raising=False)
     monkeypatch.delenv("CODA_JAX_ALLOW_FALLBACK", raising=False)
-    coda_jax.set_backend(None)
+    coda_jax.reset_options()
+    apply_suite_options()
     yield
-    coda_jax.set_backend(None)
+    coda_jax.reset_options()
+    apply_suite_options()
 
 
 def rel_err(out, ref) -> float:

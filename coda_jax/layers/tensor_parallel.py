@@ -16,7 +16,7 @@ of its data shard ``[M_d, d]``:
 
 ``x_t`` is this shard's ``1/T`` of the rows: the residual adds run sequence-parallel on
 ``M_d / T`` rows after a reduce-scatter of the row-parallel GEMMs' partial sums (in the
-compute dtype, as plain JAX's partitioner reduces them; ``CODA_JAX_PARTIAL_SUMS=float32``
+compute dtype, as plain JAX's partitioner reduces them; the option ``mesh.partial_sums="float32"``
 keeps float32; the adds themselves run in float32),
 and the gathers restore whole rows for the next column-parallel GEMM.
 

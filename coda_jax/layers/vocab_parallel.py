@@ -15,35 +15,33 @@ across the axis (``[M]`` float32 vectors; :func:`coda_jax.linear_cross_entropy` 
   the final hidden states of its data shard's rows instead (an all-gather of ``x [M, d]``:
   128 MiB at 32 x 1024 tokens), their gradient's partial sums come back (``shard_map``'s
   transpose sums ``dx`` over the axis), and the head moves from its stored split (FSDP
-  splits the model width) to a vocab split. ``CODA_JAX_FSDP_VOCAB_PARALLEL=0`` keeps the
-  token-split head.
+  splits the model width) to a vocab split. The option ``mesh.vocab_parallel_head=False``
+  keeps the token-split head.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from coda_jax import partitioning
+from coda_jax.options import current_options
 from coda_jax.sharding import TENSOR_AXIS
-
-FSDP_VOCAB_PARALLEL_ENV = "CODA_JAX_FSDP_VOCAB_PARALLEL"
 
 
 def vocab_parallel_axis(mesh, vocab_size: int) -> str | None:
     """The axis ``CodaLlama.loss`` splits the vocabulary over: ``"tensor"`` when its size
     ``T > 1`` divides ``vocab_size``; else ``"fsdp"`` when that axis (size > 1) divides it and
-    ``$CODA_JAX_FSDP_VOCAB_PARALLEL`` is not ``0``; else ``None`` (token-split head)."""
+    the option ``mesh.vocab_parallel_head`` is on (the default); else ``None`` (token-split head)."""
     t = partitioning.axis_size(mesh, TENSOR_AXIS)
     if t > 1:
         return TENSOR_AXIS if vocab_size % t == 0 else None
     f = partitioning.axis_size(mesh, partitioning.FSDP_AXIS)
     if f > 1 and vocab_size % f == 0 and partitioning.FSDP_AXIS in partitioning.token_axes(mesh) \
-            and os.environ.get(FSDP_VOCAB_PARALLEL_ENV, "1") != "0":
+            and current_options().mesh.vocab_parallel_head:
         return partitioning.FSDP_AXIS
     return None
 

@@ -22,7 +22,6 @@ the op's FLOPs) for memory, which pays only when memory is short.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +33,7 @@ from coda_jax.ops.checks import check_2d, check_float, check_same_dtype, check_v
 from coda_jax.ops.names import LINEAR_CROSS_ENTROPY
 from coda_jax.ops.norm_carry import NormCarry, resolve_carry, rstd_from_partials
 from coda_jax.ops.plain_gemm import matmul, wgrad
+from coda_jax.options import current_options
 
 REDUCTIONS = ("mean", "sum", "none")
 # Vocab columns per backward chunk: the largest dlogits block alive is [M, VOCAB_CHUNK].
@@ -42,41 +42,30 @@ VOCAB_CHUNK = 16384
 # DEFAULT_LOGITS_BUDGET bytes where the device does not report its memory (CPU).
 LOGITS_BUDGET_FRACTION = 1 / 8
 DEFAULT_LOGITS_BUDGET = 2 << 30
-LOGITS_BUDGET_ENV = "CODA_JAX_CE_LOGITS_BUDGET_MB"
-SAVE_LOGITS_ENV = "CODA_JAX_CE_SAVE_LOGITS"
-LOGITS_DTYPE_ENV = "CODA_JAX_CE_LOGITS_DTYPE"
 
 
 def resolve_logits_dtype(logits_dtype) -> jnp.dtype:
-    """Storage dtype of saved logits: the argument, else ``$CODA_JAX_CE_LOGITS_DTYPE``
-    (``float32`` / ``bfloat16``), else float32."""
-    name = "logits_dtype"
+    """Storage dtype of saved logits: the argument, else the option
+    ``cross_entropy.logits_dtype`` (float32 by default)."""
     if logits_dtype is None:
-        name, logits_dtype = f"${LOGITS_DTYPE_ENV}", os.environ.get(LOGITS_DTYPE_ENV, "float32")
+        return jnp.dtype(current_options().cross_entropy.logits_dtype)
     try:
         dt = jnp.dtype(logits_dtype)
     except TypeError:
         dt = None
     if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"{name} must be float32 or bfloat16, got {logits_dtype!r}")
+        raise ValueError(f"logits_dtype must be float32 or bfloat16, got {logits_dtype!r}")
     return dt
 
 
 def logits_budget_bytes() -> int:
-    """Bytes of saved logits that ``save_logits=None`` allows.
-
-    ``$CODA_JAX_CE_LOGITS_BUDGET_MB`` if set, else 1/8 of the default device's memory
-    (``memory_stats()["bytes_limit"]``: 7.5 GiB on an 80 GB H100 with JAX's default 75 %
-    preallocation; the 1B model's 8192 x 128256 float32 logits are 3.9 GiB), else 2 GiB.
+    """Bytes of saved logits that ``save_logits="auto"`` allows: the option
+    ``cross_entropy.logits_budget_mb`` if set, else 1/8 of the default device's memory
+    (``memory_stats()["bytes_limit"]``: the 1B model's 8192 x 128256 float32 logits, 3.9 GiB,
+    fit on an 80 GB GPU), else 2 GiB.
     """
-    env = os.environ.get(LOGITS_BUDGET_ENV)
-    if env is not None:
-        try:
-            mb = float(env)
-        except ValueError:
-            raise ValueError(f"{LOGITS_BUDGET_ENV} must be a number of MiB, got {env!r}") from None
-        if mb < 0:
-            raise ValueError(f"{LOGITS_BUDGET_ENV} must be >= 0, got {env!r}")
+    mb = current_options().cross_entropy.logits_budget_mb
+    if mb != "auto":
         return int(mb * (1 << 20))
     try:
         stats = jax.devices()[0].memory_stats() or {}
@@ -87,16 +76,13 @@ def logits_budget_bytes() -> int:
 
 
 def resolve_save_logits(save_logits: bool | None, m: int, v: int, logits_dtype) -> bool:
-    """Whether the forward keeps the ``[m, v]`` logits: the argument, else
-    ``$CODA_JAX_CE_SAVE_LOGITS`` (``1``/``0``), else whether they fit
-    :func:`logits_budget_bytes`."""
+    """Whether the forward keeps the ``[m, v]`` logits: the argument, else the option
+    ``cross_entropy.save_logits`` (``"auto"``: whether they fit :func:`logits_budget_bytes`)."""
     if save_logits is not None:
         return bool(save_logits)
-    env = os.environ.get(SAVE_LOGITS_ENV)
-    if env is not None:
-        if env not in ("0", "1"):
-            raise ValueError(f"{SAVE_LOGITS_ENV} must be 0 or 1, got {env!r}")
-        return env == "1"
+    choice = current_options().cross_entropy.save_logits
+    if choice != "auto":
+        return choice
     return m * v * jnp.dtype(logits_dtype).itemsize <= logits_budget_bytes()
 
 
@@ -240,15 +226,15 @@ def linear_cross_entropy(
       save_logits: keep the ``[M, V]`` logits from the forward for the backward (no second
         LM-head GEMM; ``M * V`` elements of ``logits_dtype`` alive between the passes) or
         recompute them chunk by chunk in the backward (``[M, 16384]`` alive). ``None``
-        (default): ``$CODA_JAX_CE_SAVE_LOGITS`` (``1``/``0``) if set, else save when they
-        fit :func:`logits_budget_bytes` (1/8 of device memory;
-        ``$CODA_JAX_CE_LOGITS_BUDGET_MB`` overrides). The forward is the same GEMM either way.
+        (default): the option ``cross_entropy.save_logits`` (by default, save when they fit
+        :func:`logits_budget_bytes`, 1/8 of device memory). The forward is the same GEMM
+        either way.
       logits_dtype: storage dtype of saved logits: float32 (the gradient is the
         recompute path's up to float32 rounding) or bfloat16 (half the memory and traffic;
         the gradient then carries bf16 rounding of the logits, ~1e-2 relative at logit
         scales of a trained model, as in a plain JAX loss on bf16 logits; the loss itself
         stays exact: the LSE and the target logit come from the float32 accumulator).
-        ``None`` (default): ``$CODA_JAX_CE_LOGITS_DTYPE`` if set, else float32.
+        ``None`` (default): the option ``cross_entropy.logits_dtype`` (float32).
       vocab_axis: inside a ``shard_map`` (``check_vma=False``) whose axis of this name splits
         ``w_vocab``'s rows (shard ``i`` holds vocab ids ``[i V_s, (i+1) V_s)``): each shard
         runs the LM-head GEMM on its columns only, and the shards' row LSEs and target

@@ -2,7 +2,7 @@
 
     from coda_jax.pallas.autotune import autotune, write_table
     table = autotune(train_step, state, inputs, targets)      # on the GPU
-    write_table(table, "my_tuned.json")                        # then CODA_JAX_PALLAS_TUNED=my_tuned.json
+    write_table(table, "my_tuned.json")                        # then cj.set_options(pallas={"tuned_tables": ("my_tuned.json",)})
 
 Steps: trace ``fn(*args)`` abstractly with tuned tables off and collect its distinct kernel
 calls (:func:`coda_jax.pallas.kernel_calls.record_kernel_calls`); for each call, build random
@@ -121,7 +121,7 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # stored as four 32-column chunks, each with its barriers, fence and TMA store). Runs
     # 247-254: the identity GEMM does not move; fused GEMMs with a narrow output gain 2-7 %,
     # the cooperative RoPE forward 16 % (four entries of the tuned table); one slot for every
-    # kernel (CODA_JAX_PALLAS_OUT_SLOTS=1) does not speed up the step.
+    # kernel does not speed up the step.
     "one_out_slot": dataclasses.replace(_D, epilogue_out_slots=1),
     "ring_one_out_slot": dataclasses.replace(_D, delay_release=1, epilogue_out_slots=1),
     # Tile loads straight into registers and one output slot: the SMEM both free gives most

@@ -8,36 +8,31 @@ log-sum-exps. Pair-mode epilogues need N to be a multiple of the pair block's wi
 float32 operands raise a ``TypeError`` that points at ``backend="xla"``.
 
 Plain GEMMs (the identity epilogue: backward wgrad/dgrad GEMMs with nothing to fuse) go
-to XLA's GEMM (cuBLAS) by default (:func:`coda_jax.lowering.plain_gemm_route`: cuBLAS ran
-each of the block's plain GEMMs 1-3.5 % faster than this kernel, benchmarks/RESULTS.md,
-run 33). ``plain_gemm="pallas"`` (or the environment variable
-``CODA_JAX_PALLAS_PLAIN_GEMM=pallas``) runs them on this backend's kernel.
+to XLA's GEMM (cuBLAS) by default, which runs a bare GEMM faster than this kernel; the option
+``routing.plain_gemm="kernel"`` (or ``plain_gemm="kernel"``) keeps them here. Which GEMMs go
+to XLA and why: :func:`coda_jax.lowering.routes_to_xla`, docs/performance.md#routing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from coda_jax.epilogue import Epilogue, Load, LoadKind, OutputKind
-from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, gpu_sm_count,
-                               kernel_latency_hint, persistent_grid_sms, routes_to_xla, split_columns,
-                               tiles_per_cta, with_latency_hint)
+from coda_jax.epilogue import Epilogue, Load, LoadKind
+from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
+from coda_jax.lowering import gpu_sm_count, split_columns, with_latency_hint
 from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, build_kernel, out_types, plan_kernel,
-                                          profile_settings, split_outputs_fit, tile_grid)
+                                          split_outputs_fit, tile_grid)
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
 from coda_jax.pallas.tuned import tuned_config
-from coda_jax.pallas.tuning import (CONFIG_TABLE, SCHEDULE_ENV, TuningConfig, choose_config, fit_waves,
-                                    with_env_overrides)
-from coda_jax.reference import REFERENCE
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
 INTERPRET_SMS = 4
@@ -54,11 +49,6 @@ def _num_sms(interpret: bool) -> int:
     return gpu_sm_count()
 
 
-def _grid_sms(interpret: bool) -> int:
-    """SMs the persistent grid covers: :func:`_num_sms` less ``$CODA_JAX_RESERVED_SMS``."""
-    return persistent_grid_sms(_num_sms(interpret))
-
-
 def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
                               device_kind: str | None, num_sms: int) -> TuningConfig:
     """The configuration of an ``[m, k] @ [k, n]`` GEMM running ``epilogue`` on a GPU of
@@ -69,7 +59,7 @@ def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transp
     pw = epilogue.pair_width if epilogue.pair_block is not None else None
     tuned = (tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, device_kind, num_sms, pw)
              if device_kind else None)
-    return tuned or fit_waves(choose_config(m, n, k, epilogue.name), m, n, persistent_grid_sms(num_sms), pw)
+    return tuned or fit_waves(choose_config(m, n, k, epilogue.name), m, n, num_sms, pw)
 
 
 def kernel_load_dtype(load: Load, dtype: Any) -> jnp.dtype:
@@ -105,8 +95,7 @@ def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: boo
     kernel = build_kernel(epi, shape, cfg, interpret, load_dtypes, profile)
     # Compiled: one jitted function per distinct kernel, so a model that calls the same
     # kernel in every layer carries one copy of its Mosaic GPU module in the StableHLO, not
-    # one per call (1B train step: 49 -> 4 MB; compile + first step 37.9 -> 33.5 s on the
-    # H100, benchmarks/RESULTS.md run 113). Interpreted: not wrapped; the interpreter's IO
+    # one per call (smaller modules, faster compiles: docs/performance.md#compile-time). Interpreted: not wrapped; the interpreter's IO
     # callbacks dispatch JAX ops of their own, which deadlocked under an eager call of the
     # jitted kernel (tests/test_ops_pallas.py::test_vmap_pallas).
     if interpret:
@@ -124,15 +113,32 @@ def _pair_rule(tile_n: int) -> str:
     return f"must divide the Pallas kernel's {tile_n}-column tile"
 
 
-class PallasLowering:
-    """Runs GEMM-epilogue programs as Pallas Mosaic-GPU Hopper kernels."""
+class PallasLowering(KernelLowering):
+    """Runs GEMM-epilogue programs as Pallas Mosaic-GPU Hopper kernels.
+
+    Args:
+      config: one :class:`TuningConfig` for every GEMM (default ``None``: the tuned table's
+        entry for each GEMM on this GPU, else the heuristics: :meth:`default_config`).
+      tiles_per_cta: ``0`` (default) keeps the persistent grid (one CTA, or CTA pair, per SM,
+        each walking its share of the output tiles); ``N > 0`` launches one CTA (pair) per
+        ``N`` output tiles instead, so the GPU hands tiles to whichever SMs are free (for
+        GEMMs that share the GPU with kernels on other streams).
+      profile: record each kernel's timeline (:class:`ProfileSettings`; debugging only).
+      plain_gemm, latency_hints, reserved_sms: see :class:`~coda_jax.kernel_lowering.KernelLowering`.
+    """
 
     name = "pallas"
+    title = "Pallas"
 
-    def __init__(self, config: TuningConfig | None = None, plain_gemm: str | None = None):
-        check_plain_gemm(self.name, plain_gemm)
+    def __init__(self, config: TuningConfig | None = None, *, tiles_per_cta: int = 0,
+                 profile: ProfileSettings | None = None, plain_gemm: str | None = None,
+                 latency_hints: bool = False, reserved_sms: int = 0):
+        super().__init__(plain_gemm=plain_gemm, latency_hints=latency_hints, reserved_sms=reserved_sms)
+        if not isinstance(tiles_per_cta, int) or isinstance(tiles_per_cta, bool) or tiles_per_cta < 0:
+            raise ValueError(f"tiles_per_cta must be a non-negative integer, got {tiles_per_cta!r}")
         self.config = config
-        self.plain_gemm = plain_gemm
+        self.tiles_per_cta = tiles_per_cta
+        self.profile = profile
 
     def pair_width_rule(self, width: int) -> str | None:
         """Why a pair-mode epilogue ``width`` columns wide (RoPE: head_dim; SwiGLU: 128)
@@ -148,47 +154,23 @@ class PallasLowering:
         """The configuration of a GEMM when none was given: the measured one for this GPU
         (:func:`coda_jax.pallas.tuned.tuned_config`), else the heuristics (the shape-class
         table, the ping-pong programs, the wave fit). The interpreter uses the heuristics
-        alone: its 4 "SMs" say nothing about waves. ``$CODA_JAX_PALLAS_SCHEDULE`` (a forced
-        schedule) also bypasses the table; ``$CODA_JAX_PALLAS_DELAY_RELEASE`` and
-        ``$CODA_JAX_PALLAS_OUT_SLOTS`` override single settings (:func:`with_env_overrides`)."""
+        alone: its 4 "SMs" say nothing about waves."""
         if interpret:
-            return with_env_overrides(choose_config(m, n, k, epilogue.name))
+            return choose_config(m, n, k, epilogue.name)
         dev = _default_device()
-        # $CODA_JAX_PALLAS_SCHEDULE puts every GEMM on one schedule: the table's entries too.
-        forced = os.environ.get(SCHEDULE_ENV, "").strip()
-        kind = dev.device_kind if dev.platform == "gpu" and not forced else None
-        return with_env_overrides(table_or_heuristic_config(epilogue, m, n, k, transpose_a, transpose_b, kind,
-                                                            _num_sms(False)))
+        kind = dev.device_kind if dev.platform == "gpu" else None
+        return table_or_heuristic_config(epilogue, m, n, k, transpose_a, transpose_b, kind, _num_sms(False))
 
-    def fuses_at(self, epilogue: Epilogue, m: int, n: int, k: int) -> bool:
-        """False where this backend hands the ``[m, k] @ [k, n]`` GEMM to XLA
-        (:func:`~coda_jax.lowering.routes_to_xla`); see
-        :func:`~coda_jax.lowering.fuses_epilogue_at`."""
-        return not routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm)
-
-    def gemm(
-        self,
-        epilogue: Epilogue,
-        a: jax.Array,
-        b: jax.Array,
-        loads: Mapping[str, jax.Array],
-        *,
-        transpose_a: bool = False,
-        transpose_b: bool = False,
-        out_dtypes: Mapping[str, Any] | None = None,
-        out_splits: Mapping[str, tuple[int, ...]] | None = None,
-    ) -> dict[str, Any]:
+    def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
+                    dims: tuple[int, int, int], *, transpose_a: bool, transpose_b: bool,
+                    out_dtypes: Mapping[str, Any] | None,
+                    out_splits: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         """See :class:`coda_jax.lowering.GemmLowering`. A split output is written as one array
         per part where :func:`~coda_jax.pallas.gemm_epilogue.split_outputs_fit` (N a multiple
         of the tile, part boundaries multiples of the epilogue's chunk width: 64 columns
         always fit, and in pair mode multiples of the pair width), else written whole and
         sliced by XLA."""
-        m, n, k = check_kernel_gemm("Pallas", epilogue, a, b, loads, transpose_a, transpose_b)
-        splits = check_out_splits(epilogue, out_splits, n)
-        if routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
-            return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
-                                  out_dtypes=out_dtypes, out_splits=splits)
-        pb = epilogue.pair_block
+        m, n, k = dims
         interpret = interpret_enabled()
         if interpret:
             ensure_interpreter_threads()  # warns if the CPU pool is too small (a hang)
@@ -196,39 +178,22 @@ class PallasLowering:
         cfg = self.config
         if cfg is None:
             cfg = self.default_config(epilogue, m, n, k, transpose_a, transpose_b, interpret)
-        if pb is not None and cfg.tile_n % epilogue.pair_width:
+        if epilogue.pair_block is not None and cfg.tile_n % epilogue.pair_width:
             raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
                              f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")
         shape = kernel_shape(epilogue, m, n, k, cfg, transpose_a, transpose_b, a.dtype, out_dtypes,
-                             _grid_sms(interpret))
+                             self.grid_sms(_num_sms(interpret)))
         mp, np_, kp = shape.m, shape.n, shape.k
-
-        def pad2(x, rows, cols):
-            return x if x.shape == (rows, cols) else jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
-
-        a_p = pad2(a, kp, mp) if transpose_a else pad2(a, mp, kp)
-        b_p = pad2(b, np_, kp) if transpose_b else pad2(b, kp, np_)
-        args = []
-        for l in epilogue.loads:
-            v = loads[l.name]
-            if l.kind is LoadKind.ROW:
-                v = jnp.pad(v, (0, mp - m))
-            elif l.kind is LoadKind.ROW_BLOCK:
-                v = jnp.pad(v, ((0, mp - m), (0, 0)))
-            elif l.kind is LoadKind.COL:
-                v = jnp.pad(v, (0, epilogue.width(np_, l.half) - epilogue.width(n, l.half)))
-            elif l.kind is LoadKind.TILE:
-                v = pad2(v, mp, epilogue.width(np_, l.half))
-            args.append(v.astype(kernel_load_dtype(l, v.dtype)))
+        a_p, b_p = pad_operands(a, b, mp, np_, kp, transpose_a, transpose_b)
+        args = [v.astype(kernel_load_dtype(l, v.dtype))
+                for l, v in zip(epilogue.loads, pad_loads(epilogue, loads, m, n, mp, np_))]
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
-        native = splits if splits and split_outputs_fit(epilogue, shape, cfg, splits) else {}
+        native = out_splits if out_splits and split_outputs_fit(epilogue, shape, cfg, out_splits) else {}
         shape = dataclasses.replace(shape, out_splits=tuple(native.items()))
-        shape = tile_grid(shape, cfg, tiles_per_cta())  # $CODA_JAX_TILES_PER_CTA: a grid of tiles, not SMs
-        # The scheduler's estimate of the kernel ($CODA_JAX_LATENCY_HINTS), from the bytes it moves.
-        hint = None if interpret else kernel_latency_hint(
-            mp, np_, kp, (a_p, b_p, *args, *out_types(epilogue, shape, cfg)))
-        profile = None if interpret else profile_settings()
+        shape = tile_grid(shape, cfg, self.tiles_per_cta)  # tiles_per_cta > 0: a grid of tiles, not SMs
+        hint = None if interpret else self.latency_hint(mp, np_, kp, (a_p, b_p, *args, *out_types(epilogue, shape, cfg)))
+        profile = None if interpret else self.profile
         kernel = _kernel(epilogue, shape, cfg, interpret, load_dtypes, hint, profile)
         # A profiled kernel calls back to the host: never exported to (or read from) the cache.
         cache = None if interpret or profile else active_kernel_cache()
@@ -242,15 +207,9 @@ class PallasLowering:
         for o in epilogue.outputs:
             if o.name in native:
                 out[o.name] = tuple(next(res)[:m] for _ in native[o.name])
-                continue
-            v = next(res)
-            if o.kind is OutputKind.TILE:
-                out[o.name] = v[:m, : epilogue.width(n, o.half)]
-            elif o.kind is OutputKind.COL_SUM:
-                out[o.name] = v[:, :n]
             else:
-                out[o.name] = v[:, :m]
-        return split_columns(out, {k: v for k, v in splits.items() if k not in native})
+                out[o.name] = slice_output(epilogue, o.name, next(res), m, n)
+        return split_columns(out, {k: v for k, v in out_splits.items() if k not in native})
 
 
 PALLAS = PallasLowering()

@@ -2,9 +2,8 @@
 
 The heuristics of :mod:`coda_jax.pallas.tuning` (one table per shape class, the ping-pong
 programs, the wave fit) pick one configuration for a whole class of GEMMs. The best one
-differs between GEMMs of the same class: on the H100, bands of tiles across M ran the 1B
-model's QKV forward epilogue 6 % faster, and the narrow tile without CTA pairs its wgrad
-11 % faster, while neither helped the vocab-wide GEMM (benchmarks/RESULTS.md, run 122).
+differs between GEMMs of the same class (an epilogue's traffic, the grid's waves), so the
+autotuner measures each GEMM of a model (docs/performance.md#tuned-tables).
 
 ``benchmarks/tune.py --model 1b:8:1024`` traces a model's training step, collects every
 Pallas kernel call (:mod:`coda_jax.pallas.kernel_calls`), times each under a set of
@@ -22,7 +21,7 @@ neighbouring entry).
 
 Lookup (:func:`tuned_config`): the tables shipped with the package, one per GPU kind
 (``tuned_<gpu>.json``, :func:`table_file_name`: ``tuned_h100.json``, ``tuned_h200.json``), or
-the file named by ``$CODA_JAX_PALLAS_TUNED``; ``CODA_JAX_PALLAS_TUNED=0`` turns tables off.
+the files the option ``pallas.tuned_tables`` names (``"none"`` turns tables off).
 A table applies only on a GPU whose ``device_kind`` it lists and whose SM count it was
 measured with (wave quantization depends on it); the first shipped table that applies is
 used. The H200 has the H100's SMs and more memory bandwidth, and its own table: the
@@ -33,19 +32,17 @@ nearest (in log distance) wins. Otherwise the heuristics decide.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any
 
+from coda_jax.options import PallasOptions, current_options, options
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 
-TUNED_ENV = "CODA_JAX_PALLAS_TUNED"
 # The tables shipped with the package, one per GPU kind (package data, pyproject.toml).
 SHIPPED_TABLES: tuple[Path, ...] = tuple(sorted(Path(__file__).parent.glob("tuned_*.json")))
 # An entry serves GEMMs whose every dimension is within this factor of its own.
@@ -152,17 +149,10 @@ def load_table(path: str) -> TunedTable | None:
     return parse_table(data, str(path))
 
 
-_DISABLED = [0]
-
-
-@contextlib.contextmanager
 def tables_disabled():
-    """No tuned table applies inside the block (the autotuner's heuristic baseline)."""
-    _DISABLED[0] += 1
-    try:
-        yield
-    finally:
-        _DISABLED[0] -= 1
+    """No tuned table applies inside the block (the autotuner's heuristic baseline): the option
+    ``pallas.tuned_tables="none"`` for the block."""
+    return options(pallas=PallasOptions(tuned_tables="none"))
 
 
 def table_file_name(device_kind: str) -> str:
@@ -175,14 +165,19 @@ def table_file_name(device_kind: str) -> str:
 
 
 def active_table_paths() -> tuple[str, ...]:
-    """The table files in use, in lookup order: ``$CODA_JAX_PALLAS_TUNED`` (``0``: none), else
-    the shipped ones (:data:`SHIPPED_TABLES`); none inside :func:`tables_disabled`."""
-    env = os.environ.get(TUNED_ENV, "").strip()
-    if env == "0" or _DISABLED[0]:
+    """The table files in use, in lookup order, by the option ``pallas.tuned_tables``:
+    ``"shipped"`` (the default): :data:`SHIPPED_TABLES`; ``"none"``: none; else its paths,
+    each of which must exist."""
+    tables = current_options().pallas.tuned_tables
+    if tables == "none":
         return ()
-    if env and not Path(env).exists():
-        raise ValueError(f"${TUNED_ENV}={env!r}: no such file (set it to a tuned table's path, or 0 to turn tables off)")
-    return (env,) if env else tuple(str(p) for p in SHIPPED_TABLES)
+    if tables == "shipped":
+        return tuple(str(p) for p in SHIPPED_TABLES)
+    missing = [p for p in tables if not Path(p).exists()]
+    if missing:
+        raise ValueError(f"coda_jax option pallas.tuned_tables: {missing[0]!r}: no such file (give tuned table "
+                         f"paths, 'shipped' or 'none')")
+    return tuple(tables)
 
 
 def table_for(device_kind: str, num_sms: int) -> TunedTable | None:

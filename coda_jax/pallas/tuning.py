@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,39 +190,6 @@ CONFIG_TABLE: dict[str, TuningConfig] = {
 }
 
 
-SCHEDULE_ENV = "CODA_JAX_PALLAS_SCHEDULE"
-DELAY_RELEASE_ENV = "CODA_JAX_PALLAS_DELAY_RELEASE"
-OUT_SLOTS_ENV = "CODA_JAX_PALLAS_OUT_SLOTS"
-
-
-def _env_choice(name: str, allowed: tuple[str, ...]) -> str:
-    raw = os.environ.get(name, "").strip()
-    if raw and raw not in allowed:
-        raise ValueError(f"${name} must be one of {', '.join(allowed)}, got {raw!r}")
-    return raw
-
-
-def with_env_overrides(cfg: TuningConfig) -> TuningConfig:
-    """``cfg`` with the settings the environment overrides (``cfg`` itself if none applies):
-
-    * ``$CODA_JAX_PALLAS_DELAY_RELEASE`` (``0`` or ``1``): ``delay_release``, on the
-      cooperative warp-specialized kernel only;
-    * ``$CODA_JAX_PALLAS_OUT_SLOTS`` (``1`` or ``2``): ``epilogue_out_slots``, on every kernel.
-
-    They exist for A/B runs of a whole training step (``benchmarks/train_step_bench.py``'s
-    ``pallas:VAR=VALUE`` runs), not as tuning knobs: the tuned table is the place for those."""
-    changes = {}
-    delay = _env_choice(DELAY_RELEASE_ENV, ("0", "1"))
-    if delay and cfg.warp_specialized and not cfg.pingpong:
-        changes["delay_release"] = int(delay)
-    slots = _env_choice(OUT_SLOTS_ENV, ("1", "2"))
-    if slots:
-        changes["epilogue_out_slots"] = int(slots)
-    if all(getattr(cfg, k) == v for k, v in changes.items()):
-        return cfg
-    return dataclasses.replace(cfg, **changes)
-
-
 # Per-program changes to the default configuration, for GEMMs the tuned table
 # (:mod:`coda_jax.pallas.tuned`) has no entry for. Each won at both the 1B and the 8B-width
 # training step's shapes on the H100 (benchmarks/RESULTS.md, runs 124 and 126):
@@ -248,19 +214,10 @@ PROGRAM_CONFIGS: dict[str, dict] = {
 def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningConfig:
     """The heuristic configuration for an ``[m, k] @ [k, n]`` GEMM running epilogue ``program``:
     the shape class's table entry, with :data:`PROGRAM_CONFIGS`'s changes for that program
-    (warp-specialized entries only). ``$CODA_JAX_PALLAS_SCHEDULE`` (``pingpong`` or
-    ``cooperative``) instead puts every program on that schedule (ping-pong without a
-    cluster; cooperative as in the table).
+    (warp-specialized entries only).
     """
     cfg = CONFIG_TABLE["small"] if m * n < (1 << 22) or k < 256 else CONFIG_TABLE["default"]
-    schedule = os.environ.get(SCHEDULE_ENV, "").strip().lower()
-    if schedule not in ("", "cooperative", "pingpong"):
-        raise ValueError(f"${SCHEDULE_ENV} must be 'cooperative' or 'pingpong', got {schedule!r}")
     if not cfg.warp_specialized:
-        return cfg
-    if schedule == "pingpong":
-        return dataclasses.replace(cfg, **_PINGPONG)
-    if schedule == "cooperative":
         return cfg
     return dataclasses.replace(cfg, **PROGRAM_CONFIGS.get(program or "", {}))
 
@@ -272,7 +229,6 @@ WAVE_FILL_MIN = 0.8
 # Mainloop rate of a 128 x 128 CTA tile relative to the default 128 x 256 one (assumed; the
 # narrow tile is taken only where it wins by more than this).
 NARROW_TILE_RATE = 0.9
-WAVE_FIT_ENV = "CODA_JAX_PALLAS_WAVE_FIT"
 
 
 def wave_fill(cfg: TuningConfig, m: int, n: int, num_sms: int) -> float:
@@ -285,9 +241,8 @@ def wave_fill(cfg: TuningConfig, m: int, n: int, num_sms: int) -> float:
 def fit_waves(cfg: TuningConfig, m: int, n: int, num_sms: int, pair_width: int | None = None) -> TuningConfig:
     """``cfg``, or the same with half its ``tile_n`` where that fills the SMs' waves enough
     better to pay for the narrower tile (:data:`NARROW_TILE_RATE`). The pair width of a
-    pair-mode epilogue must divide the narrower tile. ``$CODA_JAX_PALLAS_WAVE_FIT=0`` turns
-    this off."""
-    if os.environ.get(WAVE_FIT_ENV, "1") == "0" or cfg.tile_n < 128 or cfg.pingpong:
+    pair-mode epilogue must divide the narrower tile."""
+    if cfg.tile_n < 128 or cfg.pingpong:
         return cfg  # a ping-pong CTA already takes 128 x 128 tiles
     fill = wave_fill(cfg, m, n, num_sms)
     if fill >= WAVE_FILL_MIN:
