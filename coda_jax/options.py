@@ -35,13 +35,12 @@ backend's tuning configuration (``coda_jax.pallas.TuningConfig``,
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import os
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 BACKEND_NAMES = ("xla", "pallas", "cutedsl", "auto")
@@ -439,17 +438,22 @@ def _merge(base: Options, top: Options) -> Options:
     return dataclasses.replace(base, **changes) if changes else base
 
 
-@contextlib.contextmanager
-def options(**overrides: Any) -> Iterator[Options]:
+class options:  # noqa: N801  (used as a function: ``with coda_jax.options(...)``)
     """Sets options for the ops traced inside the ``with`` block (innermost wins, field by
-    field); yields the options then in force. Keywords: the fields of :class:`Options`
-    (groups as their dataclass or a mapping of its fields)."""
-    layer = _checked(overrides)
-    token = _context.set(_context.get() + (layer,))
-    try:
-        yield current_options()
-    finally:
-        _context.reset(token)
+    field); ``__enter__`` returns the options then in force. Keywords: the fields of
+    :class:`Options` (groups as their dataclass or a mapping of its fields), checked when
+    this is called, before the block."""
+
+    def __init__(self, **overrides: Any):
+        self._layer = _checked(overrides)
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> Options:
+        self._tokens.append(_context.set(_context.get() + (self._layer,)))
+        return current_options()
+
+    def __exit__(self, *exc) -> None:
+        _context.reset(self._tokens.pop())
 
 
 def set_options(**overrides: Any) -> None:

@@ -19,6 +19,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from suite_options import apply_suite_options  # tests/suite_options.py: the suite's routing options
+
+apply_suite_options()
 MODULE = re.compile(r'module = "((?:[^"\\]|\\.)*)"')
 BF = jnp.bfloat16
 
@@ -38,7 +41,7 @@ def one_kernel():
     from coda_jax import programs
     from coda_jax.pallas.lowering import PallasLowering
 
-    low = PallasLowering(plain_gemm="pallas")
+    low = PallasLowering(plain_gemm="kernel")
     return jax.jit(lambda a, b, l: low.gemm(programs.RESIDUAL_RMS, a, b, l)), residual_rms_args()
 
 

@@ -23,10 +23,6 @@ import numpy as np
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     raise SystemExit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
-# The xla backend's exact float32 accumulators: these cases compare a sharded step with one
-# device's, and bf16-rounded GEMM outputs would add reduction-order noise to that comparison.
-os.environ.setdefault("CODA_JAX_XLA_ACC", "float32")
-
 import jax  # noqa: E402
 import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -37,6 +33,14 @@ import coda_jax as cj  # noqa: E402
 from coda_jax import backend as B  # noqa: E402
 from coda_jax import partitioning, programs  # noqa: E402
 from coda_jax.reference import REFERENCE  # noqa: E402
+from coda_jax.options import DEFAULTS  # noqa: E402
+from suite_options import SUITE_ROUTING, apply_suite_options  # noqa: E402  (tests/suite_options.py)
+
+# The suite's routing options (tests/suite_options.py), and the xla backend's exact float32
+# accumulators: these cases compare a sharded step with one device's, and bf16-rounded GEMM
+# outputs would add reduction-order noise to that comparison.
+apply_suite_options()
+cj.set_options(xla=cj.XlaOptions(accumulate="float32"))
 
 
 class OpaqueKernel:
@@ -160,10 +164,18 @@ def _stacked_partials(jaxpr, shards: int) -> list:
     return found
 
 
+def _routing(routing: str):
+    """The suite's routing options (``"off"``) or the library's defaults (``"default"``) for
+    the block."""
+    if routing == "default":
+        return cj.options(**{g: getattr(DEFAULTS, g) for g in SUITE_ROUTING})
+    return cj.options(**SUITE_ROUTING)
+
+
 def case_wgrad_partials() -> None:
     """The wgrad GEMMs' partial sums cross devices in the dtype of the gradient they make
     (bfloat16 weights: a bfloat16 all-reduce, the bytes plain JAX moves), the reductions
-    in float32; ``CODA_JAX_PARTIAL_SUMS=float32`` makes them all float32. Both give the
+    in float32; the option ``mesh.partial_sums="float32"`` makes them all float32. Both give the
     one-device gradients."""
     install_opaque_kernel()
     args = _op_inputs()
@@ -172,16 +184,13 @@ def case_wgrad_partials() -> None:
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     seen = {}
     for choice in ("output", "float32"):
-        os.environ[partitioning.PARTIAL_SUMS_ENV] = choice
-        try:
+        with cj.options(mesh=cj.MeshOptions(partial_sums=choice)):
             fn = jax.value_and_grad(_op_loss("pallas"), argnums=argnums)
             with jax.set_mesh(mesh):
                 sharded = list(args)
                 sharded[0] = jax.device_put(args[0], NamedSharding(mesh, P("data", None)))
                 avals = _stacked_partials(jax.make_jaxpr(fn)(*sharded).jaxpr, 8)
                 got = jax.jit(fn)(*sharded)
-        finally:
-            del os.environ[partitioning.PARTIAL_SUMS_ENV]
         _assert_matches(got, want, 2e-2, f"partials in {choice}")
         weight_sized = [a for a in avals if a.shape[1] * a.shape[2] >= 64 * 128]  # not the d_gamma partials
         assert weight_sized, "no stacked wgrad partials found: the check would pass vacuously"
@@ -284,8 +293,6 @@ def case_fsdp_step_gathers(backend: str) -> None:
     from bench import environment
     from train_step_bench import activation_gathers, all_gathers
 
-    from coda_jax.layers.vocab_parallel import FSDP_VOCAB_PARALLEL_ENV
-
     cfg, batch, seq, tokens, mesh = _fsdp2_setup(backend)
 
     def compiled_step():
@@ -327,13 +334,10 @@ def case_fsdp_step_gathers(backend: str) -> None:
     across = _gathered_along_columns(hlo, weights)
     assert not across, f"{backend}: weights gathered along their columns:\n" + "\n".join(across)
     if backend == "xla":  # the head's split is the model's choice, the same for every backend
-        # With the token-split head (CODA_JAX_FSDP_VOCAB_PARALLEL=0): no activation gather
+        # With the token-split head (mesh.vocab_parallel_head=False): no activation gather
         # but the lookup's cotangent, the head weight gathered whole instead, and the same loss.
-        os.environ[FSDP_VOCAB_PARALLEL_ENV] = "0"
-        try:
+        with cj.options(mesh=cj.MeshOptions(vocab_parallel_head=False)):
             loss_t, hlo_t, _ = compiled_step()
-        finally:
-            del os.environ[FSDP_VOCAB_PARALLEL_ENV]
         others = [g for g in activation_gathers(hlo_t, batch, seq, floating_only=True) if not re.search(lookup_shape, g)]
         assert not others, "activation gathers, token-split head:\n" + "\n".join(others)
         assert any(dims == [cfg.vocab_size, cfg.hidden_size] for _, dims, _, _ in all_gathers(hlo_t)), \
@@ -341,14 +345,13 @@ def case_fsdp_step_gathers(backend: str) -> None:
         assert abs(loss_t - loss) <= 1e-3 * abs(loss), (loss_t, loss)
     # With few tokens a device (192 here) every GEMM runs as XLA ops left to the
     # partitioner by default, the kernel backend's too (partitioning.fsdp_xla_tokens_below;
-    # the test environment turns that off), same loss. (Which tensors it gathers is its own
+    # the suite's options turn that off), same loss. (Which tensors it gathers is its own
     # choice: with the width split's weights on their rows it gathers them, as on the token
     # split; choose_fsdp_split takes the features split there, case fsdp_features_*.)
-    env = partitioning.FSDP_XLA_TOKENS_ENV
-    with environment({env: ""}):  # empty: the default bound
+    with cj.options(mesh={"fsdp_xla_tokens_below": DEFAULTS.mesh.fsdp_xla_tokens_below}):  # the default bound
         assert partitioning.fsdp_xla_tokens_below() > batch * seq // 2
         loss0, hlo0, dots0 = compiled_step()
-    with environment({env: str(batch * seq // 2)}):  # 192 tokens a device: not below, split again
+    with cj.options(mesh={"fsdp_xla_tokens_below": batch * seq // 2}):  # 192 tokens a device: not below, split again
         assert not compiled_step()[2], "GEMMs left to the partitioner at the bound"
     assert dots0, "expected GEMMs outside shard_map with few tokens a device"
     mlp_gathers = lambda h: [line for _, dims, _, line in all_gathers(h)  # noqa: E731
@@ -356,14 +359,14 @@ def case_fsdp_step_gathers(backend: str) -> None:
     assert mlp_gathers(hlo), "token-split GEMMs: expected the MLP weight gathered (ZeRO-3)"
     assert abs(loss0 - loss) <= 1e-3 * abs(loss), (loss0, loss)
     if backend == "pallas":
-        # Below CODA_JAX_FSDP_XLA_GEMMS_BELOW tokens a device (above the partitioner's bound)
+        # Below mesh.fsdp_xla_gemms_below tokens a device (above the partitioner's bound)
         # the kernel backend's GEMMs run on the xla backend's lowering, still split by tokens:
         # no kernel call (the stand-in's host callback) in the step but the vocab-parallel LM
         # head's (its own shard_map over the manual fsdp axis, where neither FSDP rule
         # applies), the MLP weight gathered, no GEMM left to the partitioner, the same loss.
         kernel_calls = lambda h: h.count('custom_call_target="xla_ffi_python_cpu_callback"')  # noqa: E731
         assert kernel_calls(hlo) > 10, "expected the stand-in kernels in the token-split step"
-        with environment({env: "0", partitioning.FSDP_XLA_GEMMS_ENV: str(batch * seq // 2 + 1)}):
+        with cj.options(mesh={"fsdp_xla_tokens_below": 0, "fsdp_xla_gemms_below": batch * seq // 2 + 1}):
             loss1, hlo1, dots1 = compiled_step()
         assert kernel_calls(hlo1) <= 1, f"{kernel_calls(hlo1)} kernel calls under FSDP below the xla-GEMMs bound"
         assert not dots1 and mlp_gathers(hlo1), "expected token-split GEMMs with the MLP weight gathered"
@@ -600,8 +603,7 @@ def case_mesh_fuzz(seed: int, draws: int = 4) -> None:
         gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(i), backend=backend))
         tokens = jax.random.randint(jax.random.key(seed * 100 + i), (batch, seq + 1), 0, cfg.vocab_size)
         step = jax.jit(jax.value_and_grad(lambda st, t, g=gdef: nnx.merge(g, st).loss(t[:, :-1], t[:, 1:])))
-        settings = {k: ("" if routing == "default" else "0") for k in partitioning.ROUTING_ENVS}
-        with environment(settings):
+        with _routing(routing):
             want = step(state, tokens)
             axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
             mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
@@ -617,7 +619,7 @@ def case_mesh_fuzz(seed: int, draws: int = 4) -> None:
             _assert_matches(got, want, 1e-4, label)
         else:  # as close to float32 math as one device's bfloat16 step (a lost shard's part is O(1))
             g32 = nnx.split(CodaLlama(cfg.replace(dtype=jnp.float32), rngs=nnx.Rngs(i), backend=backend))[0]
-            with environment(settings):
+            with _routing(routing):
                 exact = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(g32, st).loss(t[:, :-1], t[:, 1:])))(state, tokens)
             for (path, a), b, c in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), jax.tree.leaves(exact)):
                 e, e1 = rel(a, c), rel(b, c)
@@ -772,7 +774,7 @@ def case_vocab_parallel_ce(shape: tuple[int, int, int], mode: str, axis: str = "
     gamma and W, with ignored rows and z-loss, on both backward paths (saved logits,
     recompute)."""
     from coda_jax.layers.vocab_parallel import vocab_parallel_cross_entropy
-    from coda_jax.ops.linear_cross_entropy import SAVE_LOGITS_ENV, linear_cross_entropy
+    from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 
     m, d, v = 64, 64, 512
     k = jax.random.split(jax.random.key(5), 4)
@@ -787,15 +789,14 @@ def case_vocab_parallel_ce(shape: tuple[int, int, int], mode: str, axis: str = "
     n = dict(zip(("data", "fsdp", "tensor"), shape))[axis]
     f = jax.jit(jax.value_and_grad(lambda x, g, w, t: vocab_parallel_cross_entropy(
         x, g, w, t, eps=1e-5, z_loss=1e-3, backend="xla", vocab_axis=axis), argnums=(0, 1, 2)))
-    for save in ("1", "0"):
-        os.environ[SAVE_LOGITS_ENV] = save
-        with jax.set_mesh(mesh):
+    for save in (True, False):
+        jax.clear_caches()  # options are read at trace time: trace f again
+        with cj.options(cross_entropy=cj.CrossEntropyOptions(save_logits=save)), jax.set_mesh(mesh):
             got = f(x, gamma, w, targets)
             jaxpr = str(jax.make_jaxpr(f)(x, gamma, w, targets))
         _assert_matches(got, want, 1e-5, f"vocab-parallel CE {shape} {mode} {axis} save={save}")
         # Each shard's GEMM sees its V/n vocab rows, and no shard the whole head.
         assert f"f32[{v // n},{d}]" in jaxpr, "no vocab-split LM-head weight inside the shard_map"
-    del os.environ[SAVE_LOGITS_ENV]
     with jax.set_mesh(mesh):
         try:
             f(x, gamma, w[:v - 1], targets)
@@ -863,12 +864,11 @@ def case_kernel_cache_under_mesh(mode: str) -> None:
     plain = lower()
     assert "latency_metadata" not in plain
     if mode == "auto":  # (once: the hints do not depend on the mesh's axis types)
-        # $CODA_JAX_LATENCY_HINTS=1: every kernel call inside the shard_map carries its estimate
-        os.environ["CODA_JAX_LATENCY_HINTS"] = "1"
-        try:
+        # latency_hints=True: every kernel call inside the shard_map carries its estimate
+        from coda_jax.pallas.lowering import PallasLowering
+
+        with B.use_lowering(PallasLowering(latency_hints=True)):
             hinted = [line for line in lower().splitlines() if "@mosaic_gpu_v2" in line]
-        finally:
-            del os.environ["CODA_JAX_LATENCY_HINTS"]
         assert hinted and all("latency_metadata" in line for line in hinted), "a kernel call without its latency hint"
     with tempfile.TemporaryDirectory() as d:
         # Explicit mode: the missing kernels are generated by a worker process (the step's
@@ -994,7 +994,10 @@ CASES = {
 }
 
 if __name__ == "__main__":
-    for name in sys.argv[1:]:
+    # --reset=PATH[,PATH]: those options back to the library's defaults (cj.reset_options)
+    for arg in [a for a in sys.argv[1:] if a.startswith("--reset=")]:
+        cj.reset_options(*arg.removeprefix("--reset=").split(","))
+    for name in [a for a in sys.argv[1:] if not a.startswith("--")]:
         if name.startswith("mesh_fuzz_"):  # mesh_fuzz_<seed>
             case_mesh_fuzz(int(name.removeprefix("mesh_fuzz_")))
         else:

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import coda_jax as cj
+
 from coda_jax import programs
 from coda_jax.pallas import autotune as at
 from coda_jax.pallas import lowering
@@ -31,13 +33,14 @@ def _entry(program="rms_rope", layout="nn", m=8192, n=3072, k=2048, **config):
 
 
 @pytest.fixture
-def table_file(tmp_path, monkeypatch):
-    """Writes a table and points $CODA_JAX_PALLAS_TUNED at it."""
+def table_file(tmp_path):
+    """Writes a table and points the option pallas.tuned_tables at it (process-wide; the
+    suite's fixture resets options after each test)."""
 
     def write(data):
         p = tmp_path / f"t{len(list(tmp_path.iterdir()))}.json"
         p.write_text(json.dumps(data))
-        monkeypatch.setenv(T.TUNED_ENV, str(p))
+        cj.set_options(pallas=cj.PallasOptions(tuned_tables=(str(p),)))
         return p
 
     return write
@@ -82,28 +85,27 @@ def test_tuned_config_applies_only_where_measured(table_file, monkeypatch):
     assert T.tuned_config("rms_swiglu_train", 8192, 16384, 2048, False, False, H100, 132, pair_width=128) is None
     with T.tables_disabled():
         assert T.tuned_config(*args, H100, 132) is None
-    monkeypatch.setenv(T.TUNED_ENV, "0")
-    assert T.tuned_config(*args, H100, 132) is None
-    monkeypatch.setenv(T.TUNED_ENV, "/nonexistent/table.json")
-    with pytest.raises(ValueError, match="CODA_JAX_PALLAS_TUNED.*no such file"):
-        T.tuned_config(*args, H100, 132)
+    with cj.options(pallas={"tuned_tables": "none"}):
+        assert T.tuned_config(*args, H100, 132) is None
+    with cj.options(pallas={"tuned_tables": ("/nonexistent/table.json",)}):
+        with pytest.raises(ValueError, match="pallas.tuned_tables: '/nonexistent/table.json': no such file"):
+            T.tuned_config(*args, H100, 132)
 
 
 def test_each_gpu_kind_takes_its_own_shipped_table(tmp_path, monkeypatch):
-    """With no $CODA_JAX_PALLAS_TUNED every shipped table is looked at, and the one measured
+    """With the option pallas.tuned_tables="shipped" every shipped table is looked at, and the one measured
     on the GPU's kind (and SM count) answers; a GPU no table lists gets the heuristics."""
     h100, h200 = tmp_path / "tuned_h100.json", tmp_path / "tuned_h200.json"
     h100.write_text(json.dumps(_table([_entry(grid_minor_dim="m")])))
     h200.write_text(json.dumps(_table([_entry(cluster_dimension=None)], kinds=("NVIDIA H200",))))
-    monkeypatch.delenv(T.TUNED_ENV, raising=False)
     monkeypatch.setattr(T, "SHIPPED_TABLES", (h100, h200))
     args = ("rms_rope", 8192, 3072, 2048, False, False)
     assert T.tuned_config(*args, H100, 132).grid_minor_dim == "m"
     got = T.tuned_config(*args, "NVIDIA H200", 132)
     assert got.cluster_dimension is None and got.grid_minor_dim == CONFIG_TABLE["default"].grid_minor_dim
     assert T.tuned_config(*args, "NVIDIA A100-SXM4-80GB", 108) is None
-    monkeypatch.setenv(T.TUNED_ENV, str(h100))  # the variable names one table: only it applies
-    assert T.tuned_config(*args, "NVIDIA H200", 132) is None
+    with cj.options(pallas={"tuned_tables": (str(h100),)}):  # the option names one table: only it applies
+        assert T.tuned_config(*args, "NVIDIA H200", 132) is None
 
 
 def test_an_h100_table_is_shipped():

@@ -126,23 +126,22 @@ def test_contraction_mismatch_is_refused():
         CUTEDSL.gemm(P.IDENTITY, jnp.zeros((128, 64), BF), jnp.zeros((32, 128), BF), {})
 
 
-def test_plain_gemms_route_to_xla_by_default(monkeypatch):
+def test_plain_gemms_route_to_xla_by_default():
+    import coda_jax as cj
     from coda_jax.ffi.lowering import CuteDslLowering
 
-    monkeypatch.delenv("CODA_JAX_CUTEDSL_PLAIN_GEMM", raising=False)
     a, b = _normal(0, (128, 64)), _normal(1, (64, 128))
     plain = jax.jit(lambda a, b: CuteDslLowering().gemm(P.IDENTITY, a, b, {})["out"])
     assert "CuteDSL" not in plain.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
     np.testing.assert_allclose(np.asarray(plain(a, b), np.float32),
                                np.asarray(jnp.dot(a, b, preferred_element_type=jnp.float32).astype(BF), np.float32))
     _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {})["out"], a, b)
-    monkeypatch.setenv("CODA_JAX_CUTEDSL_PLAIN_GEMM", "cutedsl")
-    _lower(lambda a, b: CuteDslLowering().gemm(P.IDENTITY, a, b, {})["out"], a, b)
-    with pytest.raises(ValueError, match="plain_gemm must be 'cutedsl' or 'xla'"):
+    with cj.options(routing=cj.RoutingOptions(plain_gemm="kernel")):
+        _lower(lambda a, b: CuteDslLowering().gemm(P.IDENTITY, a, b, {})["out"], a, b)
+    with pytest.raises(ValueError, match="plain_gemm must be 'xla', 'kernel' or 'cutedsl'"):
         CuteDslLowering(plain_gemm="pallas")
-    monkeypatch.setenv("CODA_JAX_CUTEDSL_PLAIN_GEMM", "cublas")
-    with pytest.raises(ValueError, match="CODA_JAX_CUTEDSL_PLAIN_GEMM must be"):
-        CuteDslLowering().gemm(P.IDENTITY, a, b, {})
+    with pytest.raises(cj.OptionError, match="routing.plain_gemm must be one of: 'xla', 'kernel'"):
+        cj.options(routing={"plain_gemm": "cublas"})
 
 
 def test_unsupported_primitive_names_the_primitive():
@@ -234,14 +233,14 @@ _PROGRAMS = [
 
 @pytest.mark.parametrize("tile_n", ["auto", "256"])
 @pytest.mark.parametrize("epi,kw", _PROGRAMS, ids=[f"{e.name}-{'-'.join(k) or 'nn'}" for e, k in _PROGRAMS])
-def test_program_lowers(epi, kw, tile_n, monkeypatch):
+def test_program_lowers(epi, kw, tile_n):
     """Every program lowers with the automatic tile (128 wide at these small shapes) and
     with the 128 x 256 tile forced wherever it fits."""
-    from coda_jax.ffi.lowering import TILE_N_ENV, CuteDslLowering
+    from coda_jax.ffi.lowering import CuteDslLowering
+    from coda_jax.ffi.tuning import CuteDslTuning
 
-    monkeypatch.setenv(TILE_N_ENV, tile_n)
-
-    kernel = CuteDslLowering(plain_gemm="cutedsl")  # the identity program on the kernel too
+    # the identity program on the kernel too
+    kernel = CuteDslLowering(CuteDslTuning(tile_n=None if tile_n == "auto" else int(tile_n)), plain_gemm="kernel")
 
     m, n, k = 200, (256 if epi.pair_block else 300), 136
     ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
@@ -256,23 +255,23 @@ def test_pingpong_schedule_lowers(epi, kw, monkeypatch):
     """Every chunked program lowers with the ping-pong schedule (128-wide tiles, one
     warpgroup per tile); the fallback of the others is in ``test_schedule_choice``."""
     from coda_jax.ffi import kernel as K
-    from coda_jax.ffi.lowering import SCHEDULE_ENV, CuteDslLowering
+    from coda_jax.ffi.lowering import CuteDslLowering
+    from coda_jax.ffi.tuning import CuteDslTuning
 
-    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
     plans = []
     monkeypatch.setattr(K, "build_launcher", _spy(K.build_launcher, plans))
     m, n, k = 300, 384, 200
     ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
     a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), BF)
     b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), BF)
-    _lower(lambda a, b, l: CuteDslLowering(plain_gemm="cutedsl").gemm(epi, a, b, l, **kw), a, b,
-           abstract_loads(epi, m, n))
+    low = CuteDslLowering(CuteDslTuning(schedule="pingpong"), plain_gemm="kernel")
+    _lower(lambda a, b, l: low.gemm(epi, a, b, l, **kw), a, b, abstract_loads(epi, m, n))
     assert [(p.pingpong, p.tile_n) for p in plans] == [(True, 128)]
 
 
-def test_schedule_choice(monkeypatch):
+def test_schedule_choice():
     from coda_jax.ffi.kernel import choose_schedule
-    from coda_jax.ffi.lowering import SCHEDULE_ENV, schedule_request
+    from coda_jax.ffi.tuning import CuteDslTuning
 
     assert not choose_schedule(P.rms_swiglu(True), "pingpong")  # pair mode: cooperative
     assert choose_schedule(P.RESIDUAL_RMS, "pingpong")
@@ -280,11 +279,9 @@ def test_schedule_choice(monkeypatch):
     # auto: cooperative everywhere (ping-pong is opt-in, see choose_schedule)
     assert not any(choose_schedule(e) for e, _ in _PROGRAMS)
     assert choose_schedule(P.RMS_LSE, "pingpong") and not choose_schedule(P.RMS_LSE, "cooperative")
-    monkeypatch.setenv(SCHEDULE_ENV, "zigzag")
-    with pytest.raises(ValueError, match=SCHEDULE_ENV):
-        schedule_request()
-    monkeypatch.setenv(SCHEDULE_ENV, "PingPong")
-    assert schedule_request() == "pingpong"
+    with pytest.raises(ValueError, match="CuteDslTuning.schedule must be one of auto, cooperative, pingpong"):
+        CuteDslTuning(schedule="zigzag")
+    assert CuteDslTuning().schedule == "auto"
 
 
 def test_element_swizzle_matches_the_tma_swizzle():
@@ -351,15 +348,13 @@ def test_kernel_plan_stages_outputs_and_is_persistent(monkeypatch):
         a, b = jax.ShapeDtypeStruct((m, 64), BF), jax.ShapeDtypeStruct((64, 384), BF)
         _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
     assert [p.ctas for p in plans] == [6, 7]
-    # $CODA_JAX_LATENCY_HINTS=1: the kernel's custom call tells XLA's scheduler its cost
+    # latency_hints=True: the kernel's custom call tells XLA's scheduler its cost
     assert "latency_metadata" not in _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
-    monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "1")
-    hinted = _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
+    hinted = _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl", latency_hints=True).gemm(P.IDENTITY, a, b, {}),
+                    a, b)
     assert any("latency_metadata" in line and "custom_call" in line for line in hinted.splitlines())
-    monkeypatch.delenv("CODA_JAX_LATENCY_HINTS")
-    # $CODA_JAX_RESERVED_SMS leaves SMs free for kernels beside it (NCCL): 7 - 2 -> 5 CTAs
-    monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "2")
-    _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl").gemm(P.IDENTITY, a, b, {}), a, b)
+    # reserved_sms leaves SMs free for kernels beside it (NCCL): 7 - 2 -> 5 CTAs
+    _lower(lambda a, b: CuteDslLowering(plain_gemm="cutedsl", reserved_sms=2).gemm(P.IDENTITY, a, b, {}), a, b)
     assert plans[-1].ctas == 5
 
 
@@ -367,7 +362,7 @@ def test_tile_width_choice(monkeypatch):
     """128 x 256 tiles for large outputs when the program fits them; 128-wide tiles for small
     outputs (too few CTAs), scratch programs, and outputs too big to stage beside 3 stages."""
     from coda_jax.ffi import kernel as K
-    from coda_jax.ffi.lowering import TILE_N_ENV, tile_n_request
+    from coda_jax.ffi.tuning import CuteDslTuning
 
     def pick(epi, m, n, request=None):
         dts = tuple((o.name, jnp.dtype(o.dtype or BF)) for o in epi.outputs)
@@ -390,25 +385,12 @@ def test_tile_width_choice(monkeypatch):
     assert pick(P.SWIGLU_DGRAD, 8192, 8192) == 256
     with pytest.raises(ValueError, match="tile_n must be 128, 256"):
         pick(P.IDENTITY, 8192, 8192, request=192)
-    monkeypatch.setenv(TILE_N_ENV, "96")
-    with pytest.raises(ValueError, match=TILE_N_ENV):
-        tile_n_request()
-    monkeypatch.setenv(TILE_N_ENV, "256")
-    assert tile_n_request() == 256
-    from coda_jax.ffi.lowering import MAX_STAGES_ENV, max_stages_request
-
-    monkeypatch.setenv(MAX_STAGES_ENV, "1")
-    with pytest.raises(ValueError, match=MAX_STAGES_ENV):
-        max_stages_request()
-    monkeypatch.setenv(MAX_STAGES_ENV, "4")
-    assert max_stages_request() == 4
-    from coda_jax.ffi.lowering import GROUP_M_ENV, group_m_request
-
-    monkeypatch.setenv(GROUP_M_ENV, "0")
-    with pytest.raises(ValueError, match=GROUP_M_ENV):
-        group_m_request()
-    monkeypatch.setenv(GROUP_M_ENV, "16")
-    assert group_m_request() == 16
+    for bad, rule in ((dict(tile_n=96), "tile_n must be 128, 256 or None"),
+                      (dict(max_stages=1), "max_stages must be an integer >= 2"),
+                      (dict(group_m=0), "group_m must be an integer >= 1")):
+        with pytest.raises(ValueError, match=rule):
+            CuteDslTuning(**bad)
+    assert CuteDslTuning(tile_n=256, max_stages=4, group_m=16).group_m == 16
 
 
 _SPILL_PROBE = textwrap.dedent("""
@@ -423,12 +405,12 @@ _SPILL_PROBE = textwrap.dedent("""
     # Every program on its automatic plan, then every chunked one on the ping-pong schedule.
     runs = [(epi, kw, "auto") for epi, kw in _PROGRAMS]
     runs += [(epi, kw, "pingpong") for epi, kw in _PROGRAMS if chunked_epilogue(epi)]
+    from coda_jax.ffi.tuning import CuteDslTuning
     for i, (epi, kw, schedule) in enumerate(runs):
-        os.environ["CODA_JAX_CUTEDSL_SCHEDULE"] = schedule
         ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
         a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jax.numpy.bfloat16)
         b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jax.numpy.bfloat16)
-        f = lambda a, b, l: CuteDslLowering(plain_gemm="cutedsl").gemm(epi, a, b, l, **kw)
+        f = lambda a, b, l: CuteDslLowering(CuteDslTuning(schedule=schedule), plain_gemm="kernel").gemm(epi, a, b, l, **kw)
         jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
         # PTX files are named by the launch signature: programs with equal operands rewrite
         # the same file, so take the files written by this lowering and copy them aside.

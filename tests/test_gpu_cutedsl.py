@@ -43,10 +43,17 @@ def _reduced(kind, x):
     return x
 
 
-def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0):
+def _tile(tile_n: str):
+    """A CuteDslTuning forcing ``tile_n`` (``"auto"``: the kernel's choice)."""
+    from coda_jax.ffi.tuning import CuteDslTuning
+
+    return CuteDslTuning(tile_n=None if tile_n == "auto" else int(tile_n))
+
+
+def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0, tuning=None):
     from coda_jax.ffi.lowering import CuteDslLowering
 
-    kernel = CuteDslLowering(plain_gemm="cutedsl")  # the identity program on the kernel too
+    kernel = CuteDslLowering(tuning, plain_gemm="kernel")  # the identity program on the kernel too
     key = jax.random.key(seed)
     ka, kb, kl = jax.random.split(key, 3)
     a = (jax.random.normal(ka, (k, m) if transpose_a else (m, k)) / k ** 0.25).astype(BF)
@@ -72,12 +79,9 @@ def test_program_on_gpu(epi, kw):
 
 @pytest.mark.parametrize("tile_n", ["auto", "256"])
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
-def test_operand_layouts_on_gpu(ta, tb, tile_n, monkeypatch):
+def test_operand_layouts_on_gpu(ta, tb, tile_n):
     """Every operand layout, with the automatic tile (128 wide at this size) and 128 x 256."""
-    from coda_jax.ffi.lowering import TILE_N_ENV
-
-    monkeypatch.setenv(TILE_N_ENV, tile_n)
-    _compare(programs.IDENTITY, 512, 384, 320, transpose_a=ta, transpose_b=tb)
+    _compare(programs.IDENTITY, 512, 384, 320, transpose_a=ta, transpose_b=tb, tuning=_tile(tile_n))
 
 
 def test_odd_pair_block_on_gpu():
@@ -92,17 +96,15 @@ def test_kernel_probe_on_gpu(probe):
 
 
 @pytest.mark.parametrize("tile_n", ["auto", "256"])
-def test_ragged_shapes_on_gpu(tile_n, monkeypatch):
+def test_ragged_shapes_on_gpu(tile_n):
     """Padded rows/columns masked out of every reduction, with 128- and (where it fits) 256-wide tiles."""
-    from coda_jax.ffi.lowering import TILE_N_ENV
-
-    monkeypatch.setenv(TILE_N_ENV, tile_n)
-    _compare(programs.RESIDUAL_RMS, 1000, 1500, 520)
-    _compare(programs.RMS_LSE, 777, 5000, 256, transpose_b=True)
-    _compare(programs.RMS_LSE_LOGITS, 777, 5000, 256, transpose_b=True)
-    _compare(programs.rms_dgrad(True), 1000, 900, 333, transpose_b=True)
-    _compare(programs.rms_swiglu(True), 1000, 1024, 200)
-    _compare(programs.SWIGLU_DGRAD, 1000, 640, 333, transpose_b=True)
+    t = _tile(tile_n)
+    _compare(programs.RESIDUAL_RMS, 1000, 1500, 520, tuning=t)
+    _compare(programs.RMS_LSE, 777, 5000, 256, transpose_b=True, tuning=t)
+    _compare(programs.RMS_LSE_LOGITS, 777, 5000, 256, transpose_b=True, tuning=t)
+    _compare(programs.rms_dgrad(True), 1000, 900, 333, transpose_b=True, tuning=t)
+    _compare(programs.rms_swiglu(True), 1000, 1024, 200, tuning=t)
+    _compare(programs.SWIGLU_DGRAD, 1000, 640, 333, transpose_b=True, tuning=t)
 
 
 def _chunked_cases():
@@ -112,26 +114,23 @@ def _chunked_cases():
 
 
 @pytest.mark.parametrize("epi,kw", _chunked_cases(), ids=[c[0].name for c in _chunked_cases()])
-def test_pingpong_schedule_on_gpu(epi, kw, monkeypatch):
+def test_pingpong_schedule_on_gpu(epi, kw):
     """The ping-pong schedule (each consumer warpgroup on every other 128-wide tile): 4 tiles
     per CTA at 4096 x 2048 (both warpgroups, several ring laps), one short-K GEMM (1 K-tile,
     fewer K-tiles than stages) and a ragged shape."""
-    from coda_jax.ffi.lowering import SCHEDULE_ENV
+    from coda_jax.ffi.tuning import CuteDslTuning
 
-    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
-    _compare(epi, 4096, 2048, 1024, **kw, seed=5)
-    _compare(epi, 1024, 1024, 64, **kw, seed=6)
-    _compare(epi, 1000, 1280 if epi.pair_block else 1500, 520, **kw, seed=7)
+    pp = CuteDslTuning(schedule="pingpong")
+    _compare(epi, 4096, 2048, 1024, **kw, seed=5, tuning=pp)
+    _compare(epi, 1024, 1024, 64, **kw, seed=6, tuning=pp)
+    _compare(epi, 1000, 1280 if epi.pair_block else 1500, 520, **kw, seed=7, tuning=pp)
 
 
 @pytest.mark.parametrize("tile_n", ["128", "256"])
-def test_swiglu_dgrad_tiles_on_gpu(tile_n, monkeypatch):
+def test_swiglu_dgrad_tiles_on_gpu(tile_n):
     """The chunked half_acc epilogue (lo and hi sub-tile rings) with the tile load prefetched
     into registers (128 wide) and loaded chunk by chunk (256 wide)."""
-    from coda_jax.ffi.lowering import TILE_N_ENV
-
-    monkeypatch.setenv(TILE_N_ENV, tile_n)
-    _compare(programs.SWIGLU_DGRAD, 2048, 2048, 1024, transpose_b=True, seed=3)
+    _compare(programs.SWIGLU_DGRAD, 2048, 2048, 1024, transpose_b=True, seed=3, tuning=_tile(tile_n))
 
 
 # ------------------------------------------------ training shapes, tight checks ------
@@ -169,41 +168,42 @@ def _errors(epi, got, ref):
     return errs
 
 
-@pytest.mark.parametrize("name,env", [("rms_lse", {"CODA_JAX_CUTEDSL_SCHEDULE": "cooperative"}),
-                                      ("rms_lse", {"CODA_JAX_CUTEDSL_SCHEDULE": "pingpong"}),
-                                      ("swiglu_dgrad", {"CODA_JAX_CUTEDSL_TILE_N": "256"}),
-                                      ("swiglu_dgrad", {"CODA_JAX_CUTEDSL_TILE_N": "128"})],
+@pytest.mark.parametrize("name,tuning", [("rms_lse", {"schedule": "cooperative"}),
+                                         ("rms_lse", {"schedule": "pingpong"}),
+                                         ("swiglu_dgrad", {"tile_n": 256}),
+                                         ("swiglu_dgrad", {"tile_n": 128})],
                          ids=["rms_lse-cooperative", "rms_lse-pingpong", "swiglu_dgrad-256", "swiglu_dgrad-128"])
-def test_training_shape_precision_on_gpu(name, env, monkeypatch):
+def test_training_shape_precision_on_gpu(name, tuning):
     """At training shapes, the kernel's error against float32 math is Pallas's error (the
     bf16 floor), not just under the 1e-2 of the other tests: a lost tile partial of the LM
     head's LSE or a wrong lo/hi block of dz would pass a loose bound. Run 65 measured the
     same errors to 3 digits for both kernels in every configuration here."""
     from coda_jax.ffi.lowering import CuteDslLowering
+    from coda_jax.ffi.tuning import CuteDslTuning
     from coda_jax.pallas.lowering import PallasLowering
 
     epi, a, b, loads = _training_case(name)
     ref = REFERENCE.gemm(epi, a.astype(jnp.float32), b.astype(jnp.float32), loads, transpose_b=True)
     base = _errors(epi, jax.jit(lambda a, b, l: PallasLowering().gemm(epi, a, b, l, transpose_b=True))(a, b, loads), ref)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
     poison_allocator([(a.shape[0], 2 * b.shape[0])] * 4)
-    got = _errors(epi, jax.jit(lambda a, b, l: CuteDslLowering().gemm(epi, a, b, l, transpose_b=True))(a, b, loads), ref)
+    low = CuteDslLowering(CuteDslTuning(**tuning))
+    got = _errors(epi, jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True))(a, b, loads), ref)
     for o, e in got.items():
         assert e <= 1.05 * base[o] + 1e-6, f"{epi.name}.{o}: error {e:.3g} vs Pallas {base[o]:.3g}"
 
 
 @pytest.mark.parametrize("name,schedule", [("rms_lse", "pingpong"), ("rms_lse", "cooperative"),
                                            ("swiglu_dgrad", "auto")])
-def test_repeatable_on_gpu(name, schedule, monkeypatch):
+def test_repeatable_on_gpu(name, schedule):
     """Thirty launches on the same inputs give bit-identical outputs: the kernels have no
     atomics, so a launch that differs means a race (ping-pong order barriers, the operand
     ring, the staging sub-tile rings) that a single launch can miss."""
-    from coda_jax.ffi.lowering import SCHEDULE_ENV, CuteDslLowering
+    from coda_jax.ffi.lowering import CuteDslLowering
+    from coda_jax.ffi.tuning import CuteDslTuning
 
-    monkeypatch.setenv(SCHEDULE_ENV, schedule)
     epi, a, b, loads = _training_case(name)
-    f = jax.jit(lambda a, b, l: CuteDslLowering().gemm(epi, a, b, l, transpose_b=True))
+    low = CuteDslLowering(CuteDslTuning(schedule=schedule))
+    f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True))
     same = jax.jit(lambda x, y: jnp.array_equal(x, y, equal_nan=True))  # on the device: dz is 256 MiB
     first = f(a, b, loads)
     for i in range(30):

@@ -90,27 +90,25 @@ def test_ragged_shapes_on_gpu(cfg):
 
 @pytest.mark.parametrize("cfg", ["warp_specialized", "ws_pingpong_cluster_m"])
 def test_reserved_sms_on_gpu(monkeypatch, cfg):
-    # $CODA_JAX_RESERVED_SMS=9: 123 SMs, an odd count (61 CTA pairs, one SM idle besides)
+    # reserved_sms=9: 123 SMs, an odd count (61 CTA pairs, one SM idle besides)
     from coda_jax.pallas import lowering as L
 
-    monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "9")
     grids = record_grids(monkeypatch)
     poison_allocator([(2048, 2048)] * 8)
-    _compare(programs.RESIDUAL_RMS, 2048, 2048, 1024, config=CONFIGS[cfg])
-    _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg])
+    _compare(programs.RESIDUAL_RMS, 2048, 2048, 1024, config=CONFIGS[cfg], reserved_sms=9)
+    _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg], reserved_sms=9)
     assert grids and set(grids) == {L.gpu_sm_count() - 9}
 
 
 @pytest.mark.parametrize("cfg,per_cta", [("warp_specialized", 1), ("ws_pingpong_cluster_m", 2)])
 def test_tiles_per_cta_on_gpu(monkeypatch, cfg, per_cta):
-    # $CODA_JAX_TILES_PER_CTA: more CTAs (pairs) than SMs, each taking at most per_cta tiles
+    # tiles_per_cta: more CTAs (pairs) than SMs, each taking at most per_cta tiles
     from coda_jax.pallas import lowering as L
 
-    monkeypatch.setenv("CODA_JAX_TILES_PER_CTA", str(per_cta))
     grids = record_grids(monkeypatch)
     poison_allocator([(4096, 4096)] * 8)
-    _compare(programs.RESIDUAL_RMS, 4096, 4096, 1024, config=CONFIGS[cfg])
-    _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg])
+    _compare(programs.RESIDUAL_RMS, 4096, 4096, 1024, config=CONFIGS[cfg], tiles_per_cta=per_cta)
+    _compare(programs.rms_dgrad(True), 1000, 1500, 520, transpose_b=True, config=CONFIGS[cfg], tiles_per_cta=per_cta)
     assert grids and grids[0] > L.gpu_sm_count()  # 4096 x 4096 has more tiles than SMs
 
 

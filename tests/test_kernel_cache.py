@@ -39,8 +39,8 @@ def _cache_off_after():
 def _probe(case: str, cache_dir=None, workers: int = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                JAX_PLATFORMS="cpu")
-    env.pop(KC.ENV_DIR, None)
-    env[KC.ENV_WORKERS] = str(workers)
+    env.pop("CODA_JAX_KERNEL_CACHE_DIR", None)
+    env["CODA_JAX_KERNEL_CACHE_WORKERS"] = str(workers)
     args = [case] + ([str(cache_dir)] if cache_dir is not None else [])
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_cache_probe.py"), *args],
                        env=env, capture_output=True, text=True, timeout=300)
@@ -68,7 +68,7 @@ def _lower(fn, *args) -> str:
 
 
 def _gemm(epi, low=None):
-    low = low or PallasLowering(plain_gemm="pallas")
+    low = low or PallasLowering(plain_gemm="kernel")
     return lambda a, b, l: low.gemm(epi, a, b, l)
 
 
@@ -122,7 +122,7 @@ def test_the_key_follows_the_kernel(tmp_path):
     import dataclasses
 
     other_cfg = dataclasses.replace(CONFIG_TABLE["default"], cluster_dimension=None)
-    _lower(_gemm(programs.RESIDUAL_RMS, PallasLowering(other_cfg, plain_gemm="pallas")), *args)
+    _lower(_gemm(programs.RESIDUAL_RMS, PallasLowering(other_cfg, plain_gemm="kernel")), *args)
     # The same name and declaration with another body: its jaxpr differs, so does the key.
     twin = dataclasses.replace(programs.RESIDUAL_RMS,
                                body=lambda acc, ctx, residual, gamma: {"x": acc + residual,
@@ -132,17 +132,16 @@ def test_the_key_follows_the_kernel(tmp_path):
     assert cache.stats.misses == 4 and len(list(tmp_path.glob("*.kernel.pkl"))) == 4
 
 
-def test_a_latency_hint_is_part_of_the_cached_kernel(tmp_path, monkeypatch):
-    """$CODA_JAX_LATENCY_HINTS=1: the cached kernel's custom call carries the hint (a
+def test_a_latency_hint_is_part_of_the_cached_kernel(tmp_path):
+    """latency_hints=True: the cached kernel's custom call carries the hint (a
     separate entry from the kernel without it), also when a worker generated it."""
     from coda_jax.pallas import lowering as L
 
     cache = KC.enable_kernel_cache(tmp_path, workers=1)
     args = _residual_rms_args()
     plain = _lower(_gemm(programs.RESIDUAL_RMS), *args)
-    monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "1")
     L._kernel.cache_clear()
-    hinted = _lower(_gemm(programs.RESIDUAL_RMS), *args)
+    hinted = _lower(_gemm(programs.RESIDUAL_RMS, PallasLowering(plain_gemm="kernel", latency_hints=True)), *args)
     assert "latency_metadata" not in plain and hinted.count("latency_metadata") == 1
     assert cache.stats.misses == 2 and cache.stats.worker_failures == 0
     cache.wait()
@@ -170,13 +169,13 @@ def test_an_unreadable_entry_is_reported_and_regenerated(tmp_path):
 def test_the_environment_variable_turns_it_on_and_off(tmp_path, monkeypatch):
     KC.disable_kernel_cache()
     assert KC.active_kernel_cache() is None
-    monkeypatch.setenv(KC.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", str(tmp_path))
     cache = KC.active_kernel_cache()
     assert cache is not None and cache.directory == tmp_path
     assert KC.active_kernel_cache() is cache  # one cache while the variable stays
     _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args())
     assert cache.stats.writes == 1
-    monkeypatch.setenv(KC.ENV_DIR, "off")
+    monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", "off")
     assert KC.active_kernel_cache() is None
 
 
@@ -189,18 +188,18 @@ def jax_cache_dir():
 
 
 def test_where_it_lives_by_default(tmp_path, monkeypatch, jax_cache_dir):
-    monkeypatch.delenv(KC.ENV_DIR, raising=False)
+    monkeypatch.delenv("CODA_JAX_KERNEL_CACHE_DIR", raising=False)
     KC.disable_kernel_cache()
     jax_cache_dir(str(tmp_path / "jax"))
     cache = KC.active_kernel_cache()
     assert cache is not None and cache.directory == tmp_path / "jax" / KC.JAX_CACHE_SUBDIR
     assert KC.active_kernel_cache() is cache
     for off in ("off", "0", "FALSE", "none"):  # the variable turns it off ...
-        monkeypatch.setenv(KC.ENV_DIR, off)
+        monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", off)
         assert KC.active_kernel_cache() is None
-    monkeypatch.setenv(KC.ENV_DIR, str(tmp_path / "mine"))  # ... or puts it elsewhere
+    monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", str(tmp_path / "mine"))  # ... or puts it elsewhere
     assert KC.active_kernel_cache().directory == tmp_path / "mine"
-    monkeypatch.setenv(KC.ENV_DIR, "")  # empty: as unset
+    monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", "")  # empty: as unset
     assert KC.active_kernel_cache().directory == tmp_path / "jax" / KC.JAX_CACHE_SUBDIR
     # Without JAX's cache (or with a remote one), the user's cache directory.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -318,14 +317,14 @@ def test_every_program_pickles_and_rebuilds_as_itself():
 
 def test_worker_count_rules(monkeypatch):
     assert KC.resolve_workers(3) == 3 and KC.resolve_workers(0) == 0
-    monkeypatch.setenv(KC.ENV_WORKERS, "2")
+    monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_WORKERS", "2")
     assert KC.resolve_workers(None) == 2
-    monkeypatch.setenv(KC.ENV_WORKERS, "many")
-    with pytest.raises(ValueError, match=r"\$CODA_JAX_KERNEL_CACHE_WORKERS must be a number of processes >= 0"):
+    monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_WORKERS", "many")
+    with pytest.raises(ValueError, match=r"\$CODA_JAX_KERNEL_CACHE_WORKERS='many': coda_jax option kernel_cache.workers must be one of: an integer >= 0, 'auto'"):
         KC.resolve_workers(None)
     with pytest.raises(ValueError, match="workers must be a number of processes >= 0, got -1"):
         KC.resolve_workers(-1)
-    monkeypatch.delenv(KC.ENV_WORKERS)
+    monkeypatch.delenv("CODA_JAX_KERNEL_CACHE_WORKERS")
     monkeypatch.setattr(KC, "usable_cores", lambda: 2)
     assert KC.resolve_workers(None) == 0
     monkeypatch.setattr(KC, "usable_cores", lambda: 16)
@@ -406,10 +405,10 @@ def test_the_command_line_tells_where_and_how_big_and_clears(tmp_path, monkeypat
     (tmp_path / "notes.txt").write_text("not an entry")
     info = KC.describe(tmp_path)
     assert info["entries"] == 1 and info["bytes"] == next(tmp_path.glob("*.kernel.pkl")).stat().st_size > 0
-    monkeypatch.setenv(KC.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", str(tmp_path))
     assert KC.main([]) == 0 and "1 entries" in capsys.readouterr().out
     assert KC.main(["--clear"]) == 0 and "removed 1 entries" in capsys.readouterr().out
     assert KC.describe(tmp_path)["entries"] == 0 and (tmp_path / "notes.txt").exists()
-    monkeypatch.setenv(KC.ENV_DIR, "off")
+    monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", "off")
     assert KC.main([]) == 0 and "off" in capsys.readouterr().out
     assert KC.describe(tmp_path / "missing") == {"directory": str(tmp_path / "missing"), "entries": 0, "bytes": 0}

@@ -101,60 +101,25 @@ def test_cross_entropy_bf16_saved_logits():
                          logits_dtype=jnp.bfloat16)
 
 
-def test_save_logits_choice(monkeypatch):
-    """save_logits=None: the environment override, else the memory budget decides."""
+def test_save_logits_choice():
+    """save_logits=None: the option cross_entropy.save_logits, whose "auto" is the memory budget."""
+    import coda_jax as cj
+
     lce = importlib.import_module("coda_jax.ops.linear_cross_entropy")
-    monkeypatch.delenv(lce.SAVE_LOGITS_ENV, raising=False)
-    monkeypatch.setenv(lce.LOGITS_BUDGET_ENV, "1")  # 1 MiB: 1024 x 256 float32 fits, one more row does not
-    assert lce.resolve_save_logits(None, 1024, 256, jnp.float32)
-    assert not lce.resolve_save_logits(None, 1025, 256, jnp.float32)
-    assert lce.resolve_save_logits(None, 2048, 256, jnp.bfloat16)
-    assert lce.resolve_save_logits(True, 10 ** 6, 10 ** 6, jnp.float32)
-    monkeypatch.setenv(lce.SAVE_LOGITS_ENV, "0")
-    assert not lce.resolve_save_logits(None, 8, 8, jnp.float32)
-    monkeypatch.setenv(lce.SAVE_LOGITS_ENV, "yes")
-    with pytest.raises(ValueError, match="CODA_JAX_CE_SAVE_LOGITS must be 0 or 1"):
-        lce.resolve_save_logits(None, 8, 8, jnp.float32)
-    monkeypatch.delenv(lce.SAVE_LOGITS_ENV)
-    monkeypatch.setenv(lce.LOGITS_BUDGET_ENV, "lots")
-    with pytest.raises(ValueError, match="CODA_JAX_CE_LOGITS_BUDGET_MB must be a number"):
-        lce.resolve_save_logits(None, 8, 8, jnp.float32)
+    with cj.options(cross_entropy=cj.CrossEntropyOptions(logits_budget_mb=1)):  # 1 MiB: 1024 x 256 float32 fits
+        assert lce.resolve_save_logits(None, 1024, 256, jnp.float32)
+        assert not lce.resolve_save_logits(None, 1025, 256, jnp.float32)
+        assert lce.resolve_save_logits(None, 2048, 256, jnp.bfloat16)
+        assert lce.resolve_save_logits(True, 10 ** 6, 10 ** 6, jnp.float32)
+        with cj.options(cross_entropy={"save_logits": False}):
+            assert not lce.resolve_save_logits(None, 8, 8, jnp.float32)
+            assert lce.resolve_save_logits(True, 8, 8, jnp.float32)  # the argument wins
+    with pytest.raises(cj.OptionError, match="cross_entropy.save_logits must be one of: True/False, 'auto'; got 'yes'"):
+        cj.options(cross_entropy={"save_logits": "yes"}).__enter__()
+    with pytest.raises(cj.OptionError, match="cross_entropy.logits_budget_mb must be one of: a number >= 0"):
+        cj.set_options(cross_entropy={"logits_budget_mb": "lots"})
     with pytest.raises(ValueError, match="logits_dtype must be float32 or bfloat16"):
         C.case_cross_entropy("xla", 8, 16, 32, jnp.float32, logits_dtype=jnp.float16)
-
-
-def test_saved_logits_stay_out_of_evaluation(monkeypatch):
-    """Only a differentiated loss runs the program that writes the logits."""
-    from coda_jax import programs, reference
-
-    used, gemm = [], reference.ReferenceLowering.gemm
-    monkeypatch.setattr(reference.ReferenceLowering, "gemm",
-                        lambda self, epi, *a, **k: used.append(epi.name) or gemm(self, epi, *a, **k))
-    x, g, w = jnp.ones((64, 32)), jnp.ones((32,)), jnp.ones((1000, 32))
-    loss = lambda x: cj.linear_cross_entropy(x, g, w, jnp.zeros((64,), jnp.int32), save_logits=True, backend="xla")
-    jax.make_jaxpr(loss)(x)
-    assert programs.RMS_LSE.name in used and programs.RMS_LSE_LOGITS.name not in used
-    used.clear()
-    jax.make_jaxpr(jax.grad(loss))(x)
-    assert programs.RMS_LSE_LOGITS.name in used and programs.CE_GRAD.name not in used
-
-
-def test_cross_entropy_chunked_vocab(monkeypatch):
-    """Vocab larger than the reference's LSE chunk and the backward's vocab chunk."""
-    from coda_jax import reference
-
-    lce = importlib.import_module("coda_jax.ops.linear_cross_entropy")
-
-    monkeypatch.setattr(reference, "LSE_CHUNK", 256)
-    monkeypatch.setattr(lce, "VOCAB_CHUNK", 300)
-    C.case_cross_entropy("xla", 64, 64, 1000, jnp.float32, z_loss=1e-4, save_logits=False)
-
-
-@settings(max_examples=6, deadline=None)
-@given(m=st.integers(1, 160), d=st.integers(2, 40).map(lambda v: 4 * v), n=st.integers(1, 200),
-       seed=st.integers(0, 2 ** 16))
-def test_rms_norm_matmul_random_shapes(m, d, n, seed):
-    C.case_rms_norm_matmul("xla", m, d, n, jnp.float32, seed=seed)
 
 
 @settings(max_examples=4, deadline=None)
@@ -163,17 +128,17 @@ def test_swiglu_random_shapes(m, f, seed):
     C.case_swiglu("xla", m, 72, f, jnp.float32, seed=seed)
 
 
-def test_cross_entropy_logits_dtype_from_the_environment(monkeypatch):
-    """``logits_dtype=None`` reads ``$CODA_JAX_CE_LOGITS_DTYPE``; a bad value names the variable."""
-    from coda_jax.ops.linear_cross_entropy import LOGITS_DTYPE_ENV, resolve_logits_dtype
+def test_cross_entropy_logits_dtype_from_the_options():
+    """``logits_dtype=None`` reads the option ``cross_entropy.logits_dtype``; a bad value names it."""
+    import coda_jax as cj
+    from coda_jax.ops.linear_cross_entropy import resolve_logits_dtype
 
     assert resolve_logits_dtype(None) == jnp.float32
-    monkeypatch.setenv(LOGITS_DTYPE_ENV, "bfloat16")
-    assert resolve_logits_dtype(None) == jnp.bfloat16
-    assert resolve_logits_dtype(jnp.float32) == jnp.float32  # the argument wins
-    monkeypatch.setenv(LOGITS_DTYPE_ENV, "float16")
-    with pytest.raises(ValueError, match=r"\$CODA_JAX_CE_LOGITS_DTYPE must be float32 or bfloat16"):
-        resolve_logits_dtype(None)
+    with cj.options(cross_entropy=cj.CrossEntropyOptions(logits_dtype="bfloat16")):
+        assert resolve_logits_dtype(None) == jnp.bfloat16
+        assert resolve_logits_dtype(jnp.float32) == jnp.float32  # the argument wins
+    with pytest.raises(cj.OptionError, match=r"cross_entropy.logits_dtype must be one of: 'float32', 'bfloat16'"):
+        cj.set_options(cross_entropy={"logits_dtype": "float16"})
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])

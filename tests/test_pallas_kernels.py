@@ -18,7 +18,7 @@ from coda_jax import epilogue as E
 from coda_jax import lowering as coda_lowering
 from coda_jax import programs
 from coda_jax.epilogue import LoadKind, OutputKind
-from coda_jax.lowering import routes_to_xla, xla_output_below
+from coda_jax.lowering import routes_to_xla
 from coda_jax.pallas import interpret_mode
 from coda_jax.pallas.gemm_epilogue import SMEM_LIMIT, KernelShape, plan_kernel
 from coda_jax.pallas.lowering import PallasLowering
@@ -67,14 +67,15 @@ def _loads(epi, m, n, key):
     return out
 
 
-def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0, config=SMALL):
+def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0, config=SMALL, **lowering_kw):
     key = jax.random.key(seed)
     ka, kb, kl = jax.random.split(key, 3)
     a = (jax.random.normal(ka, (k, m) if transpose_a else (m, k)) / k ** 0.25).astype(jnp.bfloat16)
     b = (jax.random.normal(kb, (n, k) if transpose_b else (k, n)) / k ** 0.25).astype(jnp.bfloat16)
     loads = _loads(epi, m, n, kl)
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
-    got = jax.jit(lambda a, b, l: PallasLowering(config, plain_gemm="pallas").gemm(epi, a, b, l, **kw))(a, b, loads)
+    low = PallasLowering(config, plain_gemm="kernel", **lowering_kw)
+    got = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw))(a, b, loads)
     want = REFERENCE.gemm(epi, a, b, loads, **kw)
     assert set(got) == set(want)
     for o in epi.outputs:
@@ -443,13 +444,12 @@ def record_grids(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("config", [WS, PINGPONG], ids=["cooperative", "pingpong"])
 def test_reserved_sms_shrink_the_persistent_grid(monkeypatch, config):
-    # $CODA_JAX_RESERVED_SMS=1 leaves one of the interpreter's 4 "SMs" free: 3 CTAs walk 8
-    # tiles (an uneven share), and every tile is still written.
+    # reserved_sms=1 leaves one of the interpreter's 4 "SMs" free: 3 CTAs walk 8 tiles (an
+    # uneven share), and every tile is still written.
     from coda_jax.pallas import lowering as L
 
     grids = record_grids(monkeypatch)
-    monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "1")
-    _compare(programs.RESIDUAL_RMS, 256, 512, 128, config=config, seed=21)
+    _compare(programs.RESIDUAL_RMS, 256, 512, 128, config=config, seed=21, reserved_sms=1)
     assert grids == [L.INTERPRET_SMS - 1]
 
 
@@ -460,34 +460,27 @@ def test_reserved_sms_shrink_the_persistent_grid(monkeypatch, config):
     (TuningConfig(tile_m=64, tile_n=128, tile_k=64), 5, 4),  # not warp-specialized: 16 tiles
 ], ids=["cooperative-1", "cooperative-3", "pingpong-2", "pingpong-pairs-1", "simple-5"])
 def test_tiles_per_cta_grid(monkeypatch, config, per_cta, programs_expected):
-    # $CODA_JAX_TILES_PER_CTA=N: one CTA (pair) per N tiles, more CTAs than the interpreter's
-    # 4 "SMs" (or fewer); poisoned outputs show any tile left unwritten.
+    # tiles_per_cta=N: one CTA (pair) per N tiles, more CTAs than the interpreter's 4 "SMs"
+    # (or fewer); poisoned outputs show any tile left unwritten.
     grids = record_grids(monkeypatch)
-    monkeypatch.setenv("CODA_JAX_TILES_PER_CTA", str(per_cta))
-    _compare(programs.RESIDUAL_RMS, 256, 512, 128, config=config, seed=22)
+    _compare(programs.RESIDUAL_RMS, 256, 512, 128, config=config, seed=22, tiles_per_cta=per_cta)
     assert grids == [programs_expected]
 
 
-def test_tiles_per_cta_errors(monkeypatch):
-    from coda_jax.lowering import tiles_per_cta
-
-    assert tiles_per_cta() == 0
-    for bad in ("x", "-2", "1.5"):
-        monkeypatch.setenv("CODA_JAX_TILES_PER_CTA", bad)
-        with pytest.raises(ValueError, match="CODA_JAX_TILES_PER_CTA must be a non-negative integer"):
-            tiles_per_cta()
-
-
-def test_reserved_sms_errors(monkeypatch):
+def test_launch_setting_errors():
     from coda_jax.lowering import persistent_grid_sms
 
-    assert persistent_grid_sms(132) == 132
-    for bad, rule in (("x", "non-negative integer"), ("-1", "non-negative integer"), ("131", "at least 2")):
-        monkeypatch.setenv("CODA_JAX_RESERVED_SMS", bad)
-        with pytest.raises(ValueError, match=rf"CODA_JAX_RESERVED_SMS.*{rule}"):
-            persistent_grid_sms(132)
-    monkeypatch.setenv("CODA_JAX_RESERVED_SMS", "16")
-    assert persistent_grid_sms(132) == 116
+    assert PallasLowering().tiles_per_cta == 0 and PallasLowering().reserved_sms == 0
+    for bad in ("x", -2, 1.5, True):
+        with pytest.raises(ValueError, match="tiles_per_cta must be a non-negative integer"):
+            PallasLowering(tiles_per_cta=bad)
+        with pytest.raises(ValueError, match="reserved_sms must be a non-negative integer"):
+            PallasLowering(reserved_sms=bad if bad is not True else -1)
+    assert persistent_grid_sms(132) == 132 and persistent_grid_sms(132, 16) == 116
+    with pytest.raises(ValueError, match="reserved_sms=131 leaves 1 of the GPU's 132 SMs.*at least 2"):
+        persistent_grid_sms(132, 131)
+    with pytest.raises(ValueError, match="at least 2"):
+        PallasLowering(reserved_sms=131).grid_sms(132)
 
 
 def test_default_config():
@@ -550,14 +543,14 @@ def test_plan_narrows_chunks_to_the_register_budget():
 
 def test_plain_gemm_routing(monkeypatch):
     # Identity-epilogue GEMMs go to the reference backend (no kernel) by default and with
-    # plain_gemm="xla"; the environment variable or plain_gemm="pallas" selects the kernel.
-    monkeypatch.delenv("CODA_JAX_PALLAS_PLAIN_GEMM", raising=False)
+    # plain_gemm="xla"; the option routing.plain_gemm="kernel" or plain_gemm="kernel" (or the
+    # backend's name) selects the kernel; the lowering's argument wins over the option.
     on_xla = lambda low: routes_to_xla(low.name, programs.IDENTITY, 96, 80, 64, low.plain_gemm)  # noqa: E731
     assert on_xla(PallasLowering())
-    monkeypatch.setenv("CODA_JAX_PALLAS_PLAIN_GEMM", "pallas")
-    assert not on_xla(PallasLowering())
-    assert on_xla(PallasLowering(plain_gemm="xla"))
-    monkeypatch.delenv("CODA_JAX_PALLAS_PLAIN_GEMM")
+    assert not on_xla(PallasLowering(plain_gemm="kernel")) and not on_xla(PallasLowering(plain_gemm="pallas"))
+    with cj.options(routing=cj.RoutingOptions(plain_gemm="kernel")):
+        assert not on_xla(PallasLowering())
+        assert on_xla(PallasLowering(plain_gemm="xla"))
     key = jax.random.split(jax.random.key(21), 2)
     a = jax.random.normal(key[0], (96, 64)).astype(jnp.bfloat16)
     b = jax.random.normal(key[1], (80, 64)).astype(jnp.bfloat16)
@@ -565,12 +558,12 @@ def test_plain_gemm_routing(monkeypatch):
                                                   out_dtypes={"out": jnp.float32})["out"]
     want = REFERENCE.gemm(programs.IDENTITY, a, b, {}, transpose_b=True, out_dtypes={"out": jnp.float32})["out"]
     assert got.dtype == jnp.float32 and rel_err(got, want) == 0.0
-    with pytest.raises(ValueError, match="plain_gemm must be 'pallas' or 'xla'"):
+    with pytest.raises(ValueError, match="plain_gemm must be 'xla', 'kernel' or 'pallas'"):
         PallasLowering(plain_gemm="cublas")
 
 
 def _has_kernel(fn, *args) -> bool:
-    # A fresh function each time: jit's trace cache does not see the environment variable.
+    # A fresh function each time: options are read when a function is traced.
     fresh = lambda *a: fn(*a)  # noqa: E731
     return "wgmma" in str(jax.make_jaxpr(fresh)(*args))  # the kernel's MMAs; the reference has none
 
@@ -587,66 +580,66 @@ def _routing_case(seed: int):
 
 
 def test_fused_program_routing(monkeypatch):
-    # $CODA_JAX_PALLAS_XLA_PROGRAMS sends the named fused programs (optionally only GEMMs up to
-    # a size) to the reference lowering; the result is then the reference's, exactly.
+    # The option routing.xla_programs sends the named fused programs (optionally only GEMMs up
+    # to a size) to the reference lowering; the result is then the reference's, exactly.
     run, a, b, loads = _routing_case(22)
     (m, k), n = a.shape, b.shape[1]
-    env = "CODA_JAX_PALLAS_XLA_PROGRAMS"
-    monkeypatch.delenv(env, raising=False)
+
+    def programs_to_xla(text):
+        return cj.options(**cj.parse_overrides(f"routing.xla_programs={text}"))
+
     assert _has_kernel(run, a, b, loads)  # the default table routes nothing at this size
-    monkeypatch.setenv(env, "rms_rope+ residual_rms")
-    assert not _has_kernel(run, a, b, loads)
-    got, want = run(a, b, loads), REFERENCE.gemm(programs.RESIDUAL_RMS, a, b, loads)
+    with programs_to_xla("rms_rope+ residual_rms"):
+        assert not _has_kernel(run, a, b, loads)
+        got, want = run(a, b, loads), REFERENCE.gemm(programs.RESIDUAL_RMS, a, b, loads)
     for name in want:
         assert rel_err(got[name], want[name]) == 0.0, name
     cap = m * n * k / 2 ** 30
-    monkeypatch.setenv(env, f"residual_rms<{cap}")  # m*n*k == cap * 2^30: routed
-    assert not _has_kernel(run, a, b, loads)
-    monkeypatch.setenv(env, f"residual_rms<{cap / 2}")  # larger than the cap: the kernel
-    assert _has_kernel(run, a, b, loads)
-    monkeypatch.setenv(env, "none")
-    assert _has_kernel(run, a, b, loads)
-    for bad in ("residual_rms<big", ",residual_rms"):
-        monkeypatch.setenv(env, bad)
-        with pytest.raises(ValueError, match=env):
-            run(a, b, loads)
+    with cj.options(routing={"xla_programs": {"residual_rms": cap}}):  # m*n*k == cap * 2^30: routed
+        assert not _has_kernel(run, a, b, loads)
+    with programs_to_xla(f"residual_rms<{cap / 2}"):  # larger than the cap: the kernel
+        assert _has_kernel(run, a, b, loads)
+    with programs_to_xla("none"):
+        assert _has_kernel(run, a, b, loads)
+    for bad in ("residual_rms<big", "+residual_rms"):
+        with pytest.raises(cj.OptionError, match="routing.xla_programs"):
+            programs_to_xla(bad)
+    with pytest.raises(cj.OptionError, match="routing.xla_programs"):
+        cj.options(routing={"xla_programs": {"residual_rms": -1}})
 
 
 def test_small_output_routing(monkeypatch, caplog):
-    # A fused GEMM whose output has fewer than $CODA_JAX_PALLAS_XLA_OUTPUT_BELOW elements (by
-    # default 2^22) runs on the reference lowering, exactly; conftest turns the rule off (0) so
-    # that the other kernel tests test the kernel at their small shapes.
+    # A fused GEMM whose output has fewer than routing.xla_output_below elements (by default
+    # 2^22) runs on the reference lowering, exactly; the suite turns the rule off (0,
+    # tests/suite_options.py) so that the other kernel tests test the kernel at their shapes.
     run, a, b, loads = _routing_case(23)
     m, n = a.shape[0], b.shape[1]
-    env = "CODA_JAX_PALLAS_XLA_OUTPUT_BELOW"
-    monkeypatch.setenv(env, "0")
+    assert cj.current_options().routing.xla_output_below == 0
     assert _has_kernel(run, a, b, loads)
-    monkeypatch.delenv(env)
-    monkeypatch.delenv("CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW")
-    assert xla_output_below("pallas") == 1 << 22 and xla_output_below("cutedsl") == 1 << 22
+    cj.reset_options("routing")  # the library's default, 2^22
+    assert cj.current_options().routing.xla_output_below == 1 << 22
     monkeypatch.setattr(coda_lowering, "_small_output_logged", set())  # logged once per program
     with caplog.at_level(logging.INFO, logger="coda_jax"):
         assert not _has_kernel(run, a, b, loads)  # 128 x 128 < 2^22: the default routes it
-    assert any("residual_rms" in r.getMessage() and env in r.getMessage() for r in caplog.records)
+    assert any("residual_rms" in r.getMessage() and "routing.xla_output_below" in r.getMessage()
+               for r in caplog.records)
     got, want = run(a, b, loads), REFERENCE.gemm(programs.RESIDUAL_RMS, a, b, loads)
     for name in want:
         assert rel_err(got[name], want[name]) == 0.0, name
-    monkeypatch.setenv(env, str(m * n))  # the output is not below m * n elements: the kernel
-    assert _has_kernel(run, a, b, loads)
-    monkeypatch.setenv(env, str(m * n + 1))
-    assert not _has_kernel(run, a, b, loads)
+    with cj.options(routing={"xla_output_below": m * n}):  # the output is not below m * n: the kernel
+        assert _has_kernel(run, a, b, loads)
+    with cj.options(routing={"xla_output_below": m * n + 1}):
+        assert not _has_kernel(run, a, b, loads)
     # The Llama shapes the rule is for, and those it must leave alone (no shape is run here).
-    monkeypatch.delenv(env)
     assert routes_to_xla("pallas", programs.RESIDUAL_RMS, 512, 2048, 8192)  # 1B, 2 x 256 tokens
     assert not routes_to_xla("pallas", programs.RESIDUAL_RMS, 8192, 2048, 8192)  # 1B, 8 x 1024
     assert not routes_to_xla("pallas", programs.SWIGLU_DGRAD, 512, 8192, 2048)  # 2^22 exactly
     assert routes_to_xla("cutedsl", programs.RESIDUAL_RMS, 512, 2048, 8192)
     assert not routes_to_xla("cutedsl", programs.RESIDUAL_RMS, 8192, 2048, 8192)
     assert routes_to_xla("pallas", programs.IDENTITY, 8192, 2048, 8192)  # plain GEMMs: as before
-    for bad in ("-1", "4M", "1.5"):
-        monkeypatch.setenv(env, bad)
-        with pytest.raises(ValueError, match=env):
-            run(a, b, loads)
+    for bad in (-1, "4M", 1.5):
+        with pytest.raises(cj.OptionError, match="routing.xla_output_below"):
+            cj.set_options(routing={"xla_output_below": bad})
 
 
 def _kernel_programs(fn, *args) -> set[str]:
@@ -660,8 +653,7 @@ def _kernel_programs(fn, *args) -> set[str]:
 def test_norm_backward_follows_its_dgrad_to_xla(monkeypatch, m, d, n):
     # Where the backend hands the RMSNorm backward's dgrad GEMM ([M, d] output) to XLA, the
     # backward takes the `xla` backend's formulation (plain wgrad, d_gamma in the dx pass)
-    # instead of the norm_wgrad kernel: 1.017-1.035x -> 1.057x plain JAX for the 1B step at
-    # 2 x 256 tokens (RESULTS.md run 268). The bound sits between the dgrad's output (m * d)
+    # instead of the norm_wgrad kernel (faster at small batches: docs/performance.md#routing). The bound sits between the dgrad's output (m * d)
     # and the wgrad's (d * n), so that only the dgrad is small; both backward formulations
     # (N > d from dz itself, N <= d from rstd * dz) are covered.
     ks = jax.random.split(jax.random.key(31), 3)
@@ -673,12 +665,11 @@ def test_norm_backward_follows_its_dgrad_to_xla(monkeypatch, m, d, n):
         loss = lambda x, g, w: jnp.sum(cj.rms_norm_matmul(x, g, w, backend=backend).astype(jnp.float32) ** 2)  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))
 
-    env = "CODA_JAX_PALLAS_XLA_OUTPUT_BELOW"
-    monkeypatch.setenv(env, "0")
-    assert "norm_wgrad" in _kernel_programs(grads("pallas"), x, gamma, w)  # the fused formulation
-    monkeypatch.setenv(env, str(m * d + 1))
-    assert "norm_wgrad" not in _kernel_programs(grads("pallas"), x, gamma, w)
-    got, want = grads("pallas")(x, gamma, w), grads("xla")(x, gamma, w)
+    with cj.options(routing={"xla_output_below": 0}):
+        assert "norm_wgrad" in _kernel_programs(grads("pallas"), x, gamma, w)  # the fused formulation
+    with cj.options(routing={"xla_output_below": m * d + 1}):
+        assert "norm_wgrad" not in _kernel_programs(grads("pallas"), x, gamma, w)
+        got, want = grads("pallas")(x, gamma, w), grads("xla")(x, gamma, w)
     for name, g1, g2 in zip(("dx", "dgamma", "dw"), got, want):
         assert rel_err(g1, g2) < 2e-2, name
 
@@ -696,13 +687,13 @@ def test_half_width_tile_of_the_wave_fit(epi, kw):
 
 
 def test_half_width_tile_without_cluster():
-    """The narrow tile without CTA pairs (a candidate for the wave fit, RESULTS.md run 122)."""
+    """The narrow tile without CTA pairs (a candidate for the wave fit)."""
     _compare(programs.NORM_WGRAD, 256, 256, 128, config=dataclasses.replace(NARROW, cluster_dimension=None),
              transpose_a=True)
 
 
-def test_fit_waves_takes_the_half_width_tile_only_where_it_fills_the_sms(monkeypatch):
-    from coda_jax.pallas.tuning import WAVE_FIT_ENV, fit_waves, wave_fill
+def test_fit_waves_takes_the_half_width_tile_only_where_it_fills_the_sms():
+    from coda_jax.pallas.tuning import fit_waves, wave_fill
 
     cfg = CONFIG_TABLE["default"]
     # The 1B QKV wgrad, [2048, 3072]: 192 CTA tiles of 128 x 256 on 132 SMs (73 % fill) ->
@@ -711,59 +702,23 @@ def test_fit_waves_takes_the_half_width_tile_only_where_it_fills_the_sms(monkeyp
     assert fit_waves(cfg, 2048, 3072, 132).tile_n == 64
     assert fit_waves(cfg, 8192, 16384, 132) is cfg  # many tiles: the wide tile stays
     assert fit_waves(cfg, 2048, 3072, 132, pair_width=128) is cfg  # the SwiGLU pair must fit the tile
-    monkeypatch.setenv(WAVE_FIT_ENV, "0")
-    assert fit_waves(cfg, 2048, 3072, 132) is cfg
 
 
-def test_choose_config_schedule(monkeypatch):
-    from coda_jax.pallas.tuning import SCHEDULE_ENV, choose_config, fit_waves
+def test_choose_config_schedule():
+    from coda_jax.pallas.tuning import _PINGPONG, choose_config, fit_waves
 
-    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
     big = (8192, 8192, 2048)
     rope = choose_config(*big, "rms_rope")  # the name the QKV op uses (no QK-norm, training too)
     assert rope.pingpong and rope.cluster_dimension is None and rope.grid_minor_dim == "m"
     assert choose_config(*big, "rms_rope_qknorm_train").pingpong
     dgrad = choose_config(*big, "swiglu_dgrad")
-    assert not dgrad.pingpong and dgrad.cluster_dimension is None  # cooperative, no CTA pair (runs 124, 126)
+    assert not dgrad.pingpong and dgrad.cluster_dimension is None  # cooperative, no CTA pair
     assert choose_config(*big, "residual_rms") == CONFIG_TABLE["default"]
     assert not choose_config(64, 64, 64, "rms_rope").warp_specialized  # the small table entry stays
-    monkeypatch.setenv(SCHEDULE_ENV, "cooperative")
-    assert choose_config(*big, "rms_rope") == CONFIG_TABLE["default"]
-    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
-    pp = choose_config(*big, "residual_rms")
-    assert pp.pingpong and pp.cluster_dimension is None and fit_waves(pp, 2048, 3072, 132) is pp  # not narrowed
-    monkeypatch.setenv(SCHEDULE_ENV, "pingpang")
-    with pytest.raises(ValueError, match="CODA_JAX_PALLAS_SCHEDULE"):
-        choose_config(*big)
-
-
-def test_env_overrides(monkeypatch):
-    from coda_jax.pallas.tuning import DELAY_RELEASE_ENV, OUT_SLOTS_ENV, with_env_overrides
-
-    coop, pp = CONFIG_TABLE["default"], dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong")
-    monkeypatch.delenv(DELAY_RELEASE_ENV, raising=False)
-    monkeypatch.delenv(OUT_SLOTS_ENV, raising=False)
-    assert with_env_overrides(coop) is coop
-    monkeypatch.setenv(DELAY_RELEASE_ENV, "1")
-    assert with_env_overrides(coop).delay_release == 1
-    assert with_env_overrides(pp) is pp and with_env_overrides(SMALL) is SMALL  # not cooperative WS
-    assert PallasLowering.default_config(programs.IDENTITY, 8192, 2048, 2048, False, False, True).delay_release == 1
-    # The output slots apply to every kernel, together with the delayed release.
-    monkeypatch.setenv(OUT_SLOTS_ENV, "1")
-    both = with_env_overrides(coop)
-    assert (both.delay_release, both.epilogue_out_slots) == (1, 1)
-    assert with_env_overrides(pp).epilogue_out_slots == 1 and with_env_overrides(SMALL).epilogue_out_slots == 1
-    assert with_env_overrides(pp).delay_release == 0
-    assert PallasLowering.default_config(programs.IDENTITY, 8192, 2048, 2048, False, False, True).epilogue_out_slots == 1
-    monkeypatch.setenv(OUT_SLOTS_ENV, "3")
-    with pytest.raises(ValueError, match="CODA_JAX_PALLAS_OUT_SLOTS"):
-        with_env_overrides(coop)
-    monkeypatch.delenv(OUT_SLOTS_ENV)
-    monkeypatch.setenv(DELAY_RELEASE_ENV, "2")
-    with pytest.raises(ValueError, match="CODA_JAX_PALLAS_DELAY_RELEASE"):
-        with_env_overrides(coop)
+    pp = dataclasses.replace(CONFIG_TABLE["default"], **_PINGPONG)
+    assert pp.pingpong and fit_waves(pp, 2048, 3072, 132) is pp  # a ping-pong tile is not narrowed
     with pytest.raises(ValueError, match="delay_release must be 0 or 1"):
-        dataclasses.replace(coop, delay_release=2)
+        dataclasses.replace(CONFIG_TABLE["default"], delay_release=2)
 
 
 def test_every_program_config_names_a_real_program():

@@ -50,8 +50,8 @@ def test_half_width_tile_lowers_for_cuda(epi, kw):
     _assert_lowers(epi, kw, dataclasses.replace(CONFIG_TABLE["default"], tile_n=64))
 
 
-def test_latency_hint_on_the_kernel_call_only(monkeypatch):
-    """``$CODA_JAX_LATENCY_HINTS=1``: the Mosaic GPU custom call, and no other op, carries
+def test_latency_hint_on_the_kernel_call_only():
+    """``PallasLowering(latency_hints=True)``: the Mosaic GPU custom call, and no other op, carries
     ``latency_metadata`` (nanoseconds), the roofline estimate of its run time that XLA's
     GPU latency estimators read; without the setting, nothing does."""
     import re
@@ -62,17 +62,15 @@ def test_latency_hint_on_the_kernel_call_only(monkeypatch):
 
     epi, (m, n, k) = programs.RESIDUAL_RMS, (8192, 2048, 8192)
     a, b = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
-    low = PallasLowering(CONFIG_TABLE["default"])
 
-    def lowered():
+    def lowered(low):
         L._kernel.cache_clear()
         f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l))
         return f.trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
 
-    monkeypatch.delenv("CODA_JAX_LATENCY_HINTS", raising=False)
-    assert "latency_metadata" not in lowered()
-    monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "1")
-    hinted = [line for line in lowered().splitlines() if "latency_metadata" in line]
+    assert "latency_metadata" not in lowered(PallasLowering(CONFIG_TABLE["default"]))
+    hinted = [line for line in lowered(PallasLowering(CONFIG_TABLE["default"], latency_hints=True)).splitlines()
+              if "latency_metadata" in line]
     assert len(hinted) == 1 and "mosaic_gpu" in hinted[0]
     ns = int(re.search(r'latency_metadata = "(\d+)"', hinted[0]).group(1))
     # compute-bound: 2 * 8192 * 2048 * 8192 flops at 75 % of 989 TFLOP/s, 0.371 ms (the
@@ -80,21 +78,15 @@ def test_latency_hint_on_the_kernel_call_only(monkeypatch):
     assert ns == estimated_kernel_ns(m, n, k, 0) and abs(ns - 370_580) < 1_000
 
 
-def test_latency_estimate_and_setting(monkeypatch):
-    from coda_jax.lowering import HINT_BYTES_PER_S, estimated_kernel_ns, latency_hints_enabled
+def test_latency_estimate():
+    from coda_jax.lowering import HINT_BYTES_PER_S, estimated_kernel_ns
 
     compute = estimated_kernel_ns(8192, 8192, 2048, 0)
     assert abs(compute - 2 * 8192 * 8192 * 2048 / (0.75 * 989e12) * 1e9) <= 1
     assert estimated_kernel_ns(8192, 8192, 2048, 0, num_sms=66) == pytest.approx(2 * compute, abs=2)
     memory = estimated_kernel_ns(8192, 128, 64, 10**9)  # a skinny GEMM: memory-bound
     assert memory == round(1e9 * 10**9 / HINT_BYTES_PER_S)
-    monkeypatch.delenv("CODA_JAX_LATENCY_HINTS", raising=False)
-    assert not latency_hints_enabled()
-    monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "1")
-    assert latency_hints_enabled()
-    monkeypatch.setenv("CODA_JAX_LATENCY_HINTS", "maybe")
-    with pytest.raises(ValueError, match="CODA_JAX_LATENCY_HINTS must be 0 or 1"):
-        latency_hints_enabled()
+    assert not PallasLowering().latency_hints and PallasLowering(latency_hints=True).latency_hints
 
 
 def test_kernel_name_says_program_layout_and_shape():

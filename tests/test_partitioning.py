@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import coda_jax as cj
+
 from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.reference import REFERENCE
@@ -38,12 +40,13 @@ GROUPS = {
 }
 
 
-def _run_cases(cases, drop_env=()):
+def _run_cases(cases, reset=()):
+    """Runs ``tests/multi_device_cases.py`` on 8 CPU devices, with the options named in ``reset``
+    back at the library's defaults (the suite's own otherwise)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for name in drop_env:
-        env.pop(name, None)
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "multi_device_cases.py"), *cases],
+    flags = [f"--reset={','.join(reset)}"] if reset else []
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "multi_device_cases.py"), *flags, *cases],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     return r.stdout
@@ -72,18 +75,18 @@ def test_mesh_fuzz():
 
 
 def test_small_outputs_are_handed_to_xla_per_shard():
-    """With the small-output rule on (its default; conftest turns it off for the kernel tests)
+    """With the small-output rule on (its default; the suite turns it off for the kernel tests)
     every GEMM of these cases is small. The partitioner must still split them by tokens with
     ``shard_map`` and let each shard's lowering hand its GEMM to XLA: asked with the global
     shape, the rule had left the wgrad programs to XLA's partitioner, which gathered the
     tokens (the data-parallel case's all-gather check failed). The model case runs the
     Pallas lowering itself (interpret mode) on a data x FSDP mesh: every GEMM of its shards
     goes to XLA, and the loss and gradients still equal one device's."""
-    out = _run_cases(["ops_dp_auto", "model_pallas_2x4_auto"], drop_env=("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW",))
+    out = _run_cases(["ops_dp_auto", "model_pallas_2x4_auto"], reset=("routing.xla_output_below",))
     assert "OK ops_data_parallel_auto" in out and "OK model_pallas_2x4_auto" in out, out
 
 
-def test_fuses_epilogue_at_asks_about_each_devices_rows(monkeypatch):
+def test_fuses_epilogue_at_asks_about_each_devices_rows():
     """Ops choose their formulation with the global token count; a partitioned lowering asks
     its backend about each device's rows (what the backend's own lowering sees inside the
     ``shard_map``). An abstract mesh suffices: no GPU, no 8 devices."""
@@ -93,7 +96,7 @@ def test_fuses_epilogue_at_asks_about_each_devices_rows(monkeypatch):
     from coda_jax.pallas.lowering import PallasLowering
     from coda_jax.partitioning import PartitionedLowering
 
-    monkeypatch.delenv("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW")  # the default bound, 2^22 elements
+    cj.reset_options("routing")  # the library's default output bound, 2^22 elements
     lowering, epi = PartitionedLowering(PallasLowering()), programs.rms_dgrad(True)
     assert fuses_epilogue_at(lowering, epi, 4096, 2048, 8192)  # 2^23 elements: the kernel
     assert not fuses_epilogue_at(lowering, epi, 1024, 2048, 8192)  # 2^21: handed to XLA
@@ -103,37 +106,34 @@ def test_fuses_epilogue_at_asks_about_each_devices_rows(monkeypatch):
         assert not fuses_epilogue_at(lowering, epi, 4096, 2048, 8192)  # 512 rows a device
         assert fuses_epilogue_at(lowering, epi, 4100, 2048, 8192)  # ragged: runs unpartitioned
         assert fuses_epilogue_at(lowering, epi, 16384, 2048, 8192)  # 2048 rows a device
-    monkeypatch.setenv("CODA_JAX_PALLAS_XLA_OUTPUT_BELOW", "0")
-    assert fuses_epilogue_at(lowering, epi, 1024, 2048, 8192)
+    with cj.options(routing={"xla_output_below": 0}):
+        assert fuses_epilogue_at(lowering, epi, 1024, 2048, 8192)
     from coda_jax.ffi.lowering import CuteDslLowering  # the same rule on the CuTeDSL backend
 
-    monkeypatch.delenv("CODA_JAX_CUTEDSL_XLA_OUTPUT_BELOW")
     cute = PartitionedLowering(CuteDslLowering())
     assert fuses_epilogue_at(cute, epi, 4096, 2048, 8192) and not fuses_epilogue_at(cute, epi, 1024, 2048, 8192)
     # Under FSDP with fewer than 1024 tokens a device every GEMM runs as XLA ops (partitioning.
     # fsdp_xla_tokens_below), whatever its output size; data parallel keeps the kernel.
-    monkeypatch.delenv("CODA_JAX_FSDP_XLA_TOKENS_BELOW")
+    cj.reset_options("mesh.fsdp_xla_tokens_below")
     data = AbstractMesh((8,), ("data",), axis_types=(AxisType.Auto,))
     with jax.sharding.use_abstract_mesh(data):
         assert fuses_epilogue_at(lowering, epi, 4096, 16384, 2048)
     with jax.sharding.use_abstract_mesh(mesh):
         assert not fuses_epilogue_at(lowering, epi, 4096, 16384, 2048)  # 512 tokens a device
         assert fuses_epilogue_at(lowering, epi, 8192, 16384, 2048)  # 1024: split by tokens
-    monkeypatch.setenv("CODA_JAX_FSDP_XLA_TOKENS_BELOW", "0")
-    with jax.sharding.use_abstract_mesh(mesh):
+    with cj.options(mesh={"fsdp_xla_tokens_below": 0}), jax.sharding.use_abstract_mesh(mesh):
         assert fuses_epilogue_at(lowering, epi, 4096, 16384, 2048)
-    # Under FSDP with fewer tokens a device than CODA_JAX_FSDP_XLA_GEMMS_BELOW (default 4096)
+    # Under FSDP with fewer tokens a device than mesh.fsdp_xla_gemms_below (default 4096)
     # the kernel backends' GEMMs run on the xla backend's lowering (split by tokens); data
     # parallel keeps the kernel.
-    monkeypatch.delenv("CODA_JAX_FSDP_XLA_GEMMS_BELOW")
+    cj.reset_options("mesh.fsdp_xla_gemms_below")
     with jax.sharding.use_abstract_mesh(mesh):
         assert not fuses_epilogue_at(lowering, epi, 16384, 16384, 2048)  # 2048 tokens a device
         assert not fuses_epilogue_at(cute, epi, 16384, 16384, 2048)
         assert fuses_epilogue_at(lowering, epi, 32768, 16384, 2048)  # 4096
     with jax.sharding.use_abstract_mesh(data):
         assert fuses_epilogue_at(lowering, epi, 16384, 16384, 2048)
-    monkeypatch.setenv("CODA_JAX_FSDP_XLA_GEMMS_BELOW", "0")
-    with jax.sharding.use_abstract_mesh(mesh):
+    with cj.options(mesh={"fsdp_xla_gemms_below": 0}), jax.sharding.use_abstract_mesh(mesh):
         assert fuses_epilogue_at(lowering, epi, 16384, 16384, 2048)
 
 
@@ -234,19 +234,20 @@ def test_parameters_carry_logical_axis_names_that_shard_like_any_flax_model():
     assert sp(specs8["blocks"][0]["w_down"]) == P() and sp(specs8["blocks"][0]["w_gu"]) == P(None, "tensor")
 
 
-def test_fsdp_split_choice_and_its_errors(monkeypatch):
+def test_fsdp_split_choice_and_its_errors():
     """``choose_fsdp_split``: ``"features"`` up to 6144 tokens a step in each FSDP group (or
     fewer than ``fsdp_xla_tokens_below`` a device) on an Auto mesh with an FSDP axis and no
     tensor axis, else ``"width"``; a bad setting raises
-    naming ``$CODA_JAX_FSDP_SPLIT`` or the argument and the choices."""
+    naming the option ``mesh.fsdp_split`` and the choices."""
     from jax.sharding import AbstractMesh, AxisType
 
-    from coda_jax.partitioning import FSDP_SPLIT_ENV, choose_fsdp_split, features_split, fsdp_split, fsdp_split_as
+    import coda_jax as cj
+    from coda_jax.partitioning import auto_fsdp_split, choose_fsdp_split, features_split, fsdp_split, fsdp_split_as
 
     auto = lambda shape, names: AbstractMesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))  # noqa: E731
     assert choose_fsdp_split(auto((2,), ("fsdp",)), 6144) == "features"
     assert choose_fsdp_split(auto((2,), ("fsdp",)), 6145) == "width"
-    assert choose_fsdp_split(auto((4,), ("fsdp",)), 8192) == "width"  # measured slower (runs 278-279)
+    assert choose_fsdp_split(auto((4,), ("fsdp",)), 8192) == "width"  # measured slower
     assert choose_fsdp_split(auto((2, 2), ("data", "fsdp")), 12288) == "features"  # 6144 a group
     assert choose_fsdp_split(auto((2, 2), ("data", "fsdp")), 16384) == "width"
     assert choose_fsdp_split(auto((8,), ("data",)), 1024) == "width"
@@ -255,7 +256,7 @@ def test_fsdp_split_choice_and_its_errors(monkeypatch):
     assert choose_fsdp_split(explicit, 1024) == "width"
     assert choose_fsdp_split(None, 1024) == "width"
     # Scaled by the model: a block's weights over the width (1B 29,696: 6236 tokens; 8B 53,248:
-    # 11,182, where 8192 tokens in the group measured faster with features, run 283).
+    # 11,182, where 8192 tokens in the group measured faster with features).
     from coda_jax.layers import LlamaConfig
 
     one_b, eight_b = LlamaConfig.llama_3_2_1b(), LlamaConfig.llama_3_1_8b()
@@ -265,30 +266,29 @@ def test_fsdp_split_choice_and_its_errors(monkeypatch):
     assert choose_fsdp_split(fsdp2, 8192, one_b.block_weights_per_width) == "width"
     assert choose_fsdp_split(fsdp2, 8192, eight_b.block_weights_per_width) == "features"
     assert choose_fsdp_split(fsdp2, 16384, eight_b.block_weights_per_width) == "width"
-    # Fewer tokens a device than fsdp_xla_tokens_below (the tests set it to 0, see conftest):
-    # every GEMM is left to the partitioner on either split, so the features placement.
-    from coda_jax.partitioning import DEFAULT_FSDP_XLA_TOKENS_BELOW, FSDP_XLA_TOKENS_ENV
-
+    # Fewer tokens a device than fsdp_xla_tokens_below (the suite sets it to 0,
+    # tests/suite_options.py): every GEMM is left to the partitioner on either split, so the
+    # features placement.
     fsdp8 = auto((8,), ("fsdp",))
     assert choose_fsdp_split(fsdp8, 8 * 1000) == "width"
-    monkeypatch.delenv(FSDP_XLA_TOKENS_ENV, raising=False)
-    assert DEFAULT_FSDP_XLA_TOKENS_BELOW == 1024
+    cj.reset_options("mesh.fsdp_xla_tokens_below")  # the library's default
+    assert cj.current_options().mesh.fsdp_xla_tokens_below == 1024
     assert choose_fsdp_split(fsdp8, 8 * 1000) == "features" and choose_fsdp_split(fsdp8, 8 * 1024) == "width"
     assert choose_fsdp_split(auto((8,), ("data",)), 1024) == "width"
-    monkeypatch.delenv(FSDP_SPLIT_ENV, raising=False)
     assert fsdp_split() == "width" and not features_split(auto((2,), ("fsdp",)))
     with fsdp_split_as("features"):
         assert features_split(auto((2,), ("fsdp",))) and not features_split(auto((2, 2), ("fsdp", "tensor")))
         assert not features_split(auto((8,), ("data",)))
     assert fsdp_split() == "width"
-    monkeypatch.setenv(FSDP_SPLIT_ENV, "features")
-    assert fsdp_split() == "features"
-    with fsdp_split_as("width"):  # the setting wins over the environment
-        assert fsdp_split() == "width"
-    monkeypatch.setenv(FSDP_SPLIT_ENV, "rows")
-    with pytest.raises(ValueError, match=r"\$CODA_JAX_FSDP_SPLIT must be one of \('width', 'features'\), got 'rows'"):
-        fsdp_split()
-    with pytest.raises(ValueError, match="fsdp_split must be one of"):
+    # "auto" (the example's --fsdp-split) chooses only where the option is not already set
+    assert auto_fsdp_split(fsdp8, 8 * 1000) == "features"
+    cj.set_options(mesh=cj.MeshOptions(fsdp_split="width"))
+    assert auto_fsdp_split(fsdp8, 8 * 1000) is None and fsdp_split() == "width"
+    with fsdp_split_as("features"):  # the context wins over the process setting
+        assert fsdp_split() == "features"
+    with pytest.raises(cj.OptionError, match=r"mesh.fsdp_split must be one of: 'width', 'features'; got 'rows'"):
+        cj.set_options(mesh={"fsdp_split": "rows"})
+    with pytest.raises(ValueError, match="mesh.fsdp_split must be one of"):
         with fsdp_split_as("embed"):
             pass
 
