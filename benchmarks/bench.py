@@ -1,6 +1,6 @@
 """coda-jax benchmarks and GPU correctness checks at real shapes (run on the H100).
 
-    python benchmarks/bench.py --out $OUT [--widths 2048,4096,8192] [--backends xla,pallas]
+    python -m benchmarks.bench --out $OUT [--widths 2048,4096,8192] [--backends xla,pallas]
 
 For every op: forward and forward+backward time on each backend, the XLA reference
 (the same op on backend "xla", jitted) in the same run, the ratio, and the relative error
@@ -22,7 +22,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -30,13 +29,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import coda_jax as cj  # noqa: E402
-import plain_ops  # noqa: E402
-from device_time import device_ms_per_call  # noqa: E402
-from coda_jax import naive, programs  # noqa: E402
+import coda_jax as cj
+from benchmarks import plain_ops
+from benchmarks.device_time import device_ms_per_call
+from coda_jax import naive, programs
 
 WIDTHS = {  # d: (f, heads, kv_heads, head_dim)
     2048: (8192, 32, 8, 64),
@@ -230,22 +226,6 @@ def bench_op(name, fused, ref, args, argnums, backends, iters, check, plain=None
     return rows
 
 
-def _kernel_lowering(name):
-    """The backend's lowering with plain GEMMs forced onto its own kernel (what we measure)."""
-    from coda_jax.backend import _ensure_registered, _lowerings
-
-    _ensure_registered(name)
-    if name == "pallas":
-        from coda_jax.pallas.lowering import PallasLowering
-
-        return PallasLowering(plain_gemm="pallas")
-    if name == "cutedsl":
-        from coda_jax.ffi.lowering import CuteDslLowering
-
-        return CuteDslLowering(plain_gemm="cutedsl")
-    return _lowerings[name]()
-
-
 def bench_gemm(backends, iters):
     rows = []
     for (k, n) in [(2048, 8192), (4096, 14336), (8192, 28672), (4096, 4096)]:
@@ -405,7 +385,7 @@ def ce_memory(backends):
 
 def baseline_block(d):
     """The plain XLA Llama block at width ``d``: (fwd, fwd+bwd, args) jitted callables."""
-    import xla_llama_block as base
+    from benchmarks import xla_llama_block as base
 
     f, h, kv, hd = WIDTHS[d]
     bsz, seq = 4, TOKENS // 4
@@ -461,7 +441,8 @@ def plain_model(preset, batch, seq, layers=None):
     """The plain JAX Llama (``plain_llama.PlainLlama``) of a preset: (jitted fwd+bwd of the
     mean next-token loss, args) on random tokens, as :func:`coda_model`."""
     from flax import nnx
-    from plain_llama import PlainLlama
+
+    from benchmarks.plain_llama import PlainLlama
 
     from coda_jax.layers import PRESETS
 
@@ -474,32 +455,13 @@ def plain_model(preset, batch, seq, layers=None):
     return jax.jit(jax.value_and_grad(loss)), (state, tokens)
 
 
-@contextlib.contextmanager
-def environment(settings: dict[str, str]):
-    """Within: the environment variables of ``settings`` have those values; afterwards each
-    is what it was (unset if it was)."""
-    old = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _env(var, value):
-    """Within: environment variable ``var`` is ``value`` (None: unchanged)."""
-    return environment({} if value is None else {var: value})
-
-
 def plain_gemm_route(backend, plain):
-    """Within: ``backend``'s plain GEMMs go to ``plain`` (None: unchanged)."""
-    from coda_jax.lowering import plain_gemm_env
-
-    return _env(plain_gemm_env(backend), plain)
+    """Within: ``backend``'s plain GEMMs (the identity epilogue) run on its own kernel when
+    ``plain`` names a kernel backend (the option ``routing.plain_gemm="kernel"``); None:
+    unchanged."""
+    if plain is None or plain == "xla":
+        return contextlib.nullcontext()
+    return cj.options(routing={"plain_gemm": "kernel"})
 
 
 @contextlib.contextmanager
@@ -520,53 +482,54 @@ def _default_config(cfg):
         tuned.load_table.cache_clear()
 
 
+CUTEDSL_VARIANT = re.compile(r"(\d+)?(?:s(\d+))?(?:g(\d+))?([pc])?")
+
+
+def cutedsl_tuning(variant: str):
+    """``"256s4g16p"`` -> ``CuteDslTuning(tile_n=256, max_stages=4, group_m=16,
+    schedule="pingpong")`` (every part optional; ``c``: cooperative); None if ``variant`` is
+    not of that form."""
+    from coda_jax.ffi.tuning import CuteDslTuning
+
+    parsed = CUTEDSL_VARIANT.fullmatch(variant)
+    if not parsed:
+        return None
+    tile, stages, group, schedule = parsed.groups()
+    return CuteDslTuning(tile_n=int(tile) if tile else None, max_stages=int(stages) if stages else None,
+                         group_m=int(group) if group else None,
+                         schedule={"p": "pingpong", "c": "cooperative"}.get(schedule, "auto"))
+
+
+VARIANTS_HELP = ("a backend; pallas@untuned (no tuned table), pallas@table=<path>[:<path>...] (these tuned "
+                 "tables), pallas@<field>=<value>[+...] (the default Pallas TuningConfig with those fields "
+                 "replaced), or cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c] (a CuteDslTuning)")
+
+
 @contextlib.contextmanager
 def backend_variant(label):
-    """``label`` is a backend, ``"pallas@untuned"`` (Pallas without the tuned table of
-    :mod:`coda_jax.pallas.tuned`), ``"pallas@table=<path>"`` (Pallas on another tuned table, e.g. an
-    older one), ``"pallas@w0"`` (Pallas without the wave fit of
-    :func:`coda_jax.pallas.tuning.fit_waves`), ``"pallas@pp"`` / ``"pallas@coop"`` (every program on the
-    ping-pong warp-specialized schedule, without a cluster / on the cooperative one), ``"pallas@dr1"`` /
-    ``"pallas@dr0"`` (every cooperative kernel, tuned or not, with ``delay_release`` 1 / 0), ``"pallas@os1"`` /
-    ``"pallas@os2"`` (every kernel, tuned or not, with ``epilogue_out_slots`` 1 / 2), ``"pallas@sw"`` / ``"pallas@nosw"`` (the
-    default Pallas config with / without swizzled epilogue staging), ``"pallas@<field>=<value>[+...]"``
-    (the default Pallas config with those ``TuningConfig`` fields replaced, e.g.
-    ``pallas@cluster_dimension=None+grid_tile_width=8``) or ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"`` (e.g.
-    ``cutedsl@128``: the CuTeDSL backend with its CTA tile width forced; ``cutedsl@s4``: at
-    most 4 operand stages; ``cutedsl@256g16``: 256-wide tiles walked in raster groups of 16
-    tile rows; ``cutedsl@p`` / ``cutedsl@c``: the ping-pong / cooperative schedule), to
-    compare kernel configurations in one run. Within, yields the backend's name."""
+    """Within, ops traced on the backend of ``label`` run as that variant; yields the
+    backend's name. ``label`` is a backend, or:
+
+    * ``"pallas@untuned"``: Pallas without tuned tables (the option
+      ``pallas.tuned_tables="none"``: the heuristics of :mod:`coda_jax.pallas.tuning`);
+    * ``"pallas@table=<path>[:<path>...]"``: Pallas on those tuned tables (e.g. an older one);
+    * ``"pallas@<field>=<value>[+...]"``: the default Pallas ``TuningConfig`` with those fields
+      replaced (e.g. ``pallas@cluster_dimension=None+grid_tile_width=8``; the tuned table's
+      entries are built on it too);
+    * ``"cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c]"``: the CuTeDSL lowering with that
+      :class:`~coda_jax.ffi.tuning.CuteDslTuning` (e.g. ``cutedsl@128``: 128-wide CTA tiles;
+      ``cutedsl@s4``: at most 4 operand stages; ``cutedsl@256g16``: 256-wide tiles walked in
+      raster groups of 16 tile rows; ``cutedsl@p`` / ``cutedsl@c``: the ping-pong /
+      cooperative schedule), run under :func:`coda_jax.backend.use_lowering`,
+
+    to compare kernel configurations in one run."""
     base, _, variant = label.partition("@")
+    if not variant:
+        yield base
+        return
     if base == "pallas" and (variant == "untuned" or variant.startswith("table=")):
-        # The heuristics alone (no tuned table, coda_jax.pallas.tuned), or another table (a
-        # file, e.g. an older one).
-        from coda_jax.pallas.tuned import TUNED_ENV
-
-        with _env(TUNED_ENV, "0" if variant == "untuned" else variant[len("table="):]):
-            yield base
-        return
-    if base == "pallas" and variant in ("w0", "w1"):  # the wave fit off / on (tuning.fit_waves)
-        from coda_jax.pallas.tuning import WAVE_FIT_ENV
-
-        with _env(WAVE_FIT_ENV, variant[1]):
-            yield base
-        return
-    if base == "pallas" and variant in ("dr0", "dr1"):  # delay_release on every cooperative kernel
-        from coda_jax.pallas.tuning import DELAY_RELEASE_ENV
-
-        with _env(DELAY_RELEASE_ENV, variant[2]):
-            yield base
-        return
-    if base == "pallas" and variant in ("os1", "os2"):  # epilogue_out_slots on every kernel
-        from coda_jax.pallas.tuning import OUT_SLOTS_ENV
-
-        with _env(OUT_SLOTS_ENV, variant[2]):
-            yield base
-        return
-    if base == "pallas" and variant in ("pp", "coop"):  # the warp-specialized schedule (tuning.choose_config)
-        from coda_jax.pallas.tuning import SCHEDULE_ENV
-
-        with _env(SCHEDULE_ENV, "pingpong" if variant == "pp" else "cooperative"):
+        tables = "none" if variant == "untuned" else tuple(p for p in variant[len("table="):].split(os.pathsep) if p)
+        with cj.options(pallas={"tuned_tables": tables}):
             yield base
         return
     if base == "pallas" and "=" in variant:  # e.g. pallas@cluster_dimension=None+grid_tile_width=8
@@ -585,26 +548,28 @@ def backend_variant(label):
         with _default_config(dataclasses.replace(tuning.CONFIG_TABLE["default"], **fields)):
             yield base
         return
-    if base == "pallas" and variant in ("sw", "nosw"):  # the default config's epilogue staging swizzled or not
-        import dataclasses
+    tuning_ = cutedsl_tuning(variant) if base == "cutedsl" else None
+    if tuning_ is None:
+        raise ValueError(f"backend variant {label!r}: one of {VARIANTS_HELP}")
+    from coda_jax.backend import use_lowering
+    from coda_jax.ffi.lowering import CuteDslLowering
 
-        from coda_jax.pallas import tuning
-
-        with _default_config(dataclasses.replace(tuning.CONFIG_TABLE["default"], swizzle_epilogue=variant == "sw")):
-            yield base
-        return
-    parsed = re.fullmatch(r"(\d+)?(?:s(\d+))?(?:g(\d+))?([pc])?", variant)
-    if variant and (base != "cutedsl" or not parsed):
-        raise ValueError(f"backend variant {label!r}: only cutedsl@[<tile_n>][s<max stages>][g<group_m>][p|c] is defined")
-    if not variant:
+    with use_lowering(CuteDslLowering(tuning_)):
         yield base
-        return
-    from coda_jax.ffi.lowering import GROUP_M_ENV, MAX_STAGES_ENV, SCHEDULE_ENV, TILE_N_ENV
 
-    tile, stages, group, schedule = parsed.groups()
-    schedule = {"p": "pingpong", "c": "cooperative"}.get(schedule)
-    with _env(TILE_N_ENV, tile), _env(MAX_STAGES_ENV, stages), _env(GROUP_M_ENV, group), _env(SCHEDULE_ENV, schedule):
-        yield base
+
+def _kernel_lowering(name):
+    """The lowering backend ``name`` runs on here (a variant's, inside
+    :func:`backend_variant`), with its plain GEMMs on its own kernel (what we measure)."""
+    import copy
+
+    from coda_jax.backend import _ensure_registered, _lowering_overrides, _lowerings
+
+    _ensure_registered(name)
+    low = copy.copy(_lowering_overrides.get().get(name) or _lowerings[name]())
+    if hasattr(low, "plain_gemm"):  # a kernel lowering (coda_jax.kernel_lowering.KernelLowering)
+        low.plain_gemm = "kernel"
+    return low
 
 
 def block_variants(backends):
@@ -700,7 +665,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--widths", default="2048,4096,8192")
-    ap.add_argument("--backends", default="xla,pallas")
+    ap.add_argument("--backends", default="xla,pallas",
+                    help=f"comma-separated, each {VARIANTS_HELP}; plain: the op written in plain JAX (ops part)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--block-rounds", type=int, default=4, help="block part: interleaved rounds (iters split over them)")
     ap.add_argument("--block-backends", default="", help="block part: these backends instead of --backends")

@@ -1,6 +1,6 @@
 """Compare the loss curves of training runs on different backends (same seed and data).
 
-    python benchmarks/compare_losses.py [--curves FILE] runs/xla runs/pallas [runs/cutedsl ...]
+    python -m benchmarks.compare_losses [--curves FILE] runs/xla runs/pallas [runs/cutedsl ...]
 
 Reads ``history.json`` and ``summary.json`` of each run directory (written by
 ``examples/train_llama.py``); the first run is the reference. Prints, per run, the relative

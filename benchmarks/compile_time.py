@@ -1,11 +1,11 @@
 """First-step compile time per backend, and whether a second process skips the compile.
 
-    python benchmarks/compile_time.py --backends xla,pallas,cutedsl --preset 1b --layers 16 \\
+    python -m benchmarks.compile_time --backends xla,pallas,cutedsl --preset 1b --layers 16 \\
         --batch 8 --seq 1024 --cache-dir /tmp/jax_cache --out compile_time.json
 
 For each backend (``plain``: the plain JAX Llama of ``plain_llama.py``), two fresh processes
 (``--runs``) each build the model of ``examples/train_llama.py`` (its config and first batch,
-``first_step.py``; its functional jitted steps, ``train_llama.make_steps``) and time
+``first_step.py``; its functional jitted steps, ``make_steps``) and time
 
 * ``train_first_s``: the first call of the jitted train step, and its stages:
   ``train_trace_s`` (Python -> jaxpr), ``train_lower_s`` (-> StableHLO; the kernels'
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 FIRST_CALL_STAGES = ("trace", "lower", "compile", "first_run")
 CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
 BACKENDS = ("plain", "xla", "pallas", "cutedsl", "pallas@kernel_cache")
@@ -61,9 +61,8 @@ def child(args) -> dict:
     import optax
     from flax import nnx
 
-    sys.path.insert(0, str(HERE))
-    from first_step import config_and_first_batch
-
+    from benchmarks._examples import training
+    from benchmarks.first_step import config_and_first_batch
     from coda_jax.layers import CodaLlama
 
     counts = dict.fromkeys(CACHE_EVENTS, 0)
@@ -74,8 +73,7 @@ def child(args) -> dict:
 
     jax.monitoring.register_event_listener(on_event)
     cfg, inputs, targets = config_and_first_batch(args.preset, args.layers, args.batch, args.seq)
-    sys.path.insert(0, str(HERE.parent / "examples"))
-    import train_llama
+    make_steps = training().make_steps
 
     backend = args.backend.removesuffix(KERNEL_CACHE_SUFFIX)
     if args.lower_only and backend != "plain":
@@ -87,7 +85,7 @@ def child(args) -> dict:
 
     def build():
         if backend == "plain":
-            from plain_llama import PlainLlama
+            from benchmarks.plain_llama import PlainLlama
 
             model = PlainLlama(cfg, rngs=nnx.Rngs(0))
         else:
@@ -96,7 +94,7 @@ def child(args) -> dict:
 
     # --lower-only: abstract parameters (a 1B model's state needs no memory to lower).
     model, optimizer = nnx.eval_shape(build) if args.lower_only else build()
-    train_step, eval_step, _ = train_llama.make_steps(model, optimizer)
+    train_step, eval_step, _ = make_steps(model, optimizer)
     state = nnx.state((model, optimizer))
     del model, optimizer
     if args.lower_only:
@@ -123,7 +121,7 @@ def child(args) -> dict:
         for stage, t0, t1 in zip(FIRST_CALL_STAGES, stamps, stamps[1:]):
             res[f"{name}_{stage}_s"] = round(t1 - t0, 3)
         res[f"{name}_first_s"] = round(stamps[-1] - stamps[0], 3)
-        res |= _module_facts(name, lowered, args.dump_hlo)
+        res |= _module_facts(name, lowered, args.backend, args.dump_hlo)
         if name == "train":
             state = out[0]
             # Committed results make the next call of the jitted step trace and compile again.
@@ -138,7 +136,7 @@ def child(args) -> dict:
     return res | _kernel_cache_counts(args)
 
 
-def _module_facts(name: str, lowered, dump_dir: str | None = None) -> dict:
+def _module_facts(name: str, lowered, backend: str, dump_dir: str | None = None) -> dict:
     """The lowered step's size, its number of Mosaic GPU kernel calls, and a digest of it
     without debug info (what JAX's persistent cache keys on, with the compile options): two
     processes with the same digest share the cached executable. ``dump_dir``: also write that text there, named by backend, step and
@@ -146,9 +144,8 @@ def _module_facts(name: str, lowered, dump_dir: str | None = None) -> dict:
     text = lowered.as_text(debug_info=False)
     sha = hashlib.sha256(text.encode()).hexdigest()[:12]
     if dump_dir:
-        backend = os.environ.get("CODA_JAX_COMPILE_TIME_BACKEND", "step").replace("@", "_")
         Path(dump_dir).mkdir(parents=True, exist_ok=True)
-        (Path(dump_dir) / f"{backend}_{name}_{sha}.mlir").write_text(text)
+        (Path(dump_dir) / f"{backend.replace('@', '_')}_{name}_{sha}.mlir").write_text(text)
     full = lowered.as_text()
     return {f"{name}_hlo_mb": round(len(full) / 1e6, 2), f"{name}_hlo_sha": sha,
             f"{name}_kernel_custom_calls": full.count("@mosaic_gpu")}
@@ -175,7 +172,7 @@ def _lower_only(args, train_step, state, inputs, targets) -> dict:
     lowered = traced.lower(lowering_platforms=("cuda",))
     res["train_lower_s"] = round(time.perf_counter() - t1, 3)
     res["train_trace_lower_s"] = round(time.perf_counter() - t, 3)
-    res |= _module_facts("train", lowered, args.dump_hlo)
+    res |= _module_facts("train", lowered, args.backend, args.dump_hlo)
     return res | _kernel_cache_counts(args)
 
 
@@ -214,13 +211,14 @@ def main(argv=None) -> list[dict]:
     results = []
     for backend in args.backends:
         for run in range(args.runs):
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--backend", backend, "--preset", args.preset,
+            cmd = [sys.executable, "-m", "benchmarks.compile_time", "--backend", backend, "--preset", args.preset,
                    "--batch", str(args.batch), "--seq", str(args.seq)]
             if args.layers is not None:
                 cmd += ["--layers", str(args.layers)]
             if args.dump_hlo:
                 cmd += ["--dump-hlo", args.dump_hlo]
-            env = dict(os.environ, CODA_JAX_COMPILE_TIME_BACKEND=backend)
+            # The child imports this package from the repository root, wherever it runs.
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
             if args.lower_only:
                 cmd += ["--lower-only"]
                 env.pop("CODA_JAX_PALLAS_INTERPRET", None)  # the compiled kernels, not the interpreter

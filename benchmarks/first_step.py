@@ -1,25 +1,21 @@
-"""The model config and first batch of ``examples/train_llama.py``, for the one-step probes
-(``repeat_probe.py``, ``grad_error_probe.py``): the same tokenizer, data order (seed 0) and
-preset handling, so a probe looks at the step the training runs start with."""
+"""The model config and first batch of ``examples/train_llama.py``, for the tools that look
+at one training step (``compile_time``, ``repeat_probe``, ``grad_error_probe``): the same
+tokenizer, data order (seed 0) and preset handling, so a tool looks at the step the training
+runs start with."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax.numpy as jnp
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._examples import example
 
 
 def config_and_first_batch(preset: str, layers: int | None, batch: int, seq: int):
     """-> ``(LlamaConfig, tokens [batch, seq] int32, targets [batch, seq] int32)``."""
-    for p in (ROOT / "examples", ROOT):
-        if str(p) not in sys.path:
-            sys.path.insert(0, str(p))
-    import text_data
-    import train_llama
+    text_data = example("text_data")
+    train_llama = example("train_llama")
 
     corpus = text_data.load_corpus()
     tok = text_data.build_tokenizer([corpus], vocab_size=4096)
@@ -27,4 +23,3 @@ def config_and_first_batch(preset: str, layers: int | None, batch: int, seq: int
     cfg = train_llama.make_config(SimpleNamespace(preset=preset, layers=layers), tok.get_vocab_size())
     tokens, targets = next(text_data.batches(train_tokens, batch, seq, seed=0, start_step=0))
     return cfg, jnp.asarray(tokens), jnp.asarray(targets)
-

@@ -1,6 +1,6 @@
 """Each backend's error in one training step, per gradient, against float32 math.
 
-    python benchmarks/grad_error_probe.py --backends xla,pallas,cutedsl --layers 4 --out probe.json
+    python -m benchmarks.grad_error_probe --backends xla,pallas,cutedsl --layers 4 --out probe.json
 
 Builds ``CodaLlama`` (``--preset``, ``--layers``; seed 0, so every backend gets the same
 parameters) and takes the first training batch of ``examples/train_llama.py``. The
@@ -59,9 +59,9 @@ def errors(grads: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str
 
 
 def probe(args) -> dict:
-    from first_step import config_and_first_batch  # puts the repo root and examples/ on sys.path
     from flax import nnx
 
+    from benchmarks.first_step import config_and_first_batch
     from coda_jax.layers import CodaLlama
 
     cfg, inputs, targets = config_and_first_batch(args.preset, args.layers, args.batch, args.seq)

@@ -7,12 +7,12 @@ instructions in that window by kind, so a profile that shows collectives never r
 beside some kernel (e.g. the Mosaic GPU custom calls) can be told apart: the scheduler kept
 those kernels out of the windows, or the runtime serialized them although they were in.
 
-    from hlo_schedule import collective_windows, window_summary
+    from benchmarks.hlo_schedule import collective_windows, window_summary
     print(window_summary(collective_windows(compiled.as_text())))
 
 :func:`kind_timeline` draws the entry computation's schedule one letter per kernel, so
 where the collectives fall against the kernels shows at a glance; from the command line,
-``python benchmarks/hlo_schedule.py hlo.txt[.gz]`` (``train_step_bench.py --hlo-out``)
+``python -m benchmarks.hlo_schedule hlo.txt[.gz]`` (``train_step_bench.py --hlo-out``)
 prints both.
 """
 

@@ -1,6 +1,6 @@
 """What each Pallas kernel call of a training step runs as, per configuration, without a GPU.
 
-    python3 benchmarks/kernel_plans.py --model 1b:8:1024 --variants table,heuristic,one_out_slot,direct_loads
+    python3 -m benchmarks.kernel_plans --model 1b:8:1024 --variants table,heuristic,one_out_slot,direct_loads
 
 A configuration asks for a pipeline depth and an epilogue chunk width; ``plan_kernel`` fits
 them to the SM's shared memory beside the epilogue's staging (fewer stages, narrower chunks,
@@ -13,7 +13,9 @@ fit) and the names of :func:`coda_jax.pallas.autotune.known_candidates`.
 
 It needs no GPU: the step is traced abstractly with the Pallas backend in interpret mode
 (set here), and only the plans are computed. The cross-entropy keeps its logits, as on the
-H100 at the presets' batches (``CODA_JAX_CE_SAVE_LOGITS=0`` shows the recompute path). Use it before spending device time on a sweep:
+H100 at the presets' batches (``--options cross_entropy.save_logits=false`` shows the
+recompute path; ``--options`` takes any :func:`coda_jax.options.parse_overrides` string). Use
+it before spending device time on a sweep:
 a candidate that plans to the same kernel as the incumbent need not be timed.
 """
 
@@ -21,30 +23,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 H100_KIND, H100_SMS = "NVIDIA H100 80GB HBM3", 132
-# While tracing (unless already set): the Pallas backend in interpret mode, so that it traces
-# on a CPU; the cross-entropy keeping its logits, as it does on an H100 at the presets'
+# While tracing: the cross-entropy keeping its logits, as it does on an H100 at the presets'
 # batches (1/8 of its memory; on a CPU the memory is unknown).
-TRACE_ENV = {"CODA_JAX_PALLAS_INTERPRET": "1", "CODA_JAX_CE_SAVE_LOGITS": "1"}
+TRACE_OPTIONS = {"cross_entropy": {"save_logits": True}}
 
 
 @contextlib.contextmanager
-def trace_env():
-    """Within: :data:`TRACE_ENV`'s variables that are not set; restored after."""
-    added = [k for k in TRACE_ENV if k not in os.environ]
-    os.environ.update({k: TRACE_ENV[k] for k in added})
-    try:
+def trace_settings(overrides: dict | None = None):
+    """Within: the Pallas backend in interpret mode (it traces on a CPU), the options of
+    :data:`TRACE_OPTIONS`, then ``overrides`` (keyword arguments of
+    :func:`coda_jax.options.options`)."""
+    from coda_jax.options import options
+    from coda_jax.pallas.interpret import interpret_mode
+
+    with interpret_mode(), options(**TRACE_OPTIONS), options(**(overrides or {})):
         yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 def variant_config(name: str, call, num_sms: int = H100_SMS):
@@ -73,15 +68,15 @@ def describe(cfg) -> str:
     return out + (" " + "+".join(extras) if extras else "")
 
 
-def plans(spec: str, variants: list[str], num_sms: int = H100_SMS) -> list[dict]:
+def plans(spec: str, variants: list[str], num_sms: int = H100_SMS, overrides: dict | None = None) -> list[dict]:
     """One row per distinct kernel call of ``spec``'s step: program, layout, M x N x K and
-    each variant's planned configuration (:func:`describe`; ``-`` where it cannot run)."""
-    from tune import model_step
-
+    each variant's planned configuration (:func:`describe`; ``-`` where it cannot run).
+    ``overrides``: options the step is traced under (:func:`trace_settings`)."""
+    from benchmarks.tune import model_step
     from coda_jax.pallas import autotune as at
     from coda_jax.pallas.tuned import layout_name
 
-    with trace_env():
+    with trace_settings(overrides):
         fn, args = model_step(spec)
         calls = at.kernel_calls(fn, *args)
     rows = []
@@ -101,15 +96,24 @@ def main(argv=None) -> None:
     ap.add_argument("--model", action="append", required=True, help="preset[-layers]:batch:seq or op:name:d")
     ap.add_argument("--variants", default="table,heuristic,default,one_out_slot",
                     help="comma-separated: table, heuristic, or candidate names of coda_jax.pallas.autotune")
+    ap.add_argument("--options", default="",
+                    help="coda-jax options the step is traced under, e.g. cross_entropy.save_logits=false "
+                         "(coda_jax.options.parse_overrides)")
     args = ap.parse_args(argv)
+    from coda_jax.options import OptionError, parse_overrides
     from coda_jax.pallas.autotune import known_candidates
+
+    try:
+        overrides = parse_overrides(args.options, source="--options")
+    except OptionError as e:
+        ap.error(str(e))
 
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in ("table", "heuristic") and v not in known_candidates()]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; known: table, heuristic, {', '.join(sorted(known_candidates()))}")
     for spec in args.model:
-        rows = plans(spec, variants)
+        rows = plans(spec, variants, overrides=overrides)
         print(f"\n{spec}: planned configuration per kernel call (schedule, stages, chunk columns, "
               "load slots, output slots)\n")
         print("| program | layout | M x N x K | " + " | ".join(variants) + " |")

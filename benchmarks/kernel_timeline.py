@@ -1,11 +1,12 @@
 """Where a Pallas GEMM-epilogue kernel spends its time, per phase, from Mosaic GPU's
-in-kernel profiler (``$CODA_JAX_PALLAS_PROFILE_DIR``, :mod:`coda_jax.pallas.gemm_epilogue`).
+in-kernel profiler (:class:`coda_jax.pallas.gemm_epilogue.ProfileSettings`, the ``profile=``
+argument of :class:`coda_jax.pallas.lowering.PallasLowering`).
 
-    python3 benchmarks/kernel_timeline.py 'identity dgrad-f' 'swiglu_dgrad dgrad-f' \\
+    python3 -m benchmarks.kernel_timeline 'identity dgrad-f' 'swiglu_dgrad dgrad-f' \\
         --backends pallas,pallas@schedule=pingpong+cluster_dimension=None --out /tmp/tl
 
 Programs and shapes are the epilogue benchmark's (``bench.py --parts epilogues``), by label,
-as in ``kernel_probe.py``. Each (program, backend) runs with the profiler on, in this
+as in ``probes/kernel_probe.py``. Each (program, backend) runs with the profiler on, in this
 process; the last launch's trace is summarized. Times are kilocycles of the SM clock:
 Mosaic GPU stamps each event with ``%clock`` and writes ``(start + cycles) / 1e3`` as the
 trace's microseconds, ``start`` being each warpgroup's ``%globaltimer`` (ns) at its first
@@ -46,8 +47,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-import bench
-from coda_jax.pallas.gemm_epilogue import PROFILE_ENV, PROFILE_RANGES_ENV, PROFILE_SCOPES_ENV
+from benchmarks import bench
+from coda_jax.pallas.gemm_epilogue import ProfileSettings
 
 PHASES = ("mainloop", "full_wait", "epilogue", "load_wait", "store_wait", "free_wait")
 
@@ -202,10 +203,12 @@ def profile_program(label: str, backend: str, d: int, iters: int, scopes: str, r
     a, b, loads = bench.epilogue_inputs(epi, m, k, n, ta, tb)
     while True:
         with tempfile.TemporaryDirectory() as tmp:
-            env = {PROFILE_ENV: tmp, PROFILE_RANGES_ENV: str(ranges), PROFILE_SCOPES_ENV: scopes}
             try:
-                with bench.environment(env), bench.backend_variant(backend) as base:
+                with bench.backend_variant(backend) as base:
+                    if base != "pallas":
+                        raise ValueError(f"{backend!r}: the in-kernel profiler is the Pallas kernel's")
                     low = bench._kernel_lowering(base)
+                    low.profile = ProfileSettings(tmp, ranges, frozenset(filter(None, scopes.split(","))))
                     f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_a=ta, transpose_b=tb))
                     for _ in range(iters):
                         jax.block_until_ready(f(a, b, loads))

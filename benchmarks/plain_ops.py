@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from coda_jax.ops.swiglu_layout import split_gate_up
-from plain_llama import rms_norm
+from benchmarks.plain_llama import rms_norm
 
 EPS = 1e-5
 

@@ -1,8 +1,8 @@
 """Where the block's time goes: a per-kernel GPU profile of one fwd+bwd step (run on the H100).
 
-    python benchmarks/profile_block.py --out $OUT [--width 2048] [--backends xla,pallas]
-    python benchmarks/profile_block.py --out $OUT --model 1b [--layers 4] [--batch 8 --seq 1024]
-    python benchmarks/profile_block.py --out $OUT --model 1b --mesh data=2 --batch 16 --backends plain,pallas
+    python -m benchmarks.profile_block --out $OUT [--width 2048] [--backends xla,pallas]
+    python -m benchmarks.profile_block --out $OUT --model 1b [--layers 4] [--batch 8 --seq 1024]
+    python -m benchmarks.profile_block --out $OUT --model 1b --mesh data=2 --batch 16 --backends plain,pallas
 
 Traces ``--steps`` fwd+bwd steps of the plain XLA block (``baseline``) and of
 ``CodaLlamaBlock`` on each backend with ``jax.profiler`` (CUPTI kernel events), then sums
@@ -27,15 +27,12 @@ import collections
 import contextlib
 import functools
 import json
-import sys
 from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402
-from device_time import busy_us, trace_kernels  # noqa: E402
+from benchmarks import bench
+from benchmarks.device_time import busy_us, trace_kernels
 
 CLASSES = (  # first match wins; matched against the lower-cased kernel name
     ("coda", ("coda_",)),
@@ -180,8 +177,7 @@ def on_mesh(args, mesh, plain: bool = False):
     """A model fwd+bwd's ``(state, tokens)`` with the state placed by ``shard_state`` (the
     plain JAX Llama's, ``plain``: by :func:`plain_llama.shard_plain_state`) and the tokens
     split by ``batch_sharding`` over ``mesh``."""
-    from plain_llama import shard_plain_state
-
+    from benchmarks.plain_llama import shard_plain_state
     from coda_jax.sharding import batch_sharding, shard_state
 
     state, tokens = args

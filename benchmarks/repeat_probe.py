@@ -1,8 +1,8 @@
 """Is one training step bit-repeatable, within a process and across processes?
 
-    python benchmarks/repeat_probe.py --backend cutedsl --out run_a.json   # one process
-    python benchmarks/repeat_probe.py --backend cutedsl --out run_b.json   # another
-    python benchmarks/repeat_probe.py --compare run_a.json run_b.json ...
+    python -m benchmarks.repeat_probe --backend cutedsl --out run_a.json   # one process
+    python -m benchmarks.repeat_probe --backend cutedsl --out run_b.json   # another
+    python -m benchmarks.repeat_probe --compare run_a.json run_b.json ...
 
 Builds ``CodaLlama`` (``--preset``, ``--layers``; seed 0) and takes the first training batch
 of ``examples/train_llama.py``. On the device it computes a digest (a position-weighted
@@ -43,9 +43,9 @@ def digest(x: jax.Array) -> jax.Array:
 
 
 def probe(args) -> dict:
-    from first_step import config_and_first_batch  # puts the repo root and examples/ on sys.path
     from flax import nnx
 
+    from benchmarks.first_step import config_and_first_batch
     from coda_jax.layers import CodaLlama
     from coda_jax.ops import linear_cross_entropy
 

@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k regex:coda_ -c 1 --section SourceCounters -o prof python3 ...
     ncu --import prof.ncu-rep --page source --csv --print-source sass > sass.csv
-    python3 benchmarks/sass_hotspots.py sass.csv [--top 40]
+    python3 -m benchmarks.sass_hotspots sass.csv [--top 40]
 
 Prints the warp-stall samples summed per opcode (the part before the first '.'), then the
 ``--top`` instructions by samples with their address, text and the stall-reason columns that

@@ -1,6 +1,6 @@
 """What bounds a train step's ratio to plain JAX: its profiled kernel time by part.
 
-    python benchmarks/step_ceiling.py RESULT_DIR [...]
+    python -m benchmarks.step_ceiling RESULT_DIR [...]
 
 Reads the ``train_step.json`` of each directory, written by ``train_step_bench.py --profile``
 (each run's whole step traced, optimizer included: ``gpu_suite.sh`` with ``STEP_PROFILE=1``;
@@ -43,7 +43,7 @@ import argparse
 import re
 from pathlib import Path
 
-from summarize import load
+from benchmarks.summarize import load
 
 GEMM_CLASSES = ("gemm", "coda", "cutedsl")
 PARTS = ("gemms", "attention", "optimizer", "casts", "passes")

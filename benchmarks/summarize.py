@@ -1,6 +1,6 @@
 """The "current numbers" of ``benchmarks/RESULTS.md``: one short table and one chart.
 
-    python benchmarks/summarize.py RESULT_DIR [RESULT_DIR ...] --label "run 74, H100, <commit>" \
+    python -m benchmarks.summarize RESULT_DIR [RESULT_DIR ...] --label "run 74, H100, <commit>" \
         [--update benchmarks/RESULTS.md]
 
 Reads what ``gpu_suite.sh`` left in each directory (``train_step.json`` from

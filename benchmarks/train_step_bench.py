@@ -1,28 +1,31 @@
 """Train-step throughput of CodaLlama per backend against the plain JAX Llama, in one process.
 
-    python benchmarks/train_step_bench.py --preset 1b --batch 8 --seq 1024 \
-        --runs plain,xla,pallas,cutedsl,pallas:CODA_JAX_CE_SAVE_LOGITS=0,plain --out $OUT
+    python -m benchmarks.train_step_bench --preset 1b --batch 8 --seq 1024 \
+        --runs plain,xla,pallas,cutedsl,pallas:cross_entropy.save_logits=false,plain --out $OUT
 
 Every run is the same step: ``examples/train_llama.py``'s optimizer (AdamW after global-norm
 clipping) and functional jitted step with donated state (:func:`train_llama.make_steps`), on
 one fixed batch of random tokens. ``plain`` is :class:`plain_llama.PlainLlama`, the baseline
-of record; ``backend[:VAR=VALUE+...]`` is ``CodaLlama`` on that backend with those environment
-settings while it is traced (e.g. ``CODA_JAX_CE_SAVE_LOGITS=0``: the cross-entropy recomputes
-its logits). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
+of record; ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
+options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
+with :func:`coda_jax.options.options`; e.g. ``pallas:cross_entropy.save_logits=false``: the
+cross-entropy recomputes its logits; ``pallas:routing.xla_output_below=0,routing.plain_gemm=kernel``:
+every GEMM on the kernel). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
 ``--steps`` steps dispatched back to back and closed by one ``jax.block_until_ready`` (the
 device queue stays full; the host is not in the step time); the median round gives ms/step
 and tokens/s. Runs go one after another (a 1B model with its AdamW state is ~15 GB; several
 would not fit together): list ``plain`` first and last, and the table reports the drift
 between them. The compiled step's temp memory (XLA's memory analysis) is reported too.
-Two settings are not environment variables: ``JAX_ENABLE_PGLE=1`` (JAX's automatic
-profile-guided latency estimation, through jit dispatch) and ``PGLE_AOT=N`` (the same from N
-traced steps, compiled ahead of time, so that the schedule XLA made with the measured costs
-can be read: the ``SCHEDULE`` lines on a mesh); settings named ``xla_*`` are XLA options of
-the step's compile (e.g. ``pallas:xla_gpu_all_reduce_combine_threshold_bytes=0``). On a mesh
+Three more settings of a run are not options: ``JAX_ENABLE_PGLE=1`` (JAX's automatic
+profile-guided latency estimation, through jit dispatch; ``JAX_PGLE_PROFILING_RUNS=N``
+profiled runs, default 3) and ``PGLE_AOT=N`` (the same from N traced steps, compiled ahead of
+time, so that the schedule XLA made with the measured costs can be read: the ``SCHEDULE``
+lines on a mesh); settings named ``xla_*`` are XLA options of the step's compile (e.g.
+``pallas:xla_gpu_all_reduce_combine_threshold_bytes=0``). On a mesh
 (``--mesh data=2``, ``--mesh-type explicit`` for Explicit axes) each run's state is placed
 by :func:`coda_jax.sharding.shard_state` (the plain model's by
 :func:`plain_llama.shard_plain_state`: Megatron's split over a tensor axis); ``--hlo-out DIR`` keeps
-each compiled step's schedule for ``python benchmarks/hlo_schedule.py``. Results:
+each compiled step's schedule for ``python -m benchmarks.hlo_schedule``. Results:
 ``<out>/train_step.json`` and a table, ratios against the mean of the plain runs.
 """
 
@@ -30,35 +33,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import gzip
 import json
-import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT / "examples", ROOT, ROOT / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+from benchmarks._examples import example
+from benchmarks.gpu_clock import ClockSampler
+from benchmarks.hlo_schedule import collective_windows, window_summary
+from benchmarks.plain_llama import PlainLlama, shard_plain_state
+from coda_jax import partitioning
+from coda_jax.layers import PRESETS, CodaLlama
+from coda_jax.options import OptionError, options, parse_overrides
+from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
 
+example("train_llama")  # examples/train_llama.py as the module `train_llama` (not a package)
 import train_llama  # noqa: E402
-from bench import environment  # noqa: E402
-from gpu_clock import ClockSampler  # noqa: E402
-from hlo_schedule import collective_windows, window_summary  # noqa: E402
-from plain_llama import PlainLlama, shard_plain_state  # noqa: E402
-
-from coda_jax import partitioning  # noqa: E402
-from coda_jax.layers import PRESETS, CodaLlama  # noqa: E402
-from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state  # noqa: E402
 
 
 def parse_mesh(spec: str | None, explicit: bool = False):
@@ -92,22 +92,80 @@ def activation_gathers(hlo: str, batch: int, seq: int, floating_only: bool = Fal
             and dims and (dims[0] == batch * seq or dims[:2] == [batch, seq])]
 
 
-def parse_run(spec: str) -> tuple[str, dict[str, str]]:
-    """``"pallas:A=1+B=2"`` -> ``("pallas", {"A": "1", "B": "2"})`` (``--runs`` separates
-    runs by commas, so one run's settings are joined by ``+``)."""
-    name, _, rest = spec.partition(":")
-    env = {}
-    for item in filter(None, rest.split("+")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"run {spec!r}: settings are VAR=VALUE, got {item!r}")
-        env[key] = value
-    if name not in ("plain", "xla", "pallas", "cutedsl"):
-        raise ValueError(f"run {spec!r}: the model must be plain, xla, pallas or cutedsl")
-    return name, env
-
-
+MODELS = ("plain", "xla", "pallas", "cutedsl")
+# Settings of a run that are not coda-jax options: JAX's automatic PGLE (JAX_ENABLE_PGLE=1,
+# JAX_PGLE_PROFILING_RUNS=N) and the ahead-of-time PGLE compile (PGLE_AOT=N); xla_* settings
+# are XLA options of the step's compile.
+PGLE_SETTINGS = ("JAX_ENABLE_PGLE", "JAX_PGLE_PROFILING_RUNS", "PGLE_AOT")
 PGLE_ON = ("1", "yes", "true")
+SETTINGS_RULE = ("a run's settings are coda-jax options (e.g. cross_entropy.save_logits=false; "
+                 "coda_jax.options.parse_overrides), xla_* XLA compile options, " + ", ".join(PGLE_SETTINGS))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One run of ``--runs``: ``"pallas:cross_entropy.save_logits=false,xla_gpu_x=0"``.
+
+    Attributes:
+      spec: the text (the run's name in the results).
+      model: ``"plain"`` or a backend.
+      options: keyword arguments of :func:`coda_jax.options.options`, in force while the
+        run's step is traced.
+      xla_options: XLA options of the step's compile (settings named ``xla_*``).
+      pgle_runs: profiled runs of JAX's automatic PGLE (0: off).
+      aot_steps: traced steps of the ahead-of-time PGLE compile (0: off).
+    """
+
+    spec: str
+    model: str
+    options: dict[str, Any]
+    xla_options: dict[str, str]
+    pgle_runs: int = 0
+    aot_steps: int = 0
+
+
+def split_runs(text: str) -> list[str]:
+    """``--runs`` -> one spec per run. Runs are separated by commas, and so are one run's
+    settings: an item that names a model (``pallas``, ``pallas:...``) starts a run, any other
+    continues the one before (``"plain,pallas:a.b=1,c.d=2,plain"`` -> ``["plain",
+    "pallas:a.b=1,c.d=2", "plain"]``)."""
+    runs: list[str] = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if item.partition(":")[0] in MODELS:
+            runs.append(item)
+        elif runs and ":" in runs[-1]:
+            runs[-1] += "," + item
+        else:
+            raise ValueError(f"--runs: {item!r} is not a run: a run is {', '.join(MODELS)}, optionally followed "
+                             "by ':' and its settings (option=value, separated by commas)")
+    return runs
+
+
+def parse_run(spec: str) -> RunSpec:
+    """``"pallas:cross_entropy.save_logits=false,xla_gpu_x=0"`` -> its :class:`RunSpec`;
+    ``ValueError`` naming the run and the rule it breaks."""
+    model, _, rest = spec.partition(":")
+    if model not in MODELS:
+        raise ValueError(f"run {spec!r}: the model must be {', '.join(MODELS[:-1])} or {MODELS[-1]}")
+    items = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"run {spec!r}: settings are name=value, got {item!r}")
+        items[key.strip()] = value.strip()
+    xla_options = {k: v for k, v in items.items() if k.startswith("xla_")}
+    pgle = {k: items.pop(k) for k in PGLE_SETTINGS if k in items}
+    try:
+        pgle_runs = (int(pgle.get("JAX_PGLE_PROFILING_RUNS", "3"))
+                     if pgle.get("JAX_ENABLE_PGLE", "").lower() in PGLE_ON else 0)
+        aot_steps = int(pgle.get("PGLE_AOT", "0") or 0)
+    except ValueError:
+        raise ValueError(f"run {spec!r}: JAX_PGLE_PROFILING_RUNS and PGLE_AOT take a number of steps") from None
+    try:
+        overrides = parse_overrides({k: v for k, v in items.items() if k not in xla_options}, source=f"run {spec!r}")
+    except OptionError as e:
+        raise ValueError(f"{e} ({SETTINGS_RULE})") from None
+    return RunSpec(spec, model, overrides, xla_options, pgle_runs, aot_steps)
 
 
 @contextlib.contextmanager
@@ -127,13 +185,13 @@ def pgle(runs: int):
 
 
 @contextlib.contextmanager
-def run_context(settings: dict[str, str], mesh, pgle_runs: int, tokens: int = 0,
-                block_weights_per_width: int | None = None):
-    """A run's environment settings, its mesh (if any), PGLE (if asked for) and the FSDP split
+def run_context(run: RunSpec, mesh, tokens: int = 0, block_weights_per_width: int | None = None):
+    """A run's coda-jax options, its mesh (if any), PGLE (if asked for) and the FSDP split
     that ``examples/train_llama.py --fsdp-split auto`` picks for ``tokens`` a step (unless
-    ``$CODA_JAX_FSDP_SPLIT`` is set, by the run or the process)."""
-    with environment(settings), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), \
-            pgle(pgle_runs), partitioning.fsdp_split_as(partitioning.auto_fsdp_split(mesh, tokens, block_weights_per_width)):
+    the option ``mesh.fsdp_split`` is set, by the run or the process)."""
+    with options(**run.options), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), \
+            pgle(run.pgle_runs), \
+            partitioning.fsdp_split_as(partitioning.auto_fsdp_split(mesh, tokens, block_weights_per_width)):
         yield
 
 
@@ -192,13 +250,13 @@ def hlo_fusions(hlo: str, kernel: str) -> dict | None:
             "op_name": op.group(1)[-120:] if op else ""}
 
 
-def step_profile(compiled, state, inputs, targets, steps: int):
+def step_profile(compiled, state, inputs, targets, steps: int, top_kernels: int = 15):
     """``(state, summary)``: ``steps`` train steps traced back to back (optimizer included,
     each step's donated state fed to the next) and the per-step kernel summary of
     ``profile_block.gpu_summary`` (mean over the GPUs: device, busy, overlap, idle ms and
-    ms by kernel class)."""
-    from device_time import trace_kernels
-    from profile_block import gpu_summary, mean_over_gpus
+    ms by kernel class; ``top_kernels``: how many of the longest kernels it lists)."""
+    from benchmarks.device_time import trace_kernels
+    from benchmarks.profile_block import gpu_summary, mean_over_gpus
 
     box = [state]
 
@@ -211,7 +269,7 @@ def step_profile(compiled, state, inputs, targets, steps: int):
     summary["by_class"] = dict(sorted(m["by_class"].items()))
     if "collectives" in m:
         summary["collectives"] = m["collectives"]
-    top = sorted(m["by_kernel"].items(), key=lambda kv: -kv[1])[:int(os.environ.get("STEP_PROFILE_TOP", "15"))]
+    top = sorted(m["by_kernel"].items(), key=lambda kv: -kv[1])[:top_kernels]
     summary["top_kernels"] = [[k[:100], round(ms, 3)] for k, ms in top]
     summary["kernel_calls"] = {k[:100]: round(m["calls"][k], 3) for k, _ in top}  # launches per step
     return box[0], summary
@@ -238,28 +296,23 @@ def write_hlo(hlo: str, path: Path) -> None:
 
 
 def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, mesh=None,
-            profile: bool = False, hlo_out: Path | None = None) -> dict:
+            profile: bool = False, hlo_out: Path | None = None, profile_top: int = 15) -> dict:
     """One run: build, compile, time. ``tokens [B, S+1]`` int32. With ``mesh``: the state
     FSDP-split over its "fsdp" axis (replicated over "data"), the batch over both. With
-    ``profile``, also the kernel summary of the whole step (:func:`step_profile`). With
-    ``hlo_out``, the compiled step's HLO goes to ``<hlo_out>/hlo_<run>.txt.gz``
-    (:func:`write_hlo`)."""
-    name, settings = parse_run(spec)
-    # Settings named xla_* are XLA options of this step's compile (e.g.
-    # xla_gpu_all_reduce_combine_threshold_bytes=0), not environment variables.
-    xla_options = {k: v for k, v in settings.items() if k.startswith("xla_")}
-    settings = {k: v for k, v in settings.items() if k not in xla_options}
-    # JAX_ENABLE_PGLE=1 (JAX_PGLE_PROFILING_RUNS=N, default 3): JAX's automatic profile-guided
-    # latency estimation. The step is then called through jit dispatch (not compiled ahead of
-    # time): its first N runs are profiled and it is compiled again with the measured op
-    # costs, so XLA's scheduler can place collectives beside the custom kernels.
-    pgle_runs = int(settings.get("JAX_PGLE_PROFILING_RUNS", "3")) if settings.get("JAX_ENABLE_PGLE") in PGLE_ON else 0
-    # PGLE_AOT=N: the same from N traced steps, ahead of time (aot_pgle_compile); the
-    # recompiled step is the one timed and whose schedule is read.
-    aot_steps = int(settings.pop("PGLE_AOT", "0") or 0)
+    ``profile``, also the kernel summary of the whole step (:func:`step_profile`, its
+    ``profile_top`` longest kernels). With ``hlo_out``, the compiled step's HLO goes to
+    ``<hlo_out>/hlo_<run>.txt.gz`` (:func:`write_hlo`)."""
+    run = parse_run(spec)
+    name, xla_options = run.model, run.xla_options
+    # JAX_ENABLE_PGLE=1: JAX's automatic profile-guided latency estimation. The step is then
+    # called through jit dispatch (not compiled ahead of time): its first N runs are profiled
+    # and it is compiled again with the measured op costs, so XLA's scheduler can place
+    # collectives beside the custom kernels. PGLE_AOT=N: the same from N traced steps, ahead
+    # of time (aot_pgle_compile); the recompiled step is the one timed and whose schedule is read.
+    pgle_runs, aot_steps = run.pgle_runs, run.aot_steps
     pgle_info = None
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    with run_context(settings, mesh, pgle_runs, inputs.size, cfg.block_weights_per_width):
+    with run_context(run, mesh, inputs.size, cfg.block_weights_per_width):
         model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
         split = "width" if name == "plain" else partitioning.fsdp_split_on(mesh)
         if mesh is not None and name != "plain" and partitioning.axis_size(mesh, "fsdp") > 1:
@@ -309,7 +362,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     for line in filter(None, schedule.splitlines()):
         print(f"SCHEDULE {spec}: {line}", flush=True)
     # A jit-dispatched (PGLE) step is called in its tracing context, lest a call retrace it.
-    with run_context(settings, mesh, pgle_runs, inputs.size, cfg.block_weights_per_width) if pgle_runs else contextlib.nullcontext():
+    with run_context(run, mesh, inputs.size, cfg.block_weights_per_width) if pgle_runs else contextlib.nullcontext():
         for _ in range(2):  # warm-up
             state, loss = compiled(state, inputs, targets)
         jax.block_until_ready(loss)
@@ -326,7 +379,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
                   f"(medians of {clock.summary['samples']} samples over the timed rounds)", flush=True)
         prof = None
         if profile:
-            state, prof = step_profile(compiled, state, inputs, targets, steps)
+            state, prof = step_profile(compiled, state, inputs, targets, steps, profile_top)
     ms = statistics.median(per_round)
     if prof:
         cls = "  ".join(f"{c} {v:.2f}" for c, v in sorted(prof["by_class"].items(), key=lambda kv: -kv[1]))
@@ -392,7 +445,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--runs", default="plain,xla,pallas,plain")
+    ap.add_argument("--runs", default="plain,xla,pallas,plain",
+                    help="comma-separated runs: plain or a backend, each optionally followed by ':' and its "
+                         "settings, e.g. plain,pallas:cross_entropy.save_logits=false,routing.xla_output_below=0,plain")
     ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -410,16 +465,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--hlo-out", default=None,
                     help="write each run's compiled step (HLO text in schedule order, kernel modules stripped) "
                          "to DIR/<configuration>/hlo_<run>.txt.gz")
+    ap.add_argument("--profile-top", type=int, default=15, help="with --profile: the longest kernels listed per run")
     args = ap.parse_args(argv)
     for flag in ("batch", "seq", "steps", "rounds"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    specs = [s for s in args.runs.split(",") if s]
-    for s in specs:
-        try:
+    try:
+        specs = split_runs(args.runs)
+        for s in specs:
             parse_run(s)
-        except ValueError as e:
-            ap.error(str(e))
+    except ValueError as e:
+        ap.error(str(e))
     try:
         mesh = parse_mesh(args.mesh, args.mesh_type == "explicit")
     except ValueError as e:
@@ -438,7 +494,8 @@ def main(argv=None) -> list[dict]:
     for spec in specs:
         try:
             rows.append(measure(spec, cfg, tokens, args.steps, args.rounds, mesh=mesh, profile=args.profile,
-                                hlo_out=Path(args.hlo_out) / file_name(tag) if args.hlo_out else None))
+                                hlo_out=Path(args.hlo_out) / file_name(tag) if args.hlo_out else None,
+                                profile_top=args.profile_top))
             print(json.dumps(rows[-1]), flush=True)
             r = rows[-1]
             # One line per finished run, and train_step.json rewritten: a run cut by a timeout

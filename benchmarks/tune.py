@@ -1,7 +1,7 @@
 """Measures TuningConfig variants of the Pallas GEMM-epilogue kernel on the H100 (CUPTI kernel time).
 
-    python benchmarks/tune.py [--out DIR] [--mainloop] [--epilogue-sweep] [--plain] [--variants a,b]
-    python benchmarks/tune.py --model 1b:8:1024 [--model 8b-4:4:1024] [--table PATH] [--out DIR]
+    python -m benchmarks.tune [--out DIR] [--mainloop] [--epilogue-sweep] [--plain] [--variants a,b]
+    python -m benchmarks.tune --model 1b:8:1024 [--model 8b-4:4:1024] [--table PATH] [--out DIR]
 
 ``--model preset[-layers]:batch:seq`` (repeatable; ``op:name:d`` for one fused op of the op
 benchmark, e.g. ``op:norm_matmul:2048``): autotunes every Pallas kernel call of
@@ -40,23 +40,19 @@ import argparse
 import dataclasses
 import functools
 import json
-import sys
 import traceback
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench import Inputs, median_ms  # noqa: E402
-from coda_jax import programs  # noqa: E402
-from coda_jax.pallas import autotune as at  # noqa: E402
-from coda_jax.pallas.autotune import kernel_ms  # noqa: E402
-from coda_jax.pallas.tuned import SHIPPED_TABLES, table_file_name  # noqa: E402
-from coda_jax.pallas.lowering import PallasLowering  # noqa: E402
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig  # noqa: E402
+from benchmarks.bench import Inputs, median_ms
+from coda_jax import programs
+from coda_jax.pallas import autotune as at
+from coda_jax.pallas.autotune import kernel_ms
+from coda_jax.pallas.lowering import PallasLowering
+from coda_jax.pallas.tuned import SHIPPED_TABLES, table_file_name
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 
 M = 8192
 SHAPES = [(2048, 8192), (4096, 14336)]  # (K, N): d=2048 gate/up-like, d=4096 MLP-like
@@ -266,7 +262,7 @@ def op_step(spec: str):
     """``(fwd+bwd, args)`` of one fused op of the op benchmark on Pallas, for
     ``"op:norm_matmul:2048"`` (``op:name:d``), as ``bench.py --parts ops`` times it: the op's
     first output weighted by a random cotangent (:func:`bench.timed_fwd_bwd`)."""
-    from bench import WIDTHS, op_cases, random_cotangent, timed_fwd_bwd
+    from benchmarks.bench import WIDTHS, op_cases, random_cotangent, timed_fwd_bwd
 
     try:
         _, name, d = spec.split(":")
@@ -287,10 +283,9 @@ def model_step(spec: str):
     the op benchmark (:func:`op_step`)."""
     if spec.startswith("op:"):
         return op_step(spec)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import train_llama
     from flax import nnx
 
+    from benchmarks._examples import training
     from coda_jax.layers import PRESETS, CodaLlama
 
     try:
@@ -305,10 +300,10 @@ def model_step(spec: str):
 
     def build():
         model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="pallas")
-        return model, nnx.Optimizer(model, train_llama.make_tx(3e-4, 10, 1000), wrt=nnx.Param)
+        return model, nnx.Optimizer(model, training().make_tx(3e-4, 10, 1000), wrt=nnx.Param)
 
     model, opt = nnx.eval_shape(build)
-    train_step, _, _ = train_llama.make_steps(model, opt)
+    train_step, _, _ = training().make_steps(model, opt)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     return train_step, (nnx.state((model, opt)), tokens, tokens)
 

@@ -238,12 +238,11 @@ def _example_train_step(cfg, backend: str, mesh, tokens):
 
 
 def _benchmark_tools_on_path() -> None:
-    """``benchmarks/`` and ``examples/`` importable (``train_step_bench``, ``train_llama``)."""
+    """``examples/`` importable (``train_llama``); the benchmark tools are the package
+    ``benchmarks`` (the repository root is on ``PYTHONPATH``)."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    for p in (root / "benchmarks", root / "examples"):
-        sys.path.insert(0, str(p))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 
 def _fsdp2_setup(backend: str):
@@ -275,7 +274,7 @@ def _gathered_along_columns(hlo: str, shapes: set[tuple[int, int]]) -> list[str]
     """The all-gathers in compiled HLO text of a weight shaped as one of ``shapes`` that
     gather along another dimension than the first, each as the start of its line."""
     _benchmark_tools_on_path()
-    from train_step_bench import all_gathers
+    from benchmarks.train_step_bench import all_gathers
 
     return [line[:200] for _, dims, _, line in all_gathers(hlo) if tuple(dims) in shapes and "dimensions={0}" not in line]
 
@@ -290,8 +289,7 @@ def case_fsdp_step_gathers(backend: str) -> None:
     JAX on two H100s (RESULTS.md, run 140). Tokens (384) differ from every weight
     dimension, so no weight gather is counted."""
     _benchmark_tools_on_path()
-    from bench import environment
-    from train_step_bench import activation_gathers, all_gathers
+    from benchmarks.train_step_bench import activation_gathers, all_gathers
 
     cfg, batch, seq, tokens, mesh = _fsdp2_setup(backend)
 
@@ -382,8 +380,8 @@ def case_fsdp_features_split(backend: str) -> None:
     over the FSDP axis), and the example's step has the loss of the width split."""
     _benchmark_tools_on_path()
     from flax import nnx
-    from train_step_bench import all_gathers
 
+    from benchmarks.train_step_bench import all_gathers
     from coda_jax.layers import CodaLlama
     from coda_jax.sharding import shard_state
 
@@ -424,7 +422,7 @@ def case_fsdp_features_split(backend: str) -> None:
 def _weight_gathers_of_parameters(hlo: str, shapes) -> list[str]:
     """All-gathers in compiled HLO text whose result has one of the 2-D ``shapes`` and whose
     operand is a step parameter or a bare copy of one (the uncast weight), each as its line."""
-    from train_step_bench import all_gathers
+    from benchmarks.train_step_bench import all_gathers
 
     return [line[:160] for _, dims, operand, line in all_gathers(hlo)
             if tuple(dims) in shapes and re.match(r"%(param|Arg_|wrapped_copy|copy)", operand)]
@@ -571,7 +569,6 @@ def case_mesh_fuzz(seed: int, draws: int = 4) -> None:
     import random
 
     _benchmark_tools_on_path()
-    from bench import environment
     from flax import nnx
 
     from coda_jax.layers import CodaLlama, LlamaConfig
@@ -698,7 +695,7 @@ def case_plain_explicit() -> None:
     from coda_jax.sharding import batch_sharding, mesh_from_spec
 
     _benchmark_tools_on_path()
-    from plain_llama import PlainLlama, shard_plain_state
+    from benchmarks.plain_llama import PlainLlama, shard_plain_state
 
     cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, dtype=jnp.float32)
@@ -732,8 +729,8 @@ def case_plain_tensor() -> None:
     from coda_jax.sharding import _leaf_name, batch_sharding, mesh_from_spec, shard_state
 
     _benchmark_tools_on_path()
-    from plain_llama import TENSOR_SPLIT_DIM, PlainLlama, shard_plain_state
-    from train_step_bench import activation_gathers
+    from benchmarks.plain_llama import TENSOR_SPLIT_DIM, PlainLlama, shard_plain_state
+    from benchmarks.train_step_bench import activation_gathers
 
     cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
                            num_kv_heads=4, head_dim=16, dtype=jnp.float32)
@@ -925,7 +922,7 @@ def case_step_bench_on_meshes() -> None:
     import tempfile
 
     _benchmark_tools_on_path()
-    import train_step_bench
+    from benchmarks import train_step_bench
 
     with tempfile.TemporaryDirectory() as d:
         for mesh, runs, kind in (("fsdp=8", ["xla"], "auto"), ("data=2,fsdp=2,tensor=2", ["plain", "xla"], "auto"),

@@ -152,12 +152,9 @@ def test_pallas_lowering_takes_the_tuned_config_on_a_listed_gpu(table_file, monk
 def test_kernel_calls_of_a_model_step(monkeypatch):
     """The recorder sees each distinct kernel call of a CodaLlama training step, traced
     abstractly (nothing runs), with shapes, layouts and loads."""
-    import sys
-    from pathlib import Path
+    from benchmarks import tune
 
     monkeypatch.setenv("CODA_JAX_PALLAS_INTERPRET", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import tune
 
     step, args = tune.model_step("1b-2:2:512")
     calls = at.kernel_calls(step, *args)
@@ -328,11 +325,7 @@ def test_extended_candidates_lower_for_cuda():
 
 @pytest.mark.parametrize("spec", ["1b:8", "huge:8:1024", "1b:x:1024"])
 def test_tune_model_spec_errors_name_the_format(spec):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import tune
+    from benchmarks import tune
 
     with pytest.raises(ValueError, match=r"preset\[-layers\]:batch:seq"):
         tune.model_step(spec)
@@ -429,13 +422,8 @@ def test_planned_config_is_what_the_lowering_builds(monkeypatch):
     """:func:`autotune.planned_config` (no GPU, no operands) plans every kernel call of a
     one-layer 1B step as :class:`PallasLowering` does when it builds the call, for the
     default configuration and two that free SMEM."""
-    import sys
-    from pathlib import Path
-
+    from benchmarks.tune import model_step
     from coda_jax.pallas import lowering as pl_lowering
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from tune import model_step
 
     monkeypatch.setenv("CODA_JAX_PALLAS_INTERPRET", "1")
     fn, args = model_step("1b-1:8:1024")

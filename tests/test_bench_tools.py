@@ -13,10 +13,9 @@ from pathlib import Path
 import jax
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import bench
 
-import bench  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_interleaved_timing_samples_every_case_in_rotating_rounds():
@@ -68,53 +67,64 @@ def test_per_round_medians_are_taken_from_each_round():
     assert per_round == {"a": [1000.0] * 3, "b": [3000.0] * 3}
 
 
-def test_backend_variant_sets_and_restores_the_cutedsl_knobs(monkeypatch):
-    from coda_jax.ffi.lowering import MAX_STAGES_ENV, TILE_N_ENV
+def test_backend_variant_runs_cutedsl_on_a_lowering_with_its_tuning():
+    """``cutedsl@256s3`` runs the CuTeDSL ops on a lowering with that ``CuteDslTuning``
+    (:func:`coda_jax.backend.use_lowering`) inside the block only; the lowering the benchmarks
+    time keeps the tuning and runs plain GEMMs on its kernel."""
+    from coda_jax.ffi.tuning import CuteDslTuning
 
-    monkeypatch.delenv(TILE_N_ENV, raising=False)
-    monkeypatch.setenv(MAX_STAGES_ENV, "5")
     with bench.backend_variant("cutedsl@256s3") as base:
         assert base == "cutedsl"
-        assert os.environ[TILE_N_ENV] == "256" and os.environ[MAX_STAGES_ENV] == "3"
-    assert TILE_N_ENV not in os.environ and os.environ[MAX_STAGES_ENV] == "5"
-    with bench.backend_variant("cutedsl@s4") as base:
-        assert base == "cutedsl" and TILE_N_ENV not in os.environ and os.environ[MAX_STAGES_ENV] == "4"
+        low = bench._kernel_lowering(base)
+        assert low.tuning == CuteDslTuning(tile_n=256, max_stages=3) and low.plain_gemm == "kernel"
+        with bench.backend_variant("cutedsl@s4"):  # the innermost variant wins
+            assert bench._kernel_lowering("cutedsl").tuning == CuteDslTuning(max_stages=4)
+        assert bench._kernel_lowering("cutedsl").tuning.max_stages == 3
+    assert bench._kernel_lowering("cutedsl").tuning == CuteDslTuning()
+    with bench.backend_variant("cutedsl@256g16p"):
+        assert bench._kernel_lowering("cutedsl").tuning == CuteDslTuning(tile_n=256, group_m=16, schedule="pingpong")
     with bench.backend_variant("pallas") as base:
-        assert base == "pallas" and os.environ[MAX_STAGES_ENV] == "5"
-    from coda_jax.ffi.lowering import GROUP_M_ENV
-
-    monkeypatch.delenv(GROUP_M_ENV, raising=False)
-    with bench.backend_variant("cutedsl@256g16") as base:
-        assert os.environ[TILE_N_ENV] == "256" and os.environ[GROUP_M_ENV] == "16"
-        assert os.environ[MAX_STAGES_ENV] == "5"  # unchanged
-    assert GROUP_M_ENV not in os.environ
-    for bad in ("pallas@128", "cutedsl@x4", "cutedsl@g"):
-        with pytest.raises(ValueError, match="only cutedsl@"):
+        assert base == "pallas" and bench._kernel_lowering(base).plain_gemm == "kernel"
+    for bad in ("pallas@128", "cutedsl@x4", "cutedsl@g", "xla@untuned"):
+        with pytest.raises(ValueError, match="backend variant"):
             with bench.backend_variant(bad):
                 pass
+    with pytest.raises(ValueError, match="tile_n must be 128, 256"):
+        with bench.backend_variant("cutedsl@64"):
+            pass
 
 
-def test_backend_variant_switches_the_pallas_knobs(monkeypatch, tmp_path):
-    """``pallas@table=<path>`` (another tuned table) and ``pallas@os1`` (one output slot on
-    every kernel) set their variables within and restore them after."""
-    from coda_jax.pallas.tuned import TUNED_ENV, active_table_paths
-    from coda_jax.pallas.tuning import OUT_SLOTS_ENV
+def test_backend_variant_switches_the_tuned_tables(tmp_path):
+    """``pallas@untuned`` (no tuned table) and ``pallas@table=<path>`` (another table) set the
+    option ``pallas.tuned_tables`` inside the block only."""
+    from coda_jax.options import current_options
+    from coda_jax.pallas.tuned import SHIPPED_TABLES, active_table_paths
 
-    monkeypatch.delenv(TUNED_ENV, raising=False)
-    monkeypatch.delenv(OUT_SLOTS_ENV, raising=False)
+    shipped = tuple(str(p) for p in SHIPPED_TABLES)
+    assert active_table_paths() == shipped
     old = tmp_path / "old.json"
     old.write_text("{}")
     with bench.backend_variant(f"pallas@table={old}") as base:
         assert base == "pallas" and active_table_paths() == (str(old),)
-    assert TUNED_ENV not in os.environ and str(old) not in active_table_paths()
-    with bench.backend_variant("pallas@os1") as base:
-        assert base == "pallas" and os.environ[OUT_SLOTS_ENV] == "1"
-    assert OUT_SLOTS_ENV not in os.environ
+    with bench.backend_variant("pallas@untuned") as base:
+        assert base == "pallas" and active_table_paths() == ()
+    assert active_table_paths() == shipped and current_options().pallas.tuned_tables == "shipped"
+
+
+def test_plain_gemm_route_sets_the_routing_option():
+    from coda_jax.options import current_options
+
+    with bench.plain_gemm_route("pallas", "pallas"):
+        assert current_options().routing.plain_gemm == "kernel"
+    with bench.plain_gemm_route("pallas", None):
+        assert current_options().routing.plain_gemm == "xla"
+    assert [v[0] for v in bench.block_variants(["xla", "pallas", "cutedsl@s4"])] == [
+        "xla", "pallas", "cutedsl@s4", "pallas+pallasplain", "cutedsl@s4+cutedslplain"]
 
 
 def test_bench_smoke_runs_on_cpu(tmp_path):
     """``bench.py --smoke`` (tiny shapes, XLA) runs end to end and writes its table."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--smoke", "--backends", "xla",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--smoke", "--backends", "xla",
                         "--parts", "ops", "--ops", "residual_rms,norm_matmul", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"))
@@ -162,7 +172,7 @@ def test_repeat_probe_digest_sees_one_bit_and_one_swap():
     import jax.numpy as jnp
     import numpy as np
 
-    import repeat_probe
+    from benchmarks import repeat_probe
 
     x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 48)), jnp.bfloat16)
     d = int(repeat_probe.digest(x))
@@ -180,7 +190,7 @@ def test_repeat_probe_digest_sees_one_bit_and_one_swap():
 def test_repeat_probe_compare_names_the_first_differing_step(tmp_path):
     import json
 
-    import repeat_probe
+    from benchmarks import repeat_probe
 
     base = {"fwd/block00/x": 1, "fwd/block01/x": 2, "fwd/loss": 3, "bwd/loss": 4, "grad/embed": 5,
             "grad/lm_head": 6, "grad/blocks/0/w": 7, "grad/blocks/1/w": 8, "loss_value": 1.5}
@@ -204,7 +214,7 @@ def test_repeat_probe_compare_names_the_first_differing_step(tmp_path):
 def test_compare_losses_reports_signed_differences_and_curves(tmp_path):
     import json
 
-    import compare_losses
+    from benchmarks import compare_losses
 
     dirs = []
     for name, loss in (("train_xla", [10.0] * 60), ("train_cutedsl", [10.0] * 6 + [9.9] * 54)):
@@ -224,7 +234,7 @@ def test_compare_losses_reports_signed_differences_and_curves(tmp_path):
 def test_compare_losses_pools_reruns_across_calls(tmp_path, capsys):
     import json
 
-    import compare_losses
+    from benchmarks import compare_losses
 
     def run(level):
         return {"loss": [level] * 60, "val_step": [60], "val_loss": [level - 0.5], "summary": {}}
@@ -245,7 +255,7 @@ def test_grad_error_probe_measures_the_bf16_rounding_of_a_training_step(capsys):
     compute is off by its rounding (~1e-2): the probe's numbers separate the two."""
     import json
 
-    import grad_error_probe
+    from benchmarks import grad_error_probe
 
     assert grad_error_probe.gradient_kind("blocks/12/w_gu") == "w_gu"
     assert grad_error_probe.gradient_kind("final_norm") == "final_norm"
@@ -263,49 +273,88 @@ def test_grad_error_probe_measures_the_bf16_rounding_of_a_training_step(capsys):
 
 
 @pytest.mark.filterwarnings("ignore:PGLE collected an empty trace")  # a CPU trace has no GPU kernels
-def test_train_step_bench_runs_plain_and_coda_and_restores_the_environment(tmp_path, monkeypatch):
+def test_train_step_bench_runs_plain_and_coda_under_each_runs_options(tmp_path, monkeypatch):
     import json
 
-    import train_step_bench as tsb
+    from benchmarks import train_step_bench as tsb
+    from coda_jax.options import current_options
 
-    monkeypatch.delenv("CODA_JAX_CE_SAVE_LOGITS", raising=False)
+    seen = []  # the options in force where each CodaLlama is built (inside its run's context)
+    coda = tsb.CodaLlama
+
+    def recording(*a, **k):
+        o = current_options()
+        seen.append((o.cross_entropy.save_logits, o.routing.xla_output_below))
+        return coda(*a, **k)
+
+    monkeypatch.setattr(tsb, "CodaLlama", recording)
+    run = "xla:cross_entropy.save_logits=false,routing.xla_output_below=12345"
+    outside = current_options().routing.xla_output_below
     rows = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
-                     "--rounds", "1", "--runs", "plain,xla:CODA_JAX_CE_SAVE_LOGITS=0", "--out", str(tmp_path)])
-    assert [r["run"] for r in rows] == ["plain", "xla:CODA_JAX_CE_SAVE_LOGITS=0"]
+                     "--rounds", "1", "--runs", f"plain,{run},xla", "--out", str(tmp_path)])
+    assert [r["run"] for r in rows] == ["plain", run, "xla"]
+    assert seen == [(False, 12345), ("auto", outside)]  # the options of each run, none after it
     assert all(r["tokens_per_s"] > 0 and r["first_loss"] > 0 for r in rows)
-    assert "CODA_JAX_CE_SAVE_LOGITS" not in os.environ
+    assert rows[1]["first_loss"] == pytest.approx(rows[2]["first_loss"], rel=1e-6)  # the same step
+    assert current_options().cross_entropy.save_logits == "auto"
     assert list(json.loads((tmp_path / "train_step.json").read_text())) == ["tiny-1L 2x16"]
-    assert "| xla:CODA_JAX_CE_SAVE_LOGITS=0 |" in (tmp_path / "train_step.md").read_text()
+    assert f"| {run} |" in (tmp_path / "train_step.md").read_text()
     # --profile traces whole steps, each feeding its donated state to the next (a CPU trace
     # holds no GPU kernels: zeros, but the chain of steps must run).
     prof = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "2",
-                     "--rounds", "1", "--runs", "xla", "--profile"])
+                     "--rounds", "1", "--runs", "xla", "--profile", "--profile-top", "3"])
     assert set(prof[0]["profile"]) == {"device_ms", "busy_ms", "overlap_ms", "idle_ms", "by_class", "top_kernels",
                                          "kernel_calls", "fusions"}
+    assert len(prof[0]["profile"]["top_kernels"]) <= 3
     # JAX_ENABLE_PGLE=1: the step called through jit dispatch (profiled runs, then compiled
     # again); the PGLE settings are JAX's again afterwards.
     before = jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs
     pgle = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
                      "--rounds", "1", "--runs", "xla:JAX_ENABLE_PGLE=1"])
-    assert pgle[0]["tokens_per_s"] > 0 and pgle[0]["first_loss"] == rows[1]["first_loss"]
+    assert pgle[0]["tokens_per_s"] > 0 and pgle[0]["first_loss"] == rows[2]["first_loss"]
     # --remat block: every model's blocks rematerialized (the plain baseline's too); same losses.
     remat = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
-                      "--rounds", "1", "--runs", "plain,xla:CODA_JAX_CE_SAVE_LOGITS=0", "--remat", "block",
-                      "--out", str(tmp_path)])
-    assert [r["first_loss"] for r in remat] == pytest.approx([r["first_loss"] for r in rows], rel=1e-6)
+                      "--rounds", "1", "--runs", f"plain,{run}", "--remat", "block", "--out", str(tmp_path)])
+    assert [r["first_loss"] for r in remat] == pytest.approx([r["first_loss"] for r in rows[:2]], rel=1e-6)
     assert "tiny-1L 2x16 remat block" in json.loads((tmp_path / "train_step.json").read_text())
     assert (jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs) == before
     # PGLE_AOT=2: two traced steps, their profile (empty on a CPU) handed to a second
-    # ahead-of-time compile, which is the step timed; the setting is not exported.
+    # ahead-of-time compile, which is the step timed.
     aot = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
                     "--rounds", "1", "--runs", "xla:PGLE_AOT=2"])
-    assert aot[0]["tokens_per_s"] > 0 and aot[0]["first_loss"] == rows[1]["first_loss"]
-    assert aot[0]["pgle_profile"]["custom_calls"] == 0 and "PGLE_AOT" not in os.environ
+    assert aot[0]["tokens_per_s"] > 0 and aot[0]["first_loss"] == rows[2]["first_loss"]
+    assert aot[0]["pgle_profile"]["custom_calls"] == 0
+
+
+def test_train_step_bench_run_specs():
+    """``--runs``: commas separate runs and a run's settings alike (an item naming a model
+    starts a run); settings are coda-jax options, ``xla_*`` compile options or the PGLE ones,
+    and a bad one is refused with the rule."""
+    from benchmarks import train_step_bench as tsb
+    from coda_jax.options import CrossEntropyOptions, RoutingOptions
+
+    assert tsb.split_runs("plain,pallas:cross_entropy.save_logits=false,routing.plain_gemm=kernel,xla,plain") == [
+        "plain", "pallas:cross_entropy.save_logits=false,routing.plain_gemm=kernel", "xla", "plain"]
+    r = tsb.parse_run("pallas:cross_entropy.save_logits=false,routing.xla_programs=rms_rope+rms_dgrad_res<64,"
+                      "xla_gpu_enable_command_buffer=,PGLE_AOT=2")
+    assert r.model == "pallas" and r.aot_steps == 2 and r.pgle_runs == 0
+    assert r.options == {"cross_entropy": CrossEntropyOptions(save_logits=False),
+                         "routing": RoutingOptions(xla_programs={"rms_rope": None, "rms_dgrad_res": 64.0})}
+    assert r.xla_options == {"xla_gpu_enable_command_buffer": ""}
+    assert tsb.parse_run("xla:JAX_ENABLE_PGLE=1,JAX_PGLE_PROFILING_RUNS=2").pgle_runs == 2
+    assert tsb.parse_run("plain") == tsb.RunSpec("plain", "plain", {}, {})
     with pytest.raises(ValueError, match="plain, xla, pallas or cutedsl"):
         tsb.parse_run("torch")
-    with pytest.raises(ValueError, match="VAR=VALUE"):
+    with pytest.raises(ValueError, match="name=value"):
         tsb.parse_run("xla:FOO")
-    assert tsb.parse_run("pallas:A=1+B=x=2") == ("pallas", {"A": "1", "B": "x=2"})
+    with pytest.raises(ValueError, match="unknown coda_jax option 'CODA_JAX_CE_SAVE_LOGITS'.*xla_"):
+        tsb.parse_run("pallas:CODA_JAX_CE_SAVE_LOGITS=0")
+    with pytest.raises(ValueError, match="save_logits must be"):
+        tsb.parse_run("pallas:cross_entropy.save_logits=maybe")
+    with pytest.raises(ValueError, match="is not a run"):
+        tsb.split_runs("routing.plain_gemm=kernel,plain")
+    with pytest.raises(SystemExit):
+        tsb.main(["--runs", "plain,pallas:routing.no_such=1"])
 
 
 def test_backend_variant_replaces_and_restores_pallas_config_fields():
@@ -325,7 +374,7 @@ def test_backend_variant_replaces_and_restores_pallas_config_fields():
 
 
 def test_summarize_reports_device_time_beside_wall_clock():
-    import summarize
+    from benchmarks import summarize
 
     rows = [{"op": "norm_qkv_rope", "d": 2048, "backend": "plain", "fwdbwd_ms": 0.735, "fwdbwd_device_ms": 0.610},
             {"op": "norm_qkv_rope", "d": 2048, "backend": "pallas", "fwdbwd_ms": 0.933, "fwdbwd_device_ms": 0.736},
@@ -343,22 +392,12 @@ def test_summarize_reports_device_time_beside_wall_clock():
                                                         for r in rows], "test")
 
 
-def test_untuned_variant_turns_the_tuned_table_off(monkeypatch):
-    from coda_jax.pallas.tuned import TUNED_ENV, active_table_paths
-
-    monkeypatch.delenv(TUNED_ENV, raising=False)
-    assert active_table_paths()
-    with bench.backend_variant("pallas@untuned") as base:
-        assert base == "pallas" and active_table_paths() == ()
-    assert active_table_paths()
-
-
 def test_per_gpu_trace_analysis_counts_overlapping_streams_once():
     """kernels_by_gpu splits a trace's GPU stream events by device; busy time is the union
     of the kernel intervals (a collective beside a GEMM on another stream counts once), the
     overlap the rest; gpu_summary classes NCCL kernels as collectives."""
-    from device_time import busy_us, kernels_by_gpu
-    from profile_block import gpu_summary
+    from benchmarks.device_time import busy_us, kernels_by_gpu
+    from benchmarks.profile_block import gpu_summary
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:1"}},
@@ -385,7 +424,7 @@ def test_collective_placement_within_the_step():
     """collective_placement: a collective's time per tenth of the step where it starts, the
     part of it that compute kernels cover, and which classes run beside it; the mean over
     GPUs keeps it."""
-    from profile_block import collective_placement, gpu_summary, mean_over_gpus
+    from benchmarks.profile_block import collective_placement, gpu_summary, mean_over_gpus
 
     # Two back-to-back steps of 1000 us: compute [0, 900) then an all-reduce [900, 1000) that
     # nothing covers; in step 2 the all-reduce starts at 1150 beside a GEMM [1100, 1200) and
@@ -409,7 +448,7 @@ def test_model_profile_on_a_mesh_runs_on_cpu_devices(tmp_path):
     so only the bookkeeping runs here."""
     import json
 
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_block.py"), "--model", "tiny",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.profile_block", "--model", "tiny",
                         "--mesh", "data=2", "--batch", "4", "--seq", "32", "--backends", "plain,xla", "--steps", "1",
                         "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600,
@@ -426,7 +465,7 @@ def test_activation_gathers_count_computed_arrays_not_the_state():
     """An all-gather of a ``[batch*seq, ...]`` array computed in the step counts; one of a
     step parameter (FSDP gathering a weight whose dimension happens to equal the token
     count, run 143) does not; ``floating_only`` drops integer arrays."""
-    from train_step_bench import activation_gathers
+    from benchmarks.train_step_bench import activation_gathers
 
     hlo = "\n".join([
         "  %all-gather.1 = bf16[16384,2048]{1,0} all-gather(%fusion.7), channel_id=1, dimensions={0}",
@@ -441,7 +480,7 @@ def test_activation_gathers_count_computed_arrays_not_the_state():
 def test_hlo_fusions_names_a_profiled_xla_kernel():
     """A profile's XLA kernel name maps to its fusion instructions in the compiled HLO: by
     instruction name (``_N`` -> ``.N``) or as the deduplicated kernel several share."""
-    import train_step_bench as tsb
+    from benchmarks import train_step_bench as tsb
 
     hlo = "\n".join([
         '  %input_transpose_fusion.33 = bf16[4096,2048]{1,0} fusion(%param.11), kind=kInput, calls=%f.33, '
@@ -465,7 +504,7 @@ def test_hlo_fusions_names_a_profiled_xla_kernel():
 def test_collective_windows_count_what_the_schedule_overlaps():
     """hlo_schedule: the instructions scheduled between each async collective's start and
     done, by kind (a Mosaic GPU custom call, XLA's GEMM fusion, other fusions)."""
-    from hlo_schedule import collective_windows, kind_timeline, window_summary
+    from benchmarks.hlo_schedule import collective_windows, kind_timeline, window_summary
 
     hlo = """HloModule m, is_scheduled=true
 
@@ -525,7 +564,7 @@ def test_plain_residual_rms_computes_the_carry_the_fused_op_writes():
     import jax.numpy as jnp
 
     import coda_jax as cj
-    import plain_ops
+    from benchmarks import plain_ops
 
     r = bench.Inputs(5)
     y, w, res, g = r.normal((64, 128)), r.normal((128, 128), 128 ** -0.5), r.normal((64, 128)), r.normal((128,), 0.1, 1.0)
@@ -555,7 +594,7 @@ def _trace_events(pid, tid, spans):
 
 
 def test_kernel_timeline_summary_of_a_synthetic_ping_pong_trace():
-    import kernel_timeline
+    from benchmarks import kernel_timeline
 
     # One SM, ping-pong: consumer 1 runs mainloop 0-10 (waiting 0-2 for a stage) and its
     # epilogue 10-16; consumer 2 runs mainloop 10-20 and epilogue 20-30 (nothing overlaps
@@ -577,7 +616,7 @@ def test_kernel_timeline_summary_of_a_synthetic_ping_pong_trace():
 
 
 def test_kernel_timeline_counts_a_scope_reentered_inside_itself_once():
-    import kernel_timeline
+    from benchmarks import kernel_timeline
 
     ev = [("B", 0.0), ("B", 1.0), ("E", 9.0), ("E", 10.0)]  # mainloop inside mainloop
     spans = kernel_timeline._intervals([{"name": "mainloop", "ph": ph, "ts": t, "pid": 1, "tid": 1} for ph, t in ev])
@@ -585,7 +624,7 @@ def test_kernel_timeline_counts_a_scope_reentered_inside_itself_once():
 
 
 def test_kernel_timeline_sees_consumers_in_lockstep():
-    import kernel_timeline
+    from benchmarks import kernel_timeline
 
     # Both consumers run MMAs 0-10 and epilogues 10-20 at once: a cooperative-like lockstep.
     c = [("mainloop", 0, 10), ("epilogue", 10, 20)]
@@ -607,28 +646,10 @@ def test_a_config_variant_reaches_the_tuned_tables_entries():
     assert not any(c.swizzle_epilogue for c in entries())
 
 
-def test_a_forced_schedule_bypasses_the_tuned_table(monkeypatch):
-    from coda_jax.pallas import lowering as pl_low
-    from coda_jax.pallas.tuning import SCHEDULE_ENV
-
-    seen = []
-    monkeypatch.setattr(pl_low, "tuned_config", lambda *a, **k: seen.append(a) or None)
-    monkeypatch.setattr(pl_low, "_default_device", lambda: type("D", (), {"platform": "gpu", "device_kind": "H"})())
-    monkeypatch.setattr(pl_low, "_num_sms", lambda interpret: 132)
-    monkeypatch.setattr(pl_low, "_grid_sms", lambda interpret: 132)
-    from coda_jax import programs
-
-    pl_low.PallasLowering.default_config(programs.SWIGLU_DGRAD, 8192, 8192, 2048, False, True, False)
-    assert len(seen) == 1  # the table is asked
-    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
-    cfg = pl_low.PallasLowering.default_config(programs.SWIGLU_DGRAD, 8192, 8192, 2048, False, True, False)
-    assert len(seen) == 1 and cfg.pingpong  # not asked: the forced schedule decides
-
-
 def test_tune_sweep_programs_get_the_loads_they_declare():
     """tune.py's epilogue sweep builds each program's loads by hand: they must match its
     declaration (swiglu_dgrad's rstd was missing there, so the sweep skipped it)."""
-    import tune
+    from benchmarks import tune
 
     progs, _, _ = tune.block_programs(m=256)
     for name, epi, _, _, _, loads in progs:
@@ -642,7 +663,7 @@ def test_tune_epilogue_sweep_times_the_variants_it_is_given(monkeypatch):
     loop then looked programs up as variants (KeyError)."""
     import argparse
 
-    import tune
+    from benchmarks import tune
 
     timed = []
     monkeypatch.setattr(tune, "M", 256)
@@ -660,7 +681,7 @@ def test_tune_epilogue_sweep_times_the_variants_it_is_given(monkeypatch):
 def test_step_ceiling_splits_a_profile_and_bounds_the_ratio():
     """step_ceiling.py: the optimizer's kernels (its named scope), the parameter casts and the
     other passes of a profiled step, and the device-time bounds against plain JAX."""
-    import step_ceiling as sc
+    from benchmarks import step_ceiling as sc
 
     def prof(gemm, coda, other, kernels):
         fus = {k: {"op_name": op, "operands": operands, "shape": "f32[8]", "count": 1}
@@ -690,7 +711,7 @@ def test_step_ceiling_lists_fused_gemms_by_call_site():
     """step_ceiling.py: Pallas kernels named ``coda_<program>_<layout>_<M>x<N>x<K>`` become
     one line each, with launches, ms per launch and TFLOP/s; other kernels are not listed,
     and a profile without launch counts gives dashes."""
-    import step_ceiling as sc
+    from benchmarks import step_ceiling as sc
 
     name = "coda_swiglu_dgrad_nt_8192x8192x2048_mosaic_gpu_kernel"
     prof = {"top_kernels": [[name, 8.0], ["nvjet_sm90_tst_128x256", 5.0], ["coda_rms_rope_nn_64x128x64", 1.0]],
@@ -711,7 +732,7 @@ def test_step_ceiling_lists_fused_gemms_by_call_site():
 def test_clock_sampler_parses_nvidia_smi_and_is_silent_without_it(monkeypatch):
     """``gpu_clock``: medians of nvidia-smi's ``MHz, W`` lines (other lines skipped); on a
     machine without nvidia-smi the sampler runs its block and reports nothing."""
-    import gpu_clock
+    from benchmarks import gpu_clock
 
     samples = gpu_clock.parse_samples("1545, 694.12\n1980, 120.5\n[N/A], 70.1\n\n1500, 699.90\n")
     assert samples == [(1545.0, 694.12), (1980.0, 120.5), (1500.0, 699.9)]
@@ -732,7 +753,7 @@ def test_clock_sampler_parses_nvidia_smi_and_is_silent_without_it(monkeypatch):
 def test_tune_op_spec_traces_the_op_benchmarks_kernel_calls(monkeypatch):
     """``tune.py --model op:norm_matmul:2048`` tunes the GEMMs the op benchmark times: the
     forward, the narrow-side norm backward and the wgrad, at the benchmark's shapes."""
-    import tune
+    from benchmarks import tune
     from coda_jax.pallas import autotune as at
 
     monkeypatch.setattr(bench, "TOKENS", 256)
@@ -758,8 +779,8 @@ def test_sass_hotspots_reads_ncu_source_csv(tmp_path):
         '"0x10","WARPGROUP.DEPBAR.LE gsb0, 0x0","60","50","8","55","5"\n'
         '"0x20","@!P2  BRA 0x100","30","20","8","0","30"\n'
         '"0x30","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24","1,000","0","64","0","1,000"\n')
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_hotspots.py"), str(csv), "--top", "2"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "benchmarks.sass_hotspots", str(csv), "--top", "2"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert "samples 1090 in 3 instructions" in out
     lines = out.splitlines()
     ops = lines[lines.index(next(l for l in lines if l.startswith("samples"))) + 1:][:3]
@@ -830,9 +851,11 @@ def test_kernel_plans_prints_each_calls_plan(capsys):
     """``benchmarks/kernel_plans.py`` prints one row per kernel call of the step with each
     variant's planned configuration; one output slot shows as ``1o``, an unknown variant is
     refused by name."""
-    import kernel_plans
+    from benchmarks import kernel_plans
+    from coda_jax.options import current_options
+    from coda_jax.pallas.interpret import interpret_enabled
 
-    before = {k: os.environ.get(k) for k in kernel_plans.TRACE_ENV}
+    before = current_options(), interpret_enabled()
     kernel_plans.main(["--model", "1b-1:8:1024", "--variants", "heuristic,one_out_slot"])
     rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| ") and "program" not in l]
     assert len(rows) >= 8
@@ -840,9 +863,16 @@ def test_kernel_plans_prints_each_calls_plan(capsys):
     heuristic, one = by_name[("residual_rms", "8192x2048x2048")]
     assert heuristic.endswith("2o") and one.rstrip(" |").endswith("1o")
     assert ("rms_lse_logits", "8192x128256x2048") in by_name  # the logits are kept, as on the H100
-    assert {k: os.environ.get(k) for k in kernel_plans.TRACE_ENV} == before  # restored
+    assert (current_options(), interpret_enabled()) == before  # restored
+    # --options: the step traced without its logits kept (the recompute path's programs)
+    kernel_plans.main(["--model", "1b-1:8:1024", "--variants", "heuristic", "--options",
+                       "cross_entropy.save_logits=false"])
+    recompute = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| ") and "program" not in l]
+    assert not any(l.startswith("| rms_lse_logits |") for l in recompute)
     with pytest.raises(SystemExit):
         kernel_plans.main(["--model", "1b-1:8:1024", "--variants", "heuristic,no_such_candidate"])
+    with pytest.raises(SystemExit):
+        kernel_plans.main(["--model", "1b-1:8:1024", "--options", "cross_entropy.save_logits=maybe"])
 
 
 def test_write_hlo_strips_kernel_modules(tmp_path):
@@ -851,7 +881,7 @@ def test_write_hlo_strips_kernel_modules(tmp_path):
     whole, and a line still over 8000 characters keeps its two ends."""
     import gzip
 
-    import train_step_bench as tsb
+    from benchmarks import train_step_bench as tsb
 
     kernel = ('  %mpmd_map.1 = bf16[8,8]{1,0} custom-call(%p), custom_call_target="mosaic_gpu_v2", '
               'backend_config={kernel_hash = "\\12\\22\\ab", module = "ML\\EFR' + "x" * 50000 + '\\22tail", '

@@ -1,12 +1,7 @@
 """benchmarks/compile_time.py on the CPU: a second process loads every XLA executable of the
 train and eval steps from JAX's persistent compilation cache."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import compile_time  # noqa: E402
+from benchmarks import compile_time
 
 
 def test_compile_time_second_process_hits_the_persistent_cache(tmp_path):

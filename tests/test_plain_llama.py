@@ -1,20 +1,15 @@
 """The plain JAX baseline (benchmarks/plain_llama.py) computes the same function as CodaLlama,
 so "speed vs plain JAX" compares two implementations of one model."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from coda_jax.layers import CodaLlama, LlamaConfig  # noqa: E402
-from coda_jax.ops.rope_frequencies import Llama3RopeScaling  # noqa: E402
-from conftest import rel_err  # noqa: E402
-from plain_llama import PlainLlama  # noqa: E402
+from benchmarks.plain_llama import PlainLlama
+from coda_jax.layers import CodaLlama, LlamaConfig
+from coda_jax.ops.rope_frequencies import Llama3RopeScaling
+from conftest import rel_err
 
 
 @pytest.mark.parametrize("tied", [True, False])

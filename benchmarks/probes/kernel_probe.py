@@ -1,7 +1,7 @@
 """Runs one forward program's kernel a few times: a target for ``ncu`` (Nsight Compute).
 
     ncu -k regex:coda_ -c 1 --section SpeedOfLight --section WarpStateStats \\
-        python3 benchmarks/kernel_probe.py 'rms_dgrad_res dgrad' --backend cutedsl
+        python3 -m benchmarks.probes.kernel_probe 'rms_dgrad_res dgrad' --backend cutedsl
 
 Programs and shapes are the epilogue benchmark's (``bench.py --parts epilogues``), by label
 (``identity`` takes the first case of that label, the QKV projection's shape).
@@ -13,7 +13,7 @@ import argparse
 
 import jax
 
-import bench
+from benchmarks import bench
 
 
 def main() -> None:
