@@ -10,11 +10,14 @@ the first 50 steps, and the last window), the largest per-step difference over t
 loss, and the steady-state tokens/s and MFU. Writes ``loss_compare.json`` beside the first
 run and, with ``--curves``, every run's per-step losses in one JSON file. ``--pool`` reads
 such files from several device calls and prints each backend's mean and spread over all
-its runs (``benchmarks/curves/`` keeps those behind RESULTS.md).
+its runs (``benchmarks/curves/`` keeps those behind HISTORY.md).
 
-A rerun of the same backend (``xla xla`` in ``TRAIN_BACKENDS``) or the reference under other
-GEMM algorithms (``xla:XLA_FLAGS=--xla_gpu_autotune_level=0``) measures how far two equally
-exact runs drift apart: the noise floor a backend's difference is judged against.
+The runs are ``examples/train_llama.py`` runs, one per backend, e.g. ``python3
+examples/train_llama.py --backend pallas --preset 1b --steps 300 --ckpt-every 0 --no-resume
+--out /tmp/train_pallas``; a directory named ``train_<label>`` is labelled ``<label>``, else by
+its backend. A rerun of the same backend, or the reference under other GEMM algorithms
+(``XLA_FLAGS=--xla_gpu_autotune_level=0``), measures how far two equally exact runs drift
+apart: the noise floor a backend's difference is judged against.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def _windows(losses: list[float]) -> list[float]:
 
 
 def _label(d: Path, summ: dict) -> str:
-    # gpu_suite.sh names run directories train_<backend or variant spec>
+    # a run directory named train_<label> (the device runs' convention) is labelled <label>
     return d.name.removeprefix("train_") if d.name.startswith("train_") else str(summ.get("backend"))
 
 

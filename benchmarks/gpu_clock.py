@@ -5,7 +5,7 @@
     clock.summary  # {"sm_clock_mhz": 1545.0, "power_w": 694.0, "samples": 75} or None
 
 A training step keeps an H100 at its power cap, where the SM clock falls well below its
-1980 MHz boost (benchmarks/RESULTS.md, run 216); two runs compared in tokens/s may run at
+1980 MHz boost (benchmarks/HISTORY.md, run 216); two runs compared in tokens/s may run at
 different clocks. The sampler runs ``nvidia-smi --query-gpu=clocks.sm,power.draw -lms
 PERIOD`` beside the block and reports the medians over every sample of every GPU the process
 sees: ``nvidia-smi`` ignores ``CUDA_VISIBLE_DEVICES``, so the sampler passes its list as

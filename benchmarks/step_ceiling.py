@@ -3,7 +3,7 @@
     python -m benchmarks.step_ceiling RESULT_DIR [...]
 
 Reads the ``train_step.json`` of each directory, written by ``train_step_bench.py --profile``
-(each run's whole step traced, optimizer included: ``gpu_suite.sh`` with ``STEP_PROFILE=1``;
+(each run's whole step traced, optimizer included: ``gpu_bench.sh`` with ``STEP_ARGS=--profile``;
 merged as ``summarize.py`` merges them: a later directory's configuration replaces an
 earlier one's, so each table compares runs of one process) and splits
 each run's GPU kernel time per step into
@@ -28,7 +28,7 @@ run's own. Ratios here are of device time (summed kernel durations), not tokens/
 
 Both bounds keep every kernel's measured duration. On a GPU held at its power cap (an H100
 in a training step) that is optimistic: the memory-bound passes that fusion removes drew
-less power than the GEMMs, so without them the GEMMs run at a lower clock (RESULTS.md, run
+less power than the GEMMs, so without them the GEMMs run at a lower clock (HISTORY.md, run
 222: Pallas's 1B step at 1530 MHz, plain JAX's at 1635 MHz, both at 690 W).
 
 Below each table, the fused GEMMs per call site: a Pallas kernel is named

@@ -3,7 +3,7 @@
     python -m benchmarks.summarize RESULT_DIR [RESULT_DIR ...] --label "run 74, H100, <commit>" \
         [--update benchmarks/RESULTS.md]
 
-Reads what ``gpu_suite.sh`` left in each directory (``train_step.json`` from
+Reads what ``gpu_bench.sh`` left in each directory (``train_step.json`` from
 ``train_step_bench.py``, ``bench.json`` from ``bench.py``; later directories win on the same
 key) and writes ``current.md`` and ``current.png`` into the first one: each backend against
 plain JAX, for the train step (tokens/s over the plain JAX Llama's, same process), the block

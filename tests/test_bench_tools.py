@@ -6,6 +6,7 @@ order, which settings a variant applies), not any timing.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -789,62 +790,82 @@ def test_sass_hotspots_reads_ncu_source_csv(tmp_path):
     assert "HGMMA" in top and "WARPGROUP.DEPBAR" in top and "BRA" not in top and "stall_barrier=55" in top
 
 
-def test_gpu_suite_ncu_source_step_with_a_stub_ncu(tmp_path):
-    # The device script's NCU_SOURCE=1 path end to end on the CPU: a stub `ncu` writes a report,
-    # its details and its source-page CSV; the script must run sass_hotspots.py on each
-    # program's CSV and keep the summaries in $OUT/ncu_source.log.
+def _device_stubs(tmp_path) -> Path:
+    """A folder with stand-ins for the device's ``nvidia-smi`` and ``python3`` (this venv's)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "ncu").write_text(
-        "#!/usr/bin/env bash\n"
-        'args="$*"\n'
-        'if [[ $args == *"--page source"* ]]; then\n'
-        "  printf '\"Address\",\"Source\",\"Warp Stall Sampling (All Samples)\",\"stall_wait\"\\n'\n"
-        "  printf '\"0x1\",\"HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24\",\"12\",\"2\"\\n'\n"
-        'elif [[ $args == *"--page details"* ]]; then echo "    Duration  ms  0.35"\n'
-        'else while [ $# -gt 0 ]; do [ "$1" = "-o" ] && touch "$2.ncu-rep"; shift; done; fi\n')
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'stub GPU'\n")
-    (bin_dir / "python3").write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "$@"\n')  # this venv's
-    for f in ("ncu", "nvidia-smi", "python3"):
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'NVIDIA Stub GPU, 1.0, 80 MiB'\n")
+    (bin_dir / "python3").write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "$@"\n')
+    for f in ("nvidia-smi", "python3"):
         (bin_dir / f).chmod(0o755)
+    return bin_dir
+
+
+def test_gpu_tests_script_adds_cutedsl_when_carried_and_exits_with_pytests_status(tmp_path):
+    """``gpu_tests.sh`` in a stand-in checkout: the carried CuTeDSL archive is unpacked (with the
+    carried ``zstd``; a stub that passes the tar through) and adds ``test_gpu_cutedsl.py`` to
+    the default files; the script exits with pytest's status: 1 with a failing test, 5 when
+    ``GPU_TESTS_K`` selects none."""
+    import shutil
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    for f in ("gpu_tests.sh", "gpu_common.sh"):
+        shutil.copy(ROOT / "benchmarks" / f, repo / "benchmarks" / f)
+    (repo / "tests").mkdir()
+    for name, body in (("pallas", "assert True"), ("cutedsl", "assert False"), ("multi", "assert True")):
+        (repo / "tests" / f"test_gpu_{name}.py").write_text(
+            f"import pytest\n\n\n@pytest.mark.gpu\ndef test_{name}_case():\n    {body}\n")
+    (repo / ".whl").mkdir()
+    pkg = tmp_path / "pkg" / "nvidia_cutlass_dsl" / "dsl_packages"
+    pkg.mkdir(parents=True)
+    (pkg / "marker.txt").write_text("unpacked")
+    with tarfile.open(repo / ".whl" / "cutlass_dsl.tar.zst", "w") as tar:  # "compressed" by the stub below
+        tar.add(tmp_path / "pkg" / "nvidia_cutlass_dsl", arcname="nvidia_cutlass_dsl")
+    (repo / ".whl" / "zstd").write_text('#!/usr/bin/env bash\ncat "${@: -1}"\n')
+    (repo / ".whl" / "zstd").chmod(0o755)
     out = tmp_path / "out"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), SKIP_TESTS="1", SKIP_BENCH="1",
-               NCU_PROGRAMS="identity;rms_swiglu_train", NCU_SOURCE="1", JAX_PLATFORMS="cpu")
-    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh")], env=env, cwd=ROOT, check=True,
-                   capture_output=True, text=True, timeout=300)
-    summary = (out / "ncu_source.log").read_text()
-    assert summary.count("samples 12 in 1 instructions") == 2 and "HGMMA" in summary
-    assert (out / "ncu.log").read_text().count("Duration") == 2
-    # Its exit status is the GPU tests' pytest status: here none is selected (pytest's 5).
-    env.update(NCU_PROGRAMS="", GPU_TESTS="tests/test_gpu_multi.py", GPU_TESTS_K="no_such_test", GPU_TEST_WORKERS="0")
-    del env["SKIP_TESTS"]
-    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh")], env=env, cwd=ROOT,
+    env = dict(os.environ, PATH=f"{_device_stubs(tmp_path)}:{os.environ['PATH']}", OUT=str(out),
+               TMPDIR=str(tmp_path), GPU_TEST_WORKERS="0", JAX_PLATFORMS="cpu")
+    run = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_tests.sh")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert (tmp_path / "site" / "nvidia_cutlass_dsl" / "dsl_packages" / "marker.txt").exists()
+    log = (out / "tests_full.log").read_text()
+    assert "test_pallas_case PASSED" in log and "test_cutedsl_case FAILED" in log and "test_multi_case PASSED" in log
+    assert "xla,pallas,cutedsl" in (out / "tests.log").read_text() and "NVIDIA Stub GPU" in (out / "gpu.txt").read_text()
+    env.update(GPU_TESTS="tests/test_gpu_pallas.py", GPU_TESTS_K="no_such_test")
+    run = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_tests.sh")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 5, run.stdout[-2000:]
 
 
-def test_gpu_suite_packs_its_files_when_more_than_eight(tmp_path):
-    # The device tool returns at most 8 files of $OUT, the first in path order: with more,
-    # the script leaves one archive of all of them, named to sort first.
+@pytest.mark.filterwarnings("ignore")
+def test_gpu_bench_script_runs_step_op_bench_and_summary_and_packs_its_files(tmp_path):
+    """``gpu_bench.sh`` on the CPU: a tiny train step against plain JAX (a run with an option),
+    the op bench (its arguments passed through), the summary; with more than 8 files under
+    ``$OUT`` (the device tool returns 8), one archive of all of them, named to sort first."""
     import tarfile
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'stub GPU'\n")
-    (bin_dir / "python3").write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "$@"\n')
-    for f in ("nvidia-smi", "python3"):
-        (bin_dir / f).chmod(0o755)
     out = tmp_path / "out"
     (out / "tune").mkdir(parents=True)
-    for i in range(9):
+    for i in range(6):
         (out / "tune" / f"f{i}.txt").write_text(str(i))
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), SKIP_TESTS="1", SKIP_BENCH="1",
-               JAX_PLATFORMS="cpu")
-    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh")], env=env, cwd=ROOT, check=True,
-                   capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PATH=f"{_device_stubs(tmp_path)}:{os.environ['PATH']}", OUT=str(out),
+               TMPDIR=str(tmp_path), JAX_PLATFORMS="cpu", STEP_BENCH="tiny-1:2:16",
+               STEP_RUNS="plain,xla:cross_entropy.save_logits=false", STEP_ARGS="--steps 1 --rounds 1",
+               BENCH_PARTS="ops", LABEL="stub run")
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_bench.sh"), "--smoke", "--backends", "plain,xla",
+                          "--ops", "norm_matmul"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "| xla:cross_entropy.save_logits=false |" in (out / "train_step.md").read_text()
+    current = (out / "current.md").read_text()
+    assert "Current numbers (stub run)" in current and "| tiny-1L 2x16 | xla:cross_entropy.save_logits=false |" in current
+    assert re.search(r"\| norm_matmul d=256 \| [0-9.]+x \|", current)  # bench.py's arguments reached it
     assert sorted(p.name for p in out.iterdir())[0] == "0_all.tgz"
     with tarfile.open(out / "0_all.tgz") as tar:
-        assert {f"./tune/f{i}.txt" for i in range(9)} <= set(tar.getnames())
+        assert {"./current.md", "./bench.json", "./train_step.json", "./tune/f5.txt"} <= set(tar.getnames())
 
 
 def test_kernel_plans_prints_each_calls_plan(capsys):
