@@ -30,6 +30,7 @@ import jax
 
 from coda_jax.lowering import GemmLowering
 from coda_jax.options import current_options, options, reset_options, set_options
+from coda_jax.partitioning import PartitionedLowering
 
 logger = logging.getLogger("coda_jax")
 
@@ -125,6 +126,7 @@ def backend_unavailable_reason(name: str) -> str | None:
     if name == "xla":
         return None
     if name == "pallas":
+        # The registry imports a backend's package only when that backend is asked for.
         from coda_jax.pallas.interpret import interpret_enabled
 
         if interpret_enabled():
@@ -202,8 +204,6 @@ def lowering_for(op: str, backend: str | None = None) -> GemmLowering:
     """The GEMM lowering that runs ``op`` (resolving the backend, applying fallback)."""
     name = resolve_backend(backend)
     _ensure_registered(name)
-    from coda_jax.partitioning import PartitionedLowering
-
     if op in _ops[name]:
         return PartitionedLowering(_lowering_overrides.get().get(name) or _lowerings[name]())
     if not _fallback_allowed():

@@ -28,7 +28,8 @@ shardings derived from the epilogue declaration:
   not partitioned: the partitioner gathers its operands (correct, not fast).
 
 Which mesh axes shard tokens: :data:`TOKEN_AXES` (``("data", "fsdp")``), those present in
-the context mesh with size > 1; :func:`set_token_axes` changes them. Without a context mesh,
+the context mesh with size > 1; :func:`set_token_axes` changes them (both kept in
+:mod:`coda_jax.mesh_axes`, with the context mesh and the FSDP split). Without a context mesh,
 or when the token count is not a multiple of the token axes' size, the kernel runs
 unpartitioned (logged once).
 
@@ -48,9 +49,7 @@ docs/performance.md#fsdp-split the measurements behind them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,17 +59,26 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from coda_jax import mesh_axes
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import GemmLowering, gemm_dims, routes_to_xla
-from coda_jax.options import MeshOptions, current_options, is_set, options
+# The mesh axes, the context mesh and the FSDP split live in coda_jax.mesh_axes (read by
+# coda_jax.sharding too); they stay importable from here.
+from coda_jax.mesh_axes import (FSDP_AXIS, FSDP_SPLITS, axis_size, context_mesh, features_split,  # noqa: F401
+                                fsdp_split, fsdp_split_as, fsdp_split_on, fsdp_without_tensor, set_token_axes,
+                                token_axes, token_shards)
+from coda_jax.options import current_options, is_set
 from coda_jax.reference import xla_backend_lowering
 
 logger = logging.getLogger("coda_jax")
-
-TOKEN_AXES: tuple[str, ...] = ("data", "fsdp")
-# The token axis over which the parameters are split too (FSDP, ZeRO-3).
-FSDP_AXIS = "fsdp"
 _warned: set[str] = set()
+
+
+def __getattr__(name: str):
+    # TOKEN_AXES is rebound by set_token_axes: read it where it lives, not as a copy.
+    if name == "TOKEN_AXES":
+        return mesh_axes.TOKEN_AXES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fsdp_xla_tokens_below() -> int:
@@ -81,56 +89,14 @@ def fsdp_xla_tokens_below() -> int:
     return current_options().mesh.fsdp_xla_tokens_below
 
 
-FSDP_SPLITS = ("width", "features")
-# Which dimension of each weight FSDP splits (the option mesh.fsdp_split). "width": the model
-# width (``embed``; each 2-D weight's split then moves to its rows, beside a tensor split
-# where there is one, sharding.rows_first), every weight gathered whole where a GEMM uses it
-# (ZeRO-3). "features": the MLP, attention and vocabulary features, where plain JAX's
-# largest-dimension placement puts them; every GEMM is then XLA ops left to the partitioner,
-# which with few tokens in the FSDP group runs the MLP as tensor parallelism over the FSDP
-# axis (gathering activations, not its weights). Features win with few tokens a step and lose
-# with many; with the kernels split by tokens the features placement is slower (a gather
-# along a weight's minor dimension costs transposes), so it always comes with the
-# partitioner. :func:`choose_fsdp_split` picks by the tokens a step.
-#
-# choose_fsdp_split: "features" while each FSDP group's tokens a step (tokens a device times
-# the FSDP axis size) are at most this fraction of a block's weight elements over the width
-# (LlamaConfig.block_weights_per_width): the group's activations [tokens, d] against a block's
-# weights (the crossover measured at the 1B and 8B widths: docs/performance.md#fsdp-split).
-# Without the model's sizes: the 1B bound, FEATURES_SPLIT_MAX_GROUP_TOKENS.
+# choose_fsdp_split (the splits: coda_jax.mesh_axes.FSDP_SPLITS): "features" while each FSDP
+# group's tokens a step (tokens a device times the FSDP axis size) are at most this fraction of
+# a block's weight elements over the width (LlamaConfig.block_weights_per_width): the group's
+# activations [tokens, d] against a block's weights (the crossover measured at the 1B and 8B
+# widths: docs/performance.md#fsdp-split). Without the model's sizes: the 1B bound,
+# FEATURES_SPLIT_MAX_GROUP_TOKENS.
 FEATURES_SPLIT_WEIGHT_FRACTION = 0.21
 FEATURES_SPLIT_MAX_GROUP_TOKENS = 6144
-
-
-def fsdp_split_as(split: str | None):
-    """The option ``mesh.fsdp_split`` set to ``split`` for the ``with`` block (``None``: left as
-    it is). Set it before the state is sharded (:func:`coda_jax.sharding.shard_state`) and keep
-    it while the step is traced: the placement and the GEMMs' partitioning rules follow it
-    together."""
-    return options(mesh=MeshOptions(fsdp_split=split))
-
-
-def fsdp_split() -> str:
-    """The FSDP split in force (the option ``mesh.fsdp_split``, see :data:`FSDP_SPLITS`)."""
-    return current_options().mesh.fsdp_split
-
-
-def _fsdp_without_tensor(mesh) -> bool:
-    """Whether ``mesh`` has an FSDP axis and no tensor axis: where the split can be the
-    features (tensor parallelism keeps its own placement, :mod:`coda_jax.layers.tensor_parallel`)."""
-    return mesh is not None and axis_size(mesh, FSDP_AXIS) > 1 and axis_size(mesh, "tensor") <= 1
-
-
-def features_split(mesh) -> bool:
-    """Whether the weights on ``mesh`` are split along their features: :func:`fsdp_split` is
-    ``"features"`` on a mesh with an FSDP axis and no tensor axis."""
-    return _fsdp_without_tensor(mesh) and fsdp_split() == "features"
-
-
-def fsdp_split_on(mesh) -> str:
-    """The split the weights on ``mesh`` actually take: ``"features"`` where
-    :func:`features_split`, else ``"width"``."""
-    return "features" if features_split(mesh) else "width"
 
 
 def choose_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int | None = None) -> str:
@@ -144,7 +110,7 @@ def choose_fsdp_split(mesh, tokens_per_step: int, block_weights_per_width: int |
     split, and the features placement is the one made for it); else ``"width"``. (On an
     Explicit mesh the layers gather every weight themselves, so the partitioner has no
     choice to make.)"""
-    if not _fsdp_without_tensor(mesh) or getattr(mesh, "are_all_axes_explicit", False):
+    if not fsdp_without_tensor(mesh) or getattr(mesh, "are_all_axes_explicit", False):
         return "width"
     group_tokens = tokens_per_step // max(1, axis_size(mesh, "data"))
     if group_tokens // axis_size(mesh, FSDP_AXIS) < fsdp_xla_tokens_below():
@@ -200,41 +166,6 @@ def _sum_shards(v: jax.Array) -> jax.Array:
     puts a sharding constraint inside the reduction's body, which XLA's CPU compiler
     rejects."""
     return lax.reduce(v, np.zeros((), v.dtype), lax.add, (0,))
-
-
-def set_token_axes(axes: tuple[str, ...]) -> None:
-    """The mesh axes over which activations' token (row) dimension is sharded."""
-    global TOKEN_AXES
-    if not all(isinstance(a, str) for a in axes):
-        raise TypeError(f"token axes must be mesh axis names (str), got {axes!r}")
-    TOKEN_AXES = tuple(axes)
-
-
-def context_mesh():
-    """The mesh set by ``jax.set_mesh`` / ``jax.sharding.use_mesh``, or ``None``."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh is None or mesh.empty else mesh
-
-
-def axis_size(mesh, name: str) -> int:
-    """Size of ``mesh``'s axis ``name``: 1 without a mesh, without the axis, or where the axis
-    is already manual (inside a ``shard_map`` over it, e.g. the tensor-parallel block's, code
-    sees its shard only and must not split it again)."""
-    if mesh is None or name not in mesh.axis_names or name in set(getattr(mesh, "manual_axes", ()) or ()):
-        return 1
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))[name]
-
-
-def token_axes(mesh) -> tuple[str, ...]:
-    """:data:`TOKEN_AXES` present in ``mesh`` with more than one device and not already
-    manual (:func:`axis_size`)."""
-    return tuple(a for a in TOKEN_AXES if axis_size(mesh, a) > 1)
-
-
-def token_shards(mesh) -> int:
-    """How many ways ``mesh`` splits the tokens: the product of :func:`token_axes`' sizes (1
-    without a mesh or token axes)."""
-    return math.prod(axis_size(mesh, a) for a in token_axes(mesh))
 
 
 def _warn_once(key: str, msg: str) -> None:

@@ -22,6 +22,8 @@ from jax import lax
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import check_out_splits, split_columns
+from coda_jax.mesh_axes import explicit_sharding
+from coda_jax.options import current_options
 
 # Column chunk of the reference's online log-sum-exp (the largest logits block alive).
 LSE_CHUNK = 8192
@@ -46,8 +48,6 @@ def _contracted_out_sharding(a: jax.Array, b: jax.Array, ca: int, cb: int):
     """Under an Explicit-mode mesh, a GEMM that contracts a sharded axis (a wgrad over
     sharded tokens) must name its output sharding: the operands' free axes keep theirs
     (the partial sums are reduced across the contracted axis's devices). ``None`` otherwise."""
-    from coda_jax.sharding import explicit_sharding  # a layer above the backends: imported at use
-
     sa, sb = explicit_sharding(a), explicit_sharding(b)
     if sa is None or sb is None:
         return None
@@ -120,8 +120,6 @@ def _split_half(x: jax.Array, b: int) -> jax.Array:
 def _first_of_pair(like: jax.Array) -> jax.Array:
     """Boolean mask of the ``lo`` half of a ``[..., C, 2, b]`` array, sharded like ``like``
     under an Explicit-mode mesh (a select needs its mask sharded like its cases)."""
-    from coda_jax.sharding import explicit_sharding  # a layer above the backends: imported at use
-
     iota = lax.broadcasted_iota(jnp.int32, like.shape, like.ndim - 2, out_sharding=explicit_sharding(like))
     return iota == 0
 
@@ -307,8 +305,6 @@ def xla_backend_lowering() -> ReferenceLowering:
     """The ``"xla"`` backend's lowering: :data:`REFERENCE`'s math with the GEMM output
     rounded to the 16-bit operand dtype (the option ``xla.accumulate="operand"``, the
     default), or kept in float32 (``"float32"``: exact, slower). Read at trace time."""
-    from coda_jax.options import current_options
-
     return REFERENCE if current_options().xla.accumulate == "float32" else _XLA_ROUNDED
 
 

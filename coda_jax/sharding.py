@@ -25,9 +25,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from coda_jax import partitioning
+from coda_jax import mesh_axes
+from coda_jax.mesh_axes import FSDP_AXIS, TENSOR_AXIS, context_mesh, explicit_sharding, features_split
 
-FSDP_AXIS = partitioning.FSDP_AXIS
 # Logical axis names the layers attach to their parameters (``nnx.Param`` metadata
 # ``out_sharding``, :func:`logical_param`) and the mesh axis each maps to: FSDP splits the
 # model width (``qkv_embed`` is the width as ``w_qkv``'s rows), tensor parallelism the MLP
@@ -39,9 +39,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
 )
 # (The vocabulary over "tensor": the vocab-parallel LM head takes the table split so, and a
 # table whole over "tensor" had its head gradient, V x d, gathered whole every step.)
-# Under FSDP with ``partitioning.fsdp_split() == "features"`` (and no tensor axis): the MLP
+# Under FSDP with ``mesh_axes.fsdp_split() == "features"`` (and no tensor axis): the MLP
 # weights, ``w_o`` and the embedding split along their features, not the width (see
-# coda_jax.partitioning.FSDP_SPLITS). ``w_qkv`` keeps its rows split, as plain JAX places
+# coda_jax.mesh_axes.FSDP_SPLITS). ``w_qkv`` keeps its rows split, as plain JAX places
 # its separate Q, K and V weights: split by columns, its gradient's reduce-scatter wants a
 # column-major layout and the optimizer update then transposes the parameter and both
 # moments, and the attention input is resharded by all-to-alls (slower:
@@ -50,7 +50,6 @@ FEATURE_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None), ("qkv_embed", "fsdp"), ("mlp", "fsdp"), ("heads", "fsdp"), ("qkv", None),
     ("vocab", "fsdp"), ("norm", None), ("head_dim", None),
 )
-TENSOR_AXIS = "tensor"
 # The dimension each block weight splits along under tensor parallelism, by parameter name
 # (a path's last name, so optimizer moments follow their parameter). ``w_qkv`` is absent: its
 # Q, K and V column groups split separately, inside the block.
@@ -63,9 +62,9 @@ def _axis_size(mesh, name: str) -> int:
 
 def axis_rules(mesh=None) -> tuple[tuple[str, str | None], ...]:
     """The logical axis rules in force on ``mesh``: :data:`LOGICAL_AXIS_RULES`, or
-    :data:`FEATURE_AXIS_RULES` where :func:`coda_jax.partitioning.features_split` (the FSDP
+    :data:`FEATURE_AXIS_RULES` where :func:`coda_jax.mesh_axes.features_split` (the FSDP
     split ``"features"``, no tensor axis)."""
-    if mesh is not None and partitioning.features_split(mesh):
+    if mesh is not None and features_split(mesh):
         return FEATURE_AXIS_RULES
     return LOGICAL_AXIS_RULES
 
@@ -133,7 +132,7 @@ def rows_first(spec: P, shape: tuple[int, ...], mesh) -> P:
     rows."""
     spec = tuple(spec)
     if (len(shape) != 2 or len(spec) != 2 or spec[1] != FSDP_AXIS or spec[0] not in (None, TENSOR_AXIS)
-            or partitioning.features_split(mesh)):
+            or features_split(mesh)):
         return P(*spec)
     rows = (spec[0], FSDP_AXIS) if spec[0] else FSDP_AXIS
     if shape[0] % (_axis_size(mesh, FSDP_AXIS) * (_axis_size(mesh, spec[0]) if spec[0] else 1)):
@@ -191,7 +190,7 @@ def cast_for_use(var, dtype=None, whole: bool = True) -> jax.Array:
     if dtype is None or v.dtype == dtype:
         return keep(v)
     c = v.astype(dtype)
-    mesh = partitioning.context_mesh()
+    mesh = context_mesh()
     names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
     if mesh is not None and names and not mesh.are_all_axes_explicit and not getattr(mesh, "manual_axes", ()):
         rules = dict(axis_rules(mesh))
@@ -243,18 +242,9 @@ def shard_state(state: Any, mesh, axis: str = FSDP_AXIS, tensor_split_dims: Mapp
 
 def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
     """Sharding of a ``[batch, ...]`` array: the batch over the mesh's token axes."""
-    axes = tuple(a for a in partitioning.TOKEN_AXES if _axis_size(mesh, a) > 1)
+    axes = tuple(a for a in mesh_axes.TOKEN_AXES if _axis_size(mesh, a) > 1)
     first = axes if len(axes) > 1 else (axes[0] if axes else None)
     return NamedSharding(mesh, P(first, *([None] * (ndim - 1))))
-
-
-def explicit_sharding(x: jax.Array):
-    """``x``'s sharding when it is typed under an Explicit-mode mesh (the layers and the
-    reference lowering must then name output shardings themselves), else ``None``."""
-    sh = getattr(jax.typeof(x), "sharding", None)
-    if sh is None or sh.mesh.empty or not sh.mesh.are_all_axes_explicit:
-        return None
-    return sh
 
 
 def typed_like(v: jax.Array, like: jax.Array) -> jax.Array:
@@ -328,6 +318,6 @@ def token_shards(mesh) -> int:
     if mesh is None:
         return 1
     n = 1
-    for a in partitioning.TOKEN_AXES:
+    for a in mesh_axes.TOKEN_AXES:
         n *= _axis_size(mesh, a)
     return n

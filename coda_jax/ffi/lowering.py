@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.ffi.interpret import check_lowerable, trace_body
 from coda_jax.ffi.tuning import CuteDslTuning
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
 from coda_jax.lowering import gpu_sm_count, split_columns, with_latency_hint
@@ -63,8 +64,7 @@ def _check_pair_width(epi: Epilogue) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _build(epi: Epilogue, plan):
-    from coda_jax.ffi.interpret import check_lowerable, trace_body
-    from coda_jax.ffi.kernel import build_launcher
+    from coda_jax.ffi.kernel import build_launcher  # needs the optional cutlass package: imported on use
 
     shape = (TILE_M, epi.pair_block if epi.pair_block is not None else plan.tile_n)
     traced = trace_body(epi, shape, dict(plan.load_dtypes))
@@ -73,7 +73,7 @@ def _build(epi: Epilogue, plan):
 
 
 def _cutlass_call(launch, out_types, in_specs, out_specs, key):
-    from cutlass.jax import cutlass_call
+    from cutlass.jax import cutlass_call  # optional package: imported on use
 
     return cutlass_call(launch, output_shape_dtype=tuple(out_types), input_spec=tuple(in_specs),
                         output_spec=tuple(out_specs), compile_key=key)
@@ -108,6 +108,7 @@ class CuteDslLowering(KernelLowering):
                     out_splits: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         """See :class:`coda_jax.lowering.GemmLowering`. ``out_splits``: the kernel writes one
         array per output and XLA slices it into the parts."""
+        # The optional cutlass package, and the kernel module that needs it: imported on use.
         from cutlass.jax import TensorSpec
 
         from coda_jax.ffi.kernel import KernelPlan, choose_schedule, choose_tile_n, plan_smem

@@ -14,7 +14,7 @@ from coda_jax.ops.norm_carry import NormCarry
 from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
 from coda_jax.ops.swiglu_mlp import swiglu_mlp
 from coda_jax.ops.rope_frequencies import rope_inv_freq
-from coda_jax.partitioning import context_mesh
+from coda_jax.mesh_axes import context_mesh
 from coda_jax.sharding import cast_for_use, logical_param, reshape_tokens
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from coda_jax import partitioning
+from coda_jax import mesh_axes, partitioning
 from coda_jax.sharding import explicit_sharding
 
 
@@ -65,7 +65,7 @@ def _split_table_lookup(table: jax.Array, tokens: jax.Array, rows, spec: tuple, 
     scattered back over ``gather`` to the tokens' own devices. A token's row is nonzero on
     exactly one device, so the sum is exact in any dtype; it is taken in ``dtype``.
     """
-    mesh = partitioning.context_mesh()
+    mesh = mesh_axes.context_mesh()
     row_axes = _axes(rows)
     batch_axes = _axes(spec[0])
     gather = tuple(a for a in row_axes if a in batch_axes)  # row axes that also split the batch
@@ -74,7 +74,7 @@ def _split_table_lookup(table: jax.Array, tokens: jax.Array, rows, spec: tuple, 
         # The batch's split must end with the gathered axes, so that gathering them is a
         # tiled all-gather along the batch (it does for ("data", "fsdp") and rows over fsdp).
         return _whole_table_lookup(table, tokens, spec, dtype)
-    n_rows = table.shape[0] // math.prod(partitioning.axis_size(mesh, a) for a in row_axes)
+    n_rows = table.shape[0] // math.prod(mesh_axes.axis_size(mesh, a) for a in row_axes)
 
     def body(tab, tok):
         if gather:

@@ -1,4 +1,9 @@
-"""Hugging Face ``LlamaForCausalLM`` weights in and out of :class:`CodaLlama`.
+"""Hugging Face ``LlamaForCausalLM`` names, layouts and configs, to and from :class:`CodaLlama`'s.
+
+A mapping only: it fills a model it is given (:func:`load_hf_state_dict`) and reads one
+(:func:`to_hf_state_dict`), and builds none; ``CodaLlama.from_hf`` and
+``CodaLlama.from_pretrained`` (:mod:`coda_jax.layers.pretrained`, checkpoint directories)
+make the model.
 
 Mapping (HF linear weights are ``[out, in]``; coda-jax weights are ``[in, out]``):
 
@@ -23,7 +28,6 @@ import numpy as np
 from flax import nnx
 
 from coda_jax.layers.config import LlamaConfig
-from coda_jax.layers.model import CodaLlama
 from coda_jax.ops.rope_frequencies import Llama3RopeScaling
 from coda_jax.ops.swiglu_layout import interleave_gate_up, split_gate_up
 
@@ -70,6 +74,26 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> LlamaConfig:
     return LlamaConfig(**{**base, **overrides})
 
 
+def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    """``config.json`` of a ``transformers`` ``LlamaForCausalLM`` with ``cfg``'s shapes."""
+    if cfg.qk_norm:
+        raise ValueError("a config with qk_norm has no LlamaForCausalLM equivalent; save_pretrained needs qk_norm=False")
+    rope_scaling = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope_scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                        "high_freq_factor": s.high_freq_factor,
+                        "original_max_position_embeddings": s.original_max_position_embeddings}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 131072, "torch_dtype": "float32",
+    }
+
+
 def _np(v: Any) -> np.ndarray:
     if hasattr(v, "detach"):  # a torch tensor; no torch import needed
         v = v.detach().float().cpu().numpy()
@@ -97,8 +121,9 @@ def expected_hf_keys(cfg: LlamaConfig) -> set[str]:
     return keys
 
 
-def load_hf_state_dict(model: CodaLlama, state_dict: Mapping[str, Any], *, strict: bool = True) -> CodaLlama:
-    """Fills ``model``'s parameters from a Hugging Face Llama state dict (in place).
+def load_hf_state_dict(model: nnx.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> nnx.Module:
+    """Fills the parameters of ``model`` (a :class:`CodaLlama`) from a Hugging Face Llama
+    state dict (in place), and returns it.
 
     Values may be torch tensors or arrays. ``strict`` rejects unexpected keys (rotary
     buffers such as ``rotary_emb.inv_freq`` are ignored, and ``lm_head.weight`` is ignored
@@ -148,8 +173,9 @@ def load_hf_state_dict(model: CodaLlama, state_dict: Mapping[str, Any], *, stric
     return model
 
 
-def to_hf_state_dict(model: CodaLlama) -> dict[str, np.ndarray]:
-    """The inverse of :func:`load_hf_state_dict`: float32 numpy arrays in HF names/layouts."""
+def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The inverse of :func:`load_hf_state_dict`: ``model``'s (a :class:`CodaLlama`'s)
+    parameters as float32 numpy arrays in HF names/layouts."""
     cfg = model.config
     a = lambda p: np.asarray(p[...], np.float32)
     out = {"model.embed_tokens.weight": a(model.embed), "model.norm.weight": a(model.final_norm)}
@@ -169,10 +195,3 @@ def to_hf_state_dict(model: CodaLlama) -> dict[str, np.ndarray]:
         if cfg.qk_norm:
             out[n["q_norm"]], out[n["k_norm"]] = a(blk.q_norm), a(blk.k_norm)
     return out
-
-
-def from_hf(state_dict: Mapping[str, Any], hf_config: Any, *, rngs: nnx.Rngs | None = None,
-            backend: str | None = None, **config_overrides: Any) -> CodaLlama:
-    """A :class:`CodaLlama` holding the weights of a Hugging Face Llama checkpoint."""
-    model = CodaLlama(config_from_hf(hf_config, **config_overrides), rngs=rngs or nnx.Rngs(0), backend=backend)
-    return load_hf_state_dict(model, state_dict)

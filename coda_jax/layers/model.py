@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +14,12 @@ from coda_jax.backend import BackendUnavailableError, resolve_backend
 from coda_jax.layers.block import CodaLlamaBlock
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.layers.embedding import embedding_lookup
+from coda_jax.layers.hf_llama import config_from_hf, load_hf_state_dict
+from coda_jax.layers.pretrained import load_pretrained, pretrained_config, save_pretrained
 from coda_jax.layers.vocab_parallel import vocab_parallel_axis, vocab_parallel_cross_entropy
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
-from coda_jax.partitioning import context_mesh
+from coda_jax.mesh_axes import context_mesh
 from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.sharding import cast_for_use, gathered, logical_param, reshape_tokens
 
@@ -58,18 +62,41 @@ class CodaLlama(nnx.Module):
                 ("vocab", "embed"))
 
     @classmethod
-    def from_pretrained(cls, path, **kwargs) -> "CodaLlama":
-        """A model from a Hugging Face checkpoint directory (config.json + safetensors);
-        see :func:`coda_jax.layers.pretrained.from_pretrained` for the arguments."""
-        from coda_jax.layers.pretrained import from_pretrained
+    def from_pretrained(cls, path, *, backend: str | None = None, dtype: Any = jnp.bfloat16,
+                        param_dtype: Any = jnp.float32, mesh=None, rngs: nnx.Rngs | None = None,
+                        **config_overrides: Any) -> "CodaLlama":
+        """A model with the weights of the Hugging Face checkpoint directory ``path``
+        (:mod:`coda_jax.layers.pretrained`).
 
-        return from_pretrained(path, **kwargs)
+        Args:
+          path: directory with ``config.json`` and safetensors weights.
+          backend: the model's backend (see :mod:`coda_jax.backend`).
+          dtype: compute dtype (bfloat16 by default, what the kernel backends run).
+          param_dtype: parameter storage dtype (float32 by default, for training).
+          mesh: if given, the parameters are split over it (FSDP along ``"fsdp"``, replicated
+            over the other axes; :func:`coda_jax.sharding.shard_state`).
+          config_overrides: other :class:`LlamaConfig` fields.
+
+        Raises:
+          FileNotFoundError: no config or weights; ValueError / KeyError: an unsupported config
+          (biases, another activation or RoPE type) or a missing / mis-shaped tensor, by name.
+        """
+        cfg = pretrained_config(path, dtype=dtype, param_dtype=param_dtype, **config_overrides)
+        return load_pretrained(cls(cfg, rngs=rngs or nnx.Rngs(0), backend=backend), path, mesh=mesh)
+
+    @classmethod
+    def from_hf(cls, state_dict: Mapping[str, Any], hf_config: Any, *, rngs: nnx.Rngs | None = None,
+                backend: str | None = None, **config_overrides: Any) -> "CodaLlama":
+        """A model holding the weights of a Hugging Face Llama state dict (torch tensors or
+        arrays) and config (a ``transformers.LlamaConfig`` or its dict), with
+        ``config_overrides`` (other :class:`LlamaConfig` fields); see
+        :mod:`coda_jax.layers.hf_llama`."""
+        model = cls(config_from_hf(hf_config, **config_overrides), rngs=rngs or nnx.Rngs(0), backend=backend)
+        return load_hf_state_dict(model, state_dict)
 
     def save_pretrained(self, path, **kwargs):
         """Writes a Hugging Face checkpoint directory that ``transformers`` loads;
         see :func:`coda_jax.layers.pretrained.save_pretrained`."""
-        from coda_jax.layers.pretrained import save_pretrained
-
         return save_pretrained(self, path, **kwargs)
 
     def vocab_weight(self, whole: bool = True) -> jax.Array:

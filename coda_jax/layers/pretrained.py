@@ -3,6 +3,9 @@
     model = CodaLlama.from_pretrained("path/to/Llama-3.2-1B", backend="pallas")
     model.save_pretrained("out/")            # transformers.LlamaForCausalLM.from_pretrained("out/") loads it
 
+``CodaLlama.from_pretrained`` builds the model from :func:`pretrained_config` and fills it
+with :func:`load_pretrained`; this module reads and writes the files and builds no model.
+
 A directory holds ``config.json`` and ``model.safetensors``, or several
 ``model-0000k-of-0000n.safetensors`` listed in ``model.safetensors.index.json``. Tensors are
 read one at a time with the ``safetensors`` library (its JAX loader: bfloat16 included), so
@@ -23,8 +26,8 @@ import numpy as np
 from flax import nnx
 
 from coda_jax.layers.config import LlamaConfig
-from coda_jax.layers.hf_llama import config_from_hf, load_hf_state_dict, to_hf_state_dict
-from coda_jax.layers.model import CodaLlama
+from coda_jax.layers.hf_llama import config_from_hf, config_to_hf, load_hf_state_dict, to_hf_state_dict
+from coda_jax.sharding import shard_state
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -49,13 +52,13 @@ class SafetensorsDirectory(Mapping):
 
     @staticmethod
     def _keys(file: Path) -> list[str]:
-        from safetensors import safe_open
+        from safetensors import safe_open  # the optional safetensors package (extra "hf"): imported on use
 
         with safe_open(str(file), framework="flax") as f:
             return list(f.keys())
 
     def __getitem__(self, name: str):
-        from safetensors import safe_open
+        from safetensors import safe_open  # optional package: imported on use
 
         if name not in self._files:
             raise KeyError(f"{self.path}: no tensor {name!r}")
@@ -69,23 +72,13 @@ class SafetensorsDirectory(Mapping):
         return len(self._files)
 
 
-def from_pretrained(path: str | Path, *, backend: str | None = None, dtype: Any = jnp.bfloat16,
-                    param_dtype: Any = jnp.float32, mesh=None, rngs: nnx.Rngs | None = None,
-                    **config_overrides: Any) -> CodaLlama:
-    """A :class:`CodaLlama` with the weights of the Hugging Face checkpoint directory ``path``.
-
-    Args:
-      path: directory with ``config.json`` and safetensors weights.
-      backend: the model's backend (see :mod:`coda_jax.backend`).
-      dtype: compute dtype (bfloat16 by default, what the kernel backends run).
-      param_dtype: parameter storage dtype (float32 by default, for training).
-      mesh: if given, the parameters are split over it (FSDP along ``"fsdp"``, replicated
-        over the other axes; :func:`coda_jax.sharding.shard_state`).
-      config_overrides: other :class:`LlamaConfig` fields.
+def pretrained_config(path: str | Path, **config_overrides: Any) -> LlamaConfig:
+    """The :class:`LlamaConfig` of the Hugging Face checkpoint directory ``path`` (its
+    ``config.json``), with ``config_overrides`` (other fields: ``dtype``, ``param_dtype``, ...).
 
     Raises:
-      FileNotFoundError: no config or weights; ValueError / KeyError: an unsupported config
-      (biases, another activation or RoPE type) or a missing / mis-shaped tensor, by name.
+      FileNotFoundError: no config.json; ValueError: not a Llama config, or an unsupported one
+      (biases, another activation or RoPE type).
     """
     path = Path(path)
     if not (path / "config.json").exists():
@@ -93,40 +86,27 @@ def from_pretrained(path: str | Path, *, backend: str | None = None, dtype: Any 
     hf_config = json.loads((path / "config.json").read_text())
     if hf_config.get("model_type", "llama") != "llama":
         raise ValueError(f"{path}/config.json: model_type must be 'llama', got {hf_config['model_type']!r}")
-    cfg = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, **config_overrides)
-    model = CodaLlama(cfg, rngs=rngs or nnx.Rngs(0), backend=backend)
+    return config_from_hf(hf_config, **config_overrides)
+
+
+def load_pretrained(model: nnx.Module, path: str | Path, *, mesh=None) -> nnx.Module:
+    """Fills ``model`` (a :class:`CodaLlama` of :func:`pretrained_config`'s shapes) with the
+    weights of the checkpoint directory ``path``, and returns it; with a ``mesh``, the
+    parameters are then split over it (:func:`coda_jax.sharding.shard_state`).
+
+    Raises:
+      FileNotFoundError: no weights; KeyError / ValueError: a missing / mis-shaped tensor, by name.
+    """
     load_hf_state_dict(model, SafetensorsDirectory(path))
     if mesh is not None:
-        from coda_jax.sharding import shard_state
-
         nnx.update(model, shard_state(nnx.state(model), mesh))
     return model
 
 
-def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """``config.json`` of a ``transformers`` ``LlamaForCausalLM`` with ``cfg``'s shapes."""
-    if cfg.qk_norm:
-        raise ValueError("a config with qk_norm has no LlamaForCausalLM equivalent; save_pretrained needs qk_norm=False")
-    rope_scaling = None
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        rope_scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                        "high_freq_factor": s.high_freq_factor,
-                        "original_max_position_embeddings": s.original_max_position_embeddings}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 131072, "torch_dtype": "float32",
-    }
-
-
-def save_pretrained(model: CodaLlama, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Writes ``model`` as a Hugging Face checkpoint directory (float32 safetensors, split
-    into shards of at most ``max_shard_bytes`` with an index when larger)."""
-    from safetensors.numpy import save_file
+def save_pretrained(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Writes ``model`` (a :class:`CodaLlama`) as a Hugging Face checkpoint directory (float32
+    safetensors, split into shards of at most ``max_shard_bytes`` with an index when larger)."""
+    from safetensors.numpy import save_file  # optional package: imported on use
 
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")

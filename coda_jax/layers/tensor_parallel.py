@@ -45,20 +45,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from coda_jax import partitioning
+from coda_jax import mesh_axes, partitioning
 from coda_jax.layers.attention import causal_attention
+from coda_jax.mesh_axes import TENSOR_AXIS
 from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
 from coda_jax.ops.swiglu_mlp import swiglu_mlp_partial
 from coda_jax.programs import SWIGLU_BLOCK
 from coda_jax.sharding import reshape_tokens
 
-TENSOR_AXIS = "tensor"
-
 
 def tensor_parallel_size(mesh) -> int:
     """Size of ``mesh``'s ``"tensor"`` axis (1 without a mesh, without the axis, or inside a
     ``shard_map`` that already made it manual)."""
-    return partitioning.axis_size(mesh, TENSOR_AXIS)
+    return mesh_axes.axis_size(mesh, TENSOR_AXIS)
 
 
 def check_tensor_parallel(config, batch: int, seq: int, mesh) -> None:
@@ -74,7 +73,7 @@ def check_tensor_parallel(config, batch: int, seq: int, mesh) -> None:
         raise ValueError(f"tensor parallel: intermediate_size ({c.intermediate_size}) must be a multiple of "
                          f"{TENSOR_AXIS!r} axis size x {SWIGLU_BLOCK} ({t * SWIGLU_BLOCK}): each shard's gate/up "
                          "columns are whole 64-column blocks")
-    dp = partitioning.token_shards(mesh)
+    dp = mesh_axes.token_shards(mesh)
     if batch % dp:
         raise ValueError(f"tensor parallel: batch ({batch}) must be a multiple of the data axes' size ({dp})")
     if (batch // dp * seq) % t:
@@ -93,10 +92,10 @@ def _columns_over_tensor(w: jax.Array, mesh) -> jax.Array:
     Left to the partitioner, it went from rows over ``"fsdp"`` to columns over ``"tensor"``
     by all-to-alls, or by replicating the whole group first (XLA's "involuntary full
     rematerialization")."""
-    f = partitioning.axis_size(mesh, partitioning.FSDP_AXIS)
+    f = mesh_axes.axis_size(mesh, mesh_axes.FSDP_AXIS)
     if f <= 1 or w.shape[0] % f:
         return w
-    spec = P(partitioning.FSDP_AXIS, TENSOR_AXIS)
+    spec = P(mesh_axes.FSDP_AXIS, TENSOR_AXIS)
     return jax.sharding.reshard(w, spec) if mesh.are_all_axes_explicit else jax.lax.with_sharding_constraint(w, spec)
 
 
@@ -112,13 +111,13 @@ def tensor_parallel_block(block, x: jax.Array, positions: jax.Array) -> jax.Arra
       ``[B, S, d]`` in the config's compute dtype.
     """
     c = block.config
-    mesh = partitioning.context_mesh()
+    mesh = mesh_axes.context_mesh()
     t = tensor_parallel_size(mesh)
     b, s, d = x.shape
     check_tensor_parallel(c, b, s, mesh)
     dt, hd, nh, nkv = c.dtype, c.head_dim, c.num_heads, c.num_kv_heads
     m = b * s
-    dp = partitioning.token_axes(mesh)
+    dp = mesh_axes.token_axes(mesh)
     tok = dp if len(dp) > 1 else (dp[0] if dp else None)
     # Each weight cast on its stored split (not gathered whole): the shard_map's in_specs
     # below say what each device needs, so only the FSDP split is gathered (under an

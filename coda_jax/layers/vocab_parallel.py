@@ -27,22 +27,23 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from coda_jax import partitioning
+from coda_jax import mesh_axes, partitioning
+from coda_jax.mesh_axes import TENSOR_AXIS
+from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.options import current_options
-from coda_jax.sharding import TENSOR_AXIS
 
 
 def vocab_parallel_axis(mesh, vocab_size: int) -> str | None:
     """The axis ``CodaLlama.loss`` splits the vocabulary over: ``"tensor"`` when its size
     ``T > 1`` divides ``vocab_size``; else ``"fsdp"`` when that axis (size > 1) divides it and
     the option ``mesh.vocab_parallel_head`` is on (the default); else ``None`` (token-split head)."""
-    t = partitioning.axis_size(mesh, TENSOR_AXIS)
+    t = mesh_axes.axis_size(mesh, TENSOR_AXIS)
     if t > 1:
         return TENSOR_AXIS if vocab_size % t == 0 else None
-    f = partitioning.axis_size(mesh, partitioning.FSDP_AXIS)
-    if f > 1 and vocab_size % f == 0 and partitioning.FSDP_AXIS in partitioning.token_axes(mesh) \
+    f = mesh_axes.axis_size(mesh, mesh_axes.FSDP_AXIS)
+    if f > 1 and vocab_size % f == 0 and mesh_axes.FSDP_AXIS in mesh_axes.token_axes(mesh) \
             and current_options().mesh.vocab_parallel_head:
-        return partitioning.FSDP_AXIS
+        return mesh_axes.FSDP_AXIS
     return None
 
 
@@ -67,23 +68,21 @@ def vocab_parallel_cross_entropy(x: jax.Array, gamma: jax.Array, w_vocab: jax.Ar
     Returns:
       float32 scalar: the mean over rows whose target is not ``ignore_index``.
     """
-    from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
-
-    mesh = partitioning.context_mesh()
-    n = partitioning.axis_size(mesh, vocab_axis)
+    mesh = mesh_axes.context_mesh()
+    n = mesh_axes.axis_size(mesh, vocab_axis)
     m, v = x.shape[0], w_vocab.shape[0]
     if v % n:
         raise ValueError(f"vocab-parallel cross-entropy: the vocabulary ({v}) must be a multiple of the "
                          f"{vocab_axis!r} axis size ({n})")
-    dp = tuple(a for a in partitioning.token_axes(mesh) if a != vocab_axis)  # the rows' split
-    data_shards = math.prod(partitioning.axis_size(mesh, a) for a in dp)
+    dp = tuple(a for a in mesh_axes.token_axes(mesh) if a != vocab_axis)  # the rows' split
+    data_shards = math.prod(mesh_axes.axis_size(mesh, a) for a in dp)
     if m % (data_shards * n):
         raise ValueError(f"vocab-parallel cross-entropy: tokens ({m}) must be a multiple of the data axes' size x "
                          f"the {vocab_axis!r} axis size ({data_shards * n})")
     tok = dp if len(dp) > 1 else (dp[0] if dp else None)
     # The output's rows: each data shard's rows, split again over the vocab axis (under FSDP
     # that is the batch's own split, ("data", "fsdp")).
-    rows_spec = tuple(a for a in partitioning.TOKEN_AXES + (TENSOR_AXIS,) if a in dp or a == vocab_axis)
+    rows_spec = tuple(a for a in mesh_axes.TOKEN_AXES + (TENSOR_AXIS,) if a in dp or a == vocab_axis)
 
     def body(x, gamma, w, targets):
         losses = linear_cross_entropy(x, gamma, w, targets, eps=eps, ignore_index=ignore_index, z_loss=z_loss,

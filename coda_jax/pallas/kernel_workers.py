@@ -29,15 +29,23 @@ import tempfile
 import threading
 import traceback
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax.pallas.kernel_builder import compiled_kernel
+from coda_jax.pallas.kernel_entries import export_kernel, write_entry
 
 IDLE_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One kernel to generate: what ``PallasLowering`` passes to ``build_kernel``, the
-    argument types, and the cache entry to write."""
+    """One kernel to generate: the arguments of
+    :func:`~coda_jax.pallas.kernel_builder.compiled_kernel`, the argument types, and the
+    cache entry to write."""
 
     directory: str
     key: str
@@ -50,18 +58,11 @@ class Job:
 
 
 def run_job(job: Job) -> None:
-    """Generates the job's kernel and writes its cache entry (in a worker)."""
-    from pathlib import Path
-
-    import jax
-    import jax.numpy as jnp
-
-    from coda_jax.pallas.kernel_cache import KernelCache, export_kernel
-    from coda_jax.pallas.lowering import _kernel  # the compiled kernel, as PallasLowering builds it
-
-    kernel = _kernel(job.epilogue, job.shape, job.config, False, job.load_dtypes, job.latency_ns)
+    """Generates the job's kernel (the one ``PallasLowering`` builds) and writes its cache
+    entry (in a worker)."""
+    kernel = compiled_kernel(job.epilogue, job.shape, job.config, False, job.load_dtypes, job.latency_ns)
     avals = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in job.avals]
-    KernelCache.store_entry(Path(job.directory), job.key, export_kernel(kernel, avals))
+    write_entry(Path(job.directory), job.key, export_kernel(kernel, avals))
 
 
 class KernelWorkers:

@@ -16,7 +16,6 @@ to XLA and why: :func:`coda_jax.lowering.routes_to_xla`, docs/performance.md#rou
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,10 +24,11 @@ import jax.numpy as jnp
 
 from coda_jax.epilogue import Epilogue, Load, LoadKind
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
-from coda_jax.lowering import gpu_sm_count, split_columns, with_latency_hint
-from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, build_kernel, out_types, plan_kernel,
-                                          split_outputs_fit, tile_grid)
+from coda_jax.lowering import gpu_sm_count, split_columns
+from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, out_types, plan_kernel, split_outputs_fit,
+                                          tile_grid)
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
+from coda_jax.pallas.kernel_builder import compiled_kernel
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
 from coda_jax.pallas.tuned import tuned_config
@@ -86,23 +86,8 @@ def kernel_shape(epilogue: Epilogue, m: int, n: int, k: int, cfg: TuningConfig, 
                        operand_dtype=jnp.dtype(operand_dtype), out_dtypes=dtypes, num_sms=num_sms)
 
 
-@functools.lru_cache(maxsize=256)
-def _kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret: bool, load_dtypes,
-            latency_ns: int | None = None, profile: ProfileSettings | None = None):
-    """The kernel as a callable; ``latency_ns``: the estimate XLA's scheduler is given
-    (:func:`coda_jax.lowering.with_latency_hint`), or None for none; ``profile``: record its
-    timeline (:class:`coda_jax.pallas.gemm_epilogue.ProfileSettings`), or None."""
-    kernel = build_kernel(epi, shape, cfg, interpret, load_dtypes, profile)
-    # Compiled: one jitted function per distinct kernel, so a model that calls the same
-    # kernel in every layer carries one copy of its Mosaic GPU module in the StableHLO, not
-    # one per call (smaller modules, faster compiles: docs/performance.md#compile-time). Interpreted: not wrapped; the interpreter's IO
-    # callbacks dispatch JAX ops of their own, which deadlocked under an eager call of the
-    # jitted kernel (tests/test_ops_pallas.py::test_vmap_pallas).
-    if interpret:
-        return kernel
-    if latency_ns is not None:  # the scheduler is told what the kernel costs
-        kernel = with_latency_hint(kernel, latency_ns)
-    return jax.jit(kernel)
+# The tests clear the builder's cache by this name.
+_kernel = compiled_kernel
 
 
 def _default_device():
@@ -194,7 +179,7 @@ class PallasLowering(KernelLowering):
         shape = tile_grid(shape, cfg, self.tiles_per_cta)  # tiles_per_cta > 0: a grid of tiles, not SMs
         hint = None if interpret else self.latency_hint(mp, np_, kp, (a_p, b_p, *args, *out_types(epilogue, shape, cfg)))
         profile = None if interpret else self.profile
-        kernel = _kernel(epilogue, shape, cfg, interpret, load_dtypes, hint, profile)
+        kernel = compiled_kernel(epilogue, shape, cfg, interpret, load_dtypes, hint, profile)
         # A profiled kernel calls back to the host: never exported to (or read from) the cache.
         cache = None if interpret or profile else active_kernel_cache()
         if cache is not None:  # the kernel's Mosaic GPU module from disk (kernel_cache.py)
