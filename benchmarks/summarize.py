@@ -10,7 +10,8 @@ plain JAX, for the train step (tokens/s over the plain JAX Llama's, same process
 (fwd+bwd time of the plain XLA Llama block over ``CodaLlamaBlock``'s) and each fused op
 (fwd+bwd of the op in plain JAX, ``plain_ops.py``, over the backend's). With ``--update``, the section between
 ``<!-- current:begin -->`` and ``<!-- current:end -->`` of that file is replaced and the chart
-is copied beside it as ``results.png``.
+is copied beside it as ``results.png``; the rest of the file (the notes on the current numbers,
+the index of ``HISTORY.md``'s runs) is kept as it is.
 
 ``benchmarks/current/run<N>/`` keeps the inputs of runs whose numbers the section may be
 rebuilt from (run 168: the train step at one commit, every backend). To rebuild the section

@@ -393,6 +393,44 @@ def test_summarize_reports_device_time_beside_wall_clock():
                                                         for r in rows], "test")
 
 
+def test_summarize_update_replaces_only_the_current_section_of_results_md(tmp_path):
+    """``summarize --update`` on benchmarks/RESULTS.md's layout: the section between the
+    markers is replaced, the chart copied beside it, and the notes and the run index (whose
+    links point into HISTORY.md) kept."""
+    from benchmarks import summarize
+
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    head, rest = results.split(summarize.BEGIN)
+    _, tail = rest.split(summarize.END)
+    assert "## Run index" in tail and "](HISTORY.md#run-1--" in tail
+    md, png = tmp_path / "RESULTS.md", tmp_path / "current.png"
+    md.write_text(results)
+    png.write_bytes(b"png")
+    summarize.update(md, "Current numbers (test)", png)
+    assert md.read_text() == f"{head}{summarize.BEGIN}\nCurrent numbers (test)\n{summarize.END}{tail}"
+    assert (tmp_path / "results.png").read_bytes() == b"png"
+
+
+def test_results_index_links_every_history_heading():
+    """RESULTS.md's run index has one line per run heading (``## Run...``) of HISTORY.md, in
+    order, each linking to that heading's anchor (GitHub's: lower case, punctuation dropped,
+    spaces as hyphens, a repeated anchor numbered)."""
+    history = (ROOT / "benchmarks" / "HISTORY.md").read_text().splitlines()
+    seen, anchors = {}, []
+    for line in history:
+        m = re.match(r"(#+) (.*)", line)
+        if not m:
+            continue
+        base = "".join(c for c in m.group(2).lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        if m.group(1) == "##":
+            anchors.append(base if n == 0 else f"{base}-{n}")
+    index = re.findall(r"^- \[Runs? [0-9-]+\]\(HISTORY\.md#([^)]+)\)", (ROOT / "benchmarks" / "RESULTS.md").read_text(),
+                       re.MULTILINE)
+    assert index == anchors and len(index) > 100
+
+
 def test_per_gpu_trace_analysis_counts_overlapping_streams_once():
     """kernels_by_gpu splits a trace's GPU stream events by device; busy time is the union
     of the kernel intervals (a collective beside a GEMM on another stream counts once), the
