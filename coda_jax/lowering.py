@@ -234,7 +234,7 @@ def with_latency_hint(fn: Callable, ns: int) -> Callable:
     """``fn`` with every op it creates annotated for XLA's latency-hiding scheduler: the
     frontend attribute ``latency_metadata`` (nanoseconds), which XLA's GPU latency
     estimators take as the op's cost. Without it a custom call costs the scheduler next to
-    nothing (the analytical estimator charges it 10 us; a fused GEMM takes 0.1-7 ms), so under
+    nothing (the analytical estimator charges it 10 us, far less than a fused GEMM takes), so under
     data parallelism the scheduler may keep kernels out of the windows in which the gradient
     all-reduces run (docs/performance.md#multi-gpu). ``fn`` must create the kernel's custom
     call and nothing else."""

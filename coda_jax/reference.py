@@ -127,8 +127,8 @@ def _first_of_pair(like: jax.Array) -> jax.Array:
 def _join_pairs(lo: jax.Array, hi: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``(lo, hi)`` -> ``shape = [M, C, 2, b]``, as an elementwise select on the pair index
     rather than a concatenation: XLA emits a loop fusion that writes the interleaved tile in
-    one vectorized pass (a concatenate-rooted fusion of the same bytes ran at a third of
-    HBM bandwidth on the H100)."""
+    one vectorized pass (a concatenate-rooted fusion of the same bytes runs far below HBM
+    bandwidth: docs/performance.md#routing)."""
     lo, hi = jnp.broadcast_to(lo, shape), jnp.broadcast_to(hi, shape)
     return jnp.where(_first_of_pair(lo), lo, hi)
 
@@ -211,7 +211,8 @@ class ReferenceLowering:
         # itself (float32 accumulation, one rounding: the same values as rounding a float32
         # product). Then XLA moves, and the SPMD partitioner all-reduces for a wgrad over
         # split tokens, the bytes plain JAX's dot does; a float32 product was all-reduced in
-        # float32, twice the bytes (the W_o / W_down / LM-head gradients, run 143).
+        # float32, twice the bytes (the W_o / W_down / LM-head gradients:
+        # docs/performance.md#multi-gpu).
         plain_16 = (epilogue.name == "identity" and a.dtype == b.dtype == jnp.dtype(dtypes["out"])
                     and jnp.dtype(a.dtype).itemsize == 2)
         acc = _dot(a, b, transpose_a, transpose_b, self.round_acc or plain_16)

@@ -126,7 +126,7 @@ def rows_first(spec: P, shape: tuple[int, ...], mesh) -> P:
     the split changes only the layouts: split along the columns of a row-major array, the
     gathers and the gradient's reduce-scatter want column-major buffers, and XLA then makes
     the optimizer update read the parameter and both moments transposed (as it did for
-    ``w_qkv`` under the features split, RESULTS.md runs 284-285); the vocabulary-parallel
+    ``w_qkv`` under the features split: docs/performance.md#fsdp-split); the vocabulary-parallel
     LM head's ``shard_map`` wants the table split by vocabulary, and resharded a width-split
     one by all-to-alls. Plain JAX's largest-dimension placement splits all three along their
     rows."""

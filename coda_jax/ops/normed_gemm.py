@@ -141,8 +141,8 @@ def _dgrad_dims(x, w) -> tuple[int, int, int]:
     """``(m, n, k)`` of the dgrad GEMM ``[M, N] @ W^T -> [M, d]``. Where the lowering does not
     fuse its epilogue (the ``xla`` backend; a kernel backend handing it to XLA, as for small
     batches, :func:`~coda_jax.lowering.xla_output_below`), the backward takes the formulation
-    without ``[d, N]`` passes: at 2 x 256 tokens the 1B step on Pallas went from 1.017-1.035x
-    to 1.057x plain JAX (benchmarks/RESULTS.md, run 268)."""
+    without ``[d, N]`` passes, since there each extra pass is one more trip through HBM
+    (docs/performance.md#routing)."""
     return x.shape[0], w.shape[0], w.shape[1]
 
 

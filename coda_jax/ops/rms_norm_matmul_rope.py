@@ -6,11 +6,12 @@
 
 The epilogue runs in pair mode with ``pair_block = hd/2``, so one head is one pair block;
 ``cos``/``sin`` tables ``[M, hd/2]`` are computed once per token (XLA, tiny) and read by
-the epilogue as row_block loads (computing sin/cos per head in the epilogue cost 3x the
-GEMM on the H100); V heads (``rot`` = 0) pass unrotated with QK-norm off. Backward (no QK-norm): RoPE is a
-rotation, ``dz = R^T dqkv`` and ``sum(z*dz) = sum(qkv*dqkv)`` (CODA's zdz trick: nothing but
-the output is saved). With QK-norm the pre-norm ``z`` is saved and the per-head norm is
-differentiated inside each head (block-local).
+the epilogue as row_block loads (computing sin/cos per head in the epilogue costs several
+times the GEMM: docs/performance.md#kernels); V heads (``rot`` = 0) pass unrotated with
+QK-norm off. Backward (no QK-norm): RoPE is a rotation, ``dz = R^T dqkv`` and
+``sum(z*dz) = sum(qkv*dqkv)`` (CODA's zdz trick: nothing but the output is saved). With
+QK-norm the pre-norm ``z`` is saved and the per-head norm is differentiated inside each head
+(block-local).
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def _rope_transpose(dqkv: jax.Array, aux, b: int) -> jax.Array:
 
     Computed on the ``[M, heads, 2, b]`` view with the pair axis reversed for the partner
     half, and reshaped back: one elementwise pass, where splitting into halves and
-    joining them again cost XLA a concatenation (0.061 ms a call at d=2048 on the H100,
-    about half the GEMM's time)."""
+    joining them again cost XLA a concatenation, one more pass over the whole gradient
+    (docs/performance.md#kernels)."""
     m, n = dqkv.shape
     y = dqkv.astype(jnp.float32).reshape(m, n // (2 * b), 2, b)
     on = (aux["rot"].reshape(-1, b)[:, :1] > 0)[None, :, :, None]  # [1, heads, 1, 1]

@@ -38,7 +38,8 @@ from coda_jax.pallas.tuned import config_fields, layout_name, parse_table, table
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 
 _D = CONFIG_TABLE["default"]
-# Variants of the default that won somewhere on the H100 (benchmarks/RESULTS.md, runs 107-123):
+# Variants of the default that won on some GEMM of a training step on the H100
+# (docs/performance.md#tuned-tables):
 # bands of tiles across M, wider bands, no CTA pair, ping-pong (also with bands across M),
 # the narrow tile.
 CANDIDATES: dict[str, TuningConfig] = {
@@ -54,13 +55,14 @@ CANDIDATES: dict[str, TuningConfig] = {
 }
 # Not measured yet: the epilogue's own knobs (load ring depth, chunk width, swizzled
 # staging) and wider ping-pong bands. Name them (or "extended", or "all") to time them:
-# each candidate costs a Mosaic GPU lowering per call (~2-3 s on the H100 host).
+# each candidate costs a Mosaic GPU lowering per call, seconds of Python each
+# (docs/performance.md#compile-time).
 EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "slots3": dataclasses.replace(_D, epilogue_load_slots=3),
     "slots4": dataclasses.replace(_D, epilogue_load_slots=4),
     "cols32": dataclasses.replace(_D, epilogue_cols=32),
     # plan_kernel keeps pipeline stages before chunk width: beside the epilogue staging, the
-    # cooperative kernel mostly runs 3 stages with 16-column chunks (8 TMA stores of
+    # cooperative kernel mostly keeps 3 stages with 16-column chunks (8 TMA stores of
     # 128 x 16 per consumer tile). Two stages leave room for 32-64-column chunks.
     "stages2": dataclasses.replace(_D, max_concurrent_steps=2),
     "swizzled": dataclasses.replace(_D, swizzle_epilogue=True),
@@ -71,12 +73,12 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_slots3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, epilogue_load_slots=3),
     # A 128 x 128 x 64 stage is half the cooperative kernel's: deeper rings fit. With CTA
     # pairs, a deeper ring may absorb the partner's epilogue that made the clustered
-    # ping-pong lose in run 109 (4 stages).
+    # ping-pong lose at 4 stages (docs/performance.md#kernels).
     "pingpong_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, max_concurrent_steps=6),
     "pingpong_cluster_deep": dataclasses.replace(_D, schedule="pingpong", max_concurrent_steps=6),
-    # The cooperative kernel on the stage ring, one K step's MMAs in flight. Runs 141-142:
-    # identity GEMMs 2-9 % faster at 5 of 6 shapes (10 % slower vocab-wide), every fused
-    # program 1-23 % slower. (Unconfirmed reading: beside a fused epilogue's
+    # The cooperative kernel on the stage ring, one K step's MMAs in flight: faster for most
+    # identity GEMMs, slower for every fused program, so not the default
+    # (docs/performance.md#kernels). (Unconfirmed reading: beside a fused epilogue's
     # staging the kernel keeps 3 stages, and the ring's delayed release leaves the producer 2.)
     "ring": dataclasses.replace(_D, delay_release=1),
     "ring_no_cluster": dataclasses.replace(_D, delay_release=1, cluster_dimension=None),
@@ -87,9 +89,9 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "ring_k32_no_cluster": dataclasses.replace(_D, tile_k=32, max_concurrent_steps=8, delay_release=1,
                                                cluster_dimension=None),
     "k32": dataclasses.replace(_D, tile_k=32, max_concurrent_steps=8),
-    # Tile loads (and outputs) straight between GMEM and registers, not staged in SMEM by TMA
-    # (RESULTS.md runs 182-185: kernel timelines; ping-pong consumers starve for operand stages
-    # while the other consumer's epilogue runs).
+    # Tile loads (and outputs) straight between GMEM and registers, not staged in SMEM by TMA:
+    # kernel timelines show ping-pong consumers starving for operand stages while the other
+    # consumer's epilogue runs (docs/performance.md#kernels).
     "direct_loads": dataclasses.replace(_D, direct_loads=True),
     "direct": dataclasses.replace(_D, direct_loads=True, direct_stores=True),
     "pingpong_direct_loads": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, direct_loads=True),
@@ -103,7 +105,7 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_turns_deep": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, pingpong_turns=True,
                                                max_concurrent_steps=6),
     # 5 stages beside an epilogue whose outputs are staged in their loads' slots (3 slots):
-    # what fits of a deeper ring for the SwiGLU backward (RESULTS.md run 194).
+    # what fits of a deeper ring for the SwiGLU backward (docs/performance.md#kernels).
     "pingpong_turns_s5_in_place": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                       pingpong_turns=True, max_concurrent_steps=5,
                                                       epilogue_load_slots=3),
@@ -113,20 +115,20 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # tile reads ~17 % fewer operand bytes from SMEM per MMA than 128 x 128 consumers, and
     # changes the wave count (8192 x 16384: 2752 CTA tiles of 256 x 192, 20.8 waves on 132
     # SMs, against 4096 of 128 x 256, 31.03 waves). Pair-mode epilogues need a pair width
-    # that divides 192 (not the SwiGLU forward's 128). Measured (RESULTS.md, run 230): 570
-    # against 750-800 TFLOP/s for the identity GEMM in every layout; they win only where the
-    # wider tile fits the output into one wave (the 1B QKV wgrad, 2048 x 3072: 128 CTA tiles).
+    # that divides 192 (not the SwiGLU forward's 128). Slower than the default for the
+    # identity GEMM in every layout, they win only where the wider tile fits the output into
+    # one wave (the 1B QKV wgrad, 2048 x 3072: 128 CTA tiles; docs/performance.md#kernels).
     # One SMEM staging slot per tile output: 64-column epilogue chunks fit beside 4 operand
-    # stages where two slots force 32 (RESULTS.md runs 241-242: a 128 x 128 identity tile is
-    # stored as four 32-column chunks, each with its barriers, fence and TMA store). Runs
-    # 247-254: the identity GEMM does not move; fused GEMMs with a narrow output gain 2-7 %,
-    # the cooperative RoPE forward 16 % (four entries of the tuned table); one slot for every
-    # kernel does not speed up the step.
+    # stages where two slots force 32 (a 128 x 128 identity tile is then stored as four
+    # 32-column chunks, each with its barriers, fence and TMA store). The identity GEMM does
+    # not move; fused GEMMs with a narrow output and the cooperative RoPE forward gain (entries
+    # of the tuned table); one slot for every kernel does not speed up the step
+    # (docs/performance.md#kernels).
     "one_out_slot": dataclasses.replace(_D, epilogue_out_slots=1),
     "ring_one_out_slot": dataclasses.replace(_D, delay_release=1, epilogue_out_slots=1),
     # Tile loads straight into registers and one output slot: the SMEM both free gives most
     # cooperative fused kernels of the 1B step a fourth operand stage (benchmarks/kernel_plans.py).
-    # Measured (RESULTS.md, run 258): slower than one slot alone at every 1B call (0.1-12 %).
+    # Yet slower than one slot alone at every call of the 1B step (docs/performance.md#kernels).
     "direct_loads_one_out_slot": dataclasses.replace(_D, direct_loads=True, epilogue_out_slots=1),
     # The same on the ping-pong kernel (with bands across M: the QKV forward's table entry).
     "pingpong_one_out_slot": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
@@ -237,11 +239,10 @@ def sustained_kernel_ms(fn: Callable, *args, iters: int = 20, heat_s: float = 1.
     back for ``heat_s`` seconds, so that the GPU reaches its power limit, then timed.
 
     A training step keeps an H100 at its power cap (700 W on the SXM part), where the SM clock
-    falls from 1980 MHz to about 1.5 GHz (median 1545 MHz in RESULTS.md, run 216); a kernel
-    timed in a short burst after idle runs at the full clock. Configurations differ in energy
-    per tile (L2 and SMEM traffic, CTA-pair multicast), not only in cycles, so the fastest can
-    differ between the two (run 217 picked 3 of 8 entries differently; in the step that gained
-    0.3 ms, inside the noise, run 218). ``log``: if given, also receives the burst time, the
+    falls well below its 1980 MHz maximum; a kernel timed in a short burst after idle runs at
+    the full clock. Configurations differ in energy per tile (L2 and SMEM traffic, CTA-pair
+    multicast), not only in cycles, so the fastest can differ between the two
+    (docs/performance.md#tuned-tables). ``log``: if given, also receives the burst time, the
     sustained time and the SM clock / power read right after (``nvidia-smi``)."""
     burst = kernel_ms(fn, *args, iters=iters) if log else None
     t_end = time.perf_counter() + heat_s

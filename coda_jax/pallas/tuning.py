@@ -45,17 +45,17 @@ class TuningConfig:
         lowers it, down to 2, to fit): a chunk's loads are issued that many chunks ahead
         (one fewer where a tile output is staged in place of a load, see
         :class:`coda_jax.pallas.gemm_epilogue._EpilogueEmitter`), so their latency hides
-        behind the chunks before it. Default 2 (double-buffered loads): 4 slots did not
-        speed up the block's fused GEMMs on the H100 and slowed ``rms_dgrad_res`` 0.718 ->
-        0.787 ms (benchmarks/RESULTS.md, run 32).
+        behind the chunks before it. Default 2 (double-buffered loads): more slots did not
+        speed up the block's fused GEMMs and slowed one of them (``rms_dgrad_res``)
+        (docs/performance.md#kernels).
       epilogue_out_slots: SMEM staging slots of each tile output (1 or 2). Two (the default)
         double-buffer the chunks: a chunk's store may still be reading its slot while the
         next chunk is written. One halves that staging, so that wider chunks fit beside the
         operand stages (the identity GEMM at 4 stages: 64-column chunks instead of 32, two
         TMA stores per consumer tile instead of four); each chunk then waits for the
         previous chunk's store to have read the slot before writing it. It wins on some
-        fused GEMMs (four entries of the tuned table), not on every kernel of a step
-        (benchmarks/RESULTS.md, runs 247-254).
+        fused GEMMs, where the tuned table picks it, not on every kernel of a step, so two
+        stay the default (docs/performance.md#kernels).
       epilogue_regs: register budget of one epilogue chunk, in float32 values per thread
         (:func:`coda_jax.pallas.gemm_epilogue.live_values`: accumulator slice, tile loads and
         tile outputs of a chunk); ``plan_kernel`` narrows the chunk (pair-mode chunks too,
@@ -68,14 +68,16 @@ class TuningConfig:
         two consumers, and the producer streams their operand blocks through one ring of
         stages in tile order. One consumer's epilogue then runs while the other's MMAs do.
         With a cluster, the two CTAs of a cluster take neighbouring tiles at the same time
-        and share one operand block by multicast, as in the cooperative kernel; on the
-        H100 that was slower than ping-pong without one (benchmarks/RESULTS.md, run 109).
+        and share one operand block by multicast, as in the cooperative kernel; that is
+        slower than ping-pong without one, as each CTA then waits on its partner's epilogue
+        (docs/performance.md#kernels).
       pingpong_turns: ping-pong only: the consumers take turns on the tensor cores. A
         consumer starts a tile's MMAs only after the other consumer has finished its previous
         tile's (a barrier each consumer arrives on for the other), as CUTLASS's ping-pong
         orders its math warpgroups. Without it, a ring deep enough to hold the next tile's
         first stages lets both consumers run MMAs at once, finish together and then run their
-        epilogues together, as the cooperative kernel does (RESULTS.md runs 184-188).
+        epilogues together, as the cooperative kernel does, and the overlap that ping-pong is
+        for is lost (docs/performance.md#kernels).
       delay_release: cooperative warp-specialized kernel only. ``0``: JAX's warp-specialized
         pipeline (``plgpu.emit_pipeline_warp_specialized``), where each consumer waits for its
         K step's MMAs to finish (``wgmma_wait(0)``) before it releases the step's SMEM stage
@@ -174,17 +176,17 @@ class TuningConfig:
         return self.max_concurrent_steps * (cm + cn) * self.tile_k * itemsize
 
 
-# Per shape class: chosen by measurement on the H100 (benchmarks/tune.py regenerates it; see
-# benchmarks/RESULTS.md, run 7). Keys: "small" (M*N < 2^22 or K < 256), "default".
+# Per shape class: the fastest of the measured candidates on the H100 (benchmarks/tune.py
+# regenerates it: docs/performance.md#tuned-tables). Keys: "small" (M*N < 2^22 or K < 256),
+# "default".
 CONFIG_TABLE: dict[str, TuningConfig] = {
     "small": TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2, approx_math=True),
     # 128 x 256 CTA tile, consumers split along N; plan_kernel trims the pipeline to 3
-    # stages beside the epilogue staging (4 do not fit). Approximate math: the SwiGLU
-    # backward epilogue ran 0.844 -> 0.724 ms with it (RESULTS.md, run 18); programs
-    # without transcendentals are unaffected (differences there were within run-to-run noise).
-    # CTA pairs along M share the B block by multicast TMA: identity GEMM 716 -> 787 TFLOP/s
-    # at K=4096, N=14336 (CUPTI kernel time), equal or better at the other shapes and layouts
-    # (run 27); the JAX-shipped kernel's best there was 788.
+    # stages beside the epilogue staging (4 do not fit). Approximate math: epilogues heavy in
+    # transcendentals (the SwiGLU backward) run markedly faster with it, and programs without
+    # them are unaffected. CTA pairs along M share the B block by multicast TMA, halving its
+    # L2 -> SMEM traffic: the large identity GEMMs reach the JAX-shipped kernel's best, and no
+    # other shape or layout is slower (docs/performance.md#kernels).
     "default": TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, warp_specialized=True,
                             wg_dimension="n", cluster_dimension="m", approx_math=True),
 }
@@ -192,16 +194,13 @@ CONFIG_TABLE: dict[str, TuningConfig] = {
 
 # Per-program changes to the default configuration, for GEMMs the tuned table
 # (:mod:`coda_jax.pallas.tuned`) has no entry for. Each won at both the 1B and the 8B-width
-# training step's shapes on the H100 (benchmarks/RESULTS.md, runs 124 and 126):
+# training step's shapes on the H100 (docs/performance.md#kernels):
 # * RoPE (register math beside a short mainloop): ping-pong, whose consumers overlap one
-#   tile's epilogue with the other's MMAs, with bands of tiles across M: QKV forward
-#   0.186 -> 0.150 ms (1B) and 0.347 -> 0.313 ms (8B). (Before, this entry read
-#   "rms_rope_train", a name the op never uses; the model's QKV ran cooperative.) The
-#   cooperative kernel ran it on 2 stages; with one output slot it gets 3 and, at the 8B
-#   width, beats ping-pong (0.287 against 0.306 ms, run 253: the tuned table's entry there).
-# * swiglu_dgrad: the cooperative kernel without CTA pairs, 0.535 -> 0.522 ms (1B) and
-#   0.803 -> 0.744 ms (8B) against the ping-pong it had since runs 107-109.
-# Ping-pong drops the CTA pair: a clustered ping-pong waits on the partner's epilogue (run 109).
+#   tile's epilogue with the other's MMAs, with bands of tiles across M. The cooperative
+#   kernel runs it on 2 stages; with one output slot it gets 3 and, at the 8B width, beats
+#   ping-pong (the tuned table's entry there).
+# * swiglu_dgrad: the cooperative kernel without CTA pairs, faster than ping-pong at both widths.
+# Ping-pong drops the CTA pair: a clustered ping-pong waits on the partner's epilogue.
 _PINGPONG = {"schedule": "pingpong", "cluster_dimension": None}
 PROGRAM_CONFIGS: dict[str, dict] = {
     "rms_rope": {**_PINGPONG, "grid_minor_dim": "m"},
