@@ -7,7 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from coda_jax.layers.hf_llama import config_from_hf, from_hf, load_hf_state_dict, to_hf_state_dict  # noqa: E402
+from coda_jax.layers.hf_llama import config_from_hf, load_hf_state_dict, to_hf_state_dict  # noqa: E402
+from coda_jax.layers.model import CodaLlama  # noqa: E402
 from op_cases import rel_err  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def _hf_model(tied: bool, scaled: bool, seed: int = 0):
 @pytest.mark.parametrize("tied,scaled", [(True, True), (False, False)])
 def test_logits_and_loss_match_transformers(tied, scaled):
     hf, cfg = _hf_model(tied, scaled)
-    model = from_hf(hf.state_dict(), cfg, backend="xla", dtype=jnp.float32, attention_implementation=None)
+    model = CodaLlama.from_hf(hf.state_dict(), cfg, backend="xla", dtype=jnp.float32, attention_implementation=None)
     assert model.config.tie_word_embeddings == tied
     assert (model.config.rope_scaling is not None) == scaled
     tokens = np.random.default_rng(0).integers(0, 256, size=(2, 48))
@@ -48,7 +49,7 @@ def test_logits_and_loss_match_transformers(tied, scaled):
 def test_export_round_trips_exactly():
     hf, cfg = _hf_model(False, True)
     sd = {k: v.numpy() for k, v in hf.state_dict().items()}
-    model = from_hf(sd, cfg, backend="xla", dtype=jnp.float32)
+    model = CodaLlama.from_hf(sd, cfg, backend="xla", dtype=jnp.float32)
     back = to_hf_state_dict(model)
     assert set(back) == {k for k in sd if "rotary_emb" not in k}
     for k, v in back.items():
@@ -58,7 +59,7 @@ def test_export_round_trips_exactly():
 def test_bad_state_dicts_are_named():
     hf, cfg = _hf_model(True, False)
     sd = dict(hf.state_dict())
-    model = from_hf(sd, cfg, backend="xla", dtype=jnp.float32)
+    model = CodaLlama.from_hf(sd, cfg, backend="xla", dtype=jnp.float32)
     missing = {k: v for k, v in sd.items() if "layers.1.mlp.up_proj" not in k}
     with pytest.raises(KeyError, match="layers.1.mlp.up_proj"):
         load_hf_state_dict(model, missing)

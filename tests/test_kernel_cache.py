@@ -135,12 +135,12 @@ def test_the_key_follows_the_kernel(tmp_path):
 def test_a_latency_hint_is_part_of_the_cached_kernel(tmp_path):
     """latency_hints=True: the cached kernel's custom call carries the hint (a
     separate entry from the kernel without it), also when a worker generated it."""
-    from coda_jax.pallas import lowering as L
+    from coda_jax.pallas.kernel_builder import compiled_kernel
 
     cache = KC.enable_kernel_cache(tmp_path, workers=1)
     args = _residual_rms_args()
     plain = _lower(_gemm(programs.RESIDUAL_RMS), *args)
-    L._kernel.cache_clear()
+    compiled_kernel.cache_clear()
     hinted = _lower(_gemm(programs.RESIDUAL_RMS, PallasLowering(plain_gemm="kernel", latency_hints=True)), *args)
     assert "latency_metadata" not in plain and hinted.count("latency_metadata") == 1
     assert cache.stats.misses == 2 and cache.stats.worker_failures == 0

@@ -433,12 +433,12 @@ def test_logsumexp_of_a_consumer_tile_that_is_all_padding():
 def record_grids(monkeypatch) -> list[int]:
     """The grid (``KernelShape.num_sms``: CTAs of the kernel) of every Pallas kernel built from
     now on, in order; the lowering's kernel cache is cleared so that each is built."""
-    from coda_jax.pallas import lowering as L
+    from coda_jax.pallas import kernel_builder as KB
 
     grids = []
-    real = L.build_kernel
-    monkeypatch.setattr(L, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
-    L._kernel.cache_clear()
+    real = KB.build_kernel
+    monkeypatch.setattr(KB, "build_kernel", lambda epi, shape, *a: grids.append(shape.num_sms) or real(epi, shape, *a))
+    KB.compiled_kernel.cache_clear()
     return grids
 
 

@@ -58,13 +58,13 @@ def test_latency_hint_on_the_kernel_call_only():
 
     from coda_jax import programs
     from coda_jax.lowering import estimated_kernel_ns
-    from coda_jax.pallas import lowering as L
+    from coda_jax.pallas.kernel_builder import compiled_kernel
 
     epi, (m, n, k) = programs.RESIDUAL_RMS, (8192, 2048, 8192)
     a, b = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
 
     def lowered(low):
-        L._kernel.cache_clear()
+        compiled_kernel.cache_clear()
         f = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l))
         return f.trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
 

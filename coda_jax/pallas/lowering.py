@@ -86,10 +86,6 @@ def kernel_shape(epilogue: Epilogue, m: int, n: int, k: int, cfg: TuningConfig, 
                        operand_dtype=jnp.dtype(operand_dtype), out_dtypes=dtypes, num_sms=num_sms)
 
 
-# The tests clear the builder's cache by this name.
-_kernel = compiled_kernel
-
-
 def _default_device():
     return jax.devices()[0]
 
