@@ -235,7 +235,7 @@ def bench_gemm(backends, iters):
         ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
         row = {"op": "gemm", "k": k, "n": n, "xla_ms": median_ms(jax.jit(jnp.dot), a, b, iters=iters)}
         for name in backends:
-            if name == "xla":
+            if name in ("xla", "plain"):  # XLA's GEMM is the row's reference; plain JAX has no GEMM of its own
                 continue
             try:
                 with backend_variant(name) as base:
@@ -310,7 +310,7 @@ def bench_epilogues(widths, backends, iters, labels=None):
     cases with these labels). Each case's backends are compiled under their own settings,
     then timed in interleaved rounds (and XLA's dot beside the identity cases)."""
     rows = []
-    kernels = [b for b in backends if b != "xla"]
+    kernels = [b for b in backends if b not in ("xla", "plain")]
     for d in widths:
         for label, epi, m, k, n, ta, tb in _epilogue_cases(d):
             if labels and label not in labels:
@@ -371,7 +371,7 @@ def ce_memory(backends):
     d = min(WIDTHS)
     r = Inputs(5)
     x, g, w, t = r.normal((TOKENS, d)), r.normal((d,), 0.1, 1.0), r.normal((VOCAB, d), 0.05), r.ints((TOKENS,), VOCAB)
-    for b in backends:
+    for b in (b for b in backends if b != "plain"):  # the logits' size is the reference
         try:
             fn = jax.jit(jax.value_and_grad(lambda x, g, w: cj.linear_cross_entropy(x, g, w, t, backend=b), (0, 1, 2)))
             mem = fn.lower(x, g, w).compile().memory_analysis()
@@ -714,8 +714,9 @@ def main():
         rows += ce_memory(backends)
         save()
     if "block" in parts:
-        rows += bench_block(widths, args.block_backends.split(",") if args.block_backends else backends,
-                            args.iters, args.block_rounds)
+        # the block's baseline is the plain XLA Llama block, always timed
+        rows += bench_block(widths, [b for b in (args.block_backends.split(",") if args.block_backends else backends)
+                                     if b != "plain"], args.iters, args.block_rounds)
     save()
     t = table(rows)
     print("\n" + json.dumps(meta) + "\n" + t, flush=True)

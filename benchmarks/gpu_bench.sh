@@ -4,7 +4,8 @@
 # 1. the train step, CodaLlama per backend against the plain JAX Llama in one process per
 #    configuration (python -m benchmarks.train_step_bench; train_step.json, train_step.md);
 # 2. the fused ops, the GEMM, the cross-entropy's memory and the block against their plain
-#    baselines (python -m benchmarks.bench, given this script's arguments; bench.json, table.md);
+#    baselines (python -m benchmarks.bench --backends plain,<backends>, then this script's
+#    arguments, e.g. --widths 2048 --iters 10; bench.json, table.md);
 # 3. the current tables and chart from both (python -m benchmarks.summarize: current.md,
 #    current.png; put them in benchmarks/RESULTS.md with summarize --update).
 # Switches (environment):
@@ -45,8 +46,8 @@ if [[ " ${STEP_ARGS:-} " == *" --profile "* ]] && [ -f "$OUT/train_step.json" ];
   python3 -m benchmarks.step_ceiling "$OUT" | tee "$OUT/step_ceiling.md"
 fi
 if [ -n "${BENCH_PARTS-gemm,ops,ce_memory,block}" ]; then
-  echo "== op and block benchmarks ($BACKENDS) =="
-  timeout "${TIMEOUT:-420}" python3 -m benchmarks.bench --out "$OUT" --backends "$BACKENDS" \
+  echo "== op and block benchmarks (plain,$BACKENDS) =="
+  timeout "${TIMEOUT:-420}" python3 -m benchmarks.bench --out "$OUT" --backends "plain,$BACKENDS" \
     --parts "${BENCH_PARTS-gemm,ops,ce_memory,block}" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -n 60
   status=${PIPESTATUS[0]}; [ "$status" != 0 ] && rc=$status
 fi
