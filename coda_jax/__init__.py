@@ -25,6 +25,7 @@ from coda_jax.backend import (
     resolve_backend,
     set_backend,
     use_backend,
+    use_lowering,
 )
 from coda_jax.options import (
     CrossEntropyOptions,
@@ -62,7 +63,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS", "BackendError", "BackendOpMissingError", "BackendUnavailableError", "UnknownBackendError",
-    "backend_unavailable_reason", "resolve_backend", "set_backend", "use_backend",
+    "backend_unavailable_reason", "resolve_backend", "set_backend", "use_backend", "use_lowering",
     "CrossEntropyOptions", "KernelCacheOptions", "MeshOptions", "OptionError", "Options", "PallasOptions",
     "RoutingOptions", "XlaOptions", "current_options", "options", "parse_overrides", "reset_options", "set_options",
     "Llama3RopeScaling", "NormCarry", "interleave_gate_up", "linear_cross_entropy", "matmul_residual_rms",

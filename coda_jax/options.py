@@ -30,7 +30,8 @@ which checks each value against its field and names the field and its rule when 
 
 Per-kernel tuning (tiles, stages, schedules) is not an option: it belongs to each kernel
 backend's tuning configuration (``coda_jax.pallas.TuningConfig``,
-``coda_jax.ffi.CuteDslTuning``), passed to its lowering.
+``coda_jax.ffi.CuteDslTuning``), passed to its lowering and run under
+:func:`coda_jax.use_lowering`.
 """
 
 from __future__ import annotations
@@ -144,8 +145,9 @@ class KernelCacheOptions:
     """The on-disk cache of compiled Pallas kernels (:mod:`coda_jax.pallas.kernel_cache`).
 
     Attributes:
-      directory: where it lives; ``"off"``: no cache; ``"default"`` (default): under
-        ``$XDG_CACHE_HOME/coda-jax`` (``~/.cache/coda-jax``), keyed by GPU and versions.
+      directory: where it lives; ``"off"``: no cache; ``"default"`` (default): beside JAX's
+        persistent compilation cache when that is on, else ``$XDG_CACHE_HOME/coda_jax/kernels``
+        (``~/.cache/coda_jax/kernels``); entries are keyed by GPU and versions.
       workers: processes that build kernels for the cache in parallel while a step is traced
         (``0``: build in this process); ``"auto"`` (default): from the CPU count.
     """
