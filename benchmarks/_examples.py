@@ -32,13 +32,3 @@ def example(name: str) -> ModuleType:
         del sys.modules[name]
         raise
     return module
-
-
-def training() -> ModuleType:
-    """The module with the example's optimizer and jitted steps (``make_tx``,
-    ``make_steps``): :mod:`coda_jax.training`, else ``examples/train_llama.py``."""
-    try:
-        import coda_jax.training as module
-    except ImportError:
-        module = example("train_llama")
-    return module

@@ -61,7 +61,7 @@ def child(args) -> dict:
     import optax
     from flax import nnx
 
-    from benchmarks._examples import training
+    from coda_jax import training
     from benchmarks.first_step import config_and_first_batch
     from coda_jax.layers import CodaLlama
 
@@ -73,7 +73,7 @@ def child(args) -> dict:
 
     jax.monitoring.register_event_listener(on_event)
     cfg, inputs, targets = config_and_first_batch(args.preset, args.layers, args.batch, args.seq)
-    make_steps = training().make_steps
+    make_steps = training.make_steps
 
     backend = args.backend.removesuffix(KERNEL_CACHE_SUFFIX)
     if args.lower_only and backend != "plain":

@@ -3,8 +3,8 @@
     python -m benchmarks.train_step_bench --preset 1b --batch 8 --seq 1024 \
         --runs plain,xla,pallas,cutedsl,pallas:cross_entropy.save_logits=false,plain --out $OUT
 
-Every run is the same step: ``examples/train_llama.py``'s optimizer (AdamW after global-norm
-clipping) and functional jitted step with donated state (:func:`train_llama.make_steps`), on
+Every run is the same step: the example's optimizer (:func:`coda_jax.training.adamw_cosine`: AdamW after global-norm
+clipping) and functional jitted step with donated state (:func:`coda_jax.training.make_steps`), on
 one fixed batch of random tokens. ``plain`` is :class:`plain_llama.PlainLlama`, the baseline
 of record; ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
 options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
@@ -48,17 +48,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks._examples import example
 from benchmarks.gpu_clock import ClockSampler
 from benchmarks.hlo_schedule import collective_windows, window_summary
 from benchmarks.plain_llama import PlainLlama, shard_plain_state
-from coda_jax import partitioning
+from coda_jax import partitioning, training
 from coda_jax.layers import PRESETS, CodaLlama
 from coda_jax.options import OptionError, options, parse_overrides
 from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
 
-example("train_llama")  # examples/train_llama.py as the module `train_llama` (not a package)
-import train_llama  # noqa: E402
 
 
 def parse_mesh(spec: str | None, explicit: bool = False):
@@ -317,7 +314,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         split = "width" if name == "plain" else partitioning.fsdp_split_on(mesh)
         if mesh is not None and name != "plain" and partitioning.axis_size(mesh, "fsdp") > 1:
             print(f"{spec}: FSDP splits the weights' {split}", flush=True)
-        opt = nnx.Optimizer(model, train_llama.make_tx(lr, 10, 1000), wrt=nnx.Param)
+        opt = nnx.Optimizer(model, training.adamw_cosine(lr, 10, 1000), wrt=nnx.Param)
         state = nnx.state((model, opt))
         shardings = None
         if mesh is not None:
@@ -326,7 +323,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             inputs, targets = (jax.device_put(x, batch_sharding(mesh)) for x in (inputs, targets))
         # The updated state keeps the input's placement: the ahead-of-time compiled step
         # below takes its own output as the next input.
-        train_step, _, _ = train_llama.make_steps(model, opt, shardings)
+        train_step, _, _ = training.make_steps(model, opt, shardings)
         del model, opt
         t0 = time.perf_counter()
         if pgle_runs:

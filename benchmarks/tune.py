@@ -285,7 +285,7 @@ def model_step(spec: str):
         return op_step(spec)
     from flax import nnx
 
-    from benchmarks._examples import training
+    from coda_jax import training
     from coda_jax.layers import PRESETS, CodaLlama
 
     try:
@@ -300,10 +300,10 @@ def model_step(spec: str):
 
     def build():
         model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="pallas")
-        return model, nnx.Optimizer(model, training().make_tx(3e-4, 10, 1000), wrt=nnx.Param)
+        return model, nnx.Optimizer(model, training.adamw_cosine(3e-4, 10, 1000), wrt=nnx.Param)
 
     model, opt = nnx.eval_shape(build)
-    train_step, _, _ = training().make_steps(model, opt)
+    train_step, _, _ = training.make_steps(model, opt)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     return train_step, (nnx.state((model, opt)), tokens, tokens)
 

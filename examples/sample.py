@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other examples, also when imported by the tests
 
 from coda_jax.layers import CodaLlama  # noqa: E402
+from coda_jax.training import adamw_cosine  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -72,7 +72,7 @@ def load(source: Path, backend: str):
     run = SimpleNamespace(**json.loads((source / "args.json").read_text()))
     tok = text_data.build_tokenizer([text_data.load_corpus()], vocab_size=run.vocab)
     model = CodaLlama(train_llama.make_config(run, tok.get_vocab_size()), rngs=nnx.Rngs(0), backend=backend)
-    optimizer = nnx.Optimizer(model, train_llama.make_tx(run.lr, run.warmup, run.steps), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, adamw_cosine(run.lr, run.warmup, run.steps), wrt=nnx.Param)
     mgr = ocp.CheckpointManager((source / "checkpoints").resolve())
     step = mgr.latest_step()
     if step is None:

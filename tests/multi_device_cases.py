@@ -216,21 +216,20 @@ def _token_dots_outside_shard_map(jaxpr, tokens: int) -> list[str]:
 
 
 def _example_train_step(cfg, backend: str, mesh, tokens):
-    """The example's train step (``examples/train_llama.make_steps``: loss, gradients, AdamW)
+    """The example's train step (:func:`coda_jax.training.make_steps`: loss, gradients, AdamW)
     of CodaLlama on ``mesh`` with FSDP-split state, traced, compiled and run once on
     ``tokens [B, S+1]``: ``(loss, compiled HLO text, traced step)``."""
     from flax import nnx
 
-    import train_llama
-
+    from coda_jax import training
     from coda_jax.layers import CodaLlama
     from coda_jax.sharding import batch_sharding, shard_state
 
     with jax.set_mesh(mesh):
         model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
-        opt = nnx.Optimizer(model, train_llama.make_tx(3e-4, 10, 1000), wrt=nnx.Param)
+        opt = nnx.Optimizer(model, training.adamw_cosine(3e-4, 10, 1000), wrt=nnx.Param)
         state = shard_state(nnx.state((model, opt)), mesh)
-        step, _, _ = train_llama.make_steps(model, opt, jax.tree.map(lambda x: x.sharding, state))
+        step, _, _ = training.make_steps(model, opt, jax.tree.map(lambda x: x.sharding, state))
         t = jax.device_put(tokens, batch_sharding(mesh))
         traced = step.trace(state, t[:, :-1], t[:, 1:])
         compiled = traced.lower().compile()
@@ -280,13 +279,13 @@ def _gathered_along_columns(hlo: str, shapes: set[tuple[int, int]]) -> list[str]
 
 
 def case_fsdp_step_gathers(backend: str) -> None:
-    """The example's train step (``examples/train_llama.make_steps``: loss, gradients, AdamW)
+    """The example's train step (:func:`coda_jax.training.make_steps`: loss, gradients, AdamW)
     of CodaLlama with FSDP-split state on ``fsdp=2``: no activation-shaped all-gather in the
     compiled step but the vocab-parallel LM head's input, on the ``xla`` backend and the
     kernel stand-in. The partitioner, left to
     place the ``xla`` backend's GEMMs (and the kernel backends' plain GEMMs), gathered the
-    per-token ``rstd``, the SwiGLU input and the logits instead of the weights: 0.71x plain
-    JAX on two H100s (RESULTS.md, run 140). Tokens (384) differ from every weight
+    per-token ``rstd``, the SwiGLU input and the logits instead of the weights, far slower
+    than plain JAX (docs/performance.md#multi-gpu). Tokens (384) differ from every weight
     dimension, so no weight gather is counted."""
     _benchmark_tools_on_path()
     from benchmarks.train_step_bench import activation_gathers, all_gathers

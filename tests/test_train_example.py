@@ -28,6 +28,21 @@ def test_short_training_run_learns_and_resumes(tmp_path):
     hist = json.loads((out / "history.json").read_text())
     assert hist["step"] == list(range(90))
     assert s2["last_loss"] < s1["first_loss"] - 1.3
+    # One steady-state rate (timed steps after the compiling one); the loop's wall rate with
+    # its evaluation and checkpoint pauses is named for what it holds, and is lower.
+    assert s1["timed_steps"] == 79 and s1["tokens_per_s"] > 0
+    assert 0 < s1["wall_tokens_per_s_with_eval_and_checkpoints"] < s1["tokens_per_s"]
+    assert "mfu" not in s1  # only on a GPU
+
+
+def test_learning_rate_schedule_defaults_by_preset():
+    """The tiny preset's schedule (no loss spike in the default run), the others' as before;
+    a flag wins over the preset."""
+    tiny, big = train_llama.parse_args([]), train_llama.parse_args(["--preset", "1b"])
+    assert (tiny.lr, tiny.warmup) == train_llama.PRESET_SCHEDULES["tiny"] == (2e-3, 40)
+    assert (big.lr, big.warmup) == train_llama.DEFAULT_SCHEDULE == (3e-3, 20)
+    mine = train_llama.parse_args(["--lr", "1e-4", "--warmup", "7"])
+    assert (mine.lr, mine.warmup) == (1e-4, 7)
 
 
 def test_eval_every_zero_evaluates_after_the_last_step_only(tmp_path):

@@ -1,0 +1,69 @@
+"""The optimizer and the jitted train / eval steps shared by the example and the benchmarks.
+
+    tx = training.adamw_cosine(lr=1e-3, warmup=50, steps=1000)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    train_step, eval_step, graphdef = training.make_steps(model, optimizer)
+    state = nnx.state((model, optimizer))
+    state, loss = train_step(state, inputs, targets)     # inputs, targets: int32 [batch, seq]
+
+Any NNX model with a ``loss(inputs, targets) -> scalar`` method works (``CodaLlama``, the
+plain JAX baseline of ``benchmarks/plain_llama.py``), so a benchmark times both on one step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+
+def adamw_cosine(lr: float, warmup: int, steps: int, *, weight_decay: float = 0.1,
+                 clip_norm: float = 1.0) -> optax.GradientTransformation:
+    """AdamW (``b1`` 0.9, ``b2`` 0.95, ``weight_decay``) after global-norm clipping at
+    ``clip_norm``, with linear warm-up from 0 to ``lr`` over ``warmup`` steps and cosine decay
+    to ``lr / 10`` at ``steps``: the Llama recipe."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(clip_norm),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+
+
+def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,
+               state_shardings: Any = None) -> tuple[Callable, Callable, nnx.GraphDef]:
+    """Jitted functional steps over ``state = nnx.state((model, optimizer))``.
+
+    Returns ``(train_step, eval_step, graphdef)``: ``train_step(state, inputs, targets) ->
+    (new_state, loss)`` donates ``state`` (parameters and optimizer moments are updated in
+    place, no second copy); ``eval_step(state, inputs, targets) -> loss`` (a float32 scalar).
+    ``inputs`` and ``targets`` are the model's ``loss`` arguments (int32 ``[batch, seq]`` for
+    a Llama). Functional ``jax.jit`` rather than ``nnx.jit``: no graph traversal of the model
+    on the host per step.
+
+    ``state_shardings``: the placement of ``state`` on a mesh (a pytree of shardings, e.g.
+    ``jax.tree.map(lambda x: x.sharding, state)`` after :func:`coda_jax.sharding.shard_state`).
+    The updated state then keeps it. Without it, XLA may place some updated parameters
+    differently (FSDP-split norm weights came back replicated, tensor-split ones gathered):
+    the next call would recompile, and an ahead-of-time compiled step would refuse its own
+    output.
+    """
+    graphdef, _ = nnx.split((model, optimizer))
+    jit_kw = {} if state_shardings is None else {"out_shardings": (state_shardings, None)}
+
+    @functools.partial(jax.jit, donate_argnums=0, **jit_kw)
+    def train_step(state, inputs, targets):
+        m, opt = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda mm: mm.loss(inputs, targets))(m)
+        # Named so that profiles tell the optimizer's kernels from the model's.
+        with jax.named_scope("optimizer"):
+            opt.update(m, grads)
+        return nnx.state((m, opt)), loss
+
+    @jax.jit
+    def eval_step(state, inputs, targets):
+        m, _ = nnx.merge(graphdef, state)
+        return m.loss(inputs, targets)
+
+    return train_step, eval_step, graphdef
