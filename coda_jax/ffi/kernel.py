@@ -60,8 +60,8 @@ from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
 from coda_jax.ffi.interpret import TracedBody, interpret
 
 SMEM_CAPACITY = 227 * 1024  # the H100's opt-in dynamic SMEM per CTA
-# Deepest operand ring: ce_grad (128-wide, one staged output) ran 1.045 ms with 6 stages and
-# 0.959 ms with 5 in one interleaved run (benchmarks/RESULTS.md, run 56).
+# Deepest operand ring: ce_grad (128-wide, one staged output) ran faster with 5 stages than
+# with 6 (docs/performance.md#kernels).
 MAX_STAGES = 5
 THREADS = 256  # the consumer threads: two MMA + epilogue warpgroups (tid 0..255)
 CTA_THREADS = 384  # plus the producer warpgroup (tid 256..383)
@@ -267,15 +267,12 @@ def choose_schedule(epi: Epilogue, request: str = "auto") -> bool:
     ``"cooperative"``, ``"pingpong"`` (where :func:`pingpong_ok` at 128 wide, else
     cooperative) or ``"auto"``, which is cooperative for now.
 
-    Measured on the H100 (runs 61, 62): ping-pong is faster only for programs that write no
-    tile (``rms_lse``, the LM head's forward: 6.02-6.29 ms vs 6.61-6.70 cooperative at
-    8192 x 128256 x 2048); every program with tile outputs ran slower (128-wide tiles against
-    the cooperative 256; e.g. ``rms_dgrad_res`` 1.18 vs 0.87 ms). ``auto`` could take it for
-    ``rms_lse``. It was made opt-in after a 1B training run with that rule (run 63) ended
-    1.2 % below XLA's loss. Runs 68-72 later showed that gap to be run-to-run noise: cuDNN
-    attention's backward is not bit-repeatable, and a ping-pong run landed 0.30 % from XLA.
-    Switching ``auto`` to ping-pong for ``rms_lse`` is a separate change that needs its own
-    GPU run, so ping-pong stays opt-in for now."""
+    Ping-pong is faster only for programs that write no tile (``rms_lse``, the LM head's
+    forward); every program with tile outputs runs slower on its 128-wide tiles than the
+    cooperative 256 (docs/performance.md#kernels). ``auto`` could take it for ``rms_lse``; a
+    1B loss gap that made it opt-in later proved run-to-run noise (cuDNN attention's backward
+    is not bit-repeatable), and switching ``auto`` needs its own GPU run, so ping-pong stays
+    opt-in for now."""
     if request == "cooperative" or not pingpong_ok(epi, 128):
         return False
     return request == "pingpong"

@@ -13,7 +13,7 @@ time, while the tensor cores wait. The ping-pong kernel (``TuningConfig.schedule
 so one consumer's epilogue runs beside the other's MMAs. :func:`coda_jax.pallas.tuning.choose_config`
 picks it for the programs where it measured faster. The same hand-written stage ring also runs
 the cooperative schedule with one K step's MMAs in flight (``TuningConfig.delay_release=1``,
-opt-in: it sped up plain GEMMs and slowed fused ones, RESULTS.md run 141). The
+opt-in: it sped up plain GEMMs and slowed fused ones, docs/performance.md#kernels). The
 single-warpgroup kernel (``plgpu.emit_pipeline``) serves what does not fit beside it.
 :func:`plan_kernel` picks the kernel, pipeline depth and epilogue chunk width that fit in
 SMEM. Transposed operands (``[K, M]`` A for wgrad, ``[N, K]`` B for dgrad and the LM head)
@@ -533,7 +533,7 @@ def _specs(shape: KernelShape, cfg: TuningConfig, block_m: int, block_n: int):
 
 
 # SMEM a kernel takes beside its operand stages and epilogue staging: barriers and alignment
-# (at most 232 B measured over the programs and tuning candidates, RESULTS.md run 231), and,
+# (at most 232 B measured over the programs and tuning candidates), and,
 # in a kernel with a reduction (row or column sums, the online logsumexp, ctx.row_sum), the
 # cross-warp reduction scratch that Pallas reserves for it (CompilerParams.reduction_scratch_bytes).
 SMEM_MARGIN = 2048
@@ -581,7 +581,7 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     def ws_applies(c: TuningConfig) -> bool:
         if any(o.kind is OutputKind.COL_SUM for o in epi.outputs):
             # A column sum is a cross-warp reduction; run in both consumer warpgroups at once
-            # it gave intermittently wrong partials on the H100 (benchmarks/RESULTS.md, runs 10-11).
+            # it gave intermittently wrong partials on the H100.
             return False
         cm, cn = c.cluster_tile()
         if shape.m % cm or shape.n % cn:
@@ -943,144 +943,216 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
     cluster barrier: a stage is refilled only when the consumers of both CTAs have released
     it, since the refill writes into both. (``"n"``: the same with the A block.)
     """
-    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    ta, tb = shape.transpose_a, shape.transpose_b
-    coop = not cfg.pingpong
-    cta_m, cta_n = cfg.cta_tile()
-    cl_m, cl_n = cfg.cluster_tile()
-    grid_m, grid_n, k_iters = shape.m // cl_m, shape.n // cl_n, shape.k // tk
-    cluster = _cluster_size(cfg)
-    n_tiles, n_programs, stages = grid_m * grid_n, shape.num_sms // cluster, cfg.max_concurrent_steps
-    a_block, b_block = _specs(shape, cfg, cta_m, cta_n)
-    dt = shape.operand_dtype
+    ring = _Ring.of(shape, cfg)
     n_bar = em.n_barriers
-    a_shared = "cluster" if cfg.cluster_dimension == "n" else None
-    b_shared = "cluster" if cfg.cluster_dimension == "m" else None
-    users = 2 if coop else 1  # consumers that read each stage
-    turns = cfg.pingpong and cfg.pingpong_turns
-    if cluster > 1:
+    users = 2 if ring.coop else 1  # consumers that read each stage
+    stages = ring.stages
+    if _cluster_size(cfg) > 1:
         free_type = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=users, num_barriers=stages)
     else:
         free_type = plgpu.Barrier(num_arrivals=users, num_barriers=stages)
-
-    def tile_origin(i, sm):
-        """(mi, ni) of this CTA's ``i``-th CTA tile (its half of the cluster's tile)."""
-        mi, ni = _tile_order(sm + i * n_programs, grid_m, grid_n, cfg)
-        if cfg.cluster_dimension == "m":
-            mi = 2 * mi + lax.axis_index("cluster")
-        elif cfg.cluster_dimension == "n":
-            ni = 2 * ni + lax.axis_index("cluster")
-        return mi, ni
+    dt = shape.operand_dtype
 
     def body(a_gmem, b_gmem, *refs):
         load_refs, out_refs = _split_refs(em, refs)
         sm = lax.axis_index("sm")
-        my_tiles = lax.div(n_tiles - sm + n_programs - 1, n_programs)  # tiles sm, sm + P, ... < n_tiles
+        my_tiles = lax.div(ring.n_tiles - sm + ring.n_programs - 1, ring.n_programs)  # tiles sm, sm + P, ...
 
         @functools.partial(
             pl.run_scoped,
-            a_smem=plgpu.SMEM((stages, *a_block), dt, transforms=_transforms(a_block[1], dt)),
-            b_smem=plgpu.SMEM((stages, *b_block), dt, transforms=_transforms(b_block[1], dt)),
+            a_smem=plgpu.SMEM((stages, *ring.a_block), dt, transforms=_transforms(ring.a_block[1], dt)),
+            b_smem=plgpu.SMEM((stages, *ring.b_block), dt, transforms=_transforms(ring.b_block[1], dt)),
             # [consumer, stage] (ping-pong) or [stage]: A + B loads arrive.
-            full=plgpu.Barrier(num_arrivals=2, num_barriers=stages if coop else 2 * stages),
+            full=plgpu.Barrier(num_arrivals=2, num_barriers=stages if ring.coop else 2 * stages),
             free=free_type,
             # Ping-pong turns: mma_turn[c] is arrived at by the other consumer when its MMAs of
             # a tile are done; consumer c waits on it before its next tile's MMAs.
-            **(dict(mma_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if turns else {}),
+            **(dict(mma_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if ring.turns else {}),
             collective_axes="wg", **em.scratch_types(ldt, copies=2))
         def _scope(a_smem, b_smem, full, free, mma_turn=None, **scr):
             wg = lax.axis_index("wg")
-            total = my_tiles * k_iters
+            stage_ring = _StageRing(a_smem, b_smem, full, free, mma_turn)
+            total = my_tiles * ring.k_iters  # the CTA's K steps, over all its tiles
 
             @pl.when(wg == 2)
             def _producer():
-                plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
-
-                @pl.loop(0, my_tiles)
-                def _tile(i):
-                    mi, ni = tile_origin(i, sm)
-                    owner = 0 if coop else lax.rem(i, 2)
-
-                    @pl.loop(0, k_iters)
-                    def _k(kk):
-                        step = i * k_iters + kk
-                        slot = lax.rem(step, stages)
-
-                        @pl.when(step >= stages)
-                        def _():
-                            with em.scope("free_wait"):
-                                plgpu.barrier_wait(free.at[slot])
-
-                        a_src = (a_gmem.at[pl.ds(kk * tk, tk), pl.ds(mi * cta_m, cta_m)] if ta
-                                 else a_gmem.at[pl.ds(mi * cta_m, cta_m), pl.ds(kk * tk, tk)])
-                        b_src = (b_gmem.at[pl.ds(ni * cta_n, cta_n), pl.ds(kk * tk, tk)] if tb
-                                 else b_gmem.at[pl.ds(kk * tk, tk), pl.ds(ni * cta_n, cta_n)])
-                        bar = full.at[owner * stages + slot]
-                        plgpu.copy_gmem_to_smem(a_src, a_smem.at[slot], bar, collective_axes=a_shared)
-                        plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], bar, collective_axes=b_shared)
-
-                # The last stages' releases: every phase of ``free`` is waited on.
-                @pl.loop(lax.max(total - stages, 0), total)
-                def _drain(step):
-                    plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+                _ring_producer(ring, em, stage_ring, a_gmem, b_gmem, sm, my_tiles, total)
 
             @pl.when(wg < 2)
             def _consumer():
-                plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
-                mine = {k: (v if k == "barrier" else v.at[wg]) for k, v in scr.items()}
-
-                # Ping-pong: this consumer's tiles i = 2j + wg; cooperative: every tile i = j.
-                @pl.loop(0, my_tiles if coop else lax.div(my_tiles - wg + 1, 2))
-                def _tile(j):
-                    i = j if coop else 2 * j + wg
-                    mi, ni = tile_origin(i, sm)
-                    m0, n0, mi_c, ni_c = _consumer_tile(cfg, mi, ni, wg) if coop else (mi * tm, ni * tn, mi, ni)
-                    step_base = j * len(em.chunks)  # epilogue chunks this consumer did before
-                    # The epilogue's tile loads stream in while the MMAs run.
-                    pre = em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
-                    full_base = 0 if coop else wg * stages
-
-                    def mainloop(acc_ref):
-                        @pl.loop(0, k_iters)
-                        def _k(kk):
-                            step = i * k_iters + kk
-                            slot = lax.rem(step, stages)
-                            with em.scope("full_wait"):
-                                plgpu.barrier_wait(full.at[full_base + slot])
-                            a, b = a_smem.at[slot], b_smem.at[slot]
-                            plgpu.wgmma(acc_ref, *(_consumer_operands(a, b, shape, cfg, wg) if coop
-                                                   else _as_operands(a, b, shape)))
-                            plgpu.wgmma_wait(1)  # step - 1's MMA is done: its stage can be refilled
-
-                            @pl.when(kk > 0)
-                            def _():
-                                plgpu.barrier_arrive(free.at[lax.rem(step - 1 + stages, stages)])
-
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(free.at[lax.rem(i * k_iters + k_iters - 1, stages)])
-                        return acc_ref[...]
-
-                    if turns:  # the other consumer's MMAs of the tile before are done (consumer 0 opens)
-                        @pl.when(jnp.logical_or(wg == 1, j > 0))
-                        def _():
-                            with em.scope("turn_wait"):
-                                plgpu.barrier_wait(mma_turn.at[wg])
-
-                    with em.scope("mainloop"):
-                        acc = pl.run_scoped(mainloop, plgpu.ACC((tm, tn), jnp.float32))
-                    if turns:  # the CTA's next tile, if any, is the other consumer's: its turn
-                        @pl.when(i + 1 < my_tiles)
-                        def _():
-                            plgpu.barrier_arrive(mma_turn.at[1 - wg])
-                    with em.scope("epilogue"):
-                        em.emit(acc, m0, n0, mi_c, ni_c, lax.rem(j, 2), load_refs, out_refs, mine,
-                                barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
-
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging dies with this scope
+                _ring_consumer(ring, em, stage_ring, sm, my_tiles, wg, load_refs, out_refs, scr, n_bar)
 
         plgpu.wait_smem_to_gmem(0)
 
     return body
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The static geometry of the ring kernel (:func:`_ring_body`) for one shape and config."""
+
+    shape: KernelShape
+    cfg: TuningConfig
+    coop: bool  # both consumers on every CTA tile (delay_release), else ping-pong
+    turns: bool  # ping-pong consumers take turns on the tensor cores
+    cta_m: int
+    cta_n: int
+    grid_m: int  # tiles of the cluster along M
+    grid_n: int
+    k_iters: int
+    n_tiles: int
+    n_programs: int  # CTAs (cluster leaders' count times the cluster)
+    stages: int
+    a_block: tuple[int, int]
+    b_block: tuple[int, int]
+    a_shared: str | None  # the multicast axis of A's (B's) load, with a cluster along N (M)
+    b_shared: str | None
+
+    @staticmethod
+    def of(shape: KernelShape, cfg: TuningConfig) -> _Ring:
+        cta_m, cta_n = cfg.cta_tile()
+        cl_m, cl_n = cfg.cluster_tile()
+        grid_m, grid_n = shape.m // cl_m, shape.n // cl_n
+        a_block, b_block = _specs(shape, cfg, cta_m, cta_n)
+        return _Ring(shape=shape, cfg=cfg, coop=not cfg.pingpong, turns=cfg.pingpong and cfg.pingpong_turns,
+                     cta_m=cta_m, cta_n=cta_n, grid_m=grid_m, grid_n=grid_n, k_iters=shape.k // cfg.tile_k,
+                     n_tiles=grid_m * grid_n, n_programs=shape.num_sms // _cluster_size(cfg),
+                     stages=cfg.max_concurrent_steps, a_block=tuple(a_block), b_block=tuple(b_block),
+                     a_shared="cluster" if cfg.cluster_dimension == "n" else None,
+                     b_shared="cluster" if cfg.cluster_dimension == "m" else None)
+
+    def tile_origin(self, i, sm):
+        """(mi, ni) of this CTA's ``i``-th CTA tile (its half of the cluster's tile)."""
+        mi, ni = _tile_order(sm + i * self.n_programs, self.grid_m, self.grid_n, self.cfg)
+        if self.cfg.cluster_dimension == "m":
+            mi = 2 * mi + lax.axis_index("cluster")
+        elif self.cfg.cluster_dimension == "n":
+            ni = 2 * ni + lax.axis_index("cluster")
+        return mi, ni
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageRing:
+    """The ring's SMEM stages and barriers: ``a_smem`` / ``b_smem`` ``[stages, block]``,
+    ``full`` (loads arrived: ``[stage]``, or ``[consumer * stages + stage]`` in ping-pong),
+    ``free`` (the stage's readers are done), ``mma_turn`` (ping-pong turns, or None)."""
+
+    a_smem: Any
+    b_smem: Any
+    full: Any
+    free: Any
+    mma_turn: Any = None
+
+
+def _ring_producer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, a_gmem, b_gmem, sm, my_tiles,
+                   total) -> None:
+    """The producer warpgroup: every K step of every CTA tile, in order, through one ring of
+    stages. Step ``t`` goes into stage ``t % stages`` once its previous users released it
+    (``free``), and arrives on its owner's ``full`` barrier (the tile's consumer in ping-pong,
+    both consumers' shared barrier in the cooperative kernel). Then it waits for the last
+    stages' releases, so that every phase of ``free`` is waited on."""
+    plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+    tk, stages = ring.cfg.tile_k, ring.stages
+    ta, tb = ring.shape.transpose_a, ring.shape.transpose_b
+    cta_m, cta_n = ring.cta_m, ring.cta_n
+
+    @pl.loop(0, my_tiles)
+    def _tile(i):
+        mi, ni = ring.tile_origin(i, sm)
+        owner = 0 if ring.coop else lax.rem(i, 2)
+
+        @pl.loop(0, ring.k_iters)
+        def _k(kk):
+            step = i * ring.k_iters + kk
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)
+            def _():
+                with em.scope("free_wait"):
+                    plgpu.barrier_wait(st.free.at[slot])
+
+            a_src = (a_gmem.at[pl.ds(kk * tk, tk), pl.ds(mi * cta_m, cta_m)] if ta
+                     else a_gmem.at[pl.ds(mi * cta_m, cta_m), pl.ds(kk * tk, tk)])
+            b_src = (b_gmem.at[pl.ds(ni * cta_n, cta_n), pl.ds(kk * tk, tk)] if tb
+                     else b_gmem.at[pl.ds(kk * tk, tk), pl.ds(ni * cta_n, cta_n)])
+            bar = st.full.at[owner * stages + slot]
+            plgpu.copy_gmem_to_smem(a_src, st.a_smem.at[slot], bar, collective_axes=ring.a_shared)
+            plgpu.copy_gmem_to_smem(b_src, st.b_smem.at[slot], bar, collective_axes=ring.b_shared)
+
+    # The last stages' releases (of ``total`` steps): every phase of ``free`` is waited on.
+    @pl.loop(lax.max(total - stages, 0), total)
+    def _drain(step):
+        plgpu.barrier_wait(st.free.at[lax.rem(step, stages)])
+
+
+def _ring_mainloop(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, acc_ref, i, wg, full_base) -> jax.Array:
+    """One consumer's MMAs of CTA tile ``i`` over K: wait for each step's stage (``full``),
+    issue its wgmma, and release the previous step's stage once that step's MMAs are done
+    (``wgmma_wait(1)``: one step stays in flight, so the tensor cores do not drain between
+    steps); the tile's last stage is released after ``wgmma_wait(0)``. Returns the
+    accumulator. ``full_base``: this consumer's first ``full`` barrier."""
+    stages = ring.stages
+
+    @pl.loop(0, ring.k_iters)
+    def _k(kk):
+        step = i * ring.k_iters + kk
+        slot = lax.rem(step, stages)
+        with em.scope("full_wait"):
+            plgpu.barrier_wait(st.full.at[full_base + slot])
+        a, b = st.a_smem.at[slot], st.b_smem.at[slot]
+        plgpu.wgmma(acc_ref, *(_consumer_operands(a, b, ring.shape, ring.cfg, wg) if ring.coop
+                               else _as_operands(a, b, ring.shape)))
+        plgpu.wgmma_wait(1)  # step - 1's MMA is done: its stage can be refilled
+
+        @pl.when(kk > 0)
+        def _():
+            plgpu.barrier_arrive(st.free.at[lax.rem(step - 1 + stages, stages)])
+
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(st.free.at[lax.rem(i * ring.k_iters + ring.k_iters - 1, stages)])
+    return acc_ref[...]
+
+
+def _ring_consumer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, sm, my_tiles, wg, load_refs, out_refs,
+                   scr, n_bar: int) -> None:
+    """A consumer warpgroup's tiles: ping-pong, tiles ``i = 2j + wg`` (whole ``[tm, tn]``
+    tiles, taking turns on the tensor cores with ``ring.turns``); cooperative, every tile
+    ``i = j`` (its half). For each: the epilogue's tile loads prefetched, the mainloop
+    (:func:`_ring_mainloop`), then the epilogue (:meth:`_EpilogueEmitter.emit`)."""
+    cfg, coop = ring.cfg, ring.coop
+    tm, tn = cfg.tile_m, cfg.tile_n
+    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+    mine = {k: (v if k == "barrier" else v.at[wg]) for k, v in scr.items()}
+
+    # Ping-pong: this consumer's tiles i = 2j + wg; cooperative: every tile i = j.
+    @pl.loop(0, my_tiles if coop else lax.div(my_tiles - wg + 1, 2))
+    def _tile(j):
+        i = j if coop else 2 * j + wg
+        mi, ni = ring.tile_origin(i, sm)
+        m0, n0, mi_c, ni_c = _consumer_tile(cfg, mi, ni, wg) if coop else (mi * tm, ni * tn, mi, ni)
+        step_base = j * len(em.chunks)  # epilogue chunks this consumer did before
+        # The epilogue's tile loads stream in while the MMAs run.
+        pre = em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
+        full_base = 0 if coop else wg * ring.stages
+
+        if ring.turns:  # the other consumer's MMAs of the tile before are done (consumer 0 opens)
+            @pl.when(jnp.logical_or(wg == 1, j > 0))
+            def _():
+                with em.scope("turn_wait"):
+                    plgpu.barrier_wait(st.mma_turn.at[wg])
+
+        with em.scope("mainloop"):
+            acc = pl.run_scoped(lambda acc_ref: _ring_mainloop(ring, em, st, acc_ref, i, wg, full_base),
+                                plgpu.ACC((tm, tn), jnp.float32))
+        if ring.turns:  # the CTA's next tile, if any, is the other consumer's: its turn
+            @pl.when(i + 1 < my_tiles)
+            def _():
+                plgpu.barrier_arrive(st.mma_turn.at[1 - wg])
+        with em.scope("epilogue"):
+            em.emit(acc, m0, n0, mi_c, ni_c, lax.rem(j, 2), load_refs, out_refs, mine,
+                    barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging dies with this scope
 
 
 def _f32(v):
