@@ -87,16 +87,16 @@ def test_model_step_on_gpus_matches_one_gpu(backend, axis):
 # the xla backend's lowering split by tokens (fsdp_xla_gemms_below).
 @pytest.mark.parametrize("axis,tokens_per_device", [("data", 2048), ("fsdp", 256), ("fsdp", 2048)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_model_step_with_default_routing_matches_one_gpu(backend, axis, tokens_per_device, monkeypatch):
-    from conftest import ROUTING_RULES
+def test_model_step_with_default_routing_matches_one_gpu(backend, axis, tokens_per_device):
+    import coda_jax as cj
+    from suite_options import SUITE_ROUTING
 
     mesh = _mesh_over_all_gpus(axis)
-    for name in ROUTING_RULES:
-        monkeypatch.delenv(name, raising=False)
+    cj.reset_options(*SUITE_ROUTING)  # the library's routing defaults (the suite's fixture restores its own)
     _check_step_on_mesh(backend, mesh, f"{axis}={jax.device_count()}, default routing", tokens_per_device)
 
 
-# The FSDP split along the weights' features (coda_jax.partitioning.set_fsdp_split): the state
+# The FSDP split along the weights' features (the option mesh.fsdp_split): the state
 # placed along the MLP / attention / vocabulary features and every GEMM left to the
 # partitioner (on four H100s the 1B step at 1024 tokens a GPU: 0.899x -> 1.052x plain JAX,
 # benchmarks/RESULTS.md run 281). Auto meshes only: fsdp over all GPUs, and data x fsdp.
