@@ -24,7 +24,7 @@ import os
 import warnings
 from collections.abc import Iterator
 
-ENV_INTERPRET = "CODA_JAX_PALLAS_INTERPRET"
+from coda_jax.options import INTERPRET_ENV as ENV_INTERPRET  # one of the five variables coda-jax reads
 ENV_POOL = "PJRT_NPROC"
 # Warpgroups the interpreter may block at once (a cluster of two warp-specialized CTAs),
 # plus the grid loop that waits for them, plus one to run.
