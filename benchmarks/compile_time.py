@@ -5,7 +5,7 @@
 
 For each backend (``plain``: the plain JAX Llama of ``plain_llama.py``), two fresh processes
 (``--runs``) each build the model of ``examples/train_llama.py`` (its config and first batch,
-``first_step.py``; its functional jitted steps, ``make_steps``) and time
+``first_step.py``; its functional jitted steps, ``coda_jax.training.make_steps``) and time
 
 * ``train_first_s``: the first call of the jitted train step, and its stages:
   ``train_trace_s`` (Python -> jaxpr), ``train_lower_s`` (-> StableHLO; the kernels'
@@ -61,8 +61,8 @@ def child(args) -> dict:
     import optax
     from flax import nnx
 
-    from coda_jax import training
     from benchmarks.first_step import config_and_first_batch
+    from coda_jax import training
     from coda_jax.layers import CodaLlama
 
     counts = dict.fromkeys(CACHE_EVENTS, 0)
@@ -73,8 +73,6 @@ def child(args) -> dict:
 
     jax.monitoring.register_event_listener(on_event)
     cfg, inputs, targets = config_and_first_batch(args.preset, args.layers, args.batch, args.seq)
-    make_steps = training.make_steps
-
     backend = args.backend.removesuffix(KERNEL_CACHE_SUFFIX)
     if args.lower_only and backend != "plain":
         # Lowering for CUDA needs no GPU: let the kernel backend trace on this machine.
@@ -94,7 +92,7 @@ def child(args) -> dict:
 
     # --lower-only: abstract parameters (a 1B model's state needs no memory to lower).
     model, optimizer = nnx.eval_shape(build) if args.lower_only else build()
-    train_step, eval_step, _ = make_steps(model, optimizer)
+    train_step, eval_step, _ = training.make_steps(model, optimizer)
     state = nnx.state((model, optimizer))
     del model, optimizer
     if args.lower_only:

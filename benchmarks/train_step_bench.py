@@ -57,7 +57,6 @@ from coda_jax.options import OptionError, options, parse_overrides
 from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
 
 
-
 def parse_mesh(spec: str | None, explicit: bool = False):
     """``"data=2,fsdp=4"`` -> a mesh over all devices (:func:`coda_jax.sharding.mesh_from_spec`;
     Explicit axes with ``explicit``); no spec: no mesh (one device)."""
