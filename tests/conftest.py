@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_slow_rank)  # stable: the rest keep their order
     if _hopper():
         return
-    skip = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU (run benchmarks/gpu_suite.sh on the device)")
+    skip = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU (run benchmarks/gpu_tests.sh on the device)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

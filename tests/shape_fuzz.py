@@ -2,7 +2,7 @@
 
 One generator serves two scales:
 
-* ``"gpu"`` (tests/test_gpu_shape_fuzz.py, ``FUZZ=1 bash benchmarks/gpu_suite.sh``): tokens
+* ``"gpu"`` (tests/test_gpu_shape_fuzz.py, ``GPU_TESTS=tests/test_gpu_shape_fuzz.py bash benchmarks/gpu_tests.sh``): tokens
   1 .. 4000, never a multiple of 64; widths that are multiples of 64 but not of the
   256-column CTA tile or of a cluster's 512 (1536, 2560, 3072, 5120, 1600, 960);
   head_dim 64 / 128; vocab 32000, 32003, 50257, 151936; GQA ratios 1-8; QK-norm on / off.

@@ -1,6 +1,6 @@
 """The shape fuzz at GPU scale (tests/shape_fuzz.py): seeded ragged shapes per op and for a
 2-layer model, every backend (bf16) against float32 math, forward and gradients, with a
-NaN / Inf scan of every output. Run it with ``FUZZ=1 bash benchmarks/gpu_suite.sh``.
+NaN / Inf scan of every output. Run it with ``GPU_TESTS=tests/test_gpu_shape_fuzz.py bash benchmarks/gpu_tests.sh``.
 
 Environment: ``FUZZ_SEED`` (default 0), ``FUZZ_OPS`` (op draws, default 6: each op once),
 ``FUZZ_MODELS`` (model draws, default 1), ``FUZZ_BACKENDS`` (default xla,pallas and cutedsl
