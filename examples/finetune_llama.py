@@ -5,18 +5,16 @@
 
 The same flags as ``examples/train_llama.py`` (it is that script with ``--init-from``): the
 model, its weights and, for a Hugging Face directory with ``tokenizer.json``, its tokenizer
-come from ``--from``; the optimizer starts fresh (AdamW, ``--lr`` default 1e-4 here).
+come from ``--from``; the optimizer starts fresh (AdamW, defaults here: ``--lr`` 1e-4 after
+``--warmup`` 20 steps, whatever the starting run's preset).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import train_llama  # noqa: E402
+import train_llama  # examples/train_llama.py, beside this script
 
 
 def main(argv=None) -> dict:
@@ -24,12 +22,13 @@ def main(argv=None) -> dict:
     p.add_argument("--from", dest="source", required=True, help="a train_llama.py --out directory or a HF directory")
     p.add_argument("--out", default="runs/finetune")
     p.add_argument("--lr", default="1e-4")
+    p.add_argument("--warmup", default="20", help="linear warm-up steps (not the starting run's preset's)")
     p.add_argument("--steps", default="100")
     ours, rest = p.parse_known_args(argv)
     if Path(ours.out).resolve() == Path(ours.source).resolve():
         p.error("--out must differ from --from (the fine-tune writes its own checkpoints)")
     summary = train_llama.main(rest + ["--init-from", ours.source, "--out", ours.out, "--lr", ours.lr,
-                                       "--steps", ours.steps])
+                                       "--warmup", ours.warmup, "--steps", ours.steps])
     print(f"validation perplexity: before {summary.get('val_perplexity_before', float('nan')):.2f}, "
           f"after {summary.get('val_perplexity', float('nan')):.2f}", flush=True)
     return summary

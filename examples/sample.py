@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,10 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other examples, also when imported by the tests
-
-from coda_jax.layers import CodaLlama  # noqa: E402
-from coda_jax.training import adamw_cosine  # noqa: E402
+from coda_jax.layers import CodaLlama
+from coda_jax.training import adamw_cosine
 
 
 def parse_args(argv=None):
@@ -66,7 +63,7 @@ def load(source: Path, backend: str):
                          "train_llama.py run (args.json)")
     import orbax.checkpoint as ocp
 
-    import text_data
+    import text_data  # the other examples, beside this script
     import train_llama
 
     run = SimpleNamespace(**json.loads((source / "args.json").read_text()))

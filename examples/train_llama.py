@@ -3,18 +3,27 @@
     python examples/train_llama.py                      # tiny preset, CPU-friendly, 200 steps
     python examples/train_llama.py --backend pallas --preset 1b --steps 300   # on an H100
 
-optax AdamW with linear warm-up + cosine decay, a jitted train step (functional NNX: the
-model and optimizer state are donated, so the step updates them in place), a progress bar
-with loss and tokens/s (MFU on a GPU), a loss-curve PNG and an orbax checkpoint in
-``--out``; running again with the same ``--out`` resumes from the last checkpoint.
+AdamW with linear warm-up + cosine decay (:func:`coda_jax.training.adamw_cosine`; peak
+``--lr`` and ``--warmup`` default to the preset's: 2e-3 after 40 steps for ``tiny``, 3e-3
+after 20 for the others), a jitted train step (:func:`coda_jax.training.make_steps`:
+functional NNX, the model and optimizer state are donated, so the step updates them in
+place), a progress bar with loss and tokens/s (MFU on a GPU), a loss-curve PNG and an orbax
+checkpoint in ``--out``; running again with the same ``--out`` resumes from the last
+checkpoint.
 
 The loop never waits for a step to finish except every ``--log-every`` steps (and at
 evaluations and checkpoints): losses stay on the device until then, so the host prepares
-the next batches while the GPU works and the queue stays full. The summary's ``tokens_per_s``
-(and ``mfu`` on a GPU: per device, against the H100's bf16 dense peak) is the steady-state
-rate, the one to read: the train steps after the compiling first one, between those
-synchronizations, evaluation and checkpoint pauses excluded. ``wall_tokens_per_s_with_eval_and_checkpoints``
-is the whole loop's wall rate with those pauses, which dominate short runs.
+the next batches while the GPU works and the queue stays full.
+
+The summary (``summary.json``, printed at the end with a ``steady state:`` line) leads with
+the one rate to read, ``tokens_per_s``: the steady state, over the ``timed_steps`` train
+steps after the compiling first one, between those synchronizations, evaluation and
+checkpoint pauses excluded; on a GPU ``mfu`` is its model FLOPs utilization per device
+against the H100's bf16 dense peak. The other timings are named for what they hold:
+``first_step_s`` (tracing, compilation and the first step) and
+``wall_tokens_per_s_with_eval_and_checkpoints`` (the whole loop after the first step, wall
+clock, with the evaluation step's compile, evaluations and checkpoints, which dominate
+short runs).
 """
 
 from __future__ import annotations
@@ -22,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -31,25 +39,32 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # text_data, also when imported by the tests
+from coda_jax import partitioning
+from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
+from coda_jax.layers.tensor_parallel import check_tensor_parallel, tensor_parallel_size
+from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state, token_shards
+from coda_jax.training import adamw_cosine, make_steps
 
-import text_data  # noqa: E402  (examples/text_data.py)
-
-from coda_jax import partitioning  # noqa: E402
-from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig  # noqa: E402
-from coda_jax.layers.tensor_parallel import check_tensor_parallel, tensor_parallel_size  # noqa: E402
-from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state, token_shards  # noqa: E402
-from coda_jax.training import adamw_cosine, make_steps  # noqa: E402
+import text_data  # examples/text_data.py: Python puts a script's own folder first on sys.path
 
 # bf16 dense peak of one H100 SXM, for MFU.
 H100_BF16_FLOPS = 989e12
 
 
 # (peak lr, warm-up steps) by preset. The tiny model at 3e-3 after 20 warm-up steps took a
-# one-step loss spike (6.5 -> 8.4) at step 40 of the default run; 2e-3 after 40 steps trains
-# without one and ends lower. The larger presets keep the settings their runs were made with.
+# one-step loss spike (6.5 -> 8.4 at step 39, near the peak rate) in the default run; 2e-3
+# after 40 steps trains without one and ends lower. The larger presets (and a Hugging Face
+# starting point) keep the settings their runs were made with.
 DEFAULT_SCHEDULE = (3e-3, 20)
 PRESET_SCHEDULES = {"tiny": (2e-3, 40)}
+
+
+def fill_schedule(args, preset: str | None) -> None:
+    """Set ``args.lr`` / ``args.warmup`` left unset (``None``) to ``preset``'s schedule
+    (:data:`PRESET_SCHEDULES`; :data:`DEFAULT_SCHEDULE` for other presets and ``None``)."""
+    lr, warmup = PRESET_SCHEDULES.get(preset, DEFAULT_SCHEDULE)
+    args.lr = lr if args.lr is None else args.lr
+    args.warmup = warmup if args.warmup is None else args.warmup
 
 
 def parse_args(argv=None):
@@ -61,9 +76,11 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default: the preset's, PRESET_SCHEDULES: 2e-3 for tiny, else 3e-3)")
+                   help="peak learning rate (default: the preset's, PRESET_SCHEDULES: 2e-3 for tiny, else 3e-3; "
+                        "with --init-from, the starting run's preset's)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="linear warm-up steps (default: the preset's, PRESET_SCHEDULES: 40 for tiny, else 20)")
+                   help="linear warm-up steps (default: the preset's, PRESET_SCHEDULES: 40 for tiny, else 20; "
+                        "with --init-from, the starting run's preset's)")
     p.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary (the tiny preset uses it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/tiny", help="checkpoint, loss curve and log directory")
@@ -95,9 +112,8 @@ def parse_args(argv=None):
                    help="activation checkpointing: block = each block keeps only its input and recomputes its "
                         "forward in the backward (less memory, about a third more GEMM work)")
     args = p.parse_args(argv)
-    lr, warmup = PRESET_SCHEDULES.get(args.preset, DEFAULT_SCHEDULE)
-    args.lr = lr if args.lr is None else args.lr
-    args.warmup = warmup if args.warmup is None else args.warmup
+    if not args.init_from:  # else main() fills them once it knows the starting point's model
+        fill_schedule(args, args.preset)
     for msg in flag_errors(args):
         p.error(msg)
     return args
@@ -115,7 +131,7 @@ def flag_errors(args) -> list[str]:
         v = getattr(args, name)
         if v is not None and v < lo:
             errs.append(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
-    if not (args.lr > 0 and np.isfinite(args.lr)):
+    if args.lr is not None and not (args.lr > 0 and np.isfinite(args.lr)):
         errs.append(f"--lr must be a finite number > 0, got {args.lr}")
     return errs
 
@@ -198,11 +214,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "args.json").write_text(json.dumps(vars(args), indent=1))  # how examples/sample.py rebuilds the model
     on_gpu = jax.devices()[0].platform == "gpu"
 
     corpus = text_data.load_corpus()
-    init = _init_source(args)
+    init = _init_source(args)  # with --init-from a train_llama.py run: that run's preset, layers and vocab
+    fill_schedule(args, None if "config" in init else args.preset)  # a Hugging Face model is no preset
+    (out / "args.json").write_text(json.dumps(vars(args), indent=1))  # how examples/sample.py rebuilds the model
     tok = init.get("tokenizer") or text_data.build_tokenizer([corpus], vocab_size=args.vocab)
     train_tokens, val_tokens = text_data.split_tokens(text_data.encode(tok, corpus))
     cfg = (init.get("config") or make_config(args, tok.get_vocab_size())).replace(remat=args.remat)
@@ -376,28 +393,30 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
     bar.close()
     ckpt.close()
     _plot(history, out / "loss.png")
-    summary = {"first_loss": history["loss"][0] if history["loss"] else None,
-               "last_loss": history["loss"][-1] if history["loss"] else None,
-               "val_loss": history["val_loss"][-1] if history["val_loss"] else None, "steps": args.steps,
-               "backend": args.backend, "preset": args.preset, "tokens_per_step": tokens_per_step}
+    summary = {}
+    if timed_steps:
+        # The figure to read, first: the steady-state rate of the train steps after the
+        # compiling first one, between host synchronizations (evaluation and checkpoint pauses
+        # excluded), and its MFU on a GPU. The wall rate of the whole loop, with the evaluation
+        # step's compile, evaluations and checkpoints, comes later, named for what it holds:
+        # those pauses dominate short runs.
+        summary["tokens_per_s"] = timed_steps * tokens_per_step / train_s
+        if on_gpu:
+            summary["mfu"] = summary["tokens_per_s"] / n_dev * fpt / H100_BF16_FLOPS  # per device
+        summary["timed_steps"] = timed_steps
+        summary["devices"] = n_dev
+    summary.update({"first_loss": history["loss"][0] if history["loss"] else None,
+                    "last_loss": history["loss"][-1] if history["loss"] else None,
+                    "val_loss": history["val_loss"][-1] if history["val_loss"] else None, "steps": args.steps,
+                    "backend": args.backend, "preset": args.preset, "tokens_per_step": tokens_per_step})
     if "val_before" in history:
         summary["val_loss_before"] = history["val_before"]
         summary["val_perplexity_before"] = float(np.exp(history["val_before"]))
     if summary["val_loss"] is not None:
         summary["val_perplexity"] = float(np.exp(summary["val_loss"]))
     if args.steps > start:
-        summary["first_step_s"] = first_step_s
+        summary["first_step_s"] = first_step_s  # tracing, compilation and the first step
     if timed_steps:
-        # The figure to read: the steady-state rate of the train steps after the compiling
-        # first one, between host synchronizations (evaluation and checkpoint pauses
-        # excluded). The wall rate of the whole loop, with the evaluation step's compile,
-        # evaluations and checkpoints, is named for what it holds: short runs are dominated
-        # by those pauses.
-        summary["tokens_per_s"] = timed_steps * tokens_per_step / train_s
-        summary["timed_steps"] = timed_steps
-        summary["devices"] = n_dev
-        if on_gpu:
-            summary["mfu"] = summary["tokens_per_s"] / n_dev * fpt / H100_BF16_FLOPS  # per device
         summary["wall_tokens_per_s_with_eval_and_checkpoints"] = \
             (args.steps - start - 1) * tokens_per_step / (time.perf_counter() - loop_t0)
     if mesh is not None and partitioning.axis_size(mesh, "fsdp") > 1:

@@ -15,11 +15,13 @@ pytest.importorskip("tokenizers")
 import train_llama  # noqa: E402
 
 
-def test_short_training_run_learns_and_resumes(tmp_path):
+def test_short_training_run_learns_and_resumes(tmp_path, capsys):
     out = tmp_path / "run"
     common = ["--batch", "8", "--seq", "64", "--layers", "2", "--vocab", "1024", "--lr", "3e-3", "--warmup", "5",
               "--eval-every", "20", "--ckpt-every", "20", "--out", str(out)]
     s1 = train_llama.main(common + ["--steps", "80"])
+    printed = capsys.readouterr().out
+    written = json.loads((out / "summary.json").read_text())
     assert s1["last_loss"] < s1["first_loss"] - 1.3, s1
     assert (out / "loss.png").stat().st_size > 1000
     assert (out / "checkpoints").is_dir()
@@ -28,11 +30,14 @@ def test_short_training_run_learns_and_resumes(tmp_path):
     hist = json.loads((out / "history.json").read_text())
     assert hist["step"] == list(range(90))
     assert s2["last_loss"] < s1["first_loss"] - 1.3
-    # One steady-state rate (timed steps after the compiling one); the loop's wall rate with
-    # its evaluation and checkpoint pauses is named for what it holds, and is lower.
-    assert s1["timed_steps"] == 79 and s1["tokens_per_s"] > 0
+    # The summary leads with one steady-state rate (the timed steps after the compiling one);
+    # the loop's wall rate with its evaluation and checkpoint pauses is named for what it
+    # holds, and is lower.
+    assert list(written)[0] == "tokens_per_s" and written["tokens_per_s"] == s1["tokens_per_s"] > 0
+    assert s1["timed_steps"] == 79
     assert 0 < s1["wall_tokens_per_s_with_eval_and_checkpoints"] < s1["tokens_per_s"]
     assert "mfu" not in s1  # only on a GPU
+    assert f"steady state: {s1['tokens_per_s']:,.0f} tokens/s over 79 timed steps" in printed
 
 
 def test_learning_rate_schedule_defaults_by_preset():
@@ -43,6 +48,12 @@ def test_learning_rate_schedule_defaults_by_preset():
     assert (big.lr, big.warmup) == train_llama.DEFAULT_SCHEDULE == (3e-3, 20)
     mine = train_llama.parse_args(["--lr", "1e-4", "--warmup", "7"])
     assert (mine.lr, mine.warmup) == (1e-4, 7)
+    # --init-from: the starting run's preset decides, once main() has read it (a Hugging Face
+    # model is no preset: the default schedule).
+    later = train_llama.parse_args(["--init-from", "elsewhere", "--warmup", "7"])
+    assert (later.lr, later.warmup) == (None, 7)
+    train_llama.fill_schedule(later, None)
+    assert (later.lr, later.warmup) == (3e-3, 7)
 
 
 def test_eval_every_zero_evaluates_after_the_last_step_only(tmp_path):
@@ -141,7 +152,16 @@ def test_finetune_continues_from_a_run_and_reports_perplexity(tmp_path):
     base = tmp_path / "base"
     s0 = train_llama.main(["--batch", "8", "--seq", "32", "--layers", "1", "--vocab", "512", "--steps", "30",
                            "--eval-every", "0", "--ckpt-every", "30", "--lr", "3e-3", "--out", str(base)])
-    s = finetune_llama.main(["--from", str(base), "--out", str(tmp_path / "ft"), "--steps", "10", "--lr", "1e-3",
-                             "--batch", "8", "--seq", "32", "--eval-every", "0", "--ckpt-every", "0"])
+    ft = tmp_path / "ft"
+    s = finetune_llama.main(["--from", str(base), "--out", str(ft), "--steps", "10", "--lr", "1e-3",
+                             "--batch", "8", "--seq", "32", "--eval-every", "0", "--ckpt-every", "10"])
     assert s["val_loss_before"] == pytest.approx(s0["val_loss"], rel=1e-5)  # the run's weights, evaluated
     assert s["val_perplexity"] < s["val_perplexity_before"]
+    # args.json records the model the fine-tune trained (the base run's one layer, not the
+    # preset's four) and its own schedule (the fine-tune's warm-up, not the tiny preset's),
+    # so examples/sample.py rebuilds and restores it.
+    run = json.loads((ft / "args.json").read_text())
+    assert (run["preset"], run["layers"], run["vocab"], run["lr"], run["warmup"]) == ("tiny", 1, 512, 1e-3, 20)
+    import sample
+
+    assert sample.main(["--from", str(ft), "--prompt", "It was", "--tokens", "3"])[0].startswith("It was")
