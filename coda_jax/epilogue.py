@@ -34,6 +34,19 @@ The body contract
   summand for ``row_sum`` / ``col_sum`` (the backend reduces and masks padding), the
   logits for ``row_logsumexp``.
 
+Quantizing outputs (FP8)
+------------------------
+A tile output declared with ``quantize=`` (:func:`fp8_out`) is stored as FP8 with a
+per-tensor scale: the body returns the unscaled float32 tile ``v`` as for any tile output,
+and the backend writes ``saturate(v * scale)`` cast to the output's FP8 dtype (``scale`` a
+scalar load, chosen before the GEMM runs: delayed scaling). While the tile is on chip it
+may also write the transposed copy (``{name}_t``, ``[N, M]``: the K-major operand that the
+backward's FP8 GEMMs read, since Hopper's FP8 wgmma takes both operands K-major) and reduce
+``max|v|`` (``{name}_amax``, float32 partials ``[P]`` whose max is the tensor's amax, the
+next step's scale). An FP8 GEMM whose operands carry scales runs a program made by
+:func:`dequantized`: its accumulator is multiplied by the scalar ``acc_scale`` (the
+product of the operands' inverse scales) before the body sees it.
+
 The body must be pure ``jnp`` math: elementwise ops, ``where``, ``exp``/``log``/``rsqrt``,
 casts. No reshapes, no cross-column ops other than through ``ctx``.
 """
@@ -66,6 +79,10 @@ __all__ = [
     "col_sum",
     "row_logsumexp",
     "row_block",
+    "Quantize",
+    "fp8_out",
+    "FP8_DTYPES",
+    "dequantized",
     "body_uses_row_sum",
     "split_pairs",
     "join_pairs",
@@ -99,6 +116,26 @@ class Load:
     half: bool = False  # pair mode, COL/TILE loads: one value per pair ([N/2] / [M, N/2])
 
 
+# Storage dtypes of quantizing outputs and FP8 GEMM operands.
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantize:
+    """How a tile output is stored in FP8 (see the module docstring).
+
+    Attributes:
+      scale: name of the scalar load holding the per-tensor scale (stored value =
+        ``saturate(v * scale)``; dequantize with ``1 / scale``).
+      transpose: also write the transposed copy ``{name}_t`` ``[N, M]``.
+      amax: also reduce ``max|v|`` over the tile into ``{name}_amax`` (float32 partials ``[P]``).
+    """
+
+    scale: str
+    transpose: bool = False
+    amax: bool = True
+
+
 @dataclasses.dataclass(frozen=True)
 class Output:
     """One value the epilogue writes.
@@ -110,12 +147,23 @@ class Output:
         Reductions are always float32.
       half: pair mode only: the tile output has one column per *pair* (``[M, N/2]``),
         and the body returns a single array; otherwise it returns ``(lo, hi)``.
+      quantize: a tile output stored as FP8 (``dtype`` one of :data:`FP8_DTYPES`), with its
+        optional transposed copy and amax (:class:`Quantize`); None for a plain output.
     """
 
     name: str
     kind: OutputKind
     dtype: Any = None
     half: bool = False
+    quantize: Quantize | None = None
+
+    def result_names(self) -> tuple[str, ...]:
+        """The backend results this output produces: its own name, then ``{name}_t`` and
+        ``{name}_amax`` where its :class:`Quantize` asks for them."""
+        q = self.quantize
+        if q is None:
+            return (self.name,)
+        return (self.name,) + ((f"{self.name}_t",) if q.transpose else ()) + ((f"{self.name}_amax",) if q.amax else ())
 
 
 class EpilogueContext(Protocol):
@@ -160,11 +208,24 @@ class Epilogue:
     linear: bool = False
 
     def __post_init__(self):
-        names = [l.name for l in self.loads] + [o.name for o in self.outputs]
+        names = [l.name for l in self.loads] + [r for o in self.outputs for r in o.result_names()]
         if len(set(names)) != len(names):
             raise ValueError(f"epilogue {self.name!r}: load/output names must be unique, got {names}")
         if not self.outputs:
             raise ValueError(f"epilogue {self.name!r}: declares no output")
+        scalars = {l.name for l in self.loads if l.kind is LoadKind.SCALAR}
+        for o in self.outputs:
+            if o.quantize is None:
+                continue
+            if o.kind is not OutputKind.TILE or jnp.dtype(o.dtype) not in FP8_DTYPES:
+                raise ValueError(f"epilogue {self.name!r}: output {o.name!r}: quantize needs a tile output with an "
+                                 f"FP8 dtype ({[d.name for d in FP8_DTYPES]}), got {o.kind.value} {o.dtype}")
+            if o.quantize.scale not in scalars:
+                raise ValueError(f"epilogue {self.name!r}: output {o.name!r}: its scale {o.quantize.scale!r} must be "
+                                 f"a scalar load")
+            if self.pair_block is not None and not o.half:
+                raise ValueError(f"epilogue {self.name!r}: output {o.name!r}: a quantizing output in pair mode must "
+                                 "be half-width (one value per pair)")
         for o in self.outputs:
             if o.half and self.pair_block is None:
                 raise ValueError(f"epilogue {self.name!r}: output {o.name!r} is half-width but pair_block is None")
@@ -217,6 +278,15 @@ class Epilogue:
 
     def load_names(self, kind: LoadKind | None = None) -> tuple[str, ...]:
         return tuple(l.name for l in self.loads if kind is None or l.kind is kind)
+
+    def result_names(self) -> tuple[str, ...]:
+        """Every key of a backend's result dict: each output's :meth:`Output.result_names`."""
+        return tuple(r for o in self.outputs for r in o.result_names())
+
+    @property
+    def quantizes(self) -> bool:
+        """Some output is stored as FP8 (:class:`Quantize`)."""
+        return any(o.quantize is not None for o in self.outputs)
 
     def output(self, name: str) -> Output:
         for o in self.outputs:
@@ -331,6 +401,14 @@ def tile_out(name: str, dtype: Any = None, *, half: bool = False) -> Output:
     return Output(name, OutputKind.TILE, dtype, half)
 
 
+def fp8_out(name: str, dtype: Any, *, scale: str, transpose: bool = False, amax: bool = True,
+            half: bool = False) -> Output:
+    """A tile output stored as FP8 ``dtype`` (``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``)
+    with the per-tensor ``scale`` (a scalar load's name); optionally its transposed copy
+    and its amax (:class:`Quantize`)."""
+    return Output(name, OutputKind.TILE, jnp.dtype(dtype), half, Quantize(scale, transpose, amax))
+
+
 def row_sum(name: str) -> Output:
     return Output(name, OutputKind.ROW_SUM, jnp.float32)
 
@@ -341,3 +419,21 @@ def col_sum(name: str) -> Output:
 
 def row_logsumexp(name: str) -> Output:
     return Output(name, OutputKind.ROW_LOGSUMEXP, jnp.float32)
+
+
+def _dequantized_body(epi: Epilogue):
+    def body(acc, ctx, acc_scale, **loads):
+        acc = tuple(a * acc_scale for a in acc) if isinstance(acc, tuple) else acc * acc_scale
+        return epi.body(acc, ctx, **loads)
+    return body
+
+
+@program_factory
+def dequantized(epi: Epilogue) -> Epilogue:
+    """``epi`` for a GEMM of FP8 operands with per-tensor scales: the same program with one
+    more scalar load, ``acc_scale`` (``1 / (scale_a * scale_b)``), by which the accumulator
+    is multiplied before ``epi``'s body sees it. Linear where ``epi`` is."""
+    if "acc_scale" in epi.load_names():
+        raise ValueError(f"epilogue {epi.name!r} already has a load named 'acc_scale'")
+    return dataclasses.replace(epi, name=f"{epi.name}_fp8", loads=epi.loads + (scalar("acc_scale"),),
+                               body=_dequantized_body(epi))

@@ -16,16 +16,27 @@ leaves to kernels on other streams). A variant is a lowering built with them, ru
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, kernel_latency_hint,
                                persistent_grid_sms, routes_to_xla)
 from coda_jax.reference import REFERENCE
+
+
+_logger = logging.getLogger("coda_jax")
+_fp8_logged: set[tuple[str, str]] = set()
+
+
+def _log_fp8_fallback(backend: str, program: str, why: str) -> None:
+    if (backend, program) not in _fp8_logged:  # once per program (INFO)
+        _fp8_logged.add((backend, program))
+        _logger.info("coda_jax: %s runs the FP8 GEMMs of %r on XLA: %s", backend, program, why)
 
 
 def _pad2(x: jax.Array, rows: int, cols: int) -> jax.Array:
@@ -124,11 +135,24 @@ class KernelLowering:
         the routing options say so, else runs :meth:`kernel_gemm`."""
         m, n, k = check_kernel_gemm(self.title, epilogue, a, b, loads, transpose_a, transpose_b)
         splits = check_out_splits(epilogue, out_splits, n)
-        if routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
+        fp8_rule = None
+        if a.dtype in FP8_DTYPES or epilogue.quantizes:
+            fp8_rule = self.fp8_rule(epilogue, a, b, transpose_a, transpose_b)
+            if fp8_rule is not None:
+                _log_fp8_fallback(self.name, epilogue.name, fp8_rule)
+        if fp8_rule is not None or routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
             return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
                                   out_dtypes=out_dtypes, out_splits=splits)
         return self.kernel_gemm(epilogue, a, b, loads, (m, n, k), transpose_a=transpose_a, transpose_b=transpose_b,
                                 out_dtypes=out_dtypes, out_splits=splits)
+
+    def fp8_rule(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, transpose_a: bool,
+                 transpose_b: bool) -> str | None:
+        """Why this backend's kernel cannot run an FP8 GEMM (FP8 operands, or an epilogue with
+        quantizing outputs), or None where it can. Such a GEMM then runs on XLA (cuBLASLt's
+        FP8 GEMM and a fusion of the body), logged once per program. The base kernel has no
+        FP8 path; a backend that has one overrides this with its layout rules."""
+        return f"the {self.title} kernel has no FP8 path yet"
 
     def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
                     dims: tuple[int, int, int], *, transpose_a: bool, transpose_b: bool,

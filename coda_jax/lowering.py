@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from coda_jax.epilogue import Epilogue, OutputKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, OutputKind
 from coda_jax.options import current_options
 
 
@@ -116,16 +116,19 @@ def check_kernel_gemm(backend: str, epilogue: Epilogue, a: jax.Array, b: jax.Arr
                       transpose_a: bool, transpose_b: bool) -> tuple[int, int, int]:
     """The shared input rules of the kernel backends; returns ``(m, n, k)``.
 
-    2-D operands of one 16-bit dtype (wgmma's path; float32 points at ``backend="xla"``),
+    2-D operands of one 16-bit dtype (wgmma's path; float32 points at ``backend="xla"``) or
+    both FP8 (:data:`~coda_jax.epilogue.FP8_DTYPES`, a GEMM with :func:`~coda_jax.epilogue.dequantized` scales),
     equal contraction sizes, loads matching the declaration, and in pair mode N a multiple
     of ``2 * pair_block`` (of ``pair_block`` with ``half_acc``) with no column sum or
     log-sum-exp output.
     """
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"a and b must be 2-D, got a{tuple(a.shape)} b{tuple(b.shape)}")
-    if a.dtype != b.dtype:
-        raise TypeError(f"a and b must share a dtype, got a={a.dtype} b={b.dtype}")
-    if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    fp8 = a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES  # e4m3 / e5m2, mixed allowed
+    if a.dtype != b.dtype and not fp8:
+        raise TypeError(f"a and b must share a dtype (or both be FP8: {[d.name for d in FP8_DTYPES]}), "
+                        f"got a={a.dtype} b={b.dtype}")
+    if not fp8 and a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise TypeError(f"the {backend} backend needs bfloat16/float16 GEMM operands, got {a.dtype}; "
                         "use backend='xla' (or compute dtype bfloat16) for float32")
     m, n, k = gemm_dims(a, b, transpose_a, transpose_b)

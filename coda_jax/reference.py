@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, Output, OutputKind
 from coda_jax.lowering import check_out_splits, split_columns
 from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.options import current_options
@@ -36,6 +36,8 @@ def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, round
     ca = 0 if transpose_a else 1
     cb = 1 if transpose_b else 0
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    if a.dtype in FP8_DTYPES:  # an FP8 GEMM (cuBLASLt's on a GPU): float32 out, scaled by the body
+        round_acc = False
     out_dtype = a.dtype if round_acc and jnp.dtype(a.dtype).itemsize == 2 and a.dtype == b.dtype else jnp.float32
     out = lax.dot_general(
         a, b, (((ca,), (cb,)), ((), ())), precision=precision, preferred_element_type=out_dtype,
@@ -55,6 +57,21 @@ def _contracted_out_sharding(a: jax.Array, b: jax.Array, ca: int, cb: int):
     if spec_a[ca] is None and spec_b[cb] is None:
         return None
     return jax.sharding.NamedSharding(sa.mesh, jax.sharding.PartitionSpec(spec_a[1 - ca], spec_b[1 - cb]))
+
+
+def quantize_tile(o: Output, v: jax.Array, scale: jax.Array) -> dict[str, jax.Array]:
+    """A quantizing output's results from its float32 tile ``v`` ``[M, N]`` (see
+    :class:`coda_jax.epilogue.Quantize`): ``saturate(v * scale)`` in ``o.dtype``, its
+    transpose, and the amax as one partial ``[1]``."""
+    fmax = float(jnp.finfo(o.dtype).max)
+    v = v.astype(jnp.float32)
+    q = jnp.clip(v * scale.astype(jnp.float32), -fmax, fmax).astype(o.dtype)
+    res = {o.name: q}
+    if o.quantize.transpose:
+        res[f"{o.name}_t"] = q.T
+    if o.quantize.amax:
+        res[f"{o.name}_amax"] = jnp.max(jnp.abs(v))[None]
+    return res
 
 
 def _as_compute(v: jax.Array) -> jax.Array:
@@ -217,7 +234,7 @@ class ReferenceLowering:
                     and jnp.dtype(a.dtype).itemsize == 2)
         acc = _dot(a, b, transpose_a, transpose_b, self.round_acc or plain_16)
         res = self._run_body(epilogue, acc, _prepare_loads(epilogue, loads), n, 0)
-        return self._finish(epilogue, res, m, n, dtypes)
+        return self._finish(epilogue, res, m, n, dtypes, loads)
 
     def _run_body(self, epi: Epilogue, acc, prepared, n, col_offset):
         ctx = _WholeArrayContext(n, col_offset)
@@ -230,7 +247,7 @@ class ReferenceLowering:
             raise ValueError(f"epilogue {epi.name!r} body returned {sorted(res)}, declared {[o.name for o in epi.outputs]}")
         return res
 
-    def _finish(self, epi: Epilogue, res, m, n, dtypes):
+    def _finish(self, epi: Epilogue, res, m, n, dtypes, loads):
         out = {}
         b = epi.pair_block
         # Pair mode: the joined [M, C, 2, b] space of the full-width tile (2n wide with half_acc).
@@ -240,7 +257,11 @@ class ReferenceLowering:
             if o.kind is OutputKind.TILE:
                 if shape is not None:
                     v = _half_tile(v, shape) if o.half else _pair_value(v, shape).reshape(m, -1)
-                out[o.name] = jnp.broadcast_to(v, (m,) + v.shape[1:]).astype(dtypes[o.name])
+                v = jnp.broadcast_to(v, (m,) + v.shape[1:])
+                if o.quantize is not None:
+                    out.update(quantize_tile(o, v, loads[o.quantize.scale]))
+                else:
+                    out[o.name] = v.astype(dtypes[o.name])
             elif o.kind is OutputKind.ROW_SUM:
                 v = _pair_value(v, shape) if shape is not None else jnp.broadcast_to(v, (m,) + v.shape[1:])
                 out[o.name] = v.reshape(m, -1).sum(axis=1)[None].astype(jnp.float32)
