@@ -223,9 +223,6 @@ class Epilogue:
             if o.quantize.scale not in scalars:
                 raise ValueError(f"epilogue {self.name!r}: output {o.name!r}: its scale {o.quantize.scale!r} must be "
                                  f"a scalar load")
-            if self.pair_block is not None and not o.half:
-                raise ValueError(f"epilogue {self.name!r}: output {o.name!r}: a quantizing output in pair mode must "
-                                 "be half-width (one value per pair)")
         for o in self.outputs:
             if o.half and self.pair_block is None:
                 raise ValueError(f"epilogue {self.name!r}: output {o.name!r} is half-width but pair_block is None")

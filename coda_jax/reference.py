@@ -36,9 +36,10 @@ def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, round
     ca = 0 if transpose_a else 1
     cb = 1 if transpose_b else 0
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    if a.dtype in FP8_DTYPES:  # an FP8 GEMM (cuBLASLt's on a GPU): float32 out, scaled by the body
-        round_acc = False
-    out_dtype = a.dtype if round_acc and jnp.dtype(a.dtype).itemsize == 2 and a.dtype == b.dtype else jnp.float32
+    if a.dtype in FP8_DTYPES:  # an FP8 GEMM (cuBLASLt's on a GPU), scaled by the body afterwards
+        out_dtype = jnp.bfloat16 if round_acc else jnp.float32
+    else:
+        out_dtype = a.dtype if round_acc and jnp.dtype(a.dtype).itemsize == 2 and a.dtype == b.dtype else jnp.float32
     out = lax.dot_general(
         a, b, (((ca,), (cb,)), ((), ())), precision=precision, preferred_element_type=out_dtype,
         out_sharding=_contracted_out_sharding(a, b, ca, cb),

@@ -17,8 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from coda_jax.fp8 import Fp8Meta, Fp8Recipe
 
 
 def adamw_cosine(lr: float, warmup: int, steps: int, *, weight_decay: float = 0.1,
@@ -48,18 +51,39 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,
     differently (FSDP-split norm weights came back replicated, tensor-split ones gathered):
     the next call would recompile, and an ahead-of-time compiled step would refuse its own
     output.
+
+    A model with FP8 recipe state (:class:`coda_jax.fp8.Fp8Meta` variables) gets them
+    updated in the same step, from the gradients its ops return for them, and its
+    ``config.fp8.on_nonfinite`` policy applied (:class:`coda_jax.fp8.Fp8Recipe`).
     """
     graphdef, _ = nnx.split((model, optimizer))
     jit_kw = {} if state_shardings is None else {"out_shardings": (state_shardings, None)}
+    fp8 = bool(jax.tree.leaves(nnx.state(model, Fp8Meta)))
+    recipe = getattr(getattr(model, "config", None), "fp8", None) or Fp8Recipe()
 
     @functools.partial(jax.jit, donate_argnums=0, **jit_kw)
     def train_step(state, inputs, targets):
         m, opt = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lambda mm: mm.loss(inputs, targets))(m)
-        # Named so that profiles tell the optimizer's kernels from the model's.
+        if not fp8:
+            loss, grads = nnx.value_and_grad(lambda mm: mm.loss(inputs, targets))(m)
+            # Named so that profiles tell the optimizer's kernels from the model's.
+            with jax.named_scope("optimizer"):
+                opt.update(m, grads)
+            return nnx.state((m, opt)), loss
+        # FP8: the gradient of each amax history is its next history (coda_jax.fp8).
+        wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
+        loss, grads = nnx.value_and_grad(lambda mm: mm.loss(inputs, targets), argnums=wrt)(m)
+        param_grads, histories = grads.filter(nnx.Param, Fp8Meta)
         with jax.named_scope("optimizer"):
-            opt.update(m, grads)
-        return nnx.state((m, opt)), loss
+            opt.update(m, param_grads)
+        nnx.update(m, histories)
+        new_state = nnx.state((m, opt))
+        if recipe.on_nonfinite == "skip":  # keep everything as it was: no inf reaches a weight or a scale
+            finite = jnp.isfinite(optax.global_norm(param_grads))
+            for h in jax.tree.leaves(histories):
+                finite &= jnp.all(jnp.isfinite(h))
+            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+        return new_state, loss
 
     @jax.jit
     def eval_step(state, inputs, targets):

@@ -1,0 +1,148 @@
+"""FP8 training: formats, per-tensor delayed scaling, and the recipe state.
+
+The recipe is TransformerEngine's "hybrid" delayed scaling, as Flax's FP8 dot and MaxText's
+``quantization=fp8`` use it: activations and weights in ``float8_e4m3fn`` (max 448, 3
+mantissa bits), gradients in ``float8_e5m2`` (max 57344, the range backward values need).
+Each quantized tensor has a per-tensor scale chosen *before* the tensor exists, from the
+history of its amax (max |value|) over the last ``history`` steps:
+
+    scale = fp8_max / (max(history) * 2**margin)      stored = saturate(value * scale)
+
+so the GEMM that produces the tensor can cast it in its epilogue with a known scale, and
+reduce this step's amax in the same pass (:func:`coda_jax.epilogue.fp8_out`). A GEMM of two
+FP8 operands multiplies its accumulator by ``1 / (scale_a * scale_b)`` (``scale_inv``).
+
+Recipe state: one amax history per quantized tensor, an :class:`Fp8Meta` variable (not an
+``nnx.Param``: the optimizer never sees it). The ops return a tensor's next history as the
+*gradient* of its history (:func:`next_history`), so one ``nnx.value_and_grad`` over
+``(nnx.Param, Fp8Meta)`` yields both, and the train step overwrites the histories with their
+"gradients" (:func:`coda_jax.training.make_steps`). Each history is read by exactly one op
+call, so no two gradients of one history are ever summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["E4M3", "E5M2", "Fp8Recipe", "Fp8Meta", "Fp8Tensor", "scale_from_history", "quantize",
+           "quantize_tensor", "next_history", "NONFINITE_POLICIES"]
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E5M2 = jnp.dtype(jnp.float8_e5m2)
+
+# What the train step does when a new amax or a gradient is not finite.
+NONFINITE_POLICIES = ("skip", "apply")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How a model trains in FP8 (``LlamaConfig(fp8=Fp8Recipe())``).
+
+    Attributes:
+      history: steps of amax history a scale is taken from (the max over them).
+      margin: scales are divided by ``2**margin`` (headroom against growth between steps).
+      on_nonfinite: ``"skip"``: a step whose new amaxes or gradients are not all finite
+        leaves the parameters, optimizer moments and histories as they were (the loss it
+        returns shows the non-finite value); ``"apply"``: no check.
+
+    Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its
+    softmax and both of its GEMMs), the LM head and the norms stay in the compute dtype.
+    """
+
+    history: int = 16
+    margin: int = 0
+    on_nonfinite: str = "skip"
+
+    def __post_init__(self):
+        if not isinstance(self.history, int) or self.history < 1:
+            raise ValueError(f"Fp8Recipe.history must be a positive int, got {self.history!r}")
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"Fp8Recipe.margin must be a non-negative int, got {self.margin!r}")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"Fp8Recipe.on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
+
+
+class Fp8Meta(nnx.Variable):
+    """The amax history ``[history]`` float32 of one quantized tensor (newest first).
+
+    Updated by the train step from its gradient (:func:`next_history`), never by the optimizer."""
+
+
+def new_meta(recipe: Fp8Recipe) -> Fp8Meta:
+    """An empty history: the first step quantizes with scale 1 and records the real amax."""
+    return Fp8Meta(jnp.zeros((recipe.history,), jnp.float32))
+
+
+def fp8_max(dtype: Any) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def scale_from_history(history: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
+    """``fp8_max(dtype) / (max(history) * 2**margin)`` as a float32 scalar; 1 while the
+    history holds no positive amax. The scale is a power of two (the largest not above that
+    ratio), as TransformerEngine rounds it: then ``1 / scale`` is exact and dequantizing
+    ``value * scale`` returns the value's own bits."""
+    amax = jnp.max(history.astype(jnp.float32))
+    ratio = fp8_max(dtype) / (amax * 2.0 ** margin)
+    scale = jnp.exp2(jnp.floor(jnp.log2(ratio)))
+    return jnp.where((amax > 0) & jnp.isfinite(scale), scale, 1.0).astype(jnp.float32)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``saturate(x * scale)`` cast to the FP8 ``dtype`` (float32 math)."""
+    m = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
+
+
+def next_history(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """The history after a step that saw ``amax``: shifted by one, ``amax`` first."""
+    return jnp.concatenate([jnp.reshape(amax, (1,)).astype(jnp.float32), history[:-1]])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Tensor:
+    """A matrix quantized per tensor: ``value ~= data * scale_inv``.
+
+    Attributes:
+      data: ``[R, C]`` FP8 (row-major, as the value).
+      data_t: ``[C, R]`` the same bits transposed, or None: the K-major copy a GEMM reads
+        where the matrix is its operand contracted over ``R`` (Hopper's FP8 MMA takes both
+        operands K-major).
+      scale_inv: float32 scalar, ``1 / scale``.
+    """
+
+    data: jax.Array
+    data_t: jax.Array | None
+    scale_inv: jax.Array
+
+    @property
+    def T(self) -> "Fp8Tensor":
+        """The transposed matrix (its two copies swapped; no data moves)."""
+        return Fp8Tensor(self.data_t, self.data, self.scale_inv)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape) if self.data is not None else tuple(reversed(self.data_t.shape))
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        return (self.data.astype(jnp.float32) * self.scale_inv).astype(dtype)
+
+
+def quantize_tensor(x: jax.Array, history: jax.Array, dtype: Any, margin: int = 0, *,
+                    transpose: bool = True, rows: bool = True) -> tuple[Fp8Tensor, jax.Array]:
+    """A standalone quantizing pass (where no GEMM epilogue produces ``x``): ``(Fp8Tensor,
+    amax)`` of the matrix ``x`` ``[R, C]`` with the delayed scale from ``history``.
+
+    ``transpose``: also the ``[C, R]`` copy; ``rows=False`` leaves the row-major copy out
+    (where only the transposed one is read). XLA writes both copies and reduces the amax in
+    one fusion."""
+    scale = scale_from_history(history, dtype, margin)
+    q = quantize(x, scale, dtype)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return Fp8Tensor(q if rows else None, q.T if transpose else None, 1.0 / scale), amax
