@@ -335,3 +335,78 @@ ACCUMULATE = E.Epilogue(
     body=_accumulate_body,
 )
 """out = prev + acc (float32 accumulation across vocab chunks)."""
+
+
+# ---------------------------------------------------------------- FP8 --------------
+# Programs whose GEMM also writes the FP8 copies its consumers read (coda_jax.fp8): the
+# tensor cast with its delayed scale, its transposed (K-major) copy for the backward's
+# GEMMs, and its amax for the next step's scale. The GEMMs that read FP8 operands run these
+# (or the programs above) through E.dequantized.
+_E4M3, _E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _residual_rms_q8_body(acc, ctx, residual, gamma, h_scale):
+    x = acc + residual
+    return {"x": x, "h": x * gamma, "sumsq": x * x}
+
+
+RESIDUAL_RMS_Q8 = E.Epilogue(
+    name="residual_rms_q8",
+    loads=(E.tile("residual"), E.col("gamma"), E.scalar("h_scale")),
+    outputs=(E.tile_out("x"), E.fp8_out("h", _E4M3, scale="h_scale", transpose=True), E.row_sum("sumsq")),
+    body=_residual_rms_q8_body,
+)
+""":data:`RESIDUAL_RMS` whose ``h = x * gamma`` (the next GEMM's operand) is written in e4m3 with
+its transposed copy (the wgrad's operand) and amax."""
+
+
+@E.program_factory
+def rms_swiglu_q8(save_preactivation: bool) -> E.Epilogue:
+    """:func:`rms_swiglu` whose ``y`` (the down projection's operand) is written in e4m3 with
+    its transposed copy (the down projection's wgrad operand) and amax; ``z`` stays in the
+    compute dtype (the SwiGLU backward's load)."""
+    inner = rms_swiglu(save_preactivation)
+
+    def body(acc, ctx, rstd, y_scale):
+        return inner.body(acc, ctx, rstd)
+
+    outputs = ((E.fp8_out("y", _E4M3, scale="y_scale", transpose=True, half=True),)
+               + ((E.tile_out("z"),) if save_preactivation else ()))
+    return E.Epilogue(name=f"rms_swiglu_q8{'_train' if save_preactivation else ''}",
+                      loads=(E.row("rstd"), E.scalar("y_scale")), outputs=outputs, body=body,
+                      pair_block=SWIGLU_BLOCK)
+
+
+def _swiglu_dgrad_q8_body(acc, ctx, z, rstd, dz_scale):
+    return _swiglu_dgrad_body(acc, ctx, z, rstd)
+
+
+SWIGLU_DGRAD_Q8 = E.Epilogue(
+    name="swiglu_dgrad_q8",
+    loads=(E.tile("z"), E.row("rstd"), E.scalar("dz_scale")),
+    outputs=(E.fp8_out("dz", _E5M2, scale="dz_scale", transpose=True), E.row_sum("zdz")),
+    body=_swiglu_dgrad_q8_body,
+    pair_block=SWIGLU_BLOCK,
+    half_acc=True,
+)
+""":data:`SWIGLU_DGRAD` whose ``dz' = rstd * dz`` (the gate/up projection's dgrad and wgrad
+operand) is written in e5m2 with its transposed copy and amax."""
+
+
+@E.program_factory
+def rms_dgrad_q8(with_dgamma: bool) -> E.Epilogue:
+    """:func:`rms_dgrad` (with the residual gradient) that also writes ``dx`` in e5m2 with its
+    transposed copy and amax (``dxq``): the gradient of a residual stream that the previous
+    projection's dgrad and wgrad read in FP8."""
+    inner = rms_dgrad(True, with_dgamma)
+
+    def body(acc, ctx, x, xcoef, gamma, dres, dx_scale):
+        out = dict(inner.body(acc, ctx, x, xcoef, gamma, dres=dres))
+        out["dxq"] = out["dx"]
+        return out
+
+    outputs = (E.tile_out("dx"), E.fp8_out("dxq", _E5M2, scale="dx_scale", transpose=True))
+    outputs += (E.col_sum("dgamma"),) if with_dgamma else ()
+    return E.Epilogue(name=f"rms_dgrad_res_q8{'_dgamma' if with_dgamma else ''}",
+                      loads=(E.tile("x"), E.row("xcoef"), E.col("gamma"), E.tile("dres"), E.scalar("dx_scale")),
+                      outputs=outputs, body=body)

@@ -9,9 +9,15 @@ from flax import nnx
 from coda_jax.layers.attention import causal_attention
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.layers.tensor_parallel import tensor_parallel_block, tensor_parallel_size
+from coda_jax.backend import lowering_for
+from coda_jax.fp8 import Fp8Meta
+from coda_jax.ops.fp8_llama_block import TENSORS as FP8_TENSORS
+from coda_jax.ops.fp8_llama_block import BlockShape as Fp8BlockShape
+from coda_jax.ops.fp8_llama_block import Fp8Carry, fp8_llama_block
 from coda_jax.ops.matmul_residual_rms import matmul_residual_rms
+from coda_jax.ops.names import FP8_LLAMA_BLOCK
 from coda_jax.ops.norm_carry import NormCarry
-from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
+from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope, rope_rotated_columns, rope_tables
 from coda_jax.ops.swiglu_mlp import swiglu_mlp
 from coda_jax.ops.rope_frequencies import rope_inv_freq
 from coda_jax.mesh_axes import context_mesh
@@ -71,6 +77,12 @@ class CodaLlamaBlock(nnx.Module):
             self.q_norm = p(jnp.ones((hd,), pd), ("head_dim",))
             self.k_norm = p(jnp.ones((hd,), pd), ("head_dim",))
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(hd, c.rope_theta, c.rope_scaling)))
+        # FP8 (config.fp8): one amax history per quantized tensor (coda_jax.ops.fp8_llama_block.TENSORS).
+        # fp8_carry_out: whether the carry this block writes is read by another FP8 block (the
+        # model's last block writes a compute-dtype carry for the LM head).
+        self.fp8_carry_out = True
+        if c.fp8 is not None:
+            self.fp8_meta = Fp8Meta(jnp.zeros((len(FP8_TENSORS), c.fp8.history), jnp.float32))
 
     def _param(self, name: str, dtype=None, whole: bool = True) -> jax.Array:
         """Parameter ``name`` as the layer uses it: cast to ``dtype`` (before any gather: half
@@ -92,7 +104,12 @@ class CodaLlamaBlock(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if tensor_parallel_size(context_mesh()) > 1:  # Megatron TP: coda_jax/layers/tensor_parallel.py
+            if c.fp8 is not None:
+                raise NotImplementedError("config.fp8 is not supported under a 'tensor' mesh axis yet; use data / "
+                                          "fsdp axes, or fp8=None")
             return tensor_parallel_block(self, x, positions), None
+        if c.fp8 is not None:
+            return self._fp8_call(x, positions, carry, next_norm)
         dt = c.dtype
         m = b * s
         x2 = reshape_tokens(x, (m, d)).astype(dt)
@@ -112,3 +129,28 @@ class CodaLlamaBlock(nnx.Module):
         out, carry2 = swiglu_mlp(x1, w("mlp_norm"), w("w_gu", dt), w("w_down", dt),
                                  next_norm, carry=carry1, eps=c.rms_norm_eps, backend=self.backend)
         return reshape_tokens(out, (b, s, d)), carry2
+
+    def _fp8_call(self, x, positions, carry, next_norm):
+        """The block in FP8 (:func:`coda_jax.ops.fp8_llama_block.fp8_llama_block`)."""
+        c = self.config
+        b, s, d = x.shape
+        m, hd = b * s, c.head_dim
+        if carry is not None and not isinstance(carry, Fp8Carry):
+            carry = None  # a compute-dtype carry (not from an FP8 block): h is quantized from x
+        w = self._param
+        params = {name: w(name) for name in ("attn_norm", "w_qkv", "w_o", "mlp_norm", "w_gu", "w_down")}
+        pos = reshape_tokens(positions, (m,))
+        cos, sin = rope_tables(pos, w("inv_freq"))
+        aux = {"cos": cos, "sin": sin, "rot": rope_rotated_columns(c.num_heads, c.num_kv_heads, hd // 2)}
+        if c.qk_norm:
+            aux["qk_w"] = jnp.concatenate([jnp.tile(w("q_norm").astype(jnp.float32), c.num_heads),
+                                           jnp.tile(w("k_norm").astype(jnp.float32), c.num_kv_heads),
+                                           jnp.ones((c.num_kv_heads * hd,), jnp.float32)])
+        carry_out = "none" if next_norm is None else ("fp8" if self.fp8_carry_out else "norm")
+        shape = Fp8BlockShape(b, s, c.num_heads, c.num_kv_heads, hd, float(c.rms_norm_eps),
+                              float(c.qk_norm_eps) if c.qk_norm else None, c.attention_implementation,
+                              c.fp8.margin, carry_out)
+        lowering = lowering_for(FP8_LLAMA_BLOCK, self.backend)
+        out, carry_out = fp8_llama_block(lowering, shape, reshape_tokens(x, (m, d)).astype(c.dtype), params, aux,
+                                         self.fp8_meta[...], carry=carry, next_norm=next_norm)
+        return reshape_tokens(out, (b, s, d)), carry_out

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from coda_jax.fp8 import Fp8Recipe
 from coda_jax.ops.rope_frequencies import Llama3RopeScaling
 
 
@@ -35,6 +36,9 @@ class LlamaConfig:
         values a layer). ``"block"``: each block keeps only its input and norm carry, and its
         forward (every fused kernel of it) runs again in the backward: about a third more
         GEMM work for ``[tokens, 2d]`` a layer, plus one layer's activations at a time.
+      fp8: train the blocks' projections in FP8 with this recipe (:class:`coda_jax.fp8.Fp8Recipe`;
+        :mod:`coda_jax.ops.fp8_llama_block`), or None (the compute dtype). Attention, the
+        norms, the embedding and the LM head stay in the compute dtype.
     """
 
     vocab_size: int = 128256
@@ -54,8 +58,11 @@ class LlamaConfig:
     param_dtype: Any = jnp.float32
     attention_implementation: str | None = "auto"
     remat: str = "none"
+    fp8: Fp8Recipe | None = None
 
     def __post_init__(self):
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
+            raise TypeError(f"fp8 must be an Fp8Recipe or None, got {type(self.fp8).__name__}")
         if self.remat not in REMAT_MODES:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {self.remat!r}")
         if self.num_heads % self.num_kv_heads:

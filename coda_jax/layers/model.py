@@ -55,6 +55,8 @@ class CodaLlama(nnx.Module):
         self.embed = logical_param(
             jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), c.param_dtype) * 0.02, ("vocab", "embed"))
         self.blocks = nnx.List([CodaLlamaBlock(c, rngs=rngs, backend=backend) for _ in range(c.num_layers)])
+        if c.num_layers:
+            self.blocks[-1].fp8_carry_out = False  # the final norm / LM head reads a compute-dtype carry
         self.final_norm = logical_param(jnp.ones((c.hidden_size,), c.param_dtype), ("norm",))
         if not c.tie_word_embeddings:
             self.lm_head = logical_param(

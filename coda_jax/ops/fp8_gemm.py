@@ -1,0 +1,34 @@
+"""A GEMM of two per-tensor-scaled FP8 matrices (:class:`coda_jax.fp8.Fp8Tensor`).
+
+Hopper's FP8 MMA (and cuBLASLt's FP8 GEMM) takes both operands K-major: for
+``C [M, N] = A [M, K] @ B [K, N]`` it reads ``A`` as ``[M, K]`` and ``B`` as ``[N, K]``. An
+:class:`~coda_jax.fp8.Fp8Tensor` carries both layouts where they are needed (written by the
+epilogue that produced it), so each of a projection's three GEMMs picks the K-major copy
+of each operand: forward ``x @ W`` reads ``x.data`` and ``W.data_t``, dgrad ``dy @ W^T``
+reads ``dy.data`` and ``W.data``, wgrad ``x^T @ dy`` reads ``x.data_t`` and ``dy.data_t``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from coda_jax import epilogue as E
+from coda_jax.fp8 import Fp8Tensor
+from coda_jax.lowering import GemmLowering
+
+
+def fp8_gemm(lowering: GemmLowering, epilogue: E.Epilogue, a: Fp8Tensor, b: Fp8Tensor,
+             loads: Mapping[str, jax.Array], **kw: Any) -> dict[str, Any]:
+    """``epilogue`` on ``a @ b`` (``a`` ``[M, K]``, ``b`` ``[K, N]`` as matrices; use ``.T`` for
+    a transposed operand): the GEMM reads ``a.data`` ``[M, K]`` and ``b.data_t`` ``[N, K]``,
+    and the body sees the float32 accumulator times ``a.scale_inv * b.scale_inv``
+    (:func:`coda_jax.epilogue.dequantized`). ``kw``: ``out_dtypes`` / ``out_splits`` as in
+    :meth:`coda_jax.lowering.GemmLowering.gemm`."""
+    if a.data is None or b.data_t is None:
+        raise ValueError(f"fp8_gemm: operand copy missing (a needs its row-major copy, b its transposed one) "
+                         f"for epilogue {epilogue.name!r}")
+    return lowering.gemm(E.dequantized(epilogue), a.data, b.data_t,
+                         {**loads, "acc_scale": a.scale_inv * b.scale_inv}, transpose_b=True, **kw)

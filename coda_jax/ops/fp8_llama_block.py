@@ -1,0 +1,259 @@
+"""A Llama decoder block whose four projections run in FP8, as one op with its backward.
+
+The block's math is :class:`coda_jax.layers.CodaLlamaBlock`'s; its twelve projection GEMMs
+(QKV, O, gate/up, down: forward, dgrad, wgrad) read per-tensor-scaled FP8 operands
+(:mod:`coda_jax.fp8`: e4m3 forward, e5m2 gradients, delayed scaling) and every tensor that a
+GEMM of the block produces and an FP8 GEMM reads is quantized in that GEMM's epilogue,
+both layouts and its amax, while the tile is on chip:
+
+    forward    O GEMM        x1 = x + o @ W_o          writes h1 = x1 * g_mlp     (e4m3, + h1^T)
+               gate/up GEMM  y = SwiGLU(rstd1 * h1 @ W_gu)  writes y             (e4m3, + y^T)
+               down GEMM     x2 = x1 + y @ W_down      writes the next block's h  (e4m3, + h^T)
+    backward   down dgrad    dz' = SwiGLU'(dx2 @ W_down^T) * rstd1              (e5m2, + dz'^T)
+               gate/up dgrad dx1 = dx2 + RMSNorm'(dz' @ W_gu^T)                (bf16 and e5m2, + ^T)
+
+Standalone quantizing passes remain where no GEMM of the block produces the tensor: the
+attention output ``o`` (cuDNN's), the QKV gradient (attention's backward and the RoPE
+transpose, an XLA fusion that also writes the FP8 copies), the block's output gradient
+``dx2`` (it arrives from the next block as the cotangent of a compute-dtype array), the
+first block's ``h`` (the embedding's), and the weights (once per step). Attention, RoPE,
+the norms and the residual stream stay in the compute dtype.
+
+Recipe state: ``meta [len(TENSORS), history]`` float32, one amax history per quantized tensor
+(:data:`TENSORS`); the op's gradient for ``meta`` is its next value (:mod:`coda_jax.fp8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import programs
+from coda_jax.fp8 import E4M3, E5M2, Fp8Tensor, next_history, quantize_tensor, scale_from_history
+from coda_jax.lowering import GemmLowering
+from coda_jax.ops.fp8_gemm import fp8_gemm
+from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
+from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
+
+# The quantized tensors of one block, in the order of the rows of its ``meta``.
+TENSORS = ("h_in", "w_qkv", "o", "w_o", "h1", "w_gu", "y", "w_down", "h_out", "dz_qkv", "dx1", "dz_gu", "dx2")
+_ROW = {name: i for i, name in enumerate(TENSORS)}
+_GRADS = ("dz_qkv", "dx1", "dz_gu", "dx2")  # e5m2; the others e4m3
+
+
+class Fp8Carry(NamedTuple):
+    """The norm carry between FP8 blocks: ``h = x * gamma`` as an e4m3 :class:`Fp8Tensor`
+    (``[M, d]`` and its ``[d, M]`` copy, written by the previous block's down GEMM) and the
+    float32 partial sums of squares ``[P, M]``."""
+
+    h: Fp8Tensor
+    sumsq: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+    """The static arguments of :func:`fp8_llama_block`."""
+
+    batch: int
+    seq: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    qk_norm_eps: float | None
+    attention: str | None
+    margin: int
+    carry_out: str  # "fp8" (the next block reads it), "norm" (a compute-dtype NormCarry), "none"
+
+
+def _dtype(name: str):
+    return E5M2 if name in _GRADS else E4M3
+
+
+def _scale(meta: jax.Array, name: str, margin: int) -> jax.Array:
+    return scale_from_history(meta[_ROW[name]], _dtype(name), margin)
+
+
+def _quantize(meta: jax.Array, name: str, x: jax.Array, margin: int, **kw) -> tuple[Fp8Tensor, jax.Array]:
+    return quantize_tensor(x, meta[_ROW[name]], _dtype(name), margin, **kw)
+
+
+def _epilogue_fp8(outs: dict, name: str, scale: jax.Array) -> tuple[Fp8Tensor, jax.Array]:
+    """The :class:`Fp8Tensor` and amax of quantizing output ``name`` of a GEMM's results."""
+    return Fp8Tensor(outs[name], outs[f"{name}_t"], 1.0 / scale), jnp.max(outs[f"{name}_amax"])
+
+
+def _attention(q, k, v, impl):
+    from coda_jax.layers.attention import causal_attention  # the block's own attention plan
+
+    return causal_attention(q, k, v, impl)
+
+
+def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux, meta):
+    m, d = x.shape
+    dt = x.dtype
+    hd, nh, nkv, mg = st.head_dim, st.num_heads, st.num_kv_heads, st.margin
+    amax = {}
+    if carry is None:  # the first block: h of the embedding's output, one standalone pass
+        xf = x.astype(jnp.float32)
+        sumsq = jnp.sum(xf * xf, axis=1)[None]
+        h, amax["h_in"] = _quantize(meta, "h_in", xf * params["attn_norm"].astype(jnp.float32), mg)
+    else:
+        h, sumsq = carry.h, carry.sumsq
+    rstd = rstd_from_partials(sumsq, d, st.eps)
+    w_qkv, amax["w_qkv"] = _quantize(meta, "w_qkv", params["w_qkv"], mg)
+    variant = RopeVariant(hd // 2, st.qk_norm_eps, (nh * hd, nkv * hd, nkv * hd))
+    qkv_out = fp8_gemm(lw, variant.program(True), h, w_qkv, {"rstd": rstd, **variant.loads(aux)},
+                       out_dtypes={"qkv": dt, **({"z": dt} if st.qk_norm_eps is not None else {})},
+                       out_splits=variant.out_splits)
+    q, k, v = qkv_out["qkv"]
+    b, s = st.batch, st.seq
+    o, attn_vjp = jax.vjp(lambda q, k, v: _attention(q, k, v, st.attention),
+                          q.reshape(b, s, nh, hd), k.reshape(b, s, nkv, hd), v.reshape(b, s, nkv, hd))
+    o, amax["o"] = _quantize(meta, "o", o.reshape(m, nh * hd), mg)
+    w_o, amax["w_o"] = _quantize(meta, "w_o", params["w_o"], mg)
+    s_h1 = _scale(meta, "h1", mg)
+    r1 = fp8_gemm(lw, programs.RESIDUAL_RMS_Q8, o, w_o, {"residual": x, "gamma": params["mlp_norm"], "h_scale": s_h1},
+                  out_dtypes={"x": dt})
+    x1, sumsq1 = r1["x"], r1["sumsq"]
+    h1, amax["h1"] = _epilogue_fp8(r1, "h", s_h1)
+    rstd1 = rstd_from_partials(sumsq1, d, st.eps)
+    w_gu, amax["w_gu"] = _quantize(meta, "w_gu", params["w_gu"], mg)
+    s_y = _scale(meta, "y", mg)
+    g = fp8_gemm(lw, programs.rms_swiglu_q8(True), h1, w_gu, {"rstd": rstd1, "y_scale": s_y}, out_dtypes={"z": dt})
+    y, amax["y"] = _epilogue_fp8(g, "y", s_y)
+    w_down, amax["w_down"] = _quantize(meta, "w_down", params["w_down"], mg)
+    if st.carry_out == "fp8":
+        s_out = _scale(meta, "h_out", mg)
+        r2 = fp8_gemm(lw, programs.RESIDUAL_RMS_Q8, y, w_down,
+                      {"residual": x1, "gamma": next_norm, "h_scale": s_out}, out_dtypes={"x": dt})
+        h_out, amax["h_out"] = _epilogue_fp8(r2, "h", s_out)
+        carry_out = Fp8Carry(h_out, r2["sumsq"])
+    elif st.carry_out == "norm":
+        r2 = fp8_gemm(lw, programs.RESIDUAL_RMS, y, w_down, {"residual": x1, "gamma": next_norm},
+                      out_dtypes={"x": dt, "h": dt})
+        carry_out = NormCarry(r2["h"], r2["sumsq"])
+    else:
+        r2 = fp8_gemm(lw, programs.RESIDUAL, y, w_down, {"residual": x1}, out_dtypes={"x": dt})
+        carry_out = None
+    saved = dict(x=x, x1=x1, h_t=Fp8Tensor(None, h.data_t, h.scale_inv), rstd=rstd, rstd1=rstd1,
+                 qkv=(q, k, v), z_qk=qkv_out.get("z"), attn_vjp=attn_vjp,
+                 o_t=Fp8Tensor(None, o.data_t, o.scale_inv), h1_t=Fp8Tensor(None, h1.data_t, h1.scale_inv),
+                 y_t=Fp8Tensor(None, y.data_t, y.scale_inv), z=g["z"],
+                 w_qkv=Fp8Tensor(w_qkv.data, None, w_qkv.scale_inv), w_o=Fp8Tensor(w_o.data, None, w_o.scale_inv),
+                 w_gu=Fp8Tensor(w_gu.data, None, w_gu.scale_inv),
+                 w_down=Fp8Tensor(w_down.data, None, w_down.scale_inv), amax=amax)
+    return (r2["x"], carry_out), saved
+
+
+def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
+    m, d = saved["x"].shape
+    dt, mg, hd = dx2.dtype, st.margin, st.head_dim
+    amax = dict(saved["amax"])
+    f32 = jnp.float32
+    # MLP: dx2 in e5m2 (standalone: it arrives as the next block's cotangent).
+    g2, amax["dx2"] = _quantize(meta, "dx2", dx2, mg)
+    s_dz = _scale(meta, "dz_gu", mg)
+    sd = fp8_gemm(lw, programs.SWIGLU_DGRAD_Q8, g2, saved["w_down"].T,
+                  {"z": saved["z"], "rstd": saved["rstd1"], "dz_scale": s_dz})
+    dz, amax["dz_gu"] = _epilogue_fp8(sd, "dz", s_dz)
+    dw_down = fp8_gemm(lw, programs.IDENTITY, saved["y_t"].T, g2, {}, out_dtypes={"out": f32})["out"]
+    zdz = jnp.sum(sd["zdz"], axis=0)
+    r1 = saved["rstd1"]
+    s_dx1 = _scale(meta, "dx1", mg)
+    nb = fp8_gemm(lw, programs.rms_dgrad_q8(True), dz, saved["w_gu"].T,
+                  {"x": saved["x1"], "xcoef": r1 * r1 * zdz / d, "gamma": params["mlp_norm"], "dres": dx2,
+                   "dx_scale": s_dx1}, out_dtypes={"dx": dt})
+    dx1 = nb["dx"]
+    dx1q, amax["dx1"] = _epilogue_fp8(nb, "dxq", s_dx1)
+    dmlp_norm = jnp.sum(nb["dgamma"], axis=0)
+    dw_gu = fp8_gemm(lw, programs.IDENTITY, saved["h1_t"].T, dz, {}, out_dtypes={"out": f32})["out"]
+    # O projection and attention.
+    do = fp8_gemm(lw, programs.IDENTITY, dx1q, saved["w_o"].T, {}, out_dtypes={"out": dt})["out"]
+    dw_o = fp8_gemm(lw, programs.IDENTITY, saved["o_t"].T, dx1q, {}, out_dtypes={"out": f32})["out"]
+    b, s, nh = st.batch, st.seq, st.num_heads
+    dq, dk, dv = saved["attn_vjp"](do.reshape(b, s, nh, hd))
+    # QKV: RoPE (and QK-norm) backward in one XLA pass that also quantizes rstd * dz.
+    variant = RopeVariant(hd // 2, st.qk_norm_eps, tuple(t.shape[1] for t in saved["qkv"]))
+    dz_qkv, zdz0, daux = variant.backward((saved["qkv"], saved["z_qk"]),
+                                          (dq.reshape(m, -1), dk.reshape(m, -1), dv.reshape(m, -1)), aux)
+    r0 = saved["rstd"]
+    dzq, amax["dz_qkv"] = _quantize(meta, "dz_qkv", dz_qkv * r0[:, None], mg)
+    nb0 = fp8_gemm(lw, programs.rms_dgrad(True, True), dzq, saved["w_qkv"].T,
+                   {"x": saved["x"], "xcoef": r0 * r0 * zdz0 / d, "gamma": params["attn_norm"], "dres": dx1},
+                   out_dtypes={"dx": dt})
+    dattn_norm = jnp.sum(nb0["dgamma"], axis=0)
+    dw_qkv = fp8_gemm(lw, programs.IDENTITY, saved["h_t"].T, dzq, {}, out_dtypes={"out": f32})["out"]
+    grads = {"attn_norm": dattn_norm, "w_qkv": dw_qkv, "w_o": dw_o, "mlp_norm": dmlp_norm, "w_gu": dw_gu,
+             "w_down": dw_down}
+    grads = {k: v.astype(params[k].dtype) for k, v in grads.items()}
+    new_meta = jnp.stack([next_history(meta[i], amax[name]) if name in amax else jnp.zeros_like(meta[i])
+                          for i, name in enumerate(TENSORS)])
+    return nb0["dx"], grads, daux, new_meta
+
+
+@jax.custom_vjp
+def _block(lw_st, x, params, next_norm, carry, aux, meta):
+    lw, st = lw_st.value
+    return _forward(lw, st, x, params, next_norm, carry, aux, meta)[0]
+
+
+def _block_fwd(lw_st, x, params, next_norm, carry, aux, meta):
+    lw, st = lw_st.value
+    out, saved = _forward(lw, st, x, params, next_norm, carry, aux, meta)
+    return out, (lw_st, saved, params, aux, meta, next_norm, carry)
+
+
+def _block_bwd(res, cot):
+    lw_st, saved, params, aux, meta, next_norm, carry = res
+    lw, st = lw_st.value
+    dx2, _ = cot  # the carry is a cache: no gradient flows through it
+    dx, grads, daux, new_meta = _backward(lw, st, saved, params, aux, meta, dx2)
+    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
+    return (None, dx, grads, zeros(next_norm), zeros(carry), daux, new_meta)
+
+
+_block.defvjp(_block_fwd, _block_bwd)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The lowering and the :class:`BlockShape`, passed through ``custom_vjp`` as a static leaf."""
+
+    value: Any
+
+
+def fp8_llama_block(lowering: GemmLowering, shape: BlockShape, x: jax.Array, params: dict[str, jax.Array],
+                    aux: dict[str, jax.Array], meta: jax.Array, *, carry: Fp8Carry | None = None,
+                    next_norm: jax.Array | None = None):
+    """One Llama block in FP8 (see the module docstring).
+
+    Args:
+      lowering: the backend's lowering (:func:`coda_jax.backend.lowering_for`).
+      shape: the static sizes and settings (:class:`BlockShape`).
+      x: ``[M, d]`` residual stream (``M = batch * seq``), compute dtype.
+      params: ``attn_norm [d]``, ``w_qkv [d, (H + 2 KV) hd]``, ``w_o [H hd, d]``, ``mlp_norm [d]``,
+        ``w_gu [d, 2f]`` (block-interleaved), ``w_down [f, d]``: the stored parameters (any
+        float dtype; quantized from it, gradients returned in it).
+      aux: RoPE tables and columns (:func:`coda_jax.ops.rms_norm_matmul_rope.rope_tables`,
+        ``rot``, and ``qk_w`` with QK-norm), as :class:`RopeVariant` reads them.
+      meta: ``[len(TENSORS), history]`` float32 amax histories.
+      carry: the previous FP8 block's :class:`Fp8Carry`, or None (computed, one pass).
+      next_norm: ``[d]`` weight of the norm that reads the output; required unless
+        ``shape.carry_out == "none"``.
+
+    Returns:
+      ``(x_out [M, d], carry_out)``: an :class:`Fp8Carry`, a :class:`NormCarry` or None by
+      ``shape.carry_out``.
+    """
+    if meta.shape[0] != len(TENSORS) or meta.ndim != 2:
+        raise ValueError(f"meta must be [{len(TENSORS)}, history] amax histories, got {tuple(meta.shape)}")
+    if (next_norm is None) != (shape.carry_out == "none"):
+        raise ValueError(f"next_norm is required exactly when carry_out != 'none' (carry_out={shape.carry_out!r})")
+    if carry is not None:
+        carry = Fp8Carry(jax.tree.map(jax.lax.stop_gradient, carry.h), jax.lax.stop_gradient(carry.sumsq))
+    return _block(_Static((lowering, shape)), x, params, next_norm, carry, aux, meta)
