@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 __all__ = ["E4M3", "E5M2", "Fp8Recipe", "Fp8Meta", "Fp8Tensor", "scale_from_history", "quantize",
-           "quantize_tensor", "next_history", "NONFINITE_POLICIES"]
+           "quantize_tensor", "next_history", "NONFINITE_POLICIES", "fp8_device_rule", "check_fp8_device"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -73,9 +73,27 @@ class Fp8Meta(nnx.Variable):
     Updated by the train step from its gradient (:func:`next_history`), never by the optimizer."""
 
 
-def new_meta(recipe: Fp8Recipe) -> Fp8Meta:
-    """An empty history: the first step quantizes with scale 1 and records the real amax."""
-    return Fp8Meta(jnp.zeros((recipe.history,), jnp.float32))
+def fp8_device_rule(platform: str, compute_capability: str | None) -> str | None:
+    """Why a device cannot train in FP8, or None: a GPU needs FP8 tensor cores (compute
+    capability 8.9: Ada, Hopper and later); the CPU runs XLA's FP8 emulation (tests)."""
+    if platform != "gpu":
+        return None
+    try:
+        major, minor = (int(v) for v in str(compute_capability).split(".")[:2])
+    except ValueError:
+        return None  # unknown: let XLA decide
+    if (major, minor) < (8, 9):
+        return (f"config.fp8 needs a GPU with FP8 tensor cores (compute capability >= 8.9), this one is "
+                f"{compute_capability}; use fp8=None")
+    return None
+
+
+def check_fp8_device() -> None:
+    """Raises ``ValueError`` where the default device cannot train in FP8 (:func:`fp8_device_rule`)."""
+    dev = jax.devices()[0]
+    rule = fp8_device_rule(dev.platform, getattr(dev, "compute_capability", None))
+    if rule:
+        raise ValueError(rule)
 
 
 def fp8_max(dtype: Any) -> float:

@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from coda_jax import partitioning
+from coda_jax.fp8 import Fp8Recipe
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
 from coda_jax.layers.tensor_parallel import check_tensor_parallel, tensor_parallel_size
 from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state, token_shards
@@ -108,6 +109,10 @@ def parse_args(argv=None):
                         "and its tokenizer.json replace --preset/--layers/--vocab) or another "
                         "train_llama.py --out directory (its model flags replace these)")
     p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--fp8", action="store_true",
+                   help="train the blocks' projections in FP8 (coda_jax.fp8.Fp8Recipe: e4m3 forward, e5m2 gradients, "
+                        "delayed scaling; attention, norms and the LM head stay in the compute dtype). Needs a GPU "
+                        "with FP8 tensor cores (sm_89+) or the CPU (emulated by XLA)")
     p.add_argument("--remat", default="none", choices=["none", "block"],
                    help="activation checkpointing: block = each block keeps only its input and recomputes its "
                         "forward in the backward (less memory, about a third more GEMM work)")
@@ -222,7 +227,8 @@ def main(argv=None) -> dict:
     (out / "args.json").write_text(json.dumps(vars(args), indent=1))  # how examples/sample.py rebuilds the model
     tok = init.get("tokenizer") or text_data.build_tokenizer([corpus], vocab_size=args.vocab)
     train_tokens, val_tokens = text_data.split_tokens(text_data.encode(tok, corpus))
-    cfg = (init.get("config") or make_config(args, tok.get_vocab_size())).replace(remat=args.remat)
+    cfg = (init.get("config") or make_config(args, tok.get_vocab_size())).replace(
+        remat=args.remat, fp8=Fp8Recipe() if getattr(args, "fp8", False) else None)
     dev = jax.devices()[0]
     for msg in run_errors(args, cfg, len(train_tokens), len(val_tokens), device_memory_bytes(), dev.platform,
                           getattr(dev, "compute_capability", None)):

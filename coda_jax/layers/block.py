@@ -10,7 +10,7 @@ from coda_jax.layers.attention import causal_attention
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.layers.tensor_parallel import tensor_parallel_block, tensor_parallel_size
 from coda_jax.backend import lowering_for
-from coda_jax.fp8 import Fp8Meta
+from coda_jax.fp8 import Fp8Meta, check_fp8_device
 from coda_jax.ops.fp8_llama_block import TENSORS as FP8_TENSORS
 from coda_jax.ops.fp8_llama_block import BlockShape as Fp8BlockShape
 from coda_jax.ops.fp8_llama_block import Fp8Carry, fp8_llama_block
@@ -135,6 +135,7 @@ class CodaLlamaBlock(nnx.Module):
         c = self.config
         b, s, d = x.shape
         m, hd = b * s, c.head_dim
+        check_fp8_device()
         if carry is not None and not isinstance(carry, Fp8Carry):
             carry = None  # a compute-dtype carry (not from an FP8 block): h is quantized from x
         w = self._param
