@@ -1,0 +1,138 @@
+"""FP8 GEMMs on the GPU: XLA's (cuBLASLt) against coda-jax's lowerings, plain and fused.
+
+    python -m benchmarks.fp8_gemms [--backends xla,pallas] [--shapes 8192x2048x3072,...] [--out DIR]
+
+Per ``M x K x N`` shape (``[M, K] @ [K, N]``), one process, interleaved medians
+(:func:`benchmarks.bench.interleaved_median_ms`):
+
+* ``bf16``: ``a @ b`` in bfloat16 (XLA, cuBLAS): the baseline of record;
+* ``xla_fp8``: e4m3 x e4m3 -> bf16 with both operands K-major (``a [M, K]``, ``b`` stored
+  ``[N, K]``), scaled: the FP8 GEMM plain JAX gets at its best;
+* ``xla_fp8_rowmajor_b``: the same with ``b`` stored ``[K, N]`` (XLA transposes it first);
+* ``<backend>``: coda-jax's FP8 GEMM through that backend's lowering
+  (:func:`coda_jax.ops.fp8_gemm.fp8_gemm`, identity epilogue);
+* ``<backend>_fused``: the ``RESIDUAL_RMS_Q8`` epilogue (residual add, ``h = x * gamma`` in e4m3
+  with its transposed copy and amax, row sums of squares), against ``xla_fp8_unfused``: the
+  same outputs in plain JAX after the FP8 GEMM.
+
+The compiled HLO of ``xla_fp8`` is checked for XLA's FP8 GEMM custom call (``f8`` in its
+target): XLA silently runs some FP8 patterns as bf16 GEMMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import coda_jax as cj
+from benchmarks.bench import interleaved_median_ms, rel
+from coda_jax import programs
+from coda_jax.backend import lowering_for
+from coda_jax.fp8 import E4M3, Fp8Tensor, quantize
+from coda_jax.ops.fp8_gemm import fp8_gemm
+from coda_jax.ops.names import FP8_LLAMA_BLOCK
+
+# The issue's shapes and the Llama-3.2-1B block's at 8192 tokens: QKV, O, gate/up, down
+# forward, and a wgrad (K = tokens).
+SHAPES = ("8192x2048x3072", "8192x2048x2048", "8192x2048x16384", "8192x8192x2048", "2048x8192x16384")
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def fp8_gemm_targets(hlo: str) -> list[str]:
+    """The custom-call targets of ``hlo`` (compiled HLO text) that are FP8 GEMMs."""
+    return [t for t in _CUSTOM_CALL.findall(hlo) if "f8" in t.lower()]
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--shapes: {text!r} is not MxKxN") from None
+    return m, k, n
+
+
+def _cases(m: int, k: int, n: int, backends: list[str]):
+    ks = jax.random.split(jax.random.key(m + 7 * k + 13 * n), 5)
+    a = jax.random.normal(ks[0], (m, k), jnp.float32)
+    b = jax.random.normal(ks[1], (k, n), jnp.float32) * k ** -0.5
+    res = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
+    gamma = 1.0 + 0.1 * jax.random.normal(ks[3], (n,), jnp.float32)
+    sa, sb = jnp.float32(64.0), jnp.float32(256.0)
+    a8, b8 = quantize(a, sa, E4M3), quantize(b, sb, E4M3)
+    b8t = jax.block_until_ready(jnp.array(b8.T))  # stored [N, K]
+    A, B = Fp8Tensor(a8, None, 1 / sa), Fp8Tensor(None, b8t, 1 / sb)
+    ab, bb = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    h_scale = jnp.float32(8.0)
+
+    def xla_fp8(a8, b8t, s):
+        return (jax.lax.dot_general(a8, b8t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+                * s).astype(jnp.bfloat16)
+
+    def xla_fp8_rowmajor(a8, b8, s):
+        return (jax.lax.dot_general(a8, b8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16)
+                * s).astype(jnp.bfloat16)
+
+    def xla_unfused(a8, b8t, s, res, gamma, hs):
+        x = xla_fp8(a8, b8t, s).astype(jnp.float32) + res.astype(jnp.float32)
+        h = x * gamma
+        hq = quantize(h, hs, E4M3)
+        return x.astype(jnp.bfloat16), hq, hq.T, jnp.max(jnp.abs(h)), jnp.sum(x * x, axis=1)
+
+    s = sa ** -1 * sb ** -1
+    cases = {
+        "bf16": (jax.jit(lambda x, y: x @ y), (ab, bb)),
+        "xla_fp8": (jax.jit(xla_fp8), (a8, b8t, s)),
+        "xla_fp8_rowmajor_b": (jax.jit(xla_fp8_rowmajor), (a8, b8, s)),
+        "xla_fp8_unfused": (jax.jit(xla_unfused), (a8, b8t, s, res, gamma, h_scale)),
+    }
+    for name in backends:
+        with cj.options(backend=name, routing=dict(xla_output_below=0)):
+            lw = lowering_for(FP8_LLAMA_BLOCK, name)
+        plain = jax.jit(lambda A, B, lw=lw: fp8_gemm(lw, programs.IDENTITY, A, B, {}, out_dtypes={"out": jnp.bfloat16})["out"])
+        fused = jax.jit(lambda A, B, res, gamma, hs, lw=lw: fp8_gemm(
+            lw, programs.RESIDUAL_RMS_Q8, A, B, {"residual": res, "gamma": gamma, "h_scale": hs},
+            out_dtypes={"x": jnp.bfloat16}))
+        cases[name] = (plain, (A, B))
+        cases[f"{name}_fused"] = (fused, (A, B, res, gamma, h_scale))
+    return cases
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backends", default="xla,pallas")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    rows = []
+    for text in args.shapes.split(","):
+        m, k, n = parse_shape(text)
+        cases = _cases(m, k, n, backends)
+        f, fargs = cases["xla_fp8"]
+        targets = fp8_gemm_targets(f.lower(*fargs).compile().as_text())
+        ref = cases["xla_fp8"][0](*cases["xla_fp8"][1]).astype(jnp.float32)
+        errs = {name: rel(cases[name][0](*cases[name][1]), ref) for name in backends}
+        ms = interleaved_median_ms(cases, iters=args.iters)
+        tf = {key: 2 * m * n * k / (v * 1e-3) / 1e12 for key, v in ms.items()}
+        row = {"shape": text, "ms": ms, "tflops": tf, "xla_fp8_targets": targets, "rel_err_vs_xla_fp8": errs,
+               "device": jax.devices()[0].device_kind}
+        rows.append(row)
+        print(f"{text}: FP8 GEMM calls {targets or 'NONE (bf16 fallback?)'}")
+        for key in ms:
+            base = "xla_fp8_unfused" if key.endswith("_fused") else "xla_fp8"
+            print(f"  {key:22s} {ms[key]:8.3f} ms {tf[key]:7.0f} TF/s  x{ms['bf16'] / ms[key]:.2f} bf16  "
+                  f"x{ms[base] / ms[key]:.2f} {base}", flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "fp8_gemms.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
