@@ -60,7 +60,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from coda_jax import mesh_axes
-from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import GemmLowering, gemm_dims, routes_to_xla
 # The mesh axes, the context mesh and the FSDP split live in coda_jax.mesh_axes (read by
 # coda_jax.sharding too); they stay importable from here.
@@ -180,7 +180,11 @@ def _row_specs(epi: Epilogue, tok) -> tuple[dict[str, P], dict[str, P]]:
             LoadKind.COL: P(None), LoadKind.SCALAR: P()}
     out = {OutputKind.TILE: P(tok, None), OutputKind.ROW_SUM: P(None, tok),
            OutputKind.ROW_LOGSUMEXP: P(None, tok), OutputKind.COL_SUM: P(tok, None)}
-    return ({l.name: load[l.kind] for l in epi.loads}, {o.name: out[o.kind] for o in epi.outputs})
+    specs = {o.name: out[o.kind] for o in epi.outputs}
+    for o in epi.outputs:  # a quantizing output's transposed copy [N, M] and amax partials [P]
+        if o.quantize is not None:
+            specs.update({r: P(None, tok) if r.endswith("_t") else P(tok) for r in o.result_names()[1:]})
+    return {l.name: load[l.kind] for l in epi.loads}, specs
 
 
 class PartitionedLowering:
@@ -208,6 +212,11 @@ class PartitionedLowering:
             # FSDP with few tokens a device: every GEMM as XLA ops (a kernel backend's fused
             # programs on the `xla` backend's lowering), left to the partitioner, which gathers
             # the activations and leaves each weight shard in place (fsdp_xla_tokens_below).
+            return inner.gemm(epilogue, a, b, loads, **kw)
+        if a.dtype in FP8_DTYPES and self._xla_ops(epilogue, a, b, transpose_a, transpose_b):
+            # An FP8 GEMM (K-major operands: a wgrad's tokens are the contracted dimension of
+            # both) that runs as XLA ops: XLA's partitioner splits it by the operands' own
+            # shardings, contracting split tokens into partial sums it reduces.
             return inner.gemm(epilogue, a, b, loads, **kw)
         if FSDP_AXIS not in axes and self._xla_ops(epilogue, a, b, transpose_a, transpose_b):
             # XLA ops with the weights whole (data parallel), which the partitioner splits by
@@ -282,6 +291,10 @@ class PartitionedLowering:
         reference formulation of the wgrad programs gathered the tokens, 8 CPU devices)."""
         if self.inner.name == "xla":
             return True
+        fp8_rule = getattr(self.inner, "fp8_rule", None)  # a lowering without one runs FP8 GEMMs itself
+        if (a.dtype in FP8_DTYPES or epilogue.quantizes) and fp8_rule is not None and fp8_rule(
+                epilogue, a, b, transpose_a, transpose_b) is not None:
+            return True  # the backend hands its FP8 GEMMs of this kind to XLA
         m, n, k = gemm_dims(a, b, transpose_a, transpose_b)
         return routes_to_xla(self.inner.name, epilogue, m, n, k, getattr(self.inner, "plain_gemm", None),
                              by_size=False)

@@ -466,6 +466,47 @@ def case_model(backend: str, shape: tuple[int, ...], mode: str) -> None:
     print(f"OK model_{backend}_{'x'.join(map(str, shape))}_{mode}")
 
 
+def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str) -> None:
+    """An FP8 CodaLlama (``LlamaConfig(fp8=...)``): loss, gradients and the new amax histories
+    (the histories' gradients) on a ("data", "fsdp") mesh equal one device's: each amax is a
+    max over the whole tensor, so data parallel and FSDP give one device's scales."""
+    from flax import nnx
+
+    from coda_jax.fp8 import Fp8Meta, Fp8Recipe
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.sharding import batch_sharding, shard_state
+
+    # float32 compute on the xla backend: the mesh's other summation order changes values in
+    # their last float32 bits, which almost never moves one across an FP8 rounding boundary,
+    # so the comparison is tight. In bfloat16 (the kernel backends' dtype) a value that moves
+    # by a bf16 step crosses an e5m2 boundary (25 % steps) often enough that the gradients of
+    # the first block differ by ~10 % (errors compound through the backward): a loose bound.
+    dtype, tol = (jnp.float32, 1e-3) if backend == "xla" else (jnp.bfloat16, 0.25)
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=32, dtype=dtype, fp8=Fp8Recipe())
+    if backend == "pallas":
+        install_opaque_kernel()
+    model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
+    tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.vocab_size)
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
+
+    def grads(m, t):
+        return nnx.value_and_grad(lambda mm: mm.loss(t[:, :-1], t[:, 1:]), argnums=wrt)(m)
+
+    _, g = nnx.jit(grads)(model, tokens)  # calibrate: the scales of a real step, not scale 1
+    nnx.update(model, g.filter(Fp8Meta))
+    gdef, state = nnx.split(model)
+    step = jax.jit(lambda st, t: grads(nnx.merge(gdef, st), t))
+    want = step(state, tokens)
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    names = ("data", "fsdp")[:len(shape)]
+    mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+    with jax.set_mesh(mesh):
+        got = step(shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh)))
+    _assert_matches(got, want, tol, f"fp8 {backend} {shape} {mode}")
+    print(f"OK model_fp8_{backend}_{'x'.join(map(str, shape))}_{mode}")
+
+
 def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: str, dtype: str) -> None:
     """CodaLlama on a ("data", "fsdp", "tensor") mesh (Megatron TP, sequence-parallel residual,
     FSDP-sharded state): loss and every gradient equal one device's. In float32 the bound is
@@ -967,6 +1008,8 @@ CASES = {
     "cutedsl_lowers": case_cutedsl_lowers_under_mesh,
     **{f"model_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model(b, s, m))
        for b in ("xla", "pallas") for s in ((8,), (2, 4)) for m in ("auto", "explicit")},
+    **{f"model_fp8_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model_fp8(b, s, m))
+       for b, s, m in (("xla", (8,), "auto"), ("xla", (2, 4), "explicit"), ("pallas", (2, 4), "auto"))},
     **{f"tp_{b}_{'x'.join(map(str, s))}_{m}_{d}": (lambda b=b, s=s, m=m, d=d: case_model_tensor_parallel(b, s, m, d))
        for b, s, m, d in (("xla", (2, 2, 2), "auto", "float32"), ("pallas", (2, 2, 2), "explicit", "bfloat16"),
                           ("pallas", (1, 2, 4), "auto", "float32"), ("xla", (2, 1, 4), "explicit", "float32"))},

@@ -37,6 +37,7 @@ from coda_jax.lowering import GemmLowering
 from coda_jax.ops.fp8_gemm import fp8_gemm
 from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
 from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
+from coda_jax.sharding import reshape_tokens
 
 # The quantized tensors of one block, in the order of the rows of its ``meta``.
 TENSORS = ("h_in", "w_qkv", "o", "w_o", "h1", "w_gu", "y", "w_down", "h_out", "dz_qkv", "dx1", "dz_gu", "dx2")
@@ -112,8 +113,9 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
     q, k, v = qkv_out["qkv"]
     b, s = st.batch, st.seq
     o, attn_vjp = jax.vjp(lambda q, k, v: _attention(q, k, v, st.attention),
-                          q.reshape(b, s, nh, hd), k.reshape(b, s, nkv, hd), v.reshape(b, s, nkv, hd))
-    o, amax["o"] = _quantize(meta, "o", o.reshape(m, nh * hd), mg)
+                          reshape_tokens(q, (b, s, nh, hd)), reshape_tokens(k, (b, s, nkv, hd)),
+                          reshape_tokens(v, (b, s, nkv, hd)))
+    o, amax["o"] = _quantize(meta, "o", reshape_tokens(o, (m, nh * hd)), mg)
     w_o, amax["w_o"] = _quantize(meta, "w_o", params["w_o"], mg)
     s_h1 = _scale(meta, "h1", mg)
     r1 = fp8_gemm(lw, programs.RESIDUAL_RMS_Q8, o, w_o, {"residual": x, "gamma": params["mlp_norm"], "h_scale": s_h1},
@@ -175,11 +177,12 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
     do = fp8_gemm(lw, programs.IDENTITY, dx1q, saved["w_o"].T, {}, out_dtypes={"out": dt})["out"]
     dw_o = fp8_gemm(lw, programs.IDENTITY, saved["o_t"].T, dx1q, {}, out_dtypes={"out": f32})["out"]
     b, s, nh = st.batch, st.seq, st.num_heads
-    dq, dk, dv = saved["attn_vjp"](do.reshape(b, s, nh, hd))
+    dq, dk, dv = saved["attn_vjp"](reshape_tokens(do, (b, s, nh, hd)))
     # QKV: RoPE (and QK-norm) backward in one XLA pass that also quantizes rstd * dz.
     variant = RopeVariant(hd // 2, st.qk_norm_eps, tuple(t.shape[1] for t in saved["qkv"]))
     dz_qkv, zdz0, daux = variant.backward((saved["qkv"], saved["z_qk"]),
-                                          (dq.reshape(m, -1), dk.reshape(m, -1), dv.reshape(m, -1)), aux)
+                                          tuple(reshape_tokens(t, (m, t.shape[2] * t.shape[3])) for t in (dq, dk, dv)),
+                                          aux)
     r0 = saved["rstd"]
     dzq, amax["dz_qkv"] = _quantize(meta, "dz_qkv", dz_qkv * r0[:, None], mg)
     nb0 = fp8_gemm(lw, programs.rms_dgrad(True, True), dzq, saved["w_qkv"].T,
