@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, kernel_latency_hint,
                                persistent_grid_sms, routes_to_xla)
-from coda_jax.reference import REFERENCE
+from coda_jax.reference import REFERENCE, xla_backend_lowering
 
 
 _logger = logging.getLogger("coda_jax")
@@ -140,7 +140,10 @@ class KernelLowering:
             fp8_rule = self.fp8_rule(epilogue, a, b, transpose_a, transpose_b)
             if fp8_rule is not None:
                 _log_fp8_fallback(self.name, epilogue.name, fp8_rule)
-        if fp8_rule is not None or routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
+        if fp8_rule is not None:  # XLA's FP8 GEMM writing bf16, as the xla backend runs it
+            return xla_backend_lowering().gemm(epilogue, a, b, loads, transpose_a=transpose_a,
+                                               transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=splits)
+        if routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
             return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
                                   out_dtypes=out_dtypes, out_splits=splits)
         return self.kernel_gemm(epilogue, a, b, loads, (m, n, k), transpose_a=transpose_a, transpose_b=transpose_b,
