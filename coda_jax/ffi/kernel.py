@@ -15,7 +15,11 @@ Warp-specialized, persistent mainloop (384 threads = three warpgroups):
   the ``b`` column blocks); the producer runs ahead across tile boundaries, so the next
   tile's operands stream in while the consumers run the current tile's epilogue;
 * transposed operands (``a`` as ``[K, M]``, ``b`` as ``[N, K]``) are M/N-major SMEM
-  layouts chosen from the operand's major mode: no copies.
+  layouts chosen from the operand's major mode: no copies;
+* FP8 operands (e4m3 / e5m2, mixed allowed; both K-major, as wgmma's FP8 MMA requires) run
+  wgmma m64nNk32 on 128-element K-tiles (:func:`tile_k`): 128 bytes per row, the 128B
+  swizzle atom, so a stage of the ring holds the bytes of a bf16 one and the stage count,
+  tile width and epilogue are the same.
 
 The tile is 128 x 256 where the program fits it (:func:`choose_tile_n`), else 128 x 128
 (or the pair-block multiple).
@@ -72,7 +76,8 @@ EPILOGUE_BARRIER = 1  # named barrier over the consumer threads (0 is __syncthre
 PINGPONG_EPILOGUE_BARRIER = 2  # ping-pong: + warpgroup, over one warpgroup's threads
 PINGPONG_ORDER_BARRIER = 4  # ping-pong: + warpgroup, "this warpgroup's mainloop may start"
 TILE_M = 128
-TILE_K = 64
+TILE_K = 64  # the K-tile of 16-bit operands (:func:`tile_k`)
+K_TILE_BYTES = 128  # bytes of one operand row per K-tile: one 128B swizzle atom row (TMA, wgmma)
 GROUP_M = 8  # tile rows per raster group
 MIN_STAGED_STAGES = 3  # stage tile outputs in SMEM only if this many operand stages still fit
 CHUNK_GROUPS = 8  # column groups (4 accumulator registers each) per chunk of a chunked epilogue
@@ -92,10 +97,18 @@ def dsl_dtype(dt) -> Any:
 
     dt = np.dtype(dt)
     table = {np.dtype(jnp.bfloat16): cutlass.BFloat16, np.dtype(jnp.float16): cutlass.Float16,
-             np.dtype(np.float32): cutlass.Float32, np.dtype(np.int32): cutlass.Int32}
+             np.dtype(np.float32): cutlass.Float32, np.dtype(np.int32): cutlass.Int32,
+             np.dtype(jnp.float8_e4m3fn): cutlass.Float8E4M3FN, np.dtype(jnp.float8_e5m2): cutlass.Float8E5M2}
     if dt not in table:
         raise TypeError(f"the CuTeDSL backend cannot load/store arrays of dtype {dt}")
     return table[dt]
+
+
+def tile_k(itemsize: int) -> int:
+    """The K-tile of operands of ``itemsize`` bytes: ``K_TILE_BYTES`` per row, 64 elements of
+    bf16/f16 and 128 of FP8 (4 wgmma K-steps each: k16 and k32). One stage of the operand ring
+    then holds the same bytes whatever the operand dtype."""
+    return K_TILE_BYTES // itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +126,22 @@ class KernelPlan:
     stage_outputs: bool
     transpose_a: bool
     transpose_b: bool
-    operand_dtype: Any
+    operand_dtype: Any  # a's dtype (and b's, unless b_dtype)
     load_dtypes: tuple[tuple[str, Any], ...]
     out_dtypes: tuple[tuple[str, Any], ...]
     group_m: int = GROUP_M  # tile rows per raster group (:func:`_tile_of`)
     pingpong: bool = False  # the ping-pong schedule (:func:`pingpong_ok`)
+    b_dtype: Any = None  # b's dtype where it differs from a's (FP8: e4m3 x e5m2)
+
+    @property
+    def operand_dtypes(self) -> tuple[Any, Any]:
+        """``(a's dtype, b's dtype)``."""
+        return self.operand_dtype, self.operand_dtype if self.b_dtype is None else self.b_dtype
+
+    @property
+    def tile_k(self) -> int:
+        """The K-tile (:func:`tile_k`): 64 for 16-bit operands, 128 for FP8."""
+        return tile_k(np.dtype(self.operand_dtype).itemsize)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -151,11 +175,13 @@ def _align(offset: int, alignment: int) -> int:
 
 def smem_bytes(stages: int, tile_n: int, itemsize: int, scratch: int, staged: list[int]) -> int:
     """Bytes of the kernel's SMEM struct (``build_launcher``'s ``Smem``), field by field:
-    the ring's mbarrier pairs (8 B each), the ``a`` and ``b`` operand rings (1 KiB aligned),
+    the ring's mbarrier pairs (8 B each), the ``a`` and ``b`` operand rings (1 KiB aligned;
+    a K-tile row is ``K_TILE_BYTES`` for every operand ``itemsize``, :func:`tile_k`),
     the float32 scratch (``scratch`` floats, >= 1, 16 B aligned) and one staging tile per
     staged output (``staged``: their sizes in bytes, 1 KiB aligned)."""
     off = 16 * stages
-    for size in ((TILE_M * TILE_K * itemsize * stages), (tile_n * TILE_K * itemsize * stages)):
+    row = tile_k(itemsize) * itemsize
+    for size in ((TILE_M * row * stages), (tile_n * row * stages)):
         off = _align(off, 1024) + size
     off = _align(off, 16) + 4 * scratch
     for size in staged:
@@ -1083,12 +1109,12 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     load_names = [l.name for l in epi.loads]
     out_names = [o.name for o in epi.outputs]
     n_loads = len(load_names)
-    tm, tn, tk = TILE_M, plan.tile_n, TILE_K
+    tm, tn, tk = TILE_M, plan.tile_n, plan.tile_k
     grid_m, grid_n = plan.grid
     num_tiles = grid_m * grid_n
     stages = plan.stages
     n_scratch = scratch_len(epi, tn)
-    ab_dtype = dsl_dtype(plan.operand_dtype)
+    a_dtype, b_dtype = (dsl_dtype(dt) for dt in plan.operand_dtypes)
     a_layout = LayoutEnum.COL_MAJOR if plan.transpose_a else LayoutEnum.ROW_MAJOR  # M-major / K-major
     b_layout = LayoutEnum.ROW_MAJOR if plan.transpose_b else LayoutEnum.COL_MAJOR  # K-major / N-major
     tile_mnk = (tm, tn, tk)
@@ -1124,8 +1150,8 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
         stage_layouts = [_staging_layout(dt, w, nbuf * copies) for (_, _, dt, w, nbuf) in staged]
         fields = {
             "bars": cute.struct.MemRange[cutlass.Int64, stages * 2],
-            "sa": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sa_layout)], 1024],
-            "sb": cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sb_layout)], 1024],
+            "sa": cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(sa_layout)], 1024],
+            "sb": cute.struct.Align[cute.struct.MemRange[b_dtype, cute.cosize(sb_layout)], 1024],
             "scratch": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_scratch], 16],
         }
         for i, ((_, _, dt, _, _), lay) in enumerate(zip(staged, stage_layouts)):
@@ -1139,8 +1165,8 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
         s_out = [getattr(storage, f"out{i}").get_tensor(lay.outer, swizzle=lay.inner)
                  for i, lay in enumerate(stage_layouts)]
 
-        stage_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(sa_layout, (None, None, 0))) + cute.size_in_bytes(
-            ab_dtype, cute.slice_(sb_layout, (None, None, 0)))
+        stage_bytes = cute.size_in_bytes(a_dtype, cute.slice_(sa_layout, (None, None, 0))) + cute.size_in_bytes(
+            b_dtype, cute.slice_(sb_layout, (None, None, 0)))
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(),
             num_stages=stages,
@@ -1319,12 +1345,13 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
 
     @cute.jit
     def launch(stream, g_a: cute.Tensor, g_b: cute.Tensor, *io):
-        mma = sm90.make_trivial_tiled_mma(ab_dtype, ab_dtype, a_layout.sm90_mma_major_mode(),
+        # FP8 operands (either e4m3 or e5m2, mixed allowed): wgmma k32 (16-bit: k16), K-major only.
+        mma = sm90.make_trivial_tiled_mma(a_dtype, b_dtype, a_layout.sm90_mma_major_mode(),
                                           b_layout.sm90_mma_major_mode(), cutlass.Float32,
                                           (1, 1, 1) if pingpong else (2, 1, 1),
                                           tiler_mn=(64, tn))
-        sa_layout = sm90.make_smem_layout_a(a_layout, tile_mnk, ab_dtype, stages)
-        sb_layout = sm90.make_smem_layout_b(b_layout, tile_mnk, ab_dtype, stages)
+        sa_layout = sm90.make_smem_layout_a(a_layout, tile_mnk, a_dtype, stages)
+        sb_layout = sm90.make_smem_layout_b(b_layout, tile_mnk, b_dtype, stages)
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tma_ga = cute.nvgpu.cpasync.make_tiled_tma_atom(op, g_a, cute.slice_(sa_layout, (None, None, 0)),
                                                                (tm, tk))

@@ -2,9 +2,11 @@
 
 Shape rules (the same as the Pallas backend): M, N and K need not be tile multiples; the
 wrapper zero-pads the operands and loads to multiples of the CTA tile (``128 x tile_n``,
-``K`` to 64) and slices the outputs, and the kernel masks padded rows/columns out of row
-sums, column sums and log-sum-exps. Pair-mode epilogues need N to be a multiple of
-``2 * pair_block``. Operands must be bfloat16 or float16; float32 operands raise a
+``K`` to the K-tile: 64 for 16-bit operands, 128 for FP8) and slices the outputs, and the
+kernel masks padded rows/columns out of row sums, column sums and log-sum-exps. Pair-mode
+epilogues need N to be a multiple of ``2 * pair_block``. Operands must be bfloat16 or
+float16, or FP8 (``float8_e4m3fn`` / ``float8_e5m2``, mixed allowed) as K-major ``a [M, K]``
+and ``b [N, K]`` (:func:`fp8_rule`; other FP8 GEMMs run on XLA); float32 operands raise a
 ``TypeError`` that points at ``backend="xla"``.
 
 Plain GEMMs (the identity epilogue) go to XLA's GEMM (cuBLAS) by default, as on the Pallas
@@ -28,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from coda_jax.epilogue import Epilogue, LoadKind, OutputKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind
 from coda_jax.ffi.interpret import check_lowerable, trace_body
 from coda_jax.ffi.tuning import CuteDslTuning
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
@@ -36,8 +38,13 @@ from coda_jax.lowering import gpu_sm_count, split_columns, with_latency_hint
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
 TILE_M = 128
-TILE_K = 64
+TILE_K = 64  # 16-bit operands; FP8 operands: 128 (kernel.tile_k: 128 bytes per K-tile row)
+K_TILE_BYTES = 128
 MAX_TILE_N = 256
+
+
+def _tile_k(itemsize: int) -> int:
+    return K_TILE_BYTES // itemsize
 
 
 def _round_up(x: int, q: int) -> int:
@@ -49,6 +56,26 @@ def pair_width_rule(width: int) -> str | None:
     CuTeDSL kernel, or None."""
     if width > MAX_TILE_N or width % 8:
         return f"must be a multiple of 8 and at most {MAX_TILE_N} (the CuTeDSL kernel's widest tile)"
+    return None
+
+
+def fp8_rule(epilogue: Epilogue, a, b, transpose_a: bool, transpose_b: bool) -> str | None:
+    """Why the CuTeDSL kernel cannot run this FP8 GEMM, or None where it can.
+
+    FP8 operands (``float8_e4m3fn`` / ``float8_e5m2``, mixed allowed: wgmma's FP8 MMA takes
+    either dtype for either operand) must both be K-major, as Hopper's FP8 wgmma reads them:
+    ``a`` ``[M, K]`` (``transpose_a=False``) and ``b`` ``[N, K]`` (``transpose_b=True``), the
+    layout :func:`coda_jax.ops.fp8_gemm.fp8_gemm` issues. Epilogues with quantizing outputs
+    (:func:`coda_jax.epilogue.fp8_out`) are not supported yet.
+    """
+    if a.dtype in FP8_DTYPES:
+        if transpose_a or not transpose_b:
+            got = f"a {'[K, M]' if transpose_a else '[M, K]'}, b {'[N, K]' if transpose_b else '[K, N]'}"
+            return ("Hopper's FP8 wgmma reads both operands K-major: the CuTeDSL kernel takes FP8 a as [M, K] "
+                    f"(transpose_a=False) and b as [N, K] (transpose_b=True), got {got}")
+    if epilogue.quantizes:
+        names = [o.name for o in epilogue.outputs if o.quantize is not None]
+        return f"the CuTeDSL kernel has no quantizing (FP8) tile outputs yet ({', '.join(names)})"
     return None
 
 
@@ -102,6 +129,11 @@ class CuteDslLowering(KernelLowering):
         """See :func:`pair_width_rule`."""
         return pair_width_rule(width)
 
+    def fp8_rule(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, transpose_a: bool,
+                 transpose_b: bool) -> str | None:
+        """See :meth:`coda_jax.kernel_lowering.KernelLowering.fp8_rule`: :func:`fp8_rule`."""
+        return fp8_rule(epilogue, a, b, transpose_a, transpose_b)
+
     def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
                     dims: tuple[int, int, int], *, transpose_a: bool, transpose_b: bool,
                     out_dtypes: Mapping[str, Any] | None,
@@ -121,12 +153,12 @@ class CuteDslLowering(KernelLowering):
         for name, dt in dtypes:
             if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
                 raise TypeError(f"epilogue {epilogue.name!r}: output {name!r} dtype {dt} is not bf16/f16/f32")
-        op_dt = jnp.dtype(a.dtype)
+        op_dt, b_dt = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
         itemsize = op_dt.itemsize
         sms = self.grid_sms(gpu_sm_count())
         pingpong = choose_schedule(epilogue, tuning.schedule)
         tn = 128 if pingpong else choose_tile_n(epilogue, m, n, itemsize, dtypes, sms, tuning.tile_n)
-        mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, TILE_K)
+        mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, _tile_k(itemsize))
         a_p, b_p = pad_operands(a, b, mp, np_, kp, transpose_a, transpose_b)
         args = [_kernel_load(epilogue, l, v) for l, v in zip(epilogue.loads, pad_loads(epilogue, loads, m, n, mp, np_))]
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
@@ -135,7 +167,8 @@ class CuteDslLowering(KernelLowering):
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
                           sms=sms, stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b,
                           operand_dtype=op_dt, load_dtypes=load_dtypes, out_dtypes=dtypes,
-                          pingpong=pingpong, **({"group_m": tuning.group_m} if tuning.group_m else {}))
+                          pingpong=pingpong, b_dtype=None if b_dt == op_dt else b_dt,
+                          **({"group_m": tuning.group_m} if tuning.group_m else {}))
         launch = _build(epilogue, plan)
         out_types = []
         for o in epilogue.outputs:
