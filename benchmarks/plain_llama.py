@@ -118,11 +118,15 @@ class PlainLlama(nnx.Module):
             raise ValueError("PlainLlama is the Llama-3 baseline: config.qk_norm must be False")
         self.config = c
         self.embed = _param(rngs, (c.vocab_size, c.hidden_size), 0.02, c.param_dtype)
-        self.blocks = nnx.List([PlainLlamaBlock(c, rngs=rngs) for _ in range(c.num_layers)])
+        self.blocks = nnx.List([self._make_block(c, rngs) for _ in range(c.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((c.hidden_size,), c.param_dtype))
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, (c.vocab_size, c.hidden_size), c.hidden_size ** -0.5, c.param_dtype)
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)))
+
+    def _make_block(self, c: LlamaConfig, rngs: nnx.Rngs) -> PlainLlamaBlock:
+        """One decoder layer (a subclass builds its own: ``plain_fp8_llama.PlainFp8Llama``)."""
+        return PlainLlamaBlock(c, rngs=rngs)
 
     def logits(self, tokens: jax.Array) -> jax.Array:
         """``tokens [B, S]`` int -> logits ``[B, S, V]`` in the compute dtype."""
@@ -152,10 +156,11 @@ class PlainLlama(nnx.Module):
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     @classmethod
-    def from_coda(cls, model: CodaLlama) -> "PlainLlama":
-        """The same weights as ``model`` (fused ``w_qkv`` / ``w_gu`` split back)."""
+    def from_coda(cls, model: CodaLlama, **kwargs) -> "PlainLlama":
+        """The same weights as ``model`` (fused ``w_qkv`` / ``w_gu`` split back); ``kwargs``
+        go to the constructor (a subclass's own arguments)."""
         c = model.config
-        plain = cls(c, rngs=nnx.Rngs(0))
+        plain = cls(c, rngs=nnx.Rngs(0), **kwargs)
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         plain.embed[...] = model.embed[...]
         plain.final_norm[...] = model.final_norm[...]

@@ -6,7 +6,12 @@
 Every run is the same step: the example's optimizer (:func:`coda_jax.training.adamw_cosine`: AdamW after global-norm
 clipping) and functional jitted step with donated state (:func:`coda_jax.training.make_steps`), on
 one fixed batch of random tokens. ``plain`` is :class:`plain_llama.PlainLlama`, the baseline
-of record; ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
+of record, and ``plain_fp8`` its FP8 counterpart (:class:`plain_fp8_llama.PlainFp8Llama`: delayed
+scaling, XLA's cuBLASLt FP8 GEMMs; settings ``idiom=direct|dequant``, how the scaled GEMM is
+written, and ``fuse=true|false``, Q/K/V and gate/up as one GEMM each; on a GPU its row records
+how many FP8 GEMM calls the compiled step holds against how many it should,
+``fp8_gemm_calls`` / ``fp8_gemm_calls_expected``: XLA runs an FP8 dot it cannot rewrite as a
+bf16 GEMM, silently); ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
 options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
 with :func:`coda_jax.options.options`; e.g. ``pallas:cross_entropy.save_logits=false``: the
 cross-entropy recomputes its logits; ``pallas:routing.xla_output_below=0,routing.plain_gemm=kernel``:
@@ -50,6 +55,7 @@ from flax import nnx
 
 from benchmarks.gpu_clock import ClockSampler
 from benchmarks.hlo_schedule import collective_windows, window_summary
+from benchmarks.plain_fp8_llama import IDIOMS, PlainFp8Llama, fp8_gemm_calls, gemm_call_targets
 from benchmarks.plain_llama import PlainLlama, shard_plain_state
 from coda_jax import partitioning, training
 from coda_jax.layers import PRESETS, CodaLlama
@@ -88,7 +94,13 @@ def activation_gathers(hlo: str, batch: int, seq: int, floating_only: bool = Fal
             and dims and (dims[0] == batch * seq or dims[:2] == [batch, seq])]
 
 
-MODELS = ("plain", "xla", "pallas", "cutedsl")
+MODELS = ("plain", "xla", "pallas", "cutedsl", "plain_fp8")
+# The plain models (PlainLlama and its FP8 counterpart): not CodaLlama, placed on a mesh by shard_plain_state.
+PLAIN_MODELS = ("plain", "plain_fp8")
+MODEL_RULE = ("plain, xla, pallas or cutedsl, or plain_fp8 (the plain model in FP8, settings idiom="
+              + "|".join(IDIOMS) + " and fuse=true|false)")
+# plain_fp8's own settings (PlainFp8Llama's arguments), not coda-jax options.
+PLAIN_FP8_SETTINGS = ("idiom", "fuse")
 # Settings of a run that are not coda-jax options: JAX's automatic PGLE (JAX_ENABLE_PGLE=1,
 # JAX_PGLE_PROFILING_RUNS=N) and the ahead-of-time PGLE compile (PGLE_AOT=N); xla_* settings
 # are XLA options of the step's compile.
@@ -110,6 +122,7 @@ class RunSpec:
       xla_options: XLA options of the step's compile (settings named ``xla_*``).
       pgle_runs: profiled runs of JAX's automatic PGLE (0: off).
       aot_steps: traced steps of the ahead-of-time PGLE compile (0: off).
+      model_args: the model's own arguments (``plain_fp8``: ``idiom``, ``fuse``).
     """
 
     spec: str
@@ -118,6 +131,7 @@ class RunSpec:
     xla_options: dict[str, str]
     pgle_runs: int = 0
     aot_steps: int = 0
+    model_args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def split_runs(text: str) -> list[str]:
@@ -142,7 +156,7 @@ def parse_run(spec: str) -> RunSpec:
     ``ValueError`` naming the run and the rule it breaks."""
     model, _, rest = spec.partition(":")
     if model not in MODELS:
-        raise ValueError(f"run {spec!r}: the model must be {', '.join(MODELS[:-1])} or {MODELS[-1]}")
+        raise ValueError(f"run {spec!r}: the model must be {MODEL_RULE}")
     items = {}
     for item in filter(None, (x.strip() for x in rest.split(","))):
         key, eq, value = item.partition("=")
@@ -151,6 +165,17 @@ def parse_run(spec: str) -> RunSpec:
         items[key.strip()] = value.strip()
     xla_options = {k: v for k, v in items.items() if k.startswith("xla_")}
     pgle = {k: items.pop(k) for k in PGLE_SETTINGS if k in items}
+    model_args: dict[str, Any] = {}
+    if model == "plain_fp8":
+        own = {k: items.pop(k) for k in PLAIN_FP8_SETTINGS if k in items}
+        if "idiom" in own:
+            if own["idiom"] not in IDIOMS:
+                raise ValueError(f"run {spec!r}: idiom must be one of {', '.join(IDIOMS)}, got {own['idiom']!r}")
+            model_args["idiom"] = own["idiom"]
+        if "fuse" in own:
+            if own["fuse"].lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"run {spec!r}: fuse must be true or false, got {own['fuse']!r}")
+            model_args["fuse"] = own["fuse"].lower() in ("true", "1")
     try:
         pgle_runs = (int(pgle.get("JAX_PGLE_PROFILING_RUNS", "3"))
                      if pgle.get("JAX_ENABLE_PGLE", "").lower() in PGLE_ON else 0)
@@ -161,7 +186,7 @@ def parse_run(spec: str) -> RunSpec:
         overrides = parse_overrides({k: v for k, v in items.items() if k not in xla_options}, source=f"run {spec!r}")
     except OptionError as e:
         raise ValueError(f"{e} ({SETTINGS_RULE})") from None
-    return RunSpec(spec, model, overrides, xla_options, pgle_runs, aot_steps)
+    return RunSpec(spec, model, overrides, xla_options, pgle_runs, aot_steps, model_args)
 
 
 @contextlib.contextmanager
@@ -309,15 +334,23 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     pgle_info = None
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with run_context(run, mesh, inputs.size, cfg.block_weights_per_width):
-        model = PlainLlama(cfg, rngs=nnx.Rngs(0)) if name == "plain" else CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
-        split = "width" if name == "plain" else partitioning.fsdp_split_on(mesh)
-        if mesh is not None and name != "plain" and partitioning.axis_size(mesh, "fsdp") > 1:
+        if name == "plain":
+            model = PlainLlama(cfg, rngs=nnx.Rngs(0))
+        elif name == "plain_fp8":
+            model = PlainFp8Llama(cfg, rngs=nnx.Rngs(0), **run.model_args)
+        else:
+            model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
+        # FP8 GEMMs the compiled step should hold (plain_fp8; checked against its HLO on a GPU)
+        fp8_expected = model.expected_fp8_gemms() if name == "plain_fp8" else None
+        plain = name in PLAIN_MODELS
+        split = "width" if plain else partitioning.fsdp_split_on(mesh)
+        if mesh is not None and not plain and partitioning.axis_size(mesh, "fsdp") > 1:
             print(f"{spec}: FSDP splits the weights' {split}", flush=True)
         opt = nnx.Optimizer(model, training.adamw_cosine(lr, 10, 1000), wrt=nnx.Param)
         state = nnx.state((model, opt))
         shardings = None
         if mesh is not None:
-            state = shard_plain_state(state, mesh) if name == "plain" else shard_state(state, mesh)
+            state = shard_plain_state(state, mesh) if plain else shard_state(state, mesh)
             shardings = jax.tree.map(lambda x: x.sharding, state)
             inputs, targets = (jax.device_put(x, batch_sharding(mesh)) for x in (inputs, targets))
         # The updated state keeps the input's placement: the ahead-of-time compiled step
@@ -347,7 +380,18 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             print(f"{spec}: PGLE profile of {aot_steps} steps: {pgle_info['bytes']} bytes, "
                   f"{pgle_info['custom_calls']} custom-call instructions named", flush=True)
     mem = hlo_source.memory_analysis()
-    hlo = hlo_source.as_text() if mesh is not None or profile or hlo_out else ""  # tens of MB at 1B: once
+    # plain_fp8 on a GPU: its FP8 GEMM calls counted in the compiled step (none on a CPU: no cuBLASLt)
+    fp8_check = fp8_expected is not None and jax.devices()[0].platform == "gpu"
+    hlo = hlo_source.as_text() if mesh is not None or profile or hlo_out or fp8_check else ""  # tens of MB at 1B: once
+    fp8_row = {}
+    if fp8_expected is not None:
+        fp8_row["fp8_gemm_calls_expected"] = fp8_expected
+    if fp8_check:
+        found = len(fp8_gemm_calls(hlo))
+        fp8_row.update(fp8_gemm_calls=found, cublas_calls=gemm_call_targets(hlo))
+        print(f"FP8 {spec}: {found} FP8 GEMM calls (__cublas$lt$matmul$f8) in the compiled step, {fp8_expected} "
+              f"expected{'' if found == fp8_expected else ' -- MISMATCH: XLA ran FP8 dots some other way (16-bit GEMMs?)'}; "
+              f"cuBLAS calls by target: {fp8_row['cublas_calls']}", flush=True)
     if hlo_out is not None:
         write_hlo(hlo, hlo_out / f"hlo_{file_name(spec)}.txt.gz")
     gather_lines = activation_gathers(hlo, *inputs.shape) if mesh is not None else []
@@ -398,10 +442,10 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             "compile_s": compile_s, "first_step_s": first_step_s, "first_loss": first_loss,
             "last_loss": float(loss), "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
             "devices": len(jax.devices()) if mesh is not None else 1,
-            **({"fsdp_split": split} if mesh is not None and name != "plain" else {}), "activation_all_gathers": len(gather_lines),
+            **({"fsdp_split": split} if mesh is not None and not plain else {}), "activation_all_gathers": len(gather_lines),
             # the HLO of each (first 20), to tell a gathered kernel operand from an index vector
             "activation_gather_lines": gather_lines[:20], **({"collective_windows": schedule} if schedule else {}),
-            **({"pgle_profile": pgle_info} if pgle_info else {}),
+            **({"pgle_profile": pgle_info} if pgle_info else {}), **fp8_row,
             **({"clock": clock.summary} if clock.summary else {}),
             **({"profile": prof} if prof else {})}
 
@@ -432,6 +476,10 @@ def table(rows: list[dict], title: str) -> str:
         lines.append(f"| {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / nd:,.0f} | "
                      f"{x} | {r['compile_s']:.1f} | {r['first_step_s']:.1f} | {r['temp_gib']:.1f} | "
                      f"{r.get('activation_all_gathers', 0)} | {r['first_loss']:.4f} | {clk} |")
+    fp8 = [r for r in rows if "fp8_gemm_calls" in r]
+    if fp8:  # the HLO check of the FP8 runs (on a GPU)
+        lines += ["", "FP8 GEMM calls (`__cublas$lt$matmul$f8`) found / expected: " + ", ".join(
+            f"{r['run']} {r['fp8_gemm_calls']} / {r['fp8_gemm_calls_expected']}" for r in fp8)]
     return "\n".join(lines)
 
 
