@@ -106,8 +106,12 @@ def scale_from_history(history: jax.Array, dtype: Any, margin: int = 0) -> jax.A
     ratio), as TransformerEngine rounds it: then ``1 / scale`` is exact and dequantizing
     ``value * scale`` returns the value's own bits."""
     amax = jnp.max(history.astype(jnp.float32))
-    ratio = fp8_max(dtype) / (amax * 2.0 ** margin)
-    scale = jnp.exp2(jnp.floor(jnp.log2(ratio)))
+    ratio = (fp8_max(dtype) / (amax * 2.0 ** margin)).astype(jnp.float32)
+    # 2**floor(log2(ratio)) exactly: ratio's exponent bits with its mantissa cleared (a
+    # positive normal float32). exp2(floor(log2(ratio))) is not exact in XLA (on the CPU
+    # log2(8192.0) < 13 and exp2(17.0) = 131072.06): most scales were not powers of two.
+    scale = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(ratio, jnp.uint32) & jnp.uint32(0x7F800000), jnp.float32)
     return jnp.where((amax > 0) & jnp.isfinite(scale), scale, 1.0).astype(jnp.float32)
 
 

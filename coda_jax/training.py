@@ -63,7 +63,9 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,
 
     @functools.partial(jax.jit, donate_argnums=0, **jit_kw)
     def train_step(state, inputs, targets):
-        m, opt = nnx.merge(graphdef, state)
+        # copy=True: merge() otherwise builds the model on ``state``'s own Variables, which the
+        # updates below mutate, and the non-finite skip would "keep" the updated values.
+        m, opt = nnx.merge(graphdef, state, copy=True)
         if not fp8:
             loss, grads = nnx.value_and_grad(lambda mm: mm.loss(inputs, targets))(m)
             # Named so that profiles tell the optimizer's kernels from the model's.
