@@ -82,6 +82,7 @@ __all__ = [
     "Quantize",
     "fp8_out",
     "FP8_DTYPES",
+    "default_out_dtype",
     "dequantized",
     "body_uses_row_sum",
     "split_pairs",
@@ -118,6 +119,14 @@ class Load:
 
 # Storage dtypes of quantizing outputs and FP8 GEMM operands.
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def default_out_dtype(operand_dtype: Any) -> jnp.dtype:
+    """The storage dtype of a tile output declared with ``dtype=None`` and given none by the
+    call: the GEMM operands' dtype, or bfloat16 for FP8 operands (an FP8 output is only ever
+    written with a scale: :func:`fp8_out`)."""
+    dt = jnp.dtype(operand_dtype)
+    return jnp.dtype(jnp.bfloat16) if dt in FP8_DTYPES else dt
 
 
 @dataclasses.dataclass(frozen=True)

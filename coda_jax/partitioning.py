@@ -60,7 +60,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from coda_jax import mesh_axes
-from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind, default_out_dtype
 from coda_jax.lowering import GemmLowering, gemm_dims, routes_to_xla
 # The mesh axes, the context mesh and the FSDP split live in coda_jax.mesh_axes (read by
 # coda_jax.sharding too); they stay importable from here.
@@ -240,7 +240,7 @@ class PartitionedLowering:
                            f"coda-jax: epilogue {epilogue.name!r} contracts the sharded token axis and is not "
                            "declared linear in acc: it runs unpartitioned (operands gathered)")
                 return inner.gemm(epilogue, a, b, loads, **kw)
-            dtypes = {o.name: jnp.dtype((out_dtypes or {}).get(o.name) or o.dtype or a.dtype) for o in epilogue.outputs}
+            dtypes = {o.name: jnp.dtype((out_dtypes or {}).get(o.name) or o.dtype or default_out_dtype(a.dtype)) for o in epilogue.outputs}
             partial = {name: partial_sum_dtype(dt) for name, dt in dtypes.items()}
 
             def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis

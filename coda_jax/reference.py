@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, Output, OutputKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, Output, OutputKind, default_out_dtype
 from coda_jax.lowering import check_out_splits, split_columns
 from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.options import current_options
@@ -221,7 +221,7 @@ class ReferenceLowering:
         if splits:  # XLA fuses the slices into whatever reads the parts
             return split_columns(self.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
                                            out_dtypes=out_dtypes), splits)
-        dtypes = {o.name: (out_dtypes or {}).get(o.name, o.dtype) or a.dtype for o in epilogue.outputs}
+        dtypes = {o.name: (out_dtypes or {}).get(o.name, o.dtype) or default_out_dtype(a.dtype) for o in epilogue.outputs}
         if (any(o.kind is OutputKind.ROW_LOGSUMEXP for o in epilogue.outputs) and n > LSE_CHUNK
                 and not any(o.kind is OutputKind.TILE for o in epilogue.outputs)):  # [M, N] is written anyway
             return self._chunked_rows(epilogue, a, b, loads, transpose_a, transpose_b, m, n)
