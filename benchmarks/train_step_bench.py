@@ -13,7 +13,8 @@ how many FP8 GEMM calls the compiled step holds against how many it should,
 ``fp8_gemm_calls`` / ``fp8_gemm_calls_expected``: XLA runs an FP8 dot it cannot rewrite as a
 bf16 GEMM, silently); ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
 options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
-with :func:`coda_jax.options.options`; e.g. ``pallas:cross_entropy.save_logits=false``: the
+with :func:`coda_jax.options.options`, and ``fp8=true`` for ``LlamaConfig(fp8=Fp8Recipe())``, whose
+FP8 GEMM calls are checked as ``plain_fp8``'s; e.g. ``pallas:cross_entropy.save_logits=false``: the
 cross-entropy recomputes its logits; ``pallas:routing.xla_output_below=0,routing.plain_gemm=kernel``:
 every GEMM on the kernel). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
 ``--steps`` steps dispatched back to back and closed by one ``jax.block_until_ready`` (the
@@ -58,6 +59,7 @@ from benchmarks.hlo_schedule import collective_windows, window_summary
 from benchmarks.plain_fp8_llama import IDIOMS, PlainFp8Llama, fp8_gemm_calls, gemm_call_targets
 from benchmarks.plain_llama import PlainLlama, shard_plain_state
 from coda_jax import partitioning, training
+from coda_jax.fp8 import Fp8Recipe
 from coda_jax.layers import PRESETS, CodaLlama
 from coda_jax.options import OptionError, options, parse_overrides
 from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
@@ -122,7 +124,8 @@ class RunSpec:
       xla_options: XLA options of the step's compile (settings named ``xla_*``).
       pgle_runs: profiled runs of JAX's automatic PGLE (0: off).
       aot_steps: traced steps of the ahead-of-time PGLE compile (0: off).
-      model_args: the model's own arguments (``plain_fp8``: ``idiom``, ``fuse``).
+      model_args: the model's own arguments (``plain_fp8``: ``idiom``, ``fuse``; a CodaLlama
+        backend: ``fp8``).
     """
 
     spec: str
@@ -176,6 +179,11 @@ def parse_run(spec: str) -> RunSpec:
             if own["fuse"].lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"run {spec!r}: fuse must be true or false, got {own['fuse']!r}")
             model_args["fuse"] = own["fuse"].lower() in ("true", "1")
+    elif "fp8" in items:  # a CodaLlama run in FP8: LlamaConfig(fp8=Fp8Recipe())
+        value = items.pop("fp8").lower()
+        if value not in ("true", "false", "1", "0"):
+            raise ValueError(f"run {spec!r}: fp8 must be true or false, got {value!r}")
+        model_args["fp8"] = value in ("true", "1")
     try:
         pgle_runs = (int(pgle.get("JAX_PGLE_PROFILING_RUNS", "3"))
                      if pgle.get("JAX_ENABLE_PGLE", "").lower() in PGLE_ON else 0)
@@ -339,9 +347,12 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         elif name == "plain_fp8":
             model = PlainFp8Llama(cfg, rngs=nnx.Rngs(0), **run.model_args)
         else:
-            model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
-        # FP8 GEMMs the compiled step should hold (plain_fp8; checked against its HLO on a GPU)
-        fp8_expected = model.expected_fp8_gemms() if name == "plain_fp8" else None
+            model = CodaLlama(cfg.replace(fp8=Fp8Recipe()) if run.model_args.get("fp8") else cfg,
+                              rngs=nnx.Rngs(0), backend=name)
+        # FP8 GEMMs the compiled step should hold (checked against its HLO on a GPU): plain_fp8's,
+        # or a CodaLlama FP8 block's 12 (forward, dgrad and wgrad of its four projections).
+        fp8_expected = (model.expected_fp8_gemms() if name == "plain_fp8"
+                        else 12 * cfg.num_layers if run.model_args.get("fp8") else None)
         plain = name in PLAIN_MODELS
         split = "width" if plain else partitioning.fsdp_split_on(mesh)
         if mesh is not None and not plain and partitioning.axis_size(mesh, "fsdp") > 1:
@@ -381,7 +392,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
                   f"{pgle_info['custom_calls']} custom-call instructions named", flush=True)
     mem = hlo_source.memory_analysis()
     # plain_fp8 on a GPU: its FP8 GEMM calls counted in the compiled step (none on a CPU: no cuBLASLt)
-    fp8_check = fp8_expected is not None and jax.devices()[0].platform == "gpu"
+    fp8_check = fp8_expected is not None and jax.devices()[0].platform == "gpu"  # and CodaLlama FP8
     hlo = hlo_source.as_text() if mesh is not None or profile or hlo_out or fp8_check else ""  # tens of MB at 1B: once
     fp8_row = {}
     if fp8_expected is not None:
@@ -466,11 +477,16 @@ def table(rows: list[dict], title: str) -> str:
     if len(plain) > 1:
         lines += [f"plain runs: {', '.join(f'{p:,.0f}' for p in plain)} tokens/s "
                   f"(spread {100 * (max(plain) - min(plain)) / base:.1f} %)", ""]
-    lines += ["| run | ms/step | tokens/s | tokens/s per device | vs plain JAX | compile s | compile + first step s | "
-              "temp GiB | activation all-gathers | loss step 1 | SM MHz / W (medians) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fp8_runs = [r["tokens_per_s"] for r in rows if r["run"] == "plain_fp8"]  # the default plain FP8 run
+    base8 = statistics.mean(fp8_runs) if fp8_runs else None
+    col8 = " vs plain FP8 |" if base8 else ""
+    lines += ["| run | ms/step | tokens/s | tokens/s per device | vs plain JAX |" + col8 + " compile s | "
+              "compile + first step s | temp GiB | activation all-gathers | loss step 1 | SM MHz / W (medians) |",
+              "|---|---|---|---|---|" + ("---|" if base8 else "") + "---|---|---|---|---|---|"]
     for r in rows:
         x = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+        if base8:
+            x += f" | {r['tokens_per_s'] / base8:.3f}x"
         nd = r.get("devices", 1)
         clk = f"{c['sm_clock_mhz']:.0f} / {c['power_w']:.0f}" if (c := r.get("clock")) else "-"
         lines.append(f"| {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / nd:,.0f} | "
