@@ -957,3 +957,14 @@ def test_write_hlo_strips_kernel_modules(tmp_path):
     assert " <...> " in lines[3] and len(lines[3]) == 6007
     assert lines[:2] == hlo.splitlines()[:2] and lines[4] == "}"
     assert tsb.file_name("pallas:xla_gpu_x=0+A=1") == "pallas_xla_gpu_x_0_A_1"
+
+
+def test_fp8_accuracy_compares_window_means_against_the_first_run():
+    from benchmarks.fp8_accuracy import compare
+
+    ref = {"run": "plain", "losses": [4.0] * 100, "val_loss": 4.0}
+    off = {"run": "xla:fp8", "losses": [4.0] * 75 + [4.2] * 25, "val_loss": 4.4}
+    rows = compare([ref, off])
+    assert rows[0]["max_window_rel"] == 0 and rows[0]["val_rel"] == 0
+    assert abs(rows[1]["last_window_rel"] - 0.05) < 1e-9 and abs(rows[1]["max_window_rel"] - 0.05) < 1e-9
+    assert abs(rows[1]["val_rel"] - 0.1) < 1e-9 and rows[1]["nonfinite_steps"] == 0

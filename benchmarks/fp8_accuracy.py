@@ -1,0 +1,126 @@
+"""FP8 training accuracy: loss curves of FP8 and bf16 models from the same weights and data.
+
+    python -m benchmarks.fp8_accuracy --preset 1b --steps 300 --batch 8 --seq 1024 \
+        --runs plain,plain_fp8,xla:fp8,pallas:fp8 [--layers N] [--out DIR]
+
+Every run starts from the same weights (a ``CodaLlama`` of the seed; the plain models copy it
+with ``from_coda``) and trains on the same batches of the example's corpus
+(``examples/text_data.py``, the example's tokenizer) with the example's optimizer
+(:func:`coda_jax.training.adamw_cosine`, the preset's learning rate and warm-up) and jitted
+step (:func:`coda_jax.training.make_steps`). Runs: ``plain`` (the plain JAX Llama, bf16), ``plain_fp8``
+(:class:`benchmarks.plain_fp8_llama.PlainFp8Llama`), ``<backend>`` (CodaLlama in bf16) and
+``<backend>:fp8`` (``LlamaConfig(fp8=Fp8Recipe())``). The first run is the reference: per run, the
+relative difference of the training loss averaged over windows of 25 steps (the largest after
+the first 50 steps, and the last), and the validation loss after the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks._examples import example
+from benchmarks.plain_fp8_llama import PlainFp8Llama
+from benchmarks.plain_llama import PlainLlama
+from coda_jax import training
+from coda_jax.fp8 import Fp8Recipe
+from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
+
+WINDOW = 25
+
+
+def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
+    name, _, flag = run.partition(":")
+    if flag not in ("", "fp8"):
+        raise ValueError(f"run {run!r}: the only setting is ':fp8'")
+    if name in ("plain", "plain_fp8"):
+        if flag:
+            raise ValueError(f"run {run!r}: {name} takes no setting")
+        return (PlainLlama if name == "plain" else PlainFp8Llama).from_coda(reference)
+    model = CodaLlama(cfg.replace(fp8=Fp8Recipe()) if flag else cfg, rngs=nnx.Rngs(0), backend=name)
+    nnx.update(model, nnx.state(reference, nnx.Param))
+    return model
+
+
+def windows(losses: list[float]) -> list[float]:
+    return [float(np.mean(losses[i:i + WINDOW])) for i in range(0, len(losses), WINDOW)]
+
+
+def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: int, lr: float, warmup: int) -> dict:
+    model = _model(run, cfg, reference)
+    opt = nnx.Optimizer(model, training.adamw_cosine(lr, warmup, steps), wrt=nnx.Param)
+    step, eval_step, _ = training.make_steps(model, opt)
+    state = jax.tree.map(jnp.copy, nnx.state((model, opt)))  # the step donates it; the reference keeps its own
+    del model, opt
+    losses, t0 = [], time.perf_counter()
+    for i, (x, y) in zip(range(steps), data()):
+        state, loss = step(state, jnp.asarray(x), jnp.asarray(y))
+        losses.append(loss)
+    losses = [float(v) for v in jax.device_get(losses)]
+    val_loss = float(eval_step(state, *(jnp.asarray(v) for v in val)))
+    return {"run": run, "losses": losses, "val_loss": val_loss, "wall_s": time.perf_counter() - t0}
+
+
+def compare(results: list[dict]) -> list[dict]:
+    """Per run: window-mean relative differences against the first run."""
+    ref = windows(results[0]["losses"])
+    rows = []
+    for r in results:
+        w = windows(r["losses"])
+        rel = [abs(a - b) / b for a, b in zip(w, ref)]
+        later = rel[2:] or rel
+        rows.append({"run": r["run"], "max_window_rel": max(later), "last_window_rel": rel[-1],
+                     "last_window_loss": w[-1], "val_loss": r["val_loss"],
+                     "val_rel": abs(r["val_loss"] - results[0]["val_loss"]) / results[0]["val_loss"],
+                     "nonfinite_steps": sum(not np.isfinite(v) for v in r["losses"])})
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--runs", default="plain,plain_fp8,xla:fp8")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    td, tl = example("text_data"), example("train_llama")
+    corpus = td.load_corpus()
+    tok = td.build_tokenizer([corpus])
+    train_tokens, val_tokens = td.split_tokens(td.encode(tok, corpus))
+    cfg = tl.make_config(argparse.Namespace(preset=args.preset, layers=args.layers), tok.get_vocab_size())
+    cfg = cfg.replace(dtype=jnp.bfloat16)  # the tiny preset computes in float32: FP8 is compared with bf16
+    lr, warmup = tl.PRESET_SCHEDULES.get(args.preset, tl.DEFAULT_SCHEDULE)
+    reference = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla")
+    val = td.validation_batch(val_tokens, args.batch, args.seq)
+    data = lambda: td.batches(train_tokens, args.batch, args.seq, seed=0)  # noqa: E731
+    results = []
+    for run in args.runs.split(","):
+        results.append(train(run, cfg, reference, data, val, args.steps, lr, warmup))
+        print(f"{run}: last loss {results[-1]['losses'][-1]:.4f}, val {results[-1]['val_loss']:.4f} "
+              f"({results[-1]['wall_s']:.0f} s)", flush=True)
+    rows = compare(results)
+    print(f"\n### FP8 accuracy, {args.preset}{'' if args.layers is None else f' ({args.layers} layers)'}, "
+          f"{args.steps} steps of {args.batch} x {args.seq}, reference {rows[0]['run']}\n")
+    print("| run | max window diff (after step 50) | last window diff | last window loss | val loss | val diff | "
+          "non-finite steps |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {100 * r['max_window_rel']:.2f} % | {100 * r['last_window_rel']:.2f} % | "
+              f"{r['last_window_loss']:.4f} | {r['val_loss']:.4f} | {100 * r['val_rel']:.2f} % | {r['nonfinite_steps']} |")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "fp8_accuracy.json").write_text(json.dumps({"rows": rows, "runs": results}))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
