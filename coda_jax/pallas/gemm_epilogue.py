@@ -31,8 +31,19 @@ called on each chunk with its loads already broadcast to the chunk's shape:
 * the row log-sum-exp keeps an online (max, sum-exp) across chunks and stores the tile's
   LSE; logits never reach memory.
 
+FP8: the operands may be ``float8_e4m3fn`` / ``float8_e5m2`` (mixed too), both K-major (A
+``[M, K]``, B stored ``[N, K]``: Hopper's 8-bit wgmma has no transposed operands). A 1-byte
+element changes only the swizzle arithmetic (:func:`_transforms`: a 128-byte swizzled row is
+128 elements, the K of one wgmma group), so the mainloops are the 16-bit ones. Scalar loads
+(a dequantized GEMM's ``acc_scale``, a quantizing output's scale) are read once per tile from
+GMEM. A quantizing output (:class:`coda_jax.epilogue.Quantize`) is written as
+``saturate(v * scale)`` in its FP8 dtype like any tile output; its transposed copy goes out
+through a ``[w, tile_m]`` staging slot written through a transposed view (or straight to
+GMEM with ``direct_stores``), and its amax is a per-row max over the tile's columns, written
+as ``[N / tile_n, M]`` partials like a row sum's.
+
 The wrapper (:mod:`coda_jax.pallas.lowering`) pads M, N and K to tile multiples; padded
-columns and rows are masked out of reductions and LSEs here.
+columns and rows are masked out of reductions, amaxes and LSEs here.
 """
 
 from __future__ import annotations
@@ -52,6 +63,9 @@ from coda_jax.epilogue import Epilogue, LoadKind, OutputKind, body_uses_row_sum
 from coda_jax.pallas.tuning import TuningConfig
 
 _WG = plgpu.Layout.WGMMA
+# WGMMA's register tile with its 2 x 2 blocks transposed: a thread's two-element vectors run
+# down a column, so they are contiguous in a transposed view (a quantizing output's copy).
+_WG_T = plgpu.Layout.WGMMA_TRANSPOSED
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
 # The most negative finite float32: the online log-sum-exp's shift where a row's max is -inf.
@@ -69,6 +83,9 @@ class KernelShape:
     n_real: int
     transpose_a: bool
     transpose_b: bool
+    # A's dtype. B's is the same, or with FP8 operands possibly the other FP8 type: the same
+    # 1-byte element, so the same SMEM transforms and stage sizes (the kernel reads B's dtype
+    # from its operand where it allocates B's stages).
     operand_dtype: Any
     out_dtypes: tuple[tuple[str, Any], ...]
     num_sms: int  # the grid's CTAs: the SMs of the persistent grid, or one (pair) per N tiles (tile_grid)
@@ -78,6 +95,10 @@ class KernelShape:
 
 
 def _transforms(minor_elems: int, dtype) -> tuple:
+    """SMEM tiling + swizzle of a block whose minor dimension holds ``minor_elems`` elements
+    of ``dtype``: the widest swizzle (at most 128 bytes) the row's bytes allow, tiles of 8 rows
+    of one swizzle width. 16-bit: 64 elements a 128-byte row; FP8: 128 (what wgmma's 8-bit
+    path needs: tiling ``(8, swizzle)``, a K group of ``swizzle`` elements)."""
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
@@ -141,7 +162,11 @@ def split_outputs_fit(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
 
 
 def out_types(epi: Epilogue, shape: KernelShape, cfg: TuningConfig) -> list[jax.ShapeDtypeStruct]:
-    """The kernel's outputs in ``epi.outputs`` order; a split tile output is one array per part."""
+    """The kernel's outputs in ``epi.outputs`` order; a split tile output is one array per part.
+    A quantizing output is followed by its transposed copy ``[W, M]`` (``W`` its width) and
+    its amax partials ``[N / tile_n, M]`` float32 (a row max per consumer tile), where its
+    :class:`~coda_jax.epilogue.Quantize` asks for them (:meth:`~coda_jax.epilogue.Output.result_names`
+    order)."""
     dt = dict(shape.out_dtypes)
     splits = dict(shape.out_splits)
     res = []
@@ -153,6 +178,10 @@ def out_types(epi: Epilogue, shape: KernelShape, cfg: TuningConfig) -> list[jax.
         elif o.kind is OutputKind.COL_SUM:
             res.append(jax.ShapeDtypeStruct((shape.m // cfg.tile_m, shape.n), jnp.float32))
         else:  # ROW_SUM, ROW_LOGSUMEXP
+            res.append(jax.ShapeDtypeStruct((shape.n // cfg.tile_n, shape.m), jnp.float32))
+        if o.quantize is not None and o.quantize.transpose:
+            res.append(jax.ShapeDtypeStruct((epi.width(shape.n, o.half), shape.m), dt[o.name]))
+        if o.quantize is not None and o.quantize.amax:
             res.append(jax.ShapeDtypeStruct((shape.n // cfg.tile_n, shape.m), jnp.float32))
     return res
 
@@ -194,15 +223,19 @@ class _EpilogueEmitter:
         self.tile_outs = [o for o in epi.outputs if o.kind is OutputKind.TILE]
         self.row_outs = [o for o in epi.outputs if o.kind in (OutputKind.ROW_SUM, OutputKind.ROW_LOGSUMEXP)]
         self.col_outs = [o for o in epi.outputs if o.kind is OutputKind.COL_SUM]
-        for l in epi.loads:
-            if l.kind is LoadKind.SCALAR:
-                raise NotImplementedError(
-                    f"epilogue {epi.name!r}: scalar loads are not supported by the Pallas backend; "
-                    "pass the scalar as a row vector")
-        # TMA stores issued per chunk (tile-output parts unless direct, column-sum parts).
+        # Scalars (an FP8 GEMM's acc_scale, a quantizing output's scale): read once per tile.
+        self.scalar_loads = [l for l in epi.loads if l.kind is LoadKind.SCALAR]
+        # Quantizing tile outputs (FP8) with a transposed copy / an amax (Quantize).
+        self.t_outs = [o for o in self.tile_outs if o.quantize is not None and o.quantize.transpose]
+        self.amax_outs = [o for o in self.tile_outs if o.quantize is not None and o.quantize.amax]
+        # TMA stores issued per chunk (tile-output parts and transposed copies unless direct,
+        # column-sum parts).
         self.col_stores_per_chunk = sum(self._nparts(False) for _ in self.col_outs)
-        self.stores_per_chunk = ((0 if self.direct_stores else sum(self._nparts(o.half) for o in self.tile_outs))
+        self.stores_per_chunk = ((0 if self.direct_stores else sum(self._nparts(o.half) for o in self.tile_outs)
+                                  + sum(self._nparts(o.half) for o in self.t_outs))
                                  + self.col_stores_per_chunk)
+        # TMA stores issued at the end of a tile: row partials, amax partials.
+        self.row_stores = len(self.row_outs) + len(self.amax_outs)
         # Staging slots of each tile output (TuningConfig.epilogue_out_slots). With one, a chunk
         # waits until the previous chunk's tile-output stores have read the slot; its column-sum
         # stores (issued after them, in slots of their own) may still run.
@@ -295,7 +328,9 @@ class _EpilogueEmitter:
         lead = () if copies is None else (copies,)
         w, tm = self._width(), self.tm
         s = {}
-        tf = (lambda dt: _transforms(w, dt)) if self.cfg.swizzle_epilogue else (lambda dt: ())
+        # Swizzled staging needs rows of 32 bytes or more (an FP8 chunk of 16 columns stays row-major).
+        tf = ((lambda dt: _transforms(w, dt) if w * jnp.dtype(dt).itemsize >= 32 else ())
+              if self.cfg.swizzle_epilogue else (lambda dt: ()))
         for l in self.tile_loads if not self.direct_loads else ():
             s["in_" + l.name] = plgpu.SMEM(lead + (self.slots, self._load_nparts(l), tm, w), loads_dtypes[l.name],
                                            transforms=tf(loads_dtypes[l.name]))
@@ -307,6 +342,12 @@ class _EpilogueEmitter:
             s["row_" + o.name] = plgpu.SMEM(lead + (2, tm), jnp.float32)
         for o in self.col_outs:
             s["col_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(False), w), jnp.float32)
+        # A transposed copy's chunk is staged [w, tm] (the GMEM layout of its [N, M] array),
+        # written through a transposed view; unswizzled.
+        for o in self.t_outs if not self.direct_stores else ():
+            s["outT_" + o.name] = plgpu.SMEM(lead + (self.out_slots, self._nparts(o.half), w, tm), self.dt[o.name])
+        for o in self.amax_outs:
+            s["amax_" + o.name] = plgpu.SMEM(lead + (2, tm), jnp.float32)
         if self.n_barriers:
             s["barrier"] = plgpu.Barrier(num_barriers=self.n_barriers * (copies or 1))
         return s
@@ -325,6 +366,10 @@ class _EpilogueEmitter:
         total += sum(self.out_slots * self._nparts(o.half) * tm * w * jnp.dtype(self.dt[o.name]).itemsize
                      for o in staged_outs)
         total += len(self.row_outs) * 2 * tm * 4 + len(self.col_outs) * 2 * 2 * w * 4
+        if not self.direct_stores:
+            total += sum(self.out_slots * self._nparts(o.half) * w * tm * jnp.dtype(self.dt[o.name]).itemsize
+                         for o in self.t_outs)
+        total += len(self.amax_outs) * 2 * tm * 4
         return total
 
     def _n_prefetched(self) -> int:
@@ -376,11 +421,15 @@ class _EpilogueEmitter:
                               for gc, pw in self.parts(c0, n0, l.half))
                 for l in self.epi.loads if l.kind is LoadKind.COL}
 
+    def _scalars(self, load_refs) -> dict[str, Any]:
+        """The scalar loads (0-d float32 in GMEM), read by every thread."""
+        return {l.name: _f32(load_refs[l.name][...]) for l in self.scalar_loads}
+
     def prefetch(self, m0, n0, load_refs, scr, barrier_base=0, step_base=0):
-        """Issues the first chunks' tile loads and loads the row vectors and the first chunk's
-        column vectors; call before the mainloop so that they land during it. Returns the
-        vectors (and, with direct loads, the first chunks' tile values), to pass as
-        :meth:`emit`'s ``prefetched``."""
+        """Issues the first chunks' tile loads and loads the row vectors, the first chunk's
+        column vectors and the scalars; call before the mainloop so that they land during it.
+        Returns the vectors (and, with direct loads, the first chunks' tile values), to pass
+        as :meth:`emit`'s ``prefetched``."""
         tiles = {}
         if self._load_parts_list():
             if self.direct_loads:
@@ -389,7 +438,8 @@ class _EpilogueEmitter:
                 self._wait_slot_free()
                 for ci in range(self._n_prefetched()):
                     self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
-        return self._row_vectors(m0, load_refs), self._col_vectors(0, n0, load_refs), tiles
+        vectors = self._row_vectors(m0, load_refs), self._col_vectors(0, n0, load_refs), tiles
+        return vectors + (self._scalars(load_refs),) if self.scalar_loads else vectors
 
     def emit(self, acc, m0, n0, mi, ni, tile_slot, load_refs, out_refs, scr, barrier_base=0, step_base=0,
              prefetched=None):
@@ -413,7 +463,8 @@ class _EpilogueEmitter:
 
         if prefetched is None:
             prefetched = self.prefetch(m0, n0, load_refs, scr, barrier_base, step_base)
-        rows, cols, tiles = prefetched
+        rows, cols, tiles = prefetched[:3]
+        scalars = prefetched[3] if self.scalar_loads else {}
         tiles = dict(tiles)
         row_vals = {k: lax.broadcast_in_dim(v, shape_c, [0]) for k, v in rows.items()}
         row_state: dict[str, Any] = {}
@@ -440,6 +491,8 @@ class _EpilogueEmitter:
                 elif l.kind is LoadKind.COL:
                     vs = tuple(lax.broadcast_in_dim(v, shape_c, [1]) for v in cols[l.name])
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
+                elif l.kind is LoadKind.SCALAR:  # 0-d: the body broadcasts it
+                    kw[l.name] = scalars[l.name]
                 elif self.direct_loads:
                     vs = tuple(_f32(v) for v in tiles[ci][l.name])
                     kw[l.name] = vs[0] if len(vs) == 1 else vs
@@ -459,7 +512,10 @@ class _EpilogueEmitter:
             for o in epi.outputs:
                 v = res[o.name]
                 vs = v if isinstance(v, tuple) else (v,)
-                if o.kind is OutputKind.TILE and self.direct_stores:  # registers -> GMEM, no staging
+                if o.kind is OutputKind.TILE and o.quantize is not None:  # FP8, its copy, its amax
+                    self._quantized(o, vs, scalars[o.quantize.scale], c0, n0, m_slice, shape_c, col0, slot, out_slot,
+                                    out_refs, scr, row_state)
+                elif o.kind is OutputKind.TILE and self.direct_stores:  # registers -> GMEM, no staging
                     for part, (gc, pw) in zip(vs, self.parts(c0, n0, o.half)):
                         val = part.astype(self.dt[o.name])
                         self._to_part(o.name, out_refs, gc, lambda ref, c, val=val, pw=pw: ref.__setitem__(
@@ -506,19 +562,61 @@ class _EpilogueEmitter:
                     src = scr[buf].at[bslot, p]
                     self._to_part(o.name, out_refs, gc, lambda ref, c, src=src, pw=pw: plgpu.copy_smem_to_gmem(
                         src, ref.at[m_slice, pl.ds(c, pw)]))
+            for o in self.t_outs if not self.direct_stores else ():  # [w, tm] blocks of the [W, M] copy
+                for p, (gc, pw) in enumerate(self.parts(c0, n0, o.half)):
+                    plgpu.copy_smem_to_gmem(scr["outT_" + o.name].at[out_slot, p],
+                                            out_refs[o.name + "_t"].at[pl.ds(gc, pw), m_slice])
             for o in self.col_outs:
                 for p, (gc, pw) in enumerate(self.parts(c0, n0, col_half[o.name])):
                     plgpu.copy_smem_to_gmem(scr["col_" + o.name].at[col_slot, p], out_refs[o.name].at[mi, pl.ds(gc, pw)])
             cols = next_cols
-        if self.row_outs:
+        if self.row_outs or self.amax_outs:
             if self.direct_stores:  # no per-chunk wait ran: the slot's store of two tiles ago has read it
-                plgpu.wait_smem_to_gmem(len(self.row_outs), wait_read_only=True)
+                plgpu.wait_smem_to_gmem(self.row_stores, wait_read_only=True)
             for o in self.row_outs:
                 st = row_state[o.name]
                 scr["row_" + o.name][tile_slot] = st if o.kind is OutputKind.ROW_SUM else st[0] + jnp.log(st[1])
+            for o in self.amax_outs:
+                scr["amax_" + o.name][tile_slot] = row_state[o.name + "_amax"]
             plgpu.commit_smem()
             for o in self.row_outs:
                 plgpu.copy_smem_to_gmem(scr["row_" + o.name].at[tile_slot], out_refs[o.name].at[ni, m_slice])
+            for o in self.amax_outs:
+                plgpu.copy_smem_to_gmem(scr["amax_" + o.name].at[tile_slot], out_refs[o.name + "_amax"].at[ni, m_slice])
+
+    def _quantized(self, o, vs, scale, c0, n0, m_slice, shape_c, col0, slot, out_slot, out_refs, scr,
+                   row_state) -> None:
+        """One chunk of quantizing output ``o`` (``vs``: its float32 parts, one per pair half):
+        ``saturate(v * scale)`` in its FP8 dtype into its tile (staged, or straight to GMEM with
+        direct stores), the same values into its transposed copy's ``[w, tm]`` blocks (through a
+        transposed view, in the register layout whose two-element vectors run down a column:
+        contiguous bytes of the copy's rows), and the chunk's row max of ``|v|`` (padding
+        columns masked to 0) into ``row_state``."""
+        dt = self.dt[o.name]
+        sat = tuple(_saturated(part, scale, dt) for part in vs)
+        for p, (q, (gc, pw)) in enumerate(zip(sat, self.parts(c0, n0, o.half))):
+            val = q.astype(dt)
+            if self.direct_stores:
+                self._to_part(o.name, out_refs, gc, lambda ref, c, val=val, pw=pw: ref.__setitem__(
+                    (m_slice, pl.ds(c, pw)), val))
+            else:
+                buf, bslot = self._out_buf(o.name, slot, out_slot)
+                scr[buf][bslot, p] = val
+            if o.quantize.transpose:
+                val_t = plgpu.layout_cast(q, _WG_T).astype(dt)  # 32-bit relayout (8-bit has none)
+                dst = (out_refs[o.name + "_t"].at[pl.ds(gc, pw), m_slice] if self.direct_stores
+                       else scr["outT_" + o.name].at[out_slot, p])
+                dst.T[...] = val_t
+        if o.quantize.amax:
+            amax = None
+            for part in vs:
+                x = jnp.abs(part)
+                if self.shape.n_real < self.shape.n:  # pair mode pads whole blocks: the block start decides
+                    x = jnp.where(_col_ids(shape_c, col0) < self.shape.n_real, x, 0.0)
+                r = x.max(axis=1)
+                amax = r if amax is None else jnp.maximum(amax, r)
+            key = o.name + "_amax"
+            row_state[key] = amax if key not in row_state else jnp.maximum(row_state[key], amax)
 
 
 SMEM_LIMIT = 227 * 1024
@@ -544,7 +642,7 @@ REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes
 def _reserved_smem(epi: Epilogue) -> int:
     """:data:`SMEM_MARGIN`, plus :data:`REDUCTION_SCRATCH` where ``epi``'s kernel reduces."""
     reduces = any(o.kind in (OutputKind.ROW_SUM, OutputKind.ROW_LOGSUMEXP, OutputKind.COL_SUM)
-                  for o in epi.outputs) or body_uses_row_sum(epi)
+                  or (o.quantize is not None and o.quantize.amax) for o in epi.outputs) or body_uses_row_sum(epi)
     return SMEM_MARGIN + (REDUCTION_SCRATCH if reduces else 0)
 
 
@@ -734,6 +832,9 @@ def _split_refs(em: _EpilogueEmitter, refs):
         k = len(splits.get(o.name, (None,)))
         outs[o.name] = tuple(refs[i:i + k]) if o.name in splits else refs[i]
         i += k
+        for extra in o.result_names()[1:]:  # a quantizing output's copy and amax (out_types)
+            outs[extra] = refs[i]
+            i += 1
     return loads, outs
 
 
@@ -951,17 +1052,17 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
         free_type = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=users, num_barriers=stages)
     else:
         free_type = plgpu.Barrier(num_arrivals=users, num_barriers=stages)
-    dt = shape.operand_dtype
 
     def body(a_gmem, b_gmem, *refs):
         load_refs, out_refs = _split_refs(em, refs)
         sm = lax.axis_index("sm")
         my_tiles = lax.div(ring.n_tiles - sm + ring.n_programs - 1, ring.n_programs)  # tiles sm, sm + P, ...
+        a_dt, b_dt = a_gmem.dtype, b_gmem.dtype  # FP8 operands may mix e4m3 and e5m2
 
         @functools.partial(
             pl.run_scoped,
-            a_smem=plgpu.SMEM((stages, *ring.a_block), dt, transforms=_transforms(ring.a_block[1], dt)),
-            b_smem=plgpu.SMEM((stages, *ring.b_block), dt, transforms=_transforms(ring.b_block[1], dt)),
+            a_smem=plgpu.SMEM((stages, *ring.a_block), a_dt, transforms=_transforms(ring.a_block[1], a_dt)),
+            b_smem=plgpu.SMEM((stages, *ring.b_block), b_dt, transforms=_transforms(ring.b_block[1], b_dt)),
             # [consumer, stage] (ping-pong) or [stage]: A + B loads arrive.
             full=plgpu.Barrier(num_arrivals=2, num_barriers=stages if ring.coop else 2 * stages),
             free=free_type,
@@ -1157,6 +1258,13 @@ def _ring_consumer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, sm, my_til
 
 def _f32(v):
     return v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v
+
+
+def _saturated(v, scale, dtype):
+    """``v * scale`` clipped to ``dtype``'s finite range (float32): a quantizing output's
+    value before its cast, as :func:`coda_jax.reference.quantize_tile` computes it."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(v * scale, -fmax, fmax)
 
 
 def _col_ids(shape, col0):

@@ -7,6 +7,14 @@ log-sum-exps. Pair-mode epilogues need N to be a multiple of the pair block's wi
 (``2 * pair_block``, or ``pair_block`` with ``half_acc``; the op layer guarantees it). Operands must be bfloat16 or float16 (wgmma's 16-bit path);
 float32 operands raise a ``TypeError`` that points at ``backend="xla"``.
 
+FP8 (:meth:`PallasLowering.fp8_rule`): operands in ``float8_e4m3fn`` / ``float8_e5m2`` (mixed
+allowed) run on the kernel where both are K-major (``a`` ``[M, K]``, ``b`` ``[N, K]``:
+``transpose_b=True``), with the 16-bit configuration's ``tile_k`` doubled (the same bytes per
+K step); other layouts go to XLA's FP8 GEMM. Quantizing outputs (:func:`coda_jax.epilogue.fp8_out`)
+run on the kernel with any operands: the FP8 tile, its transposed copy ``[W, M]`` and its
+amax partials, ``[(N / tile_n) * M]`` float32 (a row max of each consumer tile's columns, padding
+masked).
+
 Plain GEMMs (the identity epilogue: backward wgrad/dgrad GEMMs with nothing to fuse) go
 to XLA's GEMM (cuBLAS) by default, which runs a bare GEMM faster than this kernel; the option
 ``routing.plain_gemm="kernel"`` (or ``plain_gemm="kernel"``) keeps them here. Which GEMMs go
@@ -22,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from coda_jax.epilogue import Epilogue, Load, LoadKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, Load, LoadKind
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
 from coda_jax.lowering import gpu_sm_count, split_columns
 from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, out_types, plan_kernel, split_outputs_fit,
@@ -32,7 +40,7 @@ from coda_jax.pallas.kernel_builder import compiled_kernel
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
 from coda_jax.pallas.tuned import tuned_config
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves, for_fp8_operands
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
 INTERPRET_SMS = 4
@@ -50,16 +58,21 @@ def _num_sms(interpret: bool) -> int:
 
 
 def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
-                              device_kind: str | None, num_sms: int) -> TuningConfig:
+                              device_kind: str | None, num_sms: int, *, fp8_operands: bool = False) -> TuningConfig:
     """The configuration of an ``[m, k] @ [k, n]`` GEMM running ``epilogue`` on a GPU of
     ``device_kind`` with ``num_sms`` SMs: the tuned table's entry
     (:func:`coda_jax.pallas.tuned.tuned_config`; ``device_kind`` None: no table), else the
     heuristics (the shape class's entry with the program's changes, half-width tiles where
-    they fill the persistent grid's waves better: :func:`fit_waves`)."""
+    they fill the persistent grid's waves better: :func:`fit_waves`), for FP8 operands with
+    the K step doubled (:func:`~coda_jax.pallas.tuning.for_fp8_operands`; a table entry is
+    taken as measured)."""
     pw = epilogue.pair_width if epilogue.pair_block is not None else None
     tuned = (tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, device_kind, num_sms, pw)
              if device_kind else None)
-    return tuned or fit_waves(choose_config(m, n, k, epilogue.name), m, n, num_sms, pw)
+    if tuned:
+        return tuned
+    cfg = fit_waves(choose_config(m, n, k, epilogue.name), m, n, num_sms, pw)
+    return for_fp8_operands(cfg) if fp8_operands else cfg
 
 
 def kernel_load_dtype(load: Load, dtype: Any) -> jnp.dtype:
@@ -76,10 +89,12 @@ def kernel_shape(epilogue: Epilogue, m: int, n: int, k: int, cfg: TuningConfig, 
                  num_sms: int) -> KernelShape:
     """The kernel's static shape for an ``[m, k] @ [k, n]`` GEMM under ``cfg``: sizes padded
     to the CTA tile (and K to ``tile_k``; a fallback kernel divides the tile too), each
-    output's dtype (``out_dtypes``, else the epilogue's, else the operands'), ``num_sms``
-    CTAs in the persistent grid."""
+    output's dtype (``out_dtypes``, else the epilogue's, else the operands'; a quantizing
+    output's is always its FP8 dtype, as the reference writes it), ``num_sms`` CTAs in the
+    persistent grid."""
     m_quantum, n_quantum = cfg.cta_tile()
-    dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or operand_dtype))
+    dtypes = tuple((o.name, jnp.dtype(o.dtype if o.quantize is not None
+                                      else (out_dtypes or {}).get(o.name, o.dtype) or operand_dtype))
                    for o in epilogue.outputs)
     return KernelShape(m=_round_up(m, m_quantum), n=_round_up(n, n_quantum), k=_round_up(k, cfg.tile_k),
                        m_real=m, n_real=n, transpose_a=transpose_a, transpose_b=transpose_b,
@@ -131,16 +146,37 @@ class PallasLowering(KernelLowering):
 
     @staticmethod
     def default_config(epilogue: Epilogue, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
-                       interpret: bool) -> TuningConfig:
+                       interpret: bool, *, fp8_operands: bool = False) -> TuningConfig:
         """The configuration of a GEMM when none was given: the measured one for this GPU
         (:func:`coda_jax.pallas.tuned.tuned_config`), else the heuristics (the shape-class
-        table, the ping-pong programs, the wave fit). The interpreter uses the heuristics
-        alone: its 4 "SMs" say nothing about waves."""
+        table, the ping-pong programs, the wave fit; with ``fp8_operands``, ``tile_k``
+        doubled: :func:`~coda_jax.pallas.tuning.for_fp8_operands`). The interpreter uses the
+        heuristics alone: its 4 "SMs" say nothing about waves."""
         if interpret:
-            return choose_config(m, n, k, epilogue.name)
+            cfg = choose_config(m, n, k, epilogue.name)
+            return for_fp8_operands(cfg) if fp8_operands else cfg
         dev = _default_device()
         kind = dev.device_kind if dev.platform == "gpu" else None
-        return table_or_heuristic_config(epilogue, m, n, k, transpose_a, transpose_b, kind, _num_sms(False))
+        return table_or_heuristic_config(epilogue, m, n, k, transpose_a, transpose_b, kind, _num_sms(False),
+                                         fp8_operands=fp8_operands)
+
+    def fp8_rule(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, transpose_a: bool,
+                 transpose_b: bool) -> str | None:
+        """Why the Pallas kernel cannot run this FP8 GEMM, or None where it can (see
+        :meth:`coda_jax.kernel_lowering.KernelLowering.fp8_rule`).
+
+        FP8 operands (``float8_e4m3fn`` / ``float8_e5m2``, mixed allowed) must both be
+        K-major, as Hopper's 8-bit wgmma reads them from SMEM (it has no transposed 8-bit
+        operands: Mosaic GPU refuses the other layouts when it lowers the kernel): ``a`` ``[M, K]``
+        (``transpose_a=False``) and ``b`` ``[N, K]`` (``transpose_b=True``). Quantizing outputs
+        (:func:`coda_jax.epilogue.fp8_out`: the FP8 tile, its transposed copy, its amax) run
+        in every kernel, pair mode and split outputs included (a split quantizing output is
+        written whole and sliced by XLA)."""
+        if a.dtype in FP8_DTYPES and (transpose_a or not transpose_b):
+            got = f"a {'[K, M]' if transpose_a else '[M, K]'}, b {'[N, K]' if transpose_b else '[K, N]'}"
+            return ("FP8 operands must both be K-major (Hopper's 8-bit wgmma): the Pallas kernel takes FP8 a as "
+                    f"[M, K] (transpose_a=False) and b as [N, K] (transpose_b=True), got {got}")
+        return None
 
     def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
                     dims: tuple[int, int, int], *, transpose_a: bool, transpose_b: bool,
@@ -150,7 +186,9 @@ class PallasLowering(KernelLowering):
         per part where :func:`~coda_jax.pallas.gemm_epilogue.split_outputs_fit` (N a multiple
         of the tile, part boundaries multiples of the epilogue's chunk width: 64 columns
         always fit, and in pair mode multiples of the pair width), else written whole and
-        sliced by XLA."""
+        sliced by XLA (a quantizing output always). FP8 operands run the heuristic configuration
+        of 16-bit ones with ``tile_k`` doubled (:meth:`default_config`); a ``config`` given to
+        the lowering is used as given."""
         m, n, k = dims
         interpret = interpret_enabled()
         if interpret:
@@ -158,7 +196,8 @@ class PallasLowering(KernelLowering):
         note_call(epilogue, a, b, loads, transpose_a, transpose_b, out_dtypes, (m, n, k))
         cfg = self.config
         if cfg is None:
-            cfg = self.default_config(epilogue, m, n, k, transpose_a, transpose_b, interpret)
+            cfg = self.default_config(epilogue, m, n, k, transpose_a, transpose_b, interpret,
+                                      fp8_operands=a.dtype in FP8_DTYPES)
         if epilogue.pair_block is not None and cfg.tile_n % epilogue.pair_width:
             raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
                              f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")
@@ -171,6 +210,7 @@ class PallasLowering(KernelLowering):
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
         cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
         native = out_splits if out_splits and split_outputs_fit(epilogue, shape, cfg, out_splits) else {}
+        native = {name: w for name, w in native.items() if epilogue.output(name).quantize is None}
         shape = dataclasses.replace(shape, out_splits=tuple(native.items()))
         shape = tile_grid(shape, cfg, self.tiles_per_cta)  # tiles_per_cta > 0: a grid of tiles, not SMs
         hint = None if interpret else self.latency_hint(mp, np_, kp, (a_p, b_p, *args, *out_types(epilogue, shape, cfg)))
@@ -190,6 +230,10 @@ class PallasLowering(KernelLowering):
                 out[o.name] = tuple(next(res)[:m] for _ in native[o.name])
             else:
                 out[o.name] = slice_output(epilogue, o.name, next(res), m, n)
+            if o.quantize is not None and o.quantize.transpose:  # [W, M] copy: padding cut off both axes
+                out[f"{o.name}_t"] = next(res)[:epilogue.width(n, o.half), :m]
+            if o.quantize is not None and o.quantize.amax:  # [N / tile_n, M] row maxes, padded rows cut off
+                out[f"{o.name}_amax"] = next(res)[:, :m].reshape(-1)
         return split_columns(out, {k: v for k, v in out_splits.items() if k not in native})
 
 

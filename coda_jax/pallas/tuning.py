@@ -15,7 +15,10 @@ class TuningConfig:
         of 64, ``tile_n`` a multiple of 64 and of the epilogue's pair block ``2*b``).
       tile_k: K step of the TMA/wgmma pipeline (64 for 16-bit operands: one 128-byte
         swizzled row; 32, a 64-byte row, only where both operands are K-major: half the
-        SMEM per stage, so twice the stages in the same bytes).
+        SMEM per stage, so twice the stages in the same bytes). In elements: FP8 operands
+        (1 byte) hold a 128-byte row in 128; the lowering's own configurations for them are
+        the 16-bit ones with ``tile_k`` doubled (:func:`for_fp8_operands`), a configuration
+        passed in is taken as given.
       max_concurrent_steps: pipeline depth (SMEM stages in flight).
       grid_tile_width: width of the planar-snake band of tiles, for L2 reuse.
       grid_minor_dim: ``"n"`` or ``"m"``: the dimension the planar-snake band runs across
@@ -219,6 +222,14 @@ def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningC
     if not cfg.warp_specialized:
         return cfg
     return dataclasses.replace(cfg, **PROGRAM_CONFIGS.get(program or "", {}))
+
+
+def for_fp8_operands(cfg: TuningConfig) -> TuningConfig:
+    """``cfg`` (chosen for 16-bit operands) for a GEMM of FP8 operands: ``tile_k`` doubled,
+    so that a K step holds the same bytes (64 bf16 elements, one 128-byte swizzled row, become
+    128 FP8 elements: a 128-byte swizzle, one 8-bit wgmma K group of 128, four k32
+    instructions). The stages keep their SMEM bytes, so the plan is the 16-bit one's."""
+    return dataclasses.replace(cfg, tile_k=2 * cfg.tile_k)
 
 
 # Wave quantization: a GEMM with few output tiles (e.g. the 1B model's QKV wgrad, [2048, 3072]:

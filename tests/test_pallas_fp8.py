@@ -1,0 +1,361 @@
+"""The Pallas kernel's FP8 path (GPU interpret mode) against the reference lowering.
+
+* FP8 operands (``float8_e4m3fn`` x ``float8_e4m3fn``, ``float8_e5m2`` x ``float8_e4m3fn``), K-major
+  (``a`` ``[M, K]``, ``b`` ``[N, K]``), under :func:`coda_jax.epilogue.dequantized` programs;
+* quantizing outputs (:func:`coda_jax.epilogue.fp8_out`): the FP8 tile, its transposed copy
+  ``{name}_t`` and its amax partials ``{name}_amax``, on 16-bit and on FP8 operands, in every
+  kernel (single warpgroup, cooperative, ping-pong ring, direct stores, one output slot, swizzled
+  staging) and in pair mode (half-width, full-width ``(lo, hi)``, ``half_acc``);
+* :meth:`PallasLowering.fp8_rule`: the layouts it refuses, and that such a GEMM still gives the
+  reference's values through XLA;
+* the FP8 kernels lower for CUDA (Mosaic GPU's checks of the 8-bit wgmma's swizzle and
+  transposes, which the interpreter does not make).
+
+Inputs are fresh random values (never zeros); shapes are ragged (M, N, K not tile multiples), so
+padded rows and columns exist, and the probes' bodies give padding a large value (``1e4``) that
+an unmasked amax would report. Outputs are poisoned: the interpreter fills every kernel output
+with NaN before the kernel runs (``InterpretGPUParams(uninitialized_memory="nan")``), so an
+element left unwritten fails the finiteness checks.
+
+Bounds. A quantizing output's scale is set from the reference's amax so that the top fifth of
+the values saturate (``1.25 * finfo.max / amax``). The kernel's float32 tile differs from the
+reference's only by accumulation order (FP8 x FP8 products are exact in float32; bf16 sums differ
+in their last bits), so an FP8 value can differ only where the float32 value lies within a few
+float32 ulps of an FP8 rounding midpoint: every FP8 element must be within one FP8 code of the
+reference's (one ulp: 2^-3 relative for e4m3, 2^-2 for e5m2) and >= 99.9 % bit-equal (in practice
+all are). That bounds the dequantized relative error by ``ulp * sqrt(0.001)`` (< 1e-2, asserted).
+Float32 outputs and reductions: relative error 1e-5; bf16 outputs: 1e-2 (as
+``test_pallas_kernels.py``); the amax (max over the partials): rtol 1e-5 against the reference's.
+"""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coda_jax import epilogue as E
+from coda_jax import kernel_lowering
+from coda_jax import programs
+from coda_jax.epilogue import FP8_DTYPES, LoadKind, OutputKind
+from coda_jax.pallas import interpret_mode
+from coda_jax.pallas.gemm_epilogue import KernelShape, plan_kernel
+from coda_jax.pallas.lowering import PallasLowering
+from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
+from coda_jax.reference import REFERENCE, xla_backend_lowering
+from op_cases import abstract_loads, rel_err
+from test_pallas_kernels import PINGPONG, RING, SMALL, WS, WS_N, _loads
+
+E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float32
+
+# The 16-bit test configurations with an FP8 K step (128 elements: one 128-byte swizzled row).
+SMALL8, WS8, WS_N8, PINGPONG8, RING8 = map(for_fp8_operands, (SMALL, WS, WS_N, PINGPONG, RING))
+DIRECT = dataclasses.replace(PINGPONG, direct_loads=True, direct_stores=True, epilogue_cols=32)
+ONE_SLOT = dataclasses.replace(WS, epilogue_out_slots=1, epilogue_cols=16)
+SWIZZLED = dataclasses.replace(WS_N, swizzle_epilogue=True, epilogue_cols=16)  # 16-byte FP8 rows: row-major
+
+
+@pytest.fixture(autouse=True)
+def _interpret():
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+    with interpret_mode():
+        yield
+    reset_gpu_interpret_mode_state()
+
+
+# ------------------------------------------------------------------ probes ---------
+# Padding (rows past M, columns past N) gets SHIFT * 2: the amax of an unmasked kernel would be
+# about 1e4 where the real values stay below a few hundred. ``ones_r`` / ``ones_c`` are ones
+# (zero-padded by the lowering like every row / column load).
+SHIFT = 1e4
+
+
+def _probe_body(acc, ctx, ones_r, ones_c, q_scale):
+    return {"q": acc + SHIFT * (2.0 - ones_r - ones_c)}
+
+
+AMAX_PROBE = E.Epilogue(name="fp8_amax_probe", loads=(E.row("ones_r"), E.col("ones_c"), E.scalar("q_scale")),
+                        outputs=(E.fp8_out("q", E4M3, scale="q_scale", transpose=True),), body=_probe_body)
+"""A quantizing output whose padding is far from zero (transposed copy and amax)."""
+
+
+def _pair_probe_body(acc, ctx, ones_r, ones_c, q_scale):
+    lo, hi = acc
+    return {"q": lo - 0.5 * hi + SHIFT * (2.0 - ones_r - ones_c)}
+
+
+PAIR_PROBE = E.Epilogue(name="fp8_pair_probe", loads=(E.row("ones_r"), E.col("ones_c", half=True), E.scalar("q_scale")),
+                        outputs=(E.fp8_out("q", E5M2, scale="q_scale", transpose=True, half=True),),
+                        body=_pair_probe_body, pair_block=64)
+"""Pair mode: a half-width e5m2 output with its copy and amax, padding far from zero."""
+
+
+def _two_body(acc, ctx, rstd, s):
+    lo, hi = acc
+    return {"q": (lo * rstd, hi), "r": lo * hi * rstd}
+
+
+TWO_PROBE = E.Epilogue(name="fp8_two_probe", loads=(E.row("rstd"), E.scalar("s")),
+                       outputs=(E.fp8_out("q", E4M3, scale="s", transpose=True),
+                                E.fp8_out("r", E5M2, scale="s", amax=False, half=True)),
+                       body=_two_body, pair_block=64)
+"""Pair mode: a full-width ``(lo, hi)`` output with its copy, and a second quantizing output of
+the same scale without copy or amax (result order: q, q_t, q_amax, r)."""
+
+
+# ---------------------------------------------------------------- helpers ----------
+def _operands(m, n, k, transpose_a, transpose_b, dtypes, seed):
+    """Fresh random ``a`` and ``b`` in their layouts: FP8 values spanning a few binades, or bf16
+    scaled so that the accumulator stays O(1)."""
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(ka, (k, m) if transpose_a else (m, k))
+    b = jax.random.normal(kb, (n, k) if transpose_b else (k, n))
+    da, db = dtypes
+    if jnp.dtype(da) in FP8_DTYPES:
+        return (2 * a).astype(da), (2 * b).astype(db)
+    return (a / k ** 0.25).astype(da), (b / k ** 0.25).astype(db)
+
+
+def _fp8_loads(epi, m, n, seed):
+    """``test_pallas_kernels``'s loads with the scalars and the probes' ones set: ``acc_scale``
+    (an inverse operand scale, not a power of two) and each quantizing output's scale (1 here;
+    :func:`_set_scales` replaces it)."""
+    loads = _loads(epi, m, n, jax.random.key(seed + 1))
+    for l in epi.loads:
+        if l.kind is LoadKind.SCALAR:
+            loads[l.name] = jnp.float32(0.0371 if l.name == "acc_scale" else 1.0)
+        elif l.name.startswith("ones_"):
+            loads[l.name] = jnp.ones(loads[l.name].shape, F32)
+    return loads
+
+
+def _set_scales(epi, run, loads):
+    """Each quantizing output's scale from the reference's amax: ``1.25 * finfo.max / amax``, so
+    that the values above 0.8 amax saturate. Returns the reference's results under those scales."""
+    want = run(REFERENCE, loads)
+    for o in epi.outputs:
+        if o.quantize is not None:
+            amax = float(jnp.max(want[f"{o.name}_amax"])) if o.quantize.amax else float(
+                jnp.max(jnp.abs(want[o.name].astype(F32))))
+            loads[o.quantize.scale] = jnp.float32(1.25 * float(jnp.finfo(o.dtype).max) / amax)
+    return run(REFERENCE, loads)
+
+
+def _fp8_codes(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint8).astype(np.int32)
+
+
+def _check_fp8(name, got, want, scale) -> None:
+    """An FP8 tile (or copy): no NaN (poison) or inf, every element within one code of the
+    reference's, >= 99.9 % bit-equal, the dequantized values within relative error 1e-2; and
+    the reference does saturate some values (the test's scale works)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
+    g = np.asarray(got.astype(F32))
+    assert np.isfinite(g).all(), f"{name}: NaN / inf in the kernel's FP8 output (an unwritten element?)"
+    gc, wc = _fp8_codes(got), _fp8_codes(want)
+    mag_g, mag_w = gc & 0x7F, wc & 0x7F
+    near_zero = (mag_g <= 1) & (mag_w <= 1)  # +-0 and the smallest subnormal: the sign may differ
+    one_code = ((gc >> 7) == (wc >> 7)) & (np.abs(mag_g - mag_w) <= 1)
+    assert (one_code | near_zero).all(), f"{name}: {(~(one_code | near_zero)).sum()} elements off by > 1 code"
+    equal = (gc == wc).mean()
+    assert equal >= 0.999, f"{name}: only {equal:.4%} bit-equal"
+    w = np.asarray(want.astype(F32))
+    assert np.isclose(np.abs(w).max(), float(jnp.finfo(want.dtype).max)), f"{name}: nothing saturated"
+    assert rel_err(g / scale, w / scale) < 1e-2
+
+
+def _compare(epi, m, n, k, *, transpose_a=False, transpose_b=True, dtypes=(E4M3, E4M3), config=None,
+             out_dtypes=None, seed=0):
+    """``epi`` on the Pallas kernel (interpreted) vs :data:`REFERENCE` on the same inputs."""
+    a, b = _operands(m, n, k, transpose_a, transpose_b, dtypes, seed)
+    loads = _fp8_loads(epi, m, n, seed)
+    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes)
+
+    def run(lowering, loads):
+        return lowering.gemm(epi, a, b, loads, **kw)
+
+    want = _set_scales(epi, run, loads)
+    low = PallasLowering(config, plain_gemm="kernel")
+    got = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw))(a, b, loads)
+    assert set(got) == set(want) == set(epi.result_names()), (sorted(got), sorted(want))
+    for o in epi.outputs:
+        g, w = got[o.name], want[o.name]
+        if o.quantize is not None:
+            scale = float(loads[o.quantize.scale])
+            _check_fp8(o.name, g, w, scale)
+            if o.quantize.transpose:
+                _check_fp8(f"{o.name}_t", got[f"{o.name}_t"], w.T, scale)
+            if o.quantize.amax:
+                amax = got[f"{o.name}_amax"]
+                assert amax.ndim == 1 and amax.dtype == F32 and bool(jnp.all(jnp.isfinite(amax)))
+                np.testing.assert_allclose(float(jnp.max(amax)), float(jnp.max(want[f"{o.name}_amax"])), rtol=1e-5)
+        elif o.kind in (OutputKind.ROW_SUM, OutputKind.COL_SUM):
+            assert rel_err(g.sum(0), w.sum(0)) < 1e-5, o.name
+        else:
+            assert g.shape == w.shape and g.dtype == w.dtype, (o.name, g.shape, w.shape, g.dtype, w.dtype)
+            assert rel_err(g, w) < (1e-5 if g.dtype == F32 else 1e-2), o.name
+
+
+# ---------------------------------------------------------- FP8 operands -----------
+@pytest.mark.parametrize("dtypes,out", [((E4M3, E4M3), F32), ((E5M2, E4M3), BF16)],
+                         ids=["e4m3xe4m3", "e5m2xe4m3"])
+def test_fp8_operands_identity(dtypes, out):
+    # The lowering's own configuration (the small shape class, K step doubled to 128): the
+    # single-warpgroup kernel over two K steps (K 200 -> 256), ragged M and N.
+    _compare(E.dequantized(programs.IDENTITY), 100, 150, 200, dtypes=dtypes, out_dtypes={"out": out}, seed=1)
+
+
+@pytest.mark.parametrize("dtypes,config", [((E4M3, E4M3), WS_N8), ((E5M2, E4M3), WS_N8), ((E5M2, E4M3), PINGPONG8),
+                                           ((E4M3, E4M3), RING8)],
+                         ids=["cooperative-e4m3xe4m3", "cooperative-e5m2xe4m3", "pingpong-e5m2xe4m3",
+                              "ring-e4m3xe4m3"])
+def test_fp8_operands_row_scale(dtypes, config):
+    # Warp-specialized kernels: JAX's pipeline (cooperative) and the hand-written stage ring
+    # (ping-pong, delay_release), whose B stages take B's own dtype (e4m3 beside an e5m2 A);
+    # three K steps, ragged M and N.
+    _compare(E.dequantized(programs.ROW_SCALE), 130, 200, 260, dtypes=dtypes, config=config,
+             out_dtypes={"z": BF16}, seed=3)
+
+
+def test_fp8_operands_plan_like_bf16():
+    # A 128-element FP8 K step is the bytes of a 64-element bf16 one: the same stages fit.
+    def shape(dt):
+        return KernelShape(m=8192, n=8192, k=2048, m_real=8192, n_real=8192, transpose_a=False, transpose_b=True,
+                           operand_dtype=jnp.dtype(dt), out_dtypes=(("out", jnp.dtype(BF16)),), num_sms=132)
+
+    cfg = CONFIG_TABLE["default"]
+    bf16, fp8 = plan_kernel(programs.IDENTITY, shape(BF16), cfg), plan_kernel(programs.IDENTITY, shape(E4M3),
+                                                                              for_fp8_operands(cfg))
+    assert fp8.tile_k == 2 * bf16.tile_k == 128
+    assert fp8.smem_bytes(1) == bf16.smem_bytes(2) and fp8.max_concurrent_steps == bf16.max_concurrent_steps
+    default = PallasLowering.default_config(programs.IDENTITY, 8192, 8192, 2048, False, True, True, fp8_operands=True)
+    assert default.tile_k == 2 * PallasLowering.default_config(programs.IDENTITY, 8192, 8192, 2048, False, True,
+                                                               True).tile_k
+
+
+# ------------------------------------------------------- quantizing outputs --------
+@pytest.mark.parametrize("config", [SMALL, WS], ids=["single", "cooperative"])
+def test_quantizing_epilogue_bf16_operands(config):
+    # residual + RMSNorm writing h in e4m3 with its transposed copy and amax beside x (bf16) and
+    # the row sums, on bf16 operands (the FP8 block's O projection).
+    _compare(programs.RESIDUAL_RMS_Q8, 100, 150, 80, transpose_b=False, dtypes=(BF16, BF16), config=config, seed=4)
+
+
+def test_quantizing_epilogue_fp8_operands():
+    # FP8 operands and quantizing outputs in one GEMM (dequantized, then quantized again).
+    _compare(E.dequantized(programs.RESIDUAL_RMS_Q8), 200, 300, 130, config=WS_N8, out_dtypes={"x": BF16}, seed=5)
+
+
+@pytest.mark.parametrize("config", [SMALL8, WS_N8, PINGPONG8, DIRECT, ONE_SLOT, SWIZZLED],
+                         ids=["single", "cooperative", "pingpong", "direct_stores", "one_out_slot", "swizzled"])
+def test_amax_and_copy_mask_padding(config):
+    # Ragged M and N (200 x 300 on 64- and 128-wide tiles): the padding's 1e4 must reach
+    # neither the amax (masked columns, sliced rows) nor the copy (sliced).
+    if config.tile_k == 64:  # the 16-bit configurations run this program on FP8 operands as given
+        config = for_fp8_operands(config)
+    _compare(AMAX_PROBE, 200, 300, 130, config=config, seed=6)
+
+
+@pytest.mark.parametrize("config", [WS_N8, DIRECT], ids=["cooperative", "direct_stores"])
+def test_quantizing_half_width_pair_output(config):
+    # A half-width e5m2 output with copy and amax on FP8 operands; N 384 -> 512 on the
+    # cooperative kernel's 64 x 256 CTA tile: one pair block of padding, far from zero.
+    _compare(PAIR_PROBE, 100, 384, 200, config=config, seed=7)
+
+
+def test_quantizing_full_width_pair_output():
+    # A full-width (lo, hi) e4m3 output with its copy, and a second quantizing output (e5m2,
+    # half-width) of the same scale without copy or amax.
+    _compare(TWO_PROBE, 128, 256, 128, config=SMALL8, seed=8)
+
+
+def test_quantizing_swiglu_backward():
+    # half_acc: dz is full-width ((lo, hi) blocks of its [M, 2N]); dz' in e5m2 with copy and amax
+    # beside the row sums, bf16 operands, on the ping-pong ring.
+    _compare(programs.SWIGLU_DGRAD_Q8, 200, 192, 130, transpose_b=True, dtypes=(BF16, BF16), config=PINGPONG, seed=9)
+
+
+def test_quantizing_swiglu_forward_on_fp8_operands():
+    # y (half-width) in e4m3 with copy and amax, z saved in bf16, FP8 operands.
+    _compare(E.dequantized(programs.rms_swiglu_q8(True)), 100, 256, 200, config=SMALL8, out_dtypes={"z": BF16},
+             seed=10)
+
+
+# ---------------------------------------------------------------- fp8_rule ---------
+def _rule(epi, ta, tb, dtypes=(E4M3, E4M3)):
+    a = jnp.zeros((128, 64) if ta else (64, 128), dtypes[0])
+    b = jnp.zeros((96, 128) if tb else (128, 96), dtypes[1])
+    return PallasLowering().fp8_rule(epi, a, b, ta, tb)
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, True), (True, False)], ids=["b_kn", "a_km", "both"])
+def test_fp8_rule_refuses_non_k_major_operands(ta, tb):
+    why = _rule(E.dequantized(programs.IDENTITY), ta, tb)
+    assert why is not None and "must both be K-major" in why
+    assert "a as [M, K] (transpose_a=False) and b as [N, K] (transpose_b=True)" in why
+    assert f"got a {'[K, M]' if ta else '[M, K]'}, b {'[N, K]' if tb else '[K, N]'}" in why
+
+
+def test_fp8_rule_accepts():
+    for dtypes in [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2), (E5M2, E5M2)]:
+        assert _rule(E.dequantized(programs.IDENTITY), False, True, dtypes) is None
+    for epi in (programs.RESIDUAL_RMS_Q8, programs.rms_swiglu_q8(True), programs.SWIGLU_DGRAD_Q8,
+                programs.rms_dgrad_q8(True)):
+        assert _rule(E.dequantized(epi), False, True) is None
+        for ta, tb in [(False, False), (True, False), (False, True)]:  # 16-bit operands: any layout
+            assert _rule(epi, ta, tb, (BF16, BF16)) is None
+
+
+def test_refused_layout_runs_on_xla(monkeypatch, caplog):
+    """An FP8 GEMM with b [K, N] never reaches the kernel: XLA's FP8 GEMM (the xla backend's
+    lowering, writing bf16) runs it, logged once, with the reference's values."""
+    epi = E.dequantized(programs.ROW_SCALE)
+    m, n, k = 100, 150, 200
+    a, b = _operands(m, n, k, False, False, (E4M3, E4M3), seed=11)
+    loads = _fp8_loads(epi, m, n, 11)
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the refused FP8 GEMM reached the Pallas kernel")
+
+    low = PallasLowering(SMALL8, plain_gemm="kernel")
+    monkeypatch.setattr(low, "kernel_gemm", no_kernel)
+    monkeypatch.setattr(kernel_lowering, "_fp8_logged", set())  # logged once per program
+    with caplog.at_level(logging.INFO, logger="coda_jax"):
+        got = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, out_dtypes={"z": F32}))(a, b, loads)["z"]
+    assert any("runs the FP8 GEMMs of 'row_scale_fp8' on XLA" in r.getMessage() and "K-major" in r.getMessage()
+               for r in caplog.records)
+    xla = xla_backend_lowering().gemm(epi, a, b, loads, out_dtypes={"z": F32})["z"]
+    assert rel_err(got, xla) < 1e-6  # the xla backend's own lowering
+    assert rel_err(got, REFERENCE.gemm(epi, a, b, loads, out_dtypes={"z": F32})["z"]) < 1e-2  # bf16-rounded product
+
+
+# ------------------------------------------------------------ CUDA lowering --------
+LOWERED = [
+    ("identity_e5m2xe4m3", E.dequantized(programs.IDENTITY), (E5M2, E4M3), CONFIG_TABLE["default"]),
+    ("rms_swiglu_train", E.dequantized(programs.rms_swiglu(True)), (E4M3, E4M3),
+     dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None)),
+    ("residual_rms_q8", programs.RESIDUAL_RMS_Q8, (BF16, BF16),
+     dataclasses.replace(CONFIG_TABLE["default"], swizzle_epilogue=True)),
+    ("swiglu_dgrad_q8", programs.SWIGLU_DGRAD_Q8, (BF16, BF16),
+     dataclasses.replace(CONFIG_TABLE["default"], delay_release=1, direct_stores=True)),
+]
+
+
+@pytest.mark.parametrize("name,epi,dtypes,config", LOWERED, ids=[c[0] for c in LOWERED])
+def test_fp8_kernel_lowers_for_cuda(name, epi, dtypes, config):
+    """Mosaic GPU's code generation accepts the FP8 kernels at real tile sizes: the 8-bit wgmma
+    (K-major operands, 128-byte swizzle, 128-element K groups), the FP8 casts, the transposed
+    copy's stores through a transposed view and the amax rows (the interpreter checks none)."""
+    m, n, k = 1024, 1024, 512
+    tb = epi.name != "residual_rms_q8"  # 16-bit operands in the forward's [K, N] layout
+    a = jax.ShapeDtypeStruct((m, k), dtypes[0])
+    b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), dtypes[1])
+    cfg = for_fp8_operands(config) if jnp.dtype(dtypes[0]) in FP8_DTYPES else config
+    low = PallasLowering(cfg, plain_gemm="pallas")
+    with interpret_mode(False):  # compiled, not interpreted
+        txt = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=tb)).trace(
+            a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt, name
