@@ -123,7 +123,8 @@ def main(argv=None) -> list[dict]:
         row = {"shape": text, "ms": ms, "tflops": tf, "xla_fp8_targets": targets, "rel_err_vs_xla_fp8": errs,
                "device": jax.devices()[0].device_kind}
         rows.append(row)
-        print(f"{text}: FP8 GEMM calls {targets or 'NONE (bf16 fallback?)'}")
+        print(f"{text}: FP8 GEMM calls {targets or 'NONE (bf16 fallback?)'}; rel. error against xla_fp8: "
+              + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
         for key in ms:
             base = "xla_fp8_unfused" if key.endswith("_fused") else "xla_fp8"
             print(f"  {key:22s} {ms[key]:8.3f} ms {tf[key]:7.0f} TF/s  x{ms['bf16'] / ms[key]:.2f} bf16  "
