@@ -1,16 +1,23 @@
-"""The CuTeDSL backend's FP8 path: FP8 operands (K-major e4m3 / e5m2, mixed allowed).
+"""The CuTeDSL backend's FP8 path: FP8 operands (K-major e4m3 / e5m2, mixed allowed) and
+quantizing outputs (``epilogue.fp8_out``: the FP8 tile, its transposed copy, its amax).
 
 CPU (CI, like ``test_cutedsl_lowering.py``: skipped where ``cutlass`` cannot be imported): with
 ``CUTE_DSL_ARCH=sm_90a`` every supported configuration traces and lowers for CUDA (CuTeDSL
-compiles each kernel to a cubin while JAX lowers the custom call), and
-``CuteDslLowering.fp8_rule`` accepts and rejects what it should, with its messages.
+compiles each kernel to a cubin while JAX lowers the custom call): every FP8 program of
+``programs.py`` on FP8 and bf16 operands, with the automatic tile, 128 x 256 and the ping-pong
+schedule, and probes for the other epilogue paths (pair mode, ``half_acc`` with whole-tile
+staging, odd pair blocks, outputs stored element by element); ``CuteDslLowering.fp8_rule``
+accepts and rejects what it should, with its messages.
 
 GPU (``@pytest.mark.gpu``, Hopper; skipped elsewhere): the kernel against
-``coda_jax.reference.REFERENCE.gemm`` of the same program on the same fresh random FP8 inputs:
-dequantized outputs within relative error 1e-2.
+``coda_jax.reference.REFERENCE.gemm`` of the same program on the same fresh random inputs:
+dequantized (plain) outputs within relative error 1e-2, FP8 outputs and transposed copies
+bit-equal on >= 99 % of their elements, the max of the amax partials within rtol 1e-3.
 """
 
 import os
+import shutil
+import subprocess
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -48,9 +55,11 @@ def _lower(f, *args) -> str:
 
 
 def _spy(monkeypatch):
-    """Records the KernelPlan of every kernel built."""
+    """Records the KernelPlan of every kernel built (the lowering's kernel cache emptied)."""
     from coda_jax.ffi import kernel as K
+    from coda_jax.ffi import lowering as L
 
+    L._build.cache_clear()
     plans = []
     real = K.build_launcher
     monkeypatch.setattr(K, "build_launcher", lambda e, t, plan: plans.append(plan) or real(e, t, plan))
@@ -148,9 +157,12 @@ def test_fp8_rule_refuses_mn_major_operands(ta, tb):
     assert ("a [K, M]" if ta else "a [M, K]") in why and ("b [N, K]" if tb else "b [K, N]") in why
 
 
-def test_fp8_rule_refuses_quantizing_outputs():
-    why = _rule(E.dequantized(P.RESIDUAL_RMS_Q8))
-    assert why is not None and "quantizing" in why and "h" in why
+def test_fp8_rule_accepts_quantizing_outputs():
+    for epi in _Q8_PROGRAMS:
+        assert _rule(E.dequantized(epi)) is None
+        assert _rule(epi, da=BF, db=BF, tb=False) is None  # bf16 operands: any layout
+    why = _rule(E.dequantized(P.RESIDUAL_RMS_Q8), tb=False)  # FP8 operands: still K-major only
+    assert why is not None and "K-major" in why
 
 
 def test_refused_fp8_gemm_runs_on_xla():
@@ -167,6 +179,191 @@ def test_refused_fp8_gemm_runs_on_xla():
     np.testing.assert_allclose(np.asarray(jax.jit(f)(a, b, s)), np.asarray(want), rtol=2e-2, atol=1e-2)
 
 
+# ------------------------------------------------------- quantizing outputs --------
+_Q8_PROGRAMS = [P.RESIDUAL_RMS_Q8, P.rms_swiglu_q8(True), P.rms_swiglu_q8(False), P.SWIGLU_DGRAD_Q8,
+                P.rms_dgrad_q8(True), P.rms_dgrad_q8(False)]
+
+
+def _q8_probes():
+    """Quantizing outputs on the epilogue paths the programs above do not take:
+
+    * ``q_half_acc32``: ``half_acc`` with pair block 32 (not chunked: whole-tile staging,
+      the lo / hi blocks of the FP8 tile written by one vectorized copy each), e5m2;
+    * ``q_pair_full``: a full-width FP8 output in pair mode (the register pair exchange);
+    * ``q_odd_half``: pair block 12 (SMEM exchange) with a half-width FP8 output 72 columns
+      wide per tile: not whole 16-byte rows, so nothing is staged (element-wise stores);
+    * ``q_unstaged``: four float32 outputs beside the FP8 one, too big to stage beside 3
+      operand stages: element-wise stores of the FP8 tile and its transposed copy;
+    * ``q_two``: two quantizing outputs of one scale, one without transpose or amax.
+    """
+    s = E.scalar("s")
+    return [
+        E.Epilogue("q_half_acc32", (s,), (E.fp8_out("y", E5M2, scale="s", transpose=True), E.row_sum("r")),
+                   lambda acc, ctx, s: {"y": (acc * 2.0, acc - 1.0), "r": (acc, acc)}, pair_block=32, half_acc=True),
+        E.Epilogue("q_pair_full", (s,), (E.fp8_out("y", E4M3, scale="s", transpose=True),),
+                   lambda acc, ctx, s: {"y": (acc[0] * acc[1], acc[1] + 1.0)}, pair_block=64),
+        E.Epilogue("q_odd_half", (s, E.row("rstd")), (E.fp8_out("y", E4M3, scale="s", transpose=True, half=True),
+                                                      E.row_sum("t")),
+                   lambda acc, ctx, s, rstd: {"y": acc[0] * acc[1] * rstd, "t": acc[0]}, pair_block=12),
+        E.Epilogue("q_unstaged", (s,), tuple(E.tile_out(f"o{i}", F32) for i in range(4))
+                   + (E.fp8_out("q", E4M3, scale="s", transpose=True),),
+                   lambda acc, ctx, s: {**{f"o{i}": acc * (i + 1.0) for i in range(4)}, "q": acc}),
+        E.Epilogue("q_two", (s,), (E.fp8_out("q", E4M3, scale="s", transpose=False, amax=False),
+                                   E.fp8_out("p", E5M2, scale="s", transpose=True)),
+                   lambda acc, ctx, s: {"q": acc, "p": -3.0 * acc}),
+    ]
+
+
+def _q8_n(epi) -> int:
+    return 288 if epi.pair_block == 12 else 256 if epi.pair_block else 300
+
+
+def _check_results(epi, out_info, m, n, tile_n):
+    """The results of a quantizing program: the FP8 tile, its transposed copy [N, M], one
+    float32 amax partial per 128 x tile_n tile."""
+    assert set(out_info) == set(epi.result_names())
+    tiles = -(-m // 128) * -(-n // tile_n)
+    for o in epi.outputs:
+        if o.quantize is None:
+            continue
+        w = epi.width(n, o.half)
+        assert (out_info[o.name].shape, out_info[o.name].dtype) == ((m, w), o.dtype)
+        if o.quantize.transpose:
+            assert (out_info[f"{o.name}_t"].shape, out_info[f"{o.name}_t"].dtype) == ((w, m), o.dtype)
+        if o.quantize.amax:
+            assert (out_info[f"{o.name}_amax"].shape, out_info[f"{o.name}_amax"].dtype) == ((tiles,), F32)
+
+
+@pytest.mark.parametrize("operands", ["fp8", "bf16"])
+@pytest.mark.parametrize("tuning", ["auto", "256", "pingpong"])
+@pytest.mark.parametrize("inner", _Q8_PROGRAMS, ids=lambda e: e.name)
+def test_quantizing_programs_lower(inner, tuning, operands, monkeypatch):
+    """Every FP8 program of programs.py (dequantized on FP8 operands, and as it is on bf16
+    operands) lowers on the kernel, with its results' shapes."""
+    from coda_jax.ffi.tuning import CuteDslTuning
+
+    plans = _spy(monkeypatch)
+    epi = E.dequantized(inner) if operands == "fp8" else inner
+    t = {"auto": CuteDslTuning(), "256": CuteDslTuning(tile_n=256),
+         "pingpong": CuteDslTuning(schedule="pingpong")}[tuning]
+    m, n, k = 200, _q8_n(epi), 136
+    dt = E4M3 if operands == "fp8" else BF
+    a, b, loads = _abstract(epi, m, n, k, dt, dt)
+    low = _kernel(t)
+    f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi))
+    traced = jax.jit(f).trace(a, b, loads)
+    assert "CuteDSL" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    (plan,) = plans
+    assert plan.stage_outputs
+    _check_results(epi, traced.out_info, m, n, plan.tile_n)
+
+
+@pytest.mark.parametrize("tuning", ["auto", "256", "pingpong"])
+@pytest.mark.parametrize("probe", _q8_probes(), ids=lambda e: e.name)
+def test_quantizing_probes_lower(probe, tuning, monkeypatch):
+    from coda_jax.ffi.tuning import CuteDslTuning
+
+    plans = _spy(monkeypatch)
+    t = {"auto": CuteDslTuning(), "256": CuteDslTuning(tile_n=256),
+         "pingpong": CuteDslTuning(schedule="pingpong")}[tuning]
+    m, n, k = 200, _q8_n(probe), 136
+    a, b = jax.ShapeDtypeStruct((m, k), BF), jax.ShapeDtypeStruct((k, n), BF)
+    low = _kernel(t)
+    traced = jax.jit(lambda a, b, l: low.gemm(probe, a, b, l)).trace(a, b, abstract_loads(probe, m, n))
+    assert "CuteDSL" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    (plan,) = plans
+    assert plan.stage_outputs is (probe.name not in ("q_odd_half", "q_unstaged")), plan
+    _check_results(probe, traced.out_info, m, n, plan.tile_n)
+
+
+def test_quantizing_smem_plan():
+    """A transposed copy has a staging ring (or tile) of its own, as big as its output's;
+    the amax partials take one scratch float per consumer warp; FP8 staging rows must be
+    whole 16-byte units."""
+    from coda_jax.ffi import kernel as K
+
+    epi = P.RESIDUAL_RMS_Q8
+    staged = K.staged_outputs(epi, 256)
+    assert [(name, w, nbuf, tr) for _, name, _, w, nbuf, tr in staged] == [
+        ("x", 64, 2, False), ("h", 64, 2, False), ("h_t", 64, 2, True)]
+    dts = (("x", BF), ("h", E4M3), ("sumsq", F32))
+    assert K.staging_sizes(epi, 256, dts) == [128 * 64 * 2 * 2, 128 * 64 * 2, 128 * 64 * 2]
+    assert K.scratch_len(epi, 256) == 1 + K.AMAX_SLOTS
+    assert K.scratch_len(P.RESIDUAL_RMS, 256) == 1
+    sdq = K.staged_outputs(P.SWIGLU_DGRAD_Q8, 256)  # half_acc: lo and hi rings, each transposed too
+    assert [(name, part, tr) for _, name, part, _, _, tr in sdq] == [
+        ("dz", 0, False), ("dz", 1, False), ("dz_t", 0, True), ("dz_t", 1, True)]
+    odd = _q8_probes()[2]
+    dts = (("y", E4M3), ("t", F32))
+    assert not K.staging_aligned(odd, 144, dts) and K.plan_smem(odd, 144, 2, dts)[1] is False
+    assert K.staging_aligned(P.rms_swiglu_q8(False), 128, (("y", E4M3),))
+    # FP8 programs take the tiles their bf16 versions take (P.SWIGLU_DGRAD_Q8 too: 256 wide)
+    for q8, plain in ((P.RESIDUAL_RMS_Q8, P.RESIDUAL_RMS), (P.SWIGLU_DGRAD_Q8, P.SWIGLU_DGRAD),
+                      (P.rms_dgrad_q8(False), P.rms_dgrad(True))):
+        pick = lambda e: K.choose_tile_n(e, 8192, 8192, 2, tuple((o.name, jnp.dtype(o.dtype or BF)) for o in e.outputs),
+                                         132)
+        assert pick(q8) == pick(plain) == 256
+
+
+_SPILL_PROBE = """
+import glob, json, os, shutil, sys
+import jax, jax.numpy as jnp
+from coda_jax import epilogue as E
+from coda_jax.ffi.lowering import CuteDslLowering
+from coda_jax.ffi.tuning import CuteDslTuning
+from coda_jax.ffi.kernel import chunked_epilogue
+from op_cases import abstract_loads
+from test_cutedsl_fp8 import _Q8_PROGRAMS, _plain_dtypes
+stamp, found = {}, {}
+m = n = k = 8192
+runs = [(E.dequantized(e), s) for e in _Q8_PROGRAMS for s in ("auto", "pingpong")
+        if s == "auto" or chunked_epilogue(e)]
+for i, (epi, schedule) in enumerate(runs):
+    a = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
+    b = jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn)
+    low = CuteDslLowering(CuteDslTuning(schedule=schedule), plain_gemm="kernel")
+    f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi))
+    jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
+    new = []
+    for f in glob.glob(os.path.join(sys.argv[1], "*.ptx")):
+        t = os.stat(f).st_mtime_ns
+        if stamp.get(f) != t:
+            stamp[f] = t
+            new.append(shutil.copy(f, os.path.join(sys.argv[1], f"{i}.{len(new)}.kept")))
+    found[f"{i}:{epi.name}-{schedule}"] = new
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit) on PATH")
+def test_quantizing_kernels_do_not_spill(tmp_path):
+    """Every FP8 program on FP8 operands at an 8192^3 GEMM (its automatic tile, and the
+    ping-pong schedule where it runs) compiles for sm_90a without register spills (as
+    ``test_cutedsl_lowering.test_kernels_do_not_spill``; the transposed copy's swizzled
+    staging spilled 380 bytes in ``swiglu_dgrad_q8`` at 128 x 256 before it was unswizzled).
+    Skipped where ptxas is older than the PTX CuTeDSL writes."""
+    import json
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _SPILL_PROBE, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(found.values()), found
+    for name, files in found.items():
+        for f in files:
+            v = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, f], capture_output=True, text=True)
+            if "Unsupported .version" in v.stderr:
+                pytest.skip(f"ptxas on PATH is older than CuTeDSL's PTX: {v.stderr.strip()[:200]}")
+            assert v.returncode == 0, v.stderr[-2000:]
+            spills = [line.strip() for line in v.stderr.splitlines() if "spill" in line]
+            assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), (
+                name, spills)
+
+
 # --------------------------------------------------------------------- GPU ---------
 def _fp8_operands(m, n, k, seed, da=E4M3, db=E4M3):
     """Fresh random ``a`` ``[M, K]`` and ``b`` ``[N, K]`` in FP8 (values spread over the
@@ -178,9 +375,13 @@ def _fp8_operands(m, n, k, seed, da=E4M3, db=E4M3):
 
 
 def _gpu_loads(epi, m, n, seed):
+    """Random loads (tests/test_pallas_kernels.py's rules); scalar loads 1 (the scales are
+    set from the reference's amax)."""
     from test_pallas_kernels import _loads
 
-    return _loads(epi, m, n, jax.random.key(seed + 100))
+    loads = _loads(epi, m, n, jax.random.key(seed + 100))
+    scalars = set(epi.load_names(E.LoadKind.SCALAR))
+    return {k: (jnp.float32(1.0) if k in scalars else v) for k, v in loads.items()}
 
 
 def _reduced(kind, x):
@@ -191,40 +392,97 @@ def _reduced(kind, x):
     return x
 
 
-def _compare_fp8(inner, m, n, k, seed=0, da=E4M3, db=E4M3, tuning=None, loads=None):
-    """The kernel against the reference on the same FP8 operands: every output, dequantized
-    (plain) outputs within relative error TOL."""
-    epi = E.dequantized(inner)
-    a, b, s = _fp8_operands(m, n, k, seed, da, db)
-    loads = dict(_gpu_loads(inner, m, n, seed) if loads is None else loads, acc_scale=s)
-    kw = dict(transpose_b=True, out_dtypes=_plain_dtypes(epi))
-    want = REFERENCE.gemm(epi, a, b, loads, **kw)
-    poison_allocator([(m, n)] * (3 * len(epi.outputs)))
-    low = _kernel(tuning)
-    got = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw))(a, b, loads)
-    assert set(got) == set(want)
+def _fp8_equal(got, want) -> float:
+    """The fraction of elements with equal FP8 bits."""
+    g, w = np.asarray(got), np.asarray(want)
+    assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+    return float(np.mean(g.view(np.uint8) == w.view(np.uint8)))
+
+
+def _check_against_reference(epi, got, want, *, tol=TOL, equal=0.99):
+    assert set(got) == set(want) == set(epi.result_names()), (sorted(got), sorted(want))
     for o in epi.outputs:
+        if o.quantize is not None:
+            names = (o.name,) + ((f"{o.name}_t",) if o.quantize.transpose else ())
+            for name in names:
+                frac = _fp8_equal(got[name], want[name])
+                assert frac >= equal, f"{epi.name}.{name}: {frac:.4%} of FP8 elements equal"
+            if o.quantize.amax:
+                g, w = float(jnp.max(got[f"{o.name}_amax"])), float(want[f"{o.name}_amax"][0])
+                np.testing.assert_allclose(g, w, rtol=1e-3, err_msg=f"{epi.name}.{o.name}_amax")
+            continue
         g, w = _reduced(o.kind, got[o.name]), _reduced(o.kind, want[o.name])
         if o.kind is OutputKind.TILE:
             assert g.shape == w.shape and g.dtype == w.dtype, (o.name, g.shape, w.shape, g.dtype, w.dtype)
         e = rel_err(g, w)
-        assert e <= TOL, f"{epi.name}.{o.name}: rel err {e:.3g}"
+        assert e <= tol, f"{epi.name}.{o.name}: rel err {e:.3g}"
+
+
+def _with_scales(epi, run_ref, loads):
+    """``loads`` with each quantizing output's scale chosen from the reference's amax so that
+    the values use the FP8 range and the largest third of them saturate (``1.5 * fmax /
+    amax``)."""
+    probe = run_ref(loads)
+    loads = dict(loads)
+    for o in epi.outputs:
+        if o.quantize is not None:
+            amax = (probe[f"{o.name}_amax"] if o.quantize.amax  # else the scale-1 FP8 values themselves
+                    else jnp.abs(jnp.asarray(probe[o.name], F32)))
+            amax = float(jnp.max(amax))
+            loads[o.quantize.scale] = jnp.float32(1.5 * float(jnp.finfo(o.dtype).max) / max(amax, 1e-30))
+    return loads
+
+
+def _compare_fp8(inner, m, n, k, seed=0, da=E4M3, db=E4M3, tuning=None, operands="fp8", edit_loads=None):
+    """The kernel against the reference on the same fresh random inputs (FP8 operands through
+    ``E.dequantized(inner)``, or bf16 operands through ``inner``): every result."""
+    epi = E.dequantized(inner) if operands == "fp8" else inner
+    if operands == "fp8":
+        a, b, s = _fp8_operands(m, n, k, seed, da, db)
+        loads = dict(_gpu_loads(inner, m, n, seed), acc_scale=s)
+    else:
+        ka, kb = jax.random.split(jax.random.key(seed))
+        a = (jax.random.normal(ka, (m, k)) / k ** 0.25).astype(BF)
+        b = (jax.random.normal(kb, (n, k)) / k ** 0.25).astype(BF)
+        loads = _gpu_loads(inner, m, n, seed)
+    kw = dict(transpose_b=True, out_dtypes=_plain_dtypes(epi))
+    if epi.quantizes:
+        loads = _with_scales(epi, lambda l: REFERENCE.gemm(epi, a, b, l, **kw), loads)
+    if edit_loads is not None:
+        loads = edit_loads(loads)
+    want = REFERENCE.gemm(epi, a, b, loads, **kw)
+    poison_allocator([(m, n)] * (3 * len(epi.outputs)))
+    low = _kernel(tuning)
+    got = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw))(a, b, loads)
+    _check_against_reference(epi, got, want)
     return got, want
+
+
+def _tuning(name):
+    from coda_jax.ffi.tuning import CuteDslTuning
+
+    return {"auto": CuteDslTuning(), "128": CuteDslTuning(tile_n=128), "256": CuteDslTuning(tile_n=256),
+            "pingpong": CuteDslTuning(schedule="pingpong")}[name]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("da,db", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=["e4m3", "e5m2-e4m3", "e4m3-e5m2"])
 def test_fp8_identity_on_gpu(da, db):
+    """E.dequantized(IDENTITY) on FP8 operands, bf16 and float32 outputs."""
     _compare_fp8(P.IDENTITY, 2048, 2048, 2048, da=da, db=db)
+    epi = E.dequantized(P.IDENTITY)
+    a, b, s = _fp8_operands(1024, 768, 512, 9, da, db)
+    kw = dict(transpose_b=True, out_dtypes={"out": F32})
+    want = REFERENCE.gemm(epi, a, b, {"acc_scale": s}, **kw)["out"]
+    got = jax.jit(lambda a, b: _kernel().gemm(epi, a, b, {"acc_scale": s}, **kw))(a, b)["out"]
+    assert got.dtype == F32 and rel_err(got, want) <= 1e-3
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_n", ["auto", "256"])
-def test_fp8_ragged_on_gpu(tile_n):
+def test_fp8_operands_ragged_on_gpu(tile_n):
     """Ragged M, N, K (K not a multiple of the 128-element K-tile), 128- and 256-wide tiles."""
-    from coda_jax.ffi.tuning import CuteDslTuning
-
-    t = CuteDslTuning(tile_n=None if tile_n == "auto" else int(tile_n))
+    t = _tuning(tile_n)
     _compare_fp8(P.IDENTITY, 1000, 1500, 520, seed=1, tuning=t)
     _compare_fp8(P.RESIDUAL_RMS, 777, 900, 333, seed=2, tuning=t)
     _compare_fp8(P.rms_swiglu(True), 1000, 1024, 200, seed=3, tuning=t)
@@ -232,7 +490,62 @@ def test_fp8_ragged_on_gpu(tile_n):
 
 
 @pytest.mark.gpu
-def test_fp8_pingpong_on_gpu():
-    from coda_jax.ffi.tuning import CuteDslTuning
+@pytest.mark.parametrize("tuning", ["auto", "128", "256", "pingpong"])
+def test_residual_rms_q8_on_gpu(tuning):
+    """E.dequantized(RESIDUAL_RMS_Q8): x (bf16), h in e4m3 with its transposed copy and
+    amax, the row sums; at 2048^3, then ragged (padded rows and columns masked out of the
+    amax)."""
+    _compare_fp8(P.RESIDUAL_RMS_Q8, 2048, 2048, 2048, seed=10, tuning=_tuning(tuning))
+    _compare_fp8(P.RESIDUAL_RMS_Q8, 1000, 1500, 520, seed=11, tuning=_tuning(tuning))
 
-    _compare_fp8(P.RESIDUAL_RMS, 4096, 2048, 1024, seed=5, tuning=CuteDslTuning(schedule="pingpong"))
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inner", _Q8_PROGRAMS[1:], ids=lambda e: e.name)
+@pytest.mark.parametrize("tuning", ["auto", "256"])
+def test_q8_programs_on_gpu(inner, tuning):
+    """The other FP8 programs (pair mode: y half-width in e4m3; half_acc: dz in e5m2; the
+    norm backward's dxq beside dx and dgamma) on FP8 operands, square and ragged."""
+    n = 1024 if inner.pair_block else 1536
+    _compare_fp8(inner, 2048, 2 * n, 1024, seed=12, tuning=_tuning(tuning))
+    _compare_fp8(inner, 1000, 640 if inner.pair_block else 900, 333, seed=13, tuning=_tuning(tuning))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inner", [P.RESIDUAL_RMS_Q8, P.SWIGLU_DGRAD_Q8, P.rms_dgrad_q8(False)], ids=lambda e: e.name)
+def test_q8_pingpong_on_gpu(inner):
+    """The ping-pong schedule (each warpgroup's own staging rings and amax slots): several
+    tiles per CTA, and ragged."""
+    _compare_fp8(inner, 4096, 2048, 1024, seed=14, tuning=_tuning("pingpong"))
+    _compare_fp8(inner, 1000, 640 if inner.pair_block else 1500, 520, seed=15, tuning=_tuning("pingpong"))
+
+
+@pytest.mark.gpu
+def test_q8_on_bf16_operands_on_gpu():
+    """Quantizing outputs of a GEMM of bf16 operands (the block's first h)."""
+    _compare_fp8(P.RESIDUAL_RMS_Q8, 1000, 1500, 520, seed=16, operands="bf16")
+    _compare_fp8(P.rms_swiglu_q8(True), 1000, 1024, 200, seed=17, operands="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("probe", _q8_probes(), ids=lambda e: e.name)
+def test_q8_probes_on_gpu(probe):
+    _compare_fp8(probe, 1000, 4 * _q8_n(probe), 320, seed=18, operands="bf16")
+
+
+@pytest.mark.gpu
+def test_q8_amax_keeps_nan_on_gpu():
+    """A NaN in the tile makes its amax partial NaN (the recipe skips such steps), and
+    nowhere else: the other tiles' partials stay finite."""
+    def poison(loads):
+        r = loads["residual"]
+        return dict(loads, residual=r.at[300, 700].set(jnp.nan))
+
+    epi = E.dequantized(P.RESIDUAL_RMS_Q8)
+    a, b, s = _fp8_operands(1024, 1024, 256, 19)
+    loads = dict(_gpu_loads(P.RESIDUAL_RMS_Q8, 1024, 1024, 19), acc_scale=s, h_scale=jnp.float32(1.0))
+    loads = poison(loads)
+    kw = dict(transpose_b=True, out_dtypes=_plain_dtypes(epi))
+    got = jax.jit(lambda a, b, l: _kernel().gemm(epi, a, b, l, **kw))(a, b, loads)
+    amax = np.asarray(got["h_amax"])
+    assert np.isnan(amax).sum() == 1 and np.isnan(np.max(amax))
+    assert np.isnan(np.asarray(got["h"][300, 700], F32)) and np.isnan(np.asarray(got["h_t"][700, 300], F32))

@@ -42,6 +42,18 @@ do the pair-mode lo/hi exchange and ``ctx.row_sum`` when the pair block is a mul
 blocks go through one float32 SMEM scratch tile (``[tile_m, tile_n + 1]``, padded against
 bank conflicts) with named barriers over the consumer threads. The code is branch-free
 (duplicate threads redo identical work instead of being predicated off).
+
+Quantizing outputs (:func:`coda_jax.epilogue.fp8_out`) are tile outputs whose values are
+multiplied by their scalar scale and converted to FP8 (``cvt.rn.satfinite``: saturated,
+NaN kept), staged and stored like any tile output (an FP8 staging row must be whole 16-byte
+units: :func:`staging_aligned`). Their transposed copy ``{name}_t`` ``[N, M]`` is written
+from the same registers, through an ``[M, N]`` view, into its own staging ring or tile
+laid out ``[width, TILE_M]`` (not swizzled: byte stores at static offsets from one base) and
+stored by TMA at the transposed tile coordinates, or element by element into global memory
+when nothing is staged. The amax ``max|v|`` (before scaling; padded rows and columns masked,
+NaN-propagating) reduces per thread across chunks, over the warp by shuffles and over the
+tile's warps through ``AMAX_SLOTS`` scratch floats, into one partial per tile
+(``{name}_amax`` ``[tiles]``, :meth:`TileEpilogue._finish_amax`).
 """
 
 from __future__ import annotations
@@ -201,10 +213,19 @@ def scratch_floats(tile_n: int, pair_block: int | None) -> int:
     return TILE_M * row_pitch + segments
 
 
+def amax_outputs(epi: Epilogue) -> list[str]:
+    """The quantizing outputs that reduce their amax (``{name}_amax``, one float per tile)."""
+    return [o.name for o in epi.outputs if o.quantize is not None and o.quantize.amax]
+
+
+AMAX_SLOTS = THREADS // 32  # floats of SMEM per amax output: one per consumer warp
+
+
 def scratch_len(epi: Epilogue, tile_n: int) -> int:
     """Floats of the kernel's SMEM scratch: :func:`scratch_floats` if the epilogue needs it,
-    else 1 (the struct keeps a one-float field)."""
-    return scratch_floats(tile_n, epi.pair_block) if needs_scratch(epi) else 1
+    else 1 (the struct keeps a one-float field); then ``AMAX_SLOTS`` per amax output (the
+    warps' partials of a tile, :meth:`TileEpilogue._finish_amax`)."""
+    return (scratch_floats(tile_n, epi.pair_block) if needs_scratch(epi) else 1) + AMAX_SLOTS * len(amax_outputs(epi))
 
 
 def staging_width(epi: Epilogue, tile_n: int, half: bool) -> tuple[int, int]:
@@ -223,20 +244,30 @@ def staging_parts(epi: Epilogue, half: bool) -> tuple[int | None, ...]:
     return (0, 1) if chunked_epilogue(epi) and epi.half_acc and not half else (None,)
 
 
-def staged_outputs(epi: Epilogue, tile_n: int) -> list[tuple[int, str, int | None, int, int]]:
-    """``(output index, name, part, width, buffers)`` of each SMEM staging ring or tile, in
-    the kernel's struct order (:func:`staging_width`, :func:`staging_parts`)."""
-    return [(i, o.name, part) + staging_width(epi, tile_n, o.half)
-            for i, o in enumerate(epi.outputs) if o.kind is OutputKind.TILE
-            for part in staging_parts(epi, o.half)]
+def staged_outputs(epi: Epilogue, tile_n: int) -> list[tuple[int, str, int | None, int, int, bool]]:
+    """``(output index, result name, part, width, buffers, transposed)`` of each SMEM staging
+    ring or tile, in the kernel's struct order (:func:`staging_width`, :func:`staging_parts`).
+    A quantizing output with a transposed copy (``{name}_t``, ``[N, M]``) has a second ring or
+    tile of the same size, laid out transposed (``[width, TILE_M]`` row-major: the
+    TMA store writes it into the ``[N, M]`` array)."""
+    res = []
+    for i, o in enumerate(epi.outputs):
+        if o.kind is not OutputKind.TILE:
+            continue
+        for part in staging_parts(epi, o.half):
+            res.append((i, o.name, part) + staging_width(epi, tile_n, o.half) + (False,))
+        if o.quantize is not None and o.quantize.transpose:
+            for part in staging_parts(epi, o.half):
+                res.append((i, f"{o.name}_t", part) + staging_width(epi, tile_n, o.half) + (True,))
+    return res
 
 
 def staging_sizes(epi: Epilogue, tile_n: int, out_dtypes, pingpong: bool = False) -> list[int]:
     """Bytes of each SMEM staging ring or tile (:func:`staged_outputs`); the ping-pong
     schedule gives each consumer warpgroup its own sub-tiles (twice the ring)."""
     dts = dict(out_dtypes)
-    return [TILE_M * width * buffers * (2 if pingpong else 1) * np.dtype(dts[name]).itemsize
-            for _, name, _, width, buffers in staged_outputs(epi, tile_n)]
+    return [TILE_M * width * buffers * (2 if pingpong else 1) * np.dtype(dts[epi.outputs[i].name]).itemsize
+            for i, _, _, width, buffers, _ in staged_outputs(epi, tile_n)]
 
 
 def pingpong_ok(epi: Epilogue, tile_n: int) -> bool:
@@ -246,11 +277,22 @@ def pingpong_ok(epi: Epilogue, tile_n: int) -> bool:
     return chunked_epilogue(epi) and tile_n == 128
 
 
+def staging_aligned(epi: Epilogue, tile_n: int, out_dtypes) -> bool:
+    """Whether every staged tile's rows are whole 16-byte units, as its swizzled SMEM layout
+    and its TMA store need: always for 16- and 32-bit outputs of the kernel's widths; an FP8
+    output needs a staging width that is a multiple of 16 (not so for the half-width outputs
+    of some odd pair blocks: those programs store element by element)."""
+    dts = dict(out_dtypes)
+    return all(tr or (width * np.dtype(dts[epi.outputs[i].name]).itemsize) % 16 == 0
+               for i, _, _, width, _, tr in staged_outputs(epi, tile_n))
+
+
 def plan_smem(epi: Epilogue, tile_n: int, itemsize: int, out_dtypes, pingpong: bool = False) -> tuple[int, bool]:
-    """``(stages, stage_outputs)``: stage tile outputs in SMEM when a 3-stage ring still fits."""
+    """``(stages, stage_outputs)``: stage tile outputs in SMEM when a 3-stage ring still fits
+    (and their rows are whole 16-byte units: :func:`staging_aligned`)."""
     scratch = scratch_len(epi, tile_n)
     staged = _stages_that_fit(tile_n, itemsize, scratch, staging_sizes(epi, tile_n, out_dtypes, pingpong))
-    if staged >= MIN_STAGED_STAGES:
+    if staged >= MIN_STAGED_STAGES and staging_aligned(epi, tile_n, out_dtypes):
         return staged, True
     return max(2, _stages_that_fit(tile_n, itemsize, scratch, [])), False
 
@@ -451,7 +493,7 @@ class TileEpilogue:
     def __init__(self, epi: Epilogue, traced: TracedBody, plan: KernelPlan, scratch, tidx, base, offsets, m0, n0,
                  pid_m, pid_n, staging: dict[str, Any] | None = None, thr=None,
                  tile_frags: dict[str, Any] | None = None, subtile_stores: list | None = None,
-                 barrier: tuple[Any, int] = (EPILOGUE_BARRIER, THREADS), leader: int = 0, buf0=0):
+                 barrier: tuple[Any, int] = (EPILOGUE_BARRIER, THREADS), leader: int = 0, buf0=0, amax_slot0=0):
         """``base``: this thread's first accumulator coordinate ``(row, col)`` (dynamic);
         ``offsets``: every accumulator register's static ``(row, col)`` offset from it (the
         wgmma fragment layout: a thread holds 2 rows x ``tile_n / 4`` columns, and the 4
@@ -464,8 +506,12 @@ class TileEpilogue:
         blocks of ``SUBTILE_N`` alternate over the sub-tile ring. ``barrier``: the named
         barrier ``(id, threads)`` over the threads that share this tile (both consumer
         warpgroups, or one in the ping-pong schedule); ``leader``: the thread among them that
-        issues the TMA stores."""
+        issues the TMA stores. ``amax_slot0``: the first of this tile's warps' amax slots in
+        the scratch (:meth:`_finish_amax`; the ping-pong schedule's second warpgroup: 4)."""
         self.subtile_stores = subtile_stores
+        self.amax_slot0 = amax_slot0
+        self.amax: dict[str, Any] = {}  # quantizing outputs' running max|v| (this thread's registers)
+        self.scales: dict[str, Any] = {}  # their scales, loaded once
         self.barrier, self.leader, self.buf0 = barrier, leader, buf0
         self.thr = thr
         self.tile_frags = tile_frags or {}
@@ -783,19 +829,23 @@ class TileEpilogue:
                 if o.kind is OutputKind.TILE:
                     dt = dsl_dtype(dict(plan.out_dtypes)[o.name])
                     for part in parts:
-                        mine = res[(o.name, part)]
-                        if (o.name, part) in dst_parts:
-                            for j, g in enumerate(gs):
-                                dst = self._group(dst_parts[(o.name, part)], g)
-                                frag = cute.make_fragment_like(dst)
-                                for k in range(4):
-                                    frag[k] = mine[4 * j + k].to(dt)
-                                cute.autovec_copy(frag, dst)
-                            continue
-                        t = outs[o.name]
-                        cols = (self.wide_lo, self.wide_hi)[part] if part is not None else [self.n0 + c for c in self.cols]
-                        for i, v in zip(sel, mine):
-                            t[self.m0 + self.rows[i], cols[i]] = v.to(dt)
+                        mine = [v.to(dt) for v in self._quantized(o, res[(o.name, part)], sel, loads)]
+                        # The output, and a quantizing output's transposed copy (its staging
+                        # and global views are [TILE_M, tile_n] / [M, N] views of [N, M] data).
+                        for dest in tile_results(o):
+                            if (dest, part) in dst_parts:
+                                for j, g in enumerate(gs):
+                                    dst = self._group(dst_parts[(dest, part)], g)
+                                    frag = cute.make_fragment_like(dst)
+                                    for k in range(4):
+                                        frag[k] = mine[4 * j + k]
+                                    cute.autovec_copy(frag, dst)
+                                continue
+                            t = outs[dest]
+                            cols = ((self.wide_lo, self.wide_hi)[part] if part is not None
+                                    else [self.n0 + c for c in self.cols])
+                            for i, v in zip(sel, mine):
+                                t[self.m0 + self.rows[i], cols[i]] = v
                     continue
                 # A row sum of a (lo, hi) value adds both halves.
                 mine = res[(o.name, None)] if parts == [None] else [a + b_ for a, b_ in zip(res[(o.name, 0)], res[(o.name, 1)])]
@@ -810,13 +860,14 @@ class TileEpilogue:
         for o in epi.outputs:
             if o.kind is not OutputKind.TILE:
                 self._finish_rows(outs[o.name], o.kind, red_state[o.name])
+        self._finish_amax(outs)
 
     def _store_subtile(self, chunk: int):
         """One TMA store per staging ring (:func:`staged_outputs`) of this chunk's
         ``[TILE_M, SUBTILE_N]`` sub-tile."""
         col_block = self.pid_n * cutlass.Int32(self.tn // SUBTILE_N) + cutlass.Int32(chunk)
         stores = []
-        for atom, st_s, st_g, part in self.subtile_stores:
+        for atom, st_s, st_g, part, transposed in self.subtile_stores:
             block = col_block
             if part is not None:
                 # half_acc: accumulator column G (a multiple of SUBTILE_N) of pair block G // b
@@ -826,7 +877,9 @@ class TileEpilogue:
                 if part == 1:
                     block = block + cutlass.Int32(b)
             buf = self.buf0 + chunk % SUBTILE_BUFFERS
-            stores.append((atom, st_s[(None, buf)], st_g[(None, self.pid_m, block)]))
+            # A transposed copy's sub-tile is [SUBTILE_N, TILE_M] of the [N, M] array.
+            dst = st_g[(None, block, self.pid_m)] if transposed else st_g[(None, self.pid_m, block)]
+            stores.append((atom, st_s[(None, buf)], dst))
         tma_store_staged(self, stores)
 
     def _fold_rows(self, kind, state, values, keys):
@@ -899,6 +952,18 @@ class TileEpilogue:
                 lo, hi = res[(o.name, 0)], res[(o.name, 1)]
                 if o.kind is OutputKind.TILE:
                     dt = dsl_dtype(dict(plan.out_dtypes)[o.name])
+                    everyone = list(range(self.count))
+                    lo, hi = self._quantized(o, lo, everyone, loads), self._quantized(o, hi, everyone, loads)
+                    if o.quantize is not None:  # converted once, stored as FP8 (x.to(FP8) is the identity)
+                        lo, hi = [v.to(dt) for v in lo], [v.to(dt) for v in hi]
+                    for dest in tile_results(o)[1:]:  # the transposed copy: element by element
+                        if self.staging is not None:
+                            t, rows, base = self.staging[dest], self.rows, cutlass.Int32(2) * self.n0
+                        else:
+                            t, rows, base = outs[dest], grow, cutlass.Int32(0)
+                        for g, cl, ch, vl, vh in zip(rows, self.wide_lo, self.wide_hi, lo, hi):
+                            t[g, cl - base] = vl
+                            t[g, ch - base] = vh
                     if self.staging is not None and self.thr is not None:
                         # The staging tile's b-column blocks alternate lo, hi: view the lo
                         # (hi) blocks as a [TILE_M, tile_n] tile shaped like the accumulator
@@ -929,26 +994,30 @@ class TileEpilogue:
             single_in_pair = pair and parts == [None]
             if o.kind is OutputKind.TILE:
                 dt = dsl_dtype(dict(plan.out_dtypes)[o.name])
-                if self.staging is not None:  # tile-local coordinates in the staging tile
-                    t, rows, cols = self.staging[o.name], self.rows, self.cols
-                    half_base = self.n0 // cutlass.Int32(2)
-                else:
-                    t, rows, cols, half_base = outs[o.name], grow, gcol, cutlass.Int32(0)
-                if single_in_pair:
-                    # Half-width output: lo- and hi-holder of a pair store the same value.
-                    for g, c, v in zip(rows, self.lo_col, mine):
-                        t[g, self._half_index(c) - half_base] = v.to(dt)
-                elif self.staging is not None and self.thr is not None:
-                    # Registers -> a fragment laid out like the accumulator -> one vectorized
-                    # copy into the staging tile (2 adjacent columns per 32-bit store).
-                    dst = self.thr.partition_C(t)
-                    frag = cute.make_fragment_like(dst)
-                    for i, v in enumerate(mine):
-                        frag[i] = v.to(dt)
-                    cute.autovec_copy(frag, dst)
-                else:
-                    for g, c, v in zip(rows, cols, mine):
-                        t[g, c] = v.to(dt)
+                mine = self._quantized(o, mine, list(range(self.count)), loads)
+                if o.quantize is not None:  # converted once for both copies
+                    mine = [v.to(dt) for v in mine]
+                for j, dest in enumerate(tile_results(o)):  # j = 1: the transposed copy (a transposed view)
+                    if self.staging is not None:  # tile-local coordinates in the staging tile
+                        t, rows, cols = self.staging[dest], self.rows, self.cols
+                        half_base = self.n0 // cutlass.Int32(2)
+                    else:
+                        t, rows, cols, half_base = outs[dest], grow, gcol, cutlass.Int32(0)
+                    if single_in_pair:
+                        # Half-width output: lo- and hi-holder of a pair store the same value.
+                        for g, c, v in zip(rows, self.lo_col, mine):
+                            t[g, self._half_index(c) - half_base] = v.to(dt)
+                    elif self.staging is not None and self.thr is not None and j == 0:
+                        # Registers -> a fragment laid out like the accumulator -> one vectorized
+                        # copy into the staging tile (2 adjacent columns per 32-bit store).
+                        dst = self.thr.partition_C(t)
+                        frag = cute.make_fragment_like(dst)
+                        for i, v in enumerate(mine):
+                            frag[i] = v.to(dt)
+                        cute.autovec_copy(frag, dst)
+                    else:
+                        for g, c, v in zip(rows, cols, mine):
+                            t[g, c] = v.to(dt)
                 continue
             # Reductions: each tile position written exactly once into the scratch.
             if o.kind is OutputKind.COL_SUM:
@@ -967,6 +1036,67 @@ class TileEpilogue:
             state: dict = {}
             self._fold_rows(o.kind, state, masked, [r for r, _ in self.off])
             self._finish_rows(outs[o.name], o.kind, state)
+        self._finish_amax(outs)
+
+    # -- quantizing outputs (FP8) --
+    def _quantized(self, o, values, regs, loads: dict[str, Any]):
+        """The values a tile output stores (``regs``: their accumulator registers): as they
+        are, or for a quantizing output ``v * scale`` (the store's conversion to FP8,
+        ``cvt.rn.satfinite``, saturates to the format's largest finite value and keeps NaN:
+        ``saturate(v * scale)``), with ``max|v|`` over the registers in the unpadded GEMM
+        folded into the output's amax (NaN-propagating)."""
+        q = o.quantize
+        if q is None:
+            return values
+        F = cutlass.Float32
+        values = [v.to(F) if isinstance(v, cutlass.Numeric) else F(v) for v in values]
+        if q.amax:
+            plan = self.plan
+            m = self.amax.get(o.name, F(0.0))
+            for v, i in zip(values, regs):
+                a = cute.math.abs(v)
+                ok = None
+                if plan.m_real < plan.m:  # padded rows / columns (static): masked out
+                    ok = self.m0 + self.rows[i] < cutlass.Int32(plan.m_real)
+                if plan.n_real < plan.n:
+                    c_ok = self.n0 + self.cols[i] < cutlass.Int32(plan.n_real)
+                    ok = c_ok if ok is None else ok & c_ok
+                if ok is not None:
+                    a = F(cutlass.select_(ok, a, F(0.0)))
+                m = _nan_max(m, a)
+            self.amax[o.name] = m
+        if q.scale not in self.scales:
+            self.scales[q.scale] = _to_f32(loads[q.scale][0])
+        scale = self.scales[q.scale]
+        return [v * scale for v in values]
+
+    def _finish_amax(self, outs: dict[str, Any]):
+        """Each amax output's partial of this tile, ``{name}_amax[pid_m * grid_n + pid_n]``:
+        the threads' maxima reduced over each warp by shuffles, the warps' through
+        ``AMAX_SLOTS`` floats of SMEM scratch per output (after the tile's threads'
+        barrier, every thread reduces them and stores the same value; a second barrier
+        keeps the next tile from overwriting the slots before they are read)."""
+        names = amax_outputs(self.epi)
+        if not names:
+            return
+        F = cutlass.Float32
+        base = scratch_len(self.epi, self.tn) - AMAX_SLOTS * len(names)
+        warps = self.barrier[1] // 32
+        warp = self.tidx // cutlass.Int32(32)
+        for j, name in enumerate(names):
+            v = self.amax[name]
+            for lane_mask in (1, 2, 4, 8, 16):
+                v = _nan_max(v, F(cute.arch.shuffle_sync_bfly(v, offset=lane_mask)))
+            self.scr[cutlass.Int32(base + j * AMAX_SLOTS) + self.amax_slot0 + warp] = v
+        self.sync()
+        tile = self.pid_m * cutlass.Int32(self.plan.grid[1]) + self.pid_n
+        for j, name in enumerate(names):
+            slot = cutlass.Int32(base + j * AMAX_SLOTS) + self.amax_slot0
+            m = self.scr[slot]
+            for w in range(1, warps):
+                m = _nan_max(m, self.scr[slot + cutlass.Int32(w)])
+            outs[f"{name}_amax"][tile] = m
+        self.sync()
 
 
 def tma_store_staged(ep: "TileEpilogue", stores):
@@ -994,6 +1124,18 @@ def _thread_only(tidx, thread: int):
     from cutlass.cute.arch.elect import IfOpRegion
 
     return IfOpRegion(scf.IfOp((tidx == cutlass.Int32(thread)).ir_value()).then_block)
+
+
+def _nan_max(m, a):
+    """``max(m, a)`` that keeps a NaN from either side (``max|v|`` of a non-finite tile must
+    not be finite: the FP8 recipe skips steps whose amaxes are not)."""
+    return cutlass.Float32(cutlass.select_((a > m) | (a != a), a, m))
+
+
+def tile_results(o) -> tuple[str, ...]:
+    """The tile results a tile output writes with its values: its own, then a quantizing
+    output's transposed copy ``{name}_t``."""
+    return (o.name,) + ((f"{o.name}_t",) if o.quantize is not None and o.quantize.transpose else ())
 
 
 def _to_f32(x):
@@ -1070,11 +1212,25 @@ def _symbol(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _staging_layout(dtype, width: int, buffers: int = 1):
-    """128B-swizzled SMEM layout of one ``[TILE_M, width]`` row-major output tile
-    (``buffers > 1``: ``[TILE_M, width, buffers]``, a ring of them)."""
-    lay = sm90.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, (TILE_M, width), buffers)
+def _staging_layout(dtype, width: int, buffers: int = 1, transposed: bool = False):
+    """Swizzled SMEM layout (128B swizzle where a row has 128 bytes or more) of one
+    ``[TILE_M, width]`` row-major output tile (``buffers > 1``: ``[TILE_M, width, buffers]``,
+    a ring of them); ``transposed``: of one ``[width, TILE_M]`` tile (a transposed copy)."""
+    if transposed:
+        # Not swizzled: a thread's elements then sit at static offsets from one base address
+        # (the transposed writes are byte stores at (column, row); with the 128B swizzle their
+        # addresses XOR lane bits, and the loop-invariant addresses spilled at 128 x 256).
+        outer = cute.make_ordered_layout((width, TILE_M, buffers), order=(1, 0, 2))
+        lay = cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, outer)
+    else:
+        lay = sm90.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, (TILE_M, width), buffers)
     return lay if buffers > 1 else cute.slice_(lay, (None, None, 0))
+
+
+def _transposed_view(tile, width: int):
+    """``[TILE_M, width]`` view of a ``[width, TILE_M]`` (transposed) staging tile: element
+    ``(r, c)`` is the tile's ``(c, r)``."""
+    return cute.composition(tile, cute.make_layout((TILE_M, width), stride=(width, 1)))
 
 
 def _element_swizzled(layout, dtype):
@@ -1092,22 +1248,27 @@ def _element_swizzled(layout, dtype):
     return cute.make_composed_layout(cute.make_swizzle(b, m - shift, s), 0, layout.outer)
 
 
-def _subtile_view(ring, tile_n: int):
+def _subtile_view(ring, tile_n: int, transposed: bool = False):
     """``[TILE_M, tile_n]`` view of a ``[TILE_M, SUBTILE_N, SUBTILE_BUFFERS]`` staging ring:
     column block ``j`` (of ``SUBTILE_N``) is sub-tile ``j % SUBTILE_BUFFERS`` (a stride-0
     mode repeats the ring), so the accumulator-shaped partition of the whole tile writes each
-    chunk into its sub-tile."""
+    chunk into its sub-tile. ``transposed``: of a ``[SUBTILE_N, TILE_M, SUBTILE_BUFFERS]``
+    ring (a transposed copy's), element ``(r, c)`` at the sub-tile's ``(c, r)``."""
     reps = tile_n // (SUBTILE_N * SUBTILE_BUFFERS)
     # Linear index into the ring's (row, col, buffer) domain, column-major.
-    idx = cute.make_layout((TILE_M, (SUBTILE_N, SUBTILE_BUFFERS, reps)),
-                           stride=(1, (TILE_M, TILE_M * SUBTILE_N, 0)))
+    inner = (SUBTILE_N, (1, SUBTILE_N * TILE_M, 0)) if transposed else (1, (TILE_M, TILE_M * SUBTILE_N, 0))
+    idx = cute.make_layout((TILE_M, (SUBTILE_N, SUBTILE_BUFFERS, reps)), stride=inner)
     return cute.composition(ring, idx)
 
 
 def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     """A ``@cute.jit`` ``(stream, a, b, *loads, *outputs)`` launching the kernel."""
     load_names = [l.name for l in epi.loads]
-    out_names = [o.name for o in epi.outputs]
+    # One io tensor per backend result: each output's, and a quantizing output's transposed
+    # copy ({name}_t, [N, M]) and amax partials ({name}_amax, [tiles]) (Epilogue.result_names).
+    out_names = list(epi.result_names())
+    transposed_results = [(f"{o.name}_t", epi.width(plan.n, o.half)) for o in epi.outputs
+                          if o.quantize is not None and o.quantize.transpose]
     n_loads = len(load_names)
     tm, tn, tk = TILE_M, plan.tile_n, plan.tile_k
     grid_m, grid_n = plan.grid
@@ -1119,9 +1280,10 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
     b_layout = LayoutEnum.ROW_MAJOR if plan.transpose_b else LayoutEnum.COL_MAJOR  # K-major / N-major
     tile_mnk = (tm, tn, tk)
     out_dts = dict(plan.out_dtypes)
-    # SMEM staging of the tile outputs: (position in io, (name, part), DSL dtype, width, buffers).
-    staged = [(n_loads + i, (name, part), dsl_dtype(out_dts[name]), w, nbuf)
-              for i, name, part, w, nbuf in staged_outputs(epi, tn) if plan.stage_outputs]
+    # SMEM staging of the tile outputs: (position in io, (result name, part), DSL dtype, width,
+    # buffers, transposed).
+    staged = [(n_loads + out_names.index(name), (name, part), dsl_dtype(out_dts[epi.outputs[i].name]), w, nbuf, tr)
+              for i, name, part, w, nbuf, tr in staged_outputs(epi, tn) if plan.stage_outputs]
     # Chunked epilogues store each chunk's sub-tile themselves; the others one tile per output.
     subtiled = bool(staged) and chunked_epilogue(epi)
     if subtiled and tn % (SUBTILE_N * SUBTILE_BUFFERS):
@@ -1147,14 +1309,14 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
-        stage_layouts = [_staging_layout(dt, w, nbuf * copies) for (_, _, dt, w, nbuf) in staged]
+        stage_layouts = [_staging_layout(dt, w, nbuf * copies, tr) for (_, _, dt, w, nbuf, tr) in staged]
         fields = {
             "bars": cute.struct.MemRange[cutlass.Int64, stages * 2],
             "sa": cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(sa_layout)], 1024],
             "sb": cute.struct.Align[cute.struct.MemRange[b_dtype, cute.cosize(sb_layout)], 1024],
             "scratch": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_scratch], 16],
         }
-        for i, ((_, _, dt, _, _), lay) in enumerate(zip(staged, stage_layouts)):
+        for i, ((_, _, dt, _, _, _), lay) in enumerate(zip(staged, stage_layouts)):
             fields[f"out{i}"] = cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay)], 1024]
         Smem = cute.struct(type("Smem", (), {"__annotations__": fields}))
 
@@ -1236,17 +1398,23 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             offsets = [c0[i] for i in range(count)]
             loads = dict(zip(load_names, io[:n_loads]))
             outs = dict(zip(out_names, io[n_loads:]))
+            for t_name, w_all in transposed_results:  # a transposed copy [N, M] is written through an [M, N] view
+                outs[t_name] = cute.make_tensor(outs[t_name].iterator,
+                                                cute.make_layout((plan.m, w_all), stride=(1, plan.m)))
             # TMA store views: (TMA[, sub-tile]) and (TMA, tiles_m, tiles_n) per staged output
-            # (sub-tiled: tiles of SUBTILE_N columns).
+            # (sub-tiled: tiles of SUBTILE_N columns; a transposed copy's: (TMA, tiles_n, tiles_m)).
             st_parts = []
             staging = None
             subtile_stores = None
-            for (_, _, _, w, _), atom, g, s in zip(staged, tma_out, g_out, s_out):
+            for (_, _, _, w, _, tr), atom, g, s in zip(staged, tma_out, g_out, s_out):
                 st_parts.append(cute.nvgpu.cpasync.tma_partition(
                     atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                    cute.group_modes(cute.local_tile(g, (tm, w), (None, None)), 0, 2)))
+                    cute.group_modes(cute.local_tile(g, (w, tm) if tr else (tm, w), (None, None)), 0, 2)))
             if cutlass.const_expr(whole_tile_stores):
-                staging = {key[0]: s for (_, key, _, _, _), s in zip(staged, s_out)}
+                staging = {}
+                for entry, s in zip(staged, s_out):
+                    _, key, _, w, _, tr = entry
+                    staging[key[0]] = _transposed_view(s, w) if tr else s
             buf0 = 0  # this warpgroup's first sub-tile of each ring (static when cooperative)
             if cutlass.const_expr(subtiled):
                 if cutlass.const_expr(pingpong):
@@ -1257,15 +1425,15 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     # pointer with a dynamic offset makes every element address a runtime
                     # computation, and the kernel spills).
                     s_own = []
-                    for i, (_, _, dt, w, nbuf) in enumerate(staged):
-                        own = _element_swizzled(_staging_layout(dt, w, nbuf), dt)
+                    for i, (_, _, dt, w, nbuf, tr) in enumerate(staged):
+                        own = _element_swizzled(_staging_layout(dt, w, nbuf, tr), dt)
                         ptr = getattr(storage, f"out{i}").data_ptr() + wg * cutlass.Int32(cute.cosize(own))
                         s_own.append(cute.make_tensor(ptr, own))
                 else:
                     s_own = s_out
-                staging = {key: _subtile_view(s, tn) for (_, key, _, _, _), s in zip(staged, s_own)}
-                subtile_stores = [(atom, st_s, st_g, key[1])
-                                  for atom, (st_s, st_g), (_, key, _, _, _) in zip(tma_out, st_parts, staged)]
+                staging = {key: _subtile_view(s, tn, tr) for (_, key, _, _, _, tr), s in zip(staged, s_own)}
+                subtile_stores = [(atom, st_s, st_g, key[1], tr)
+                                  for atom, (st_s, st_g), (_, key, _, _, _, tr) in zip(tma_out, st_parts, staged)]
             if cutlass.const_expr(pingpong):
                 # Named barriers: the tile's threads (one warpgroup), and the order of the two
                 # warpgroups' mainloops (each waits for the other's to be issued in full, so
@@ -1274,7 +1442,9 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                 my_turn = cutlass.Int32(PINGPONG_ORDER_BARRIER) + wg
                 your_turn = cutlass.Int32(PINGPONG_ORDER_BARRIER + 1) - wg
                 tile_step = 2 * plan.ctas
+                amax_slot0 = wg * cutlass.Int32(AMAX_SLOTS // 2)  # this warpgroup's 4 warps' slots
             else:
+                amax_slot0 = 0
                 tile_barrier = (EPILOGUE_BARRIER, THREADS)
                 tile_step = plan.ctas
 
@@ -1325,7 +1495,7 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                 # have read them.
                 ep = TileEpilogue(epi, traced, plan, scratch, cutlass.Int32(ltid), base, offsets,
                                   pm * cutlass.Int32(tm), pn * cutlass.Int32(tn), pm, pn, staging, thr, frags,
-                                  subtile_stores, tile_barrier, 0, buf0)
+                                  subtile_stores, tile_barrier, 0, buf0, amax_slot0)
                 if cutlass.const_expr(whole_tile_stores):
                     if tidx == 0:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1333,8 +1503,11 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                 acc_vals = [acc[i] for i in range(count)]
                 ep.run(acc_vals, loads, outs)
                 if cutlass.const_expr(whole_tile_stores):
-                    tma_store_staged(ep, [(atom, st_s, st_g[(None, pm, pn)])
-                                          for atom, (st_s, st_g) in zip(tma_out, st_parts)])
+                    whole = []
+                    for atom, (st_s, st_g), entry in zip(tma_out, st_parts, staged):
+                        # a transposed copy's tile is block (pn, pm) of the [N, M] array
+                        whole.append((atom, st_s, st_g[(None, pn, pm)] if entry[5] else st_g[(None, pm, pn)]))
+                    tma_store_staged(ep, whole)
                 tile += tile_step
             if cutlass.const_expr(len(staged) > 0):
                 if ltid == 0:
@@ -1358,9 +1531,9 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
         tma_b, tma_gb = cute.nvgpu.cpasync.make_tiled_tma_atom(op, g_b, cute.slice_(sb_layout, (None, None, 0)),
                                                                (tn, tk))
         tma_out, g_out = [], []
-        for pos, _, dt, w, _ in staged:
+        for pos, _, dt, w, _, tr in staged:
             atom, g = cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), io[pos],
-                                                             _staging_layout(dt, w), (tm, w))
+                                                             _staging_layout(dt, w, 1, tr), (w, tm) if tr else (tm, w))
             tma_out.append(atom)
             g_out.append(g)
         gemm_kernel(tma_a, tma_ga, tma_b, tma_gb, mma, sa_layout, sb_layout, list(io), tma_out, g_out).launch(

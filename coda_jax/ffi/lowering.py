@@ -7,7 +7,9 @@ kernel masks padded rows/columns out of row sums, column sums and log-sum-exps. 
 epilogues need N to be a multiple of ``2 * pair_block``. Operands must be bfloat16 or
 float16, or FP8 (``float8_e4m3fn`` / ``float8_e5m2``, mixed allowed) as K-major ``a [M, K]``
 and ``b [N, K]`` (:func:`fp8_rule`; other FP8 GEMMs run on XLA); float32 operands raise a
-``TypeError`` that points at ``backend="xla"``.
+``TypeError`` that points at ``backend="xla"``. A quantizing output (``epilogue.fp8_out``)
+returns its FP8 tile, its transposed copy ``{name}_t`` ``[N, M]`` and its amax partials
+``{name}_amax`` (one float32 per ``128 x tile_n`` output tile; their max is the amax).
 
 Plain GEMMs (the identity epilogue) go to XLA's GEMM (cuBLAS) by default, as on the Pallas
 backend (:func:`coda_jax.lowering.routes_to_xla`, the option ``routing.plain_gemm``).
@@ -65,17 +67,17 @@ def fp8_rule(epilogue: Epilogue, a, b, transpose_a: bool, transpose_b: bool) -> 
     FP8 operands (``float8_e4m3fn`` / ``float8_e5m2``, mixed allowed: wgmma's FP8 MMA takes
     either dtype for either operand) must both be K-major, as Hopper's FP8 wgmma reads them:
     ``a`` ``[M, K]`` (``transpose_a=False``) and ``b`` ``[N, K]`` (``transpose_b=True``), the
-    layout :func:`coda_jax.ops.fp8_gemm.fp8_gemm` issues. Epilogues with quantizing outputs
-    (:func:`coda_jax.epilogue.fp8_out`) are not supported yet.
+    layout :func:`coda_jax.ops.fp8_gemm.fp8_gemm` issues; the other three layouts would need a
+    transposing copy of an operand and run on XLA. Quantizing outputs
+    (:func:`coda_jax.epilogue.fp8_out`: the FP8 tile, its transposed copy, its amax partials)
+    run on the kernel with any operands and in every epilogue mode (chunked, pair mode,
+    ``half_acc``, staged or stored element by element), so they add no rule.
     """
     if a.dtype in FP8_DTYPES:
         if transpose_a or not transpose_b:
             got = f"a {'[K, M]' if transpose_a else '[M, K]'}, b {'[N, K]' if transpose_b else '[K, N]'}"
             return ("Hopper's FP8 wgmma reads both operands K-major: the CuTeDSL kernel takes FP8 a as [M, K] "
                     f"(transpose_a=False) and b as [N, K] (transpose_b=True), got {got}")
-    if epilogue.quantizes:
-        names = [o.name for o in epilogue.outputs if o.quantize is not None]
-        return f"the CuTeDSL kernel has no quantizing (FP8) tile outputs yet ({', '.join(names)})"
     return None
 
 
@@ -148,11 +150,15 @@ class CuteDslLowering(KernelLowering):
         m, n, k = dims
         tuning = self.tuning
         _check_pair_width(epilogue)
-        dtypes = tuple((o.name, jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
+        # A quantizing output is stored in its own FP8 dtype (as the reference stores it).
+        dtypes = tuple((o.name, jnp.dtype(o.dtype) if o.quantize is not None else
+                        jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
                        for o in epilogue.outputs)
-        for name, dt in dtypes:
-            if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-                raise TypeError(f"epilogue {epilogue.name!r}: output {name!r} dtype {dt} is not bf16/f16/f32")
+        for o, (name, dt) in zip(epilogue.outputs, dtypes):
+            if o.quantize is None and dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                                 jnp.dtype(jnp.float32)):
+                raise TypeError(f"epilogue {epilogue.name!r}: output {name!r} dtype {dt} is not bf16/f16/f32 "
+                                "(give its dtype in out_dtypes; FP8 outputs are declared with epilogue.fp8_out)")
         op_dt, b_dt = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
         itemsize = op_dt.itemsize
         sms = self.grid_sms(gpu_sm_count())
@@ -170,10 +176,15 @@ class CuteDslLowering(KernelLowering):
                           pingpong=pingpong, b_dtype=None if b_dt == op_dt else b_dt,
                           **({"group_m": tuning.group_m} if tuning.group_m else {}))
         launch = _build(epilogue, plan)
-        out_types = []
+        out_types = []  # one per result (Epilogue.result_names)
         for o in epilogue.outputs:
             if o.kind is OutputKind.TILE:
-                out_types.append(jax.ShapeDtypeStruct((mp, epilogue.width(np_, o.half)), dict(dtypes)[o.name]))
+                w = epilogue.width(np_, o.half)
+                out_types.append(jax.ShapeDtypeStruct((mp, w), dict(dtypes)[o.name]))
+                if o.quantize is not None and o.quantize.transpose:  # {name}_t
+                    out_types.append(jax.ShapeDtypeStruct((w, mp), dict(dtypes)[o.name]))
+                if o.quantize is not None and o.quantize.amax:  # {name}_amax: one partial per tile
+                    out_types.append(jax.ShapeDtypeStruct(((mp // TILE_M) * (np_ // tn),), jnp.float32))
             elif o.kind is OutputKind.COL_SUM:
                 out_types.append(jax.ShapeDtypeStruct((mp // TILE_M, np_), jnp.float32))
             else:
@@ -186,8 +197,14 @@ class CuteDslLowering(KernelLowering):
         call = _cutlass_call(launch, out_types, in_specs, out_specs, ("coda_jax.ffi", epilogue, plan))
         if (hint := self.latency_hint(mp, np_, kp, (a_p, b_p, *args, *out_types))) is not None:
             call = with_latency_hint(call, hint)  # XLA's scheduler is told what the kernel costs
-        res = call(a_p, b_p, *args)
-        out = {o.name: slice_output(epilogue, o.name, v, m, n) for o, v in zip(epilogue.outputs, res)}
+        res = dict(zip(epilogue.result_names(), call(a_p, b_p, *args)))
+        out = {}
+        for o in epilogue.outputs:
+            out[o.name] = slice_output(epilogue, o.name, res[o.name], m, n)
+            if f"{o.name}_t" in res:
+                out[f"{o.name}_t"] = res[f"{o.name}_t"][: epilogue.width(n, o.half), :m]
+            if f"{o.name}_amax" in res:
+                out[f"{o.name}_amax"] = res[f"{o.name}_amax"]
         return split_columns(out, out_splits)
 
 
