@@ -407,6 +407,8 @@ def _check_against_reference(epi, got, want, *, tol=TOL, equal=0.99):
             for name in names:
                 frac = _fp8_equal(got[name], want[name])
                 assert frac >= equal, f"{epi.name}.{name}: {frac:.4%} of FP8 elements equal"
+            if o.quantize.transpose:  # written from the same registers: the same bits, transposed
+                assert _fp8_equal(got[f"{o.name}_t"], jnp.asarray(got[o.name]).T) == 1.0, f"{epi.name}.{o.name}_t"
             if o.quantize.amax:
                 g, w = float(jnp.max(got[f"{o.name}_amax"])), float(want[f"{o.name}_amax"][0])
                 np.testing.assert_allclose(g, w, rtol=1e-3, err_msg=f"{epi.name}.{o.name}_amax")
@@ -423,13 +425,14 @@ def _with_scales(epi, run_ref, loads):
     the values use the FP8 range and the largest third of them saturate (``1.5 * fmax /
     amax``)."""
     probe = run_ref(loads)
-    loads = dict(loads)
+    scales: dict = {}
     for o in epi.outputs:
         if o.quantize is not None:
             amax = (probe[f"{o.name}_amax"] if o.quantize.amax  # else the scale-1 FP8 values themselves
                     else jnp.abs(jnp.asarray(probe[o.name], F32)))
-            amax = float(jnp.max(amax))
-            loads[o.quantize.scale] = jnp.float32(1.5 * float(jnp.finfo(o.dtype).max) / max(amax, 1e-30))
+            s = 1.5 * float(jnp.finfo(o.dtype).max) / max(float(jnp.max(amax)), 1e-30)
+            scales[o.quantize.scale] = min(s, scales.get(o.quantize.scale, s))  # a shared scale: the smallest
+    return {**loads, **{k: jnp.float32(v) for k, v in scales.items()}}
     return loads
 
 
