@@ -80,7 +80,7 @@ def _abstract(epi, m, n, k, da=E4M3, db=E4M3):
 def _kernel(tuning=None):
     from coda_jax.ffi.lowering import CuteDslLowering
 
-    return CuteDslLowering(tuning, plain_gemm="kernel")
+    return CuteDslLowering(tuning, plain_gemm="kernel", fp8_kernel=True)
 
 
 # ------------------------------------------------------------- FP8 operands ---------
@@ -135,12 +135,12 @@ def test_fp8_smem_plan_matches_bf16():
 
 # ------------------------------------------------------------------ fp8_rule -------
 def _rule(epi, ta=False, tb=True, da=E4M3, db=E4M3):
-    from coda_jax.ffi.lowering import CUTEDSL
+    from coda_jax.ffi.lowering import CuteDslLowering
 
     m, n, k = 256, 256, 128
     a = jnp.zeros((k, m) if ta else (m, k), da)
     b = jnp.zeros((n, k) if tb else (k, n), db)
-    return CUTEDSL.fp8_rule(epi, a, b, ta, tb)
+    return CuteDslLowering(fp8_kernel=True).fp8_rule(epi, a, b, ta, tb)
 
 
 def test_fp8_rule_accepts_k_major_operands():
@@ -321,7 +321,7 @@ runs = [(E.dequantized(e), s) for e in _Q8_PROGRAMS for s in ("auto", "pingpong"
 for i, (epi, schedule) in enumerate(runs):
     a = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
     b = jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn)
-    low = CuteDslLowering(CuteDslTuning(schedule=schedule), plain_gemm="kernel")
+    low = CuteDslLowering(CuteDslTuning(schedule=schedule), plain_gemm="kernel", fp8_kernel=True)
     f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi))
     jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
     new = []
@@ -552,3 +552,11 @@ def test_q8_amax_keeps_nan_on_gpu():
     amax = np.asarray(got["h_amax"])
     assert np.isnan(amax).sum() == 1 and np.isnan(np.max(amax))
     assert np.isnan(np.asarray(got["h"][300, 700], F32)) and np.isnan(np.asarray(got["h_t"][700, 300], F32))
+
+
+def test_the_default_lowering_hands_fp8_gemms_to_xla_until_the_path_is_verified_on_a_gpu():
+    from coda_jax.ffi.lowering import CUTEDSL
+
+    a = jnp.zeros((256, 128), E4M3)
+    b = jnp.zeros((256, 128), E4M3)
+    assert "not yet verified on a GPU" in CUTEDSL.fp8_rule(E.dequantized(P.IDENTITY), a, b, False, True)
