@@ -16,6 +16,7 @@ import numpy as np
 
 import coda_jax as cj
 from coda_jax import naive
+from coda_jax.epilogue import OutputKind
 
 TOL = {  # dtype: (forward, gradient) relative-error bounds
     jnp.float32: (2e-5, 2e-4),
@@ -233,3 +234,13 @@ def case_cross_entropy(backend, m, d, v, dtype, reduction="mean", z_loss=0.0, se
     for i, (a, b) in enumerate(zip(got, want)):
         e = rel_err(a, b)
         assert e <= grad_tol, f"grad of arg {i}: rel err {e:.3g} > {grad_tol}"
+
+
+def reduced_output(kind, x):
+    """An output as the op sees it: reduction partials combined over their first axis (sums,
+    or the log-sum-exp of ``row_logsumexp`` partials); tiles unchanged."""
+    if kind in (OutputKind.ROW_SUM, OutputKind.COL_SUM):
+        return x.sum(0)
+    if kind is OutputKind.ROW_LOGSUMEXP:
+        return jax.nn.logsumexp(x, axis=0)
+    return x

@@ -34,7 +34,7 @@ from coda_jax import epilogue as E  # noqa: E402
 from coda_jax import programs as P  # noqa: E402
 from coda_jax.epilogue import OutputKind  # noqa: E402
 from coda_jax.reference import REFERENCE  # noqa: E402
-from op_cases import abstract_loads, poison_allocator, rel_err  # noqa: E402
+from op_cases import abstract_loads, poison_allocator, reduced_output, rel_err  # noqa: E402
 
 BF = jnp.bfloat16
 F32 = jnp.float32
@@ -384,14 +384,6 @@ def _gpu_loads(epi, m, n, seed):
     return {k: (jnp.float32(1.0) if k in scalars else v) for k, v in loads.items()}
 
 
-def _reduced(kind, x):
-    if kind in (OutputKind.ROW_SUM, OutputKind.COL_SUM):
-        return x.sum(0)
-    if kind is OutputKind.ROW_LOGSUMEXP:
-        return jax.nn.logsumexp(x, axis=0)
-    return x
-
-
 def _fp8_equal(got, want) -> float:
     """The fraction of elements with equal FP8 bits."""
     g, w = np.asarray(got), np.asarray(want)
@@ -413,7 +405,7 @@ def _check_against_reference(epi, got, want, *, tol=TOL, equal=0.99):
                 g, w = float(jnp.max(got[f"{o.name}_amax"])), float(want[f"{o.name}_amax"][0])
                 np.testing.assert_allclose(g, w, rtol=1e-3, err_msg=f"{epi.name}.{o.name}_amax")
             continue
-        g, w = _reduced(o.kind, got[o.name]), _reduced(o.kind, want[o.name])
+        g, w = reduced_output(o.kind, got[o.name]), reduced_output(o.kind, want[o.name])
         if o.kind is OutputKind.TILE:
             assert g.shape == w.shape and g.dtype == w.dtype, (o.name, g.shape, w.shape, g.dtype, w.dtype)
         e = rel_err(g, w)

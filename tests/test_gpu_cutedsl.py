@@ -25,22 +25,13 @@ import coda_jax as cj  # noqa: E402
 from coda_jax import programs  # noqa: E402
 from coda_jax.epilogue import OutputKind  # noqa: E402
 from coda_jax.reference import REFERENCE  # noqa: E402
-from op_cases import Inputs, kernel_probes, poison_allocator, rel_err  # noqa: E402
+from op_cases import Inputs, kernel_probes, poison_allocator, reduced_output, rel_err  # noqa: E402
 from test_pallas_kernels import CASES, _loads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
 BF = jnp.bfloat16
-
-
-def _reduced(kind, x):
-    """An output as the op sees it: reduction partials combined over their first axis."""
-    if kind in (OutputKind.ROW_SUM, OutputKind.COL_SUM):
-        return x.sum(0)
-    if kind is OutputKind.ROW_LOGSUMEXP:
-        return jax.nn.logsumexp(x, axis=0)
-    return x
 
 
 def _tile(tile_n: str):
@@ -65,7 +56,7 @@ def _compare(epi, m, n, k, transpose_a=False, transpose_b=False, seed=0, tuning=
     got = jax.jit(lambda a, b, l: kernel.gemm(epi, a, b, l, **kw))(a, b, loads)
     assert set(got) == set(want)
     for o in epi.outputs:
-        g, w = _reduced(o.kind, got[o.name]), _reduced(o.kind, want[o.name])
+        g, w = reduced_output(o.kind, got[o.name]), reduced_output(o.kind, want[o.name])
         if o.kind is OutputKind.TILE:
             assert g.shape == w.shape and g.dtype == w.dtype, (o.name, g.shape, w.shape, g.dtype, w.dtype)
         e = rel_err(g, w)
@@ -158,7 +149,7 @@ def _errors(epi, got, ref):
 
     errs = {}
     for o in epi.outputs:
-        g, w = (np.asarray(_reduced(o.kind, x[o.name].astype(jnp.float32))) for x in (got, ref))
+        g, w = (np.asarray(reduced_output(o.kind, x[o.name].astype(jnp.float32))) for x in (got, ref))
         if o.kind is OutputKind.ROW_LOGSUMEXP:
             errs[o.name] = float(np.abs(g - w).max())
         elif o.kind is OutputKind.ROW_SUM:
