@@ -83,6 +83,7 @@ __all__ = [
     "fp8_out",
     "FP8_DTYPES",
     "default_out_dtype",
+    "saturate_cast",
     "dequantized",
     "body_uses_row_sum",
     "split_pairs",
@@ -127,6 +128,13 @@ def default_out_dtype(operand_dtype: Any) -> jnp.dtype:
     written with a scale: :func:`fp8_out`)."""
     dt = jnp.dtype(operand_dtype)
     return jnp.dtype(jnp.bfloat16) if dt in FP8_DTYPES else dt
+
+
+def saturate_cast(x: jax.Array, scale: Any, dtype: Any) -> jax.Array:
+    """``saturate(x * scale)`` cast to the FP8 ``dtype`` (float32 math): what a quantizing
+    output stores (:class:`Quantize`); values beyond the format's largest finite one clip to it."""
+    m = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32), -m, m).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)

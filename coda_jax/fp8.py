@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from coda_jax.epilogue import saturate_cast
+
 __all__ = ["E4M3", "E5M2", "Fp8Recipe", "Fp8Meta", "Fp8Tensor", "scale_from_history", "quantize",
            "quantize_tensor", "next_history", "NONFINITE_POLICIES", "fp8_device_rule", "check_fp8_device"]
 
@@ -116,9 +118,9 @@ def scale_from_history(history: jax.Array, dtype: Any, margin: int = 0) -> jax.A
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``saturate(x * scale)`` cast to the FP8 ``dtype`` (float32 math)."""
-    m = fp8_max(dtype)
-    return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
+    """``saturate(x * scale)`` cast to the FP8 ``dtype`` (float32 math), as a quantizing
+    epilogue stores it (:func:`coda_jax.epilogue.saturate_cast`)."""
+    return saturate_cast(x, scale, dtype)
 
 
 def next_history(history: jax.Array, amax: jax.Array) -> jax.Array:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, Output, OutputKind, default_out_dtype
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, Output, OutputKind, default_out_dtype, saturate_cast
 from coda_jax.lowering import check_out_splits, split_columns
 from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.options import current_options
@@ -64,9 +64,8 @@ def quantize_tile(o: Output, v: jax.Array, scale: jax.Array) -> dict[str, jax.Ar
     """A quantizing output's results from its float32 tile ``v`` ``[M, N]`` (see
     :class:`coda_jax.epilogue.Quantize`): ``saturate(v * scale)`` in ``o.dtype``, its
     transpose, and the amax as one partial ``[1]``."""
-    fmax = float(jnp.finfo(o.dtype).max)
     v = v.astype(jnp.float32)
-    q = jnp.clip(v * scale.astype(jnp.float32), -fmax, fmax).astype(o.dtype)
+    q = saturate_cast(v, scale, o.dtype)
     res = {o.name: q}
     if o.quantize.transpose:
         res[f"{o.name}_t"] = q.T
