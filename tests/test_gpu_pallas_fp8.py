@@ -1,0 +1,70 @@
+"""GPU suite (Hopper): the Pallas kernel's FP8 path compiled for the GPU, against the reference
+lowering: the checks of ``test_pallas_fp8.py`` (which runs the same cases in the interpreter)
+on real wgmma, TMA and swizzles, at sizes that exercise the persistent grid.
+
+FP8 operands under :func:`coda_jax.epilogue.dequantized` programs and quantizing outputs (the
+FP8 tile, its transposed copy and amax partials) on the table's kernel configurations. Bounds
+as ``test_pallas_fp8.py``'s: every FP8 element within one code of the reference's and >= 99.9 %
+bit-equal; float32 outputs 1e-5, bf16 1e-2. Outputs are poisoned (NaN-filled buffers of the
+output sizes are allocated and freed first), so an unwritten element fails the finiteness check.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from coda_jax import epilogue as E
+from coda_jax import programs
+from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
+from op_cases import poison_allocator
+from test_pallas_fp8 import AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare
+
+pytestmark = pytest.mark.gpu
+
+_DEFAULT = CONFIG_TABLE["default"]
+CONFIGS = {
+    "lowering_default": None,
+    "cooperative": for_fp8_operands(_DEFAULT),
+    "pingpong": for_fp8_operands(dataclasses.replace(_DEFAULT, schedule="pingpong", cluster_dimension=None)),
+    "ring": for_fp8_operands(dataclasses.replace(_DEFAULT, delay_release=1)),
+    "direct_stores": for_fp8_operands(dataclasses.replace(_DEFAULT, direct_loads=True, direct_stores=True)),
+}
+
+
+def _run(epi, m, n, k, **kw):
+    poison_allocator([(m, n)] * (3 * len(epi.outputs)))
+    _compare(epi, m, n, k, **kw)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3xe4m3", "e5m2xe4m3"])
+def test_fp8_operands_on_gpu(config, dtypes):
+    # Ragged M and N, several K steps, more tiles than SMs.
+    _run(E.dequantized(programs.ROW_SCALE), 2000, 3000, 1000, dtypes=dtypes, config=CONFIGS[config],
+         out_dtypes={"z": BF16}, seed=21)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
+def test_residual_rms_q8_on_gpu(config):
+    # The block's O projection: residual + RMS row sums, h in e4m3 with copy and amax.
+    _run(E.dequantized(programs.RESIDUAL_RMS_Q8), 2048, 2048, 1024, config=CONFIGS[config],
+         out_dtypes={"x": BF16}, seed=22)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
+def test_amax_probe_on_gpu(config):
+    # Padding far from zero must reach neither the amax nor the copy.
+    _run(AMAX_PROBE, 1000, 1500, 700, config=CONFIGS[config], seed=23)
+
+
+@pytest.mark.parametrize("config", ["lowering_default", "cooperative"])
+def test_pair_outputs_on_gpu(config):
+    _run(PAIR_PROBE, 1000, 1536, 700, config=CONFIGS[config], seed=24)
+    _run(TWO_PROBE, 1024, 1024, 512, config=CONFIGS[config], seed=25)
+
+
+def test_swiglu_q8_programs_on_gpu():
+    _run(E.dequantized(programs.rms_swiglu_q8(True)), 2048, 4096, 1024, out_dtypes={"z": BF16}, seed=26)
+    _run(programs.SWIGLU_DGRAD_Q8, 2048, 2048, 1024, transpose_b=True, dtypes=(BF16, BF16), seed=27)
+    _run(E.dequantized(programs.rms_dgrad_q8(True)), 2048, 2048, 1024, out_dtypes=None, seed=28)
