@@ -14,14 +14,20 @@ axes :mod:`coda_jax.partitioning` runs the kernels over.
     with jax.set_mesh(mesh):
         state = shard_state(nnx.state((model, optimizer)), mesh)
         tokens = jax.device_put(tokens, batch_sharding(mesh))
+
+Several processes (``jax.distributed.initialize``; a mesh over ``jax.devices()``, every
+process's devices): :func:`shard_state` places a state that each process built whole and
+alike (the same seed) without a cross-process check, and :func:`batch_from_rows` builds the
+global batch from the rows each process's devices hold, so no process cuts the whole batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -231,13 +237,51 @@ def shard_state(state: Any, mesh, axis: str = FSDP_AXIS, tensor_split_dims: Mapp
     dimension}``). Everything else is replicated."""
     if axis == FSDP_AXIS and _has_logical_names(state):
         specs = logical_partition_specs(state, mesh)
-        return jax.tree.map(lambda x, p: jax.device_put(x, NamedSharding(mesh, p)), state, specs)
+        return jax.tree.map(lambda x, p: place_whole(x, NamedSharding(mesh, p)), state, specs)
 
     def place(path, x):
-        return jax.device_put(x, NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh, axis,
-                                                                tensor_split_dims)))
+        return place_whole(x, NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh, axis,
+                                                             tensor_split_dims)))
 
     return jax.tree_util.tree_map_with_path(place, state)
+
+
+def place_whole(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``jax.device_put(x, sharding)`` of a value each process holds whole.
+
+    With one process (or a ``sharding`` on this process's devices only) it is that. When
+    ``sharding`` spans other processes' devices, each process puts its own devices' slices
+    of its ``x`` (:func:`jax.make_array_from_callback`). ``jax.device_put`` would instead
+    gather the whole value from every process to check that they agree (one collective per
+    array, the whole model's size; and it refuses an array committed to a device, such as an
+    orbax-restored one). The values must agree: the callers build them from the same seed.
+    An ``x`` already spread over several processes is resharded by ``jax.device_put``."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(np.shape(x), sharding, lambda index: x[index])
+
+
+def batch_from_rows(rows: Callable[[int, int], np.ndarray], shape: tuple[int, ...], mesh) -> jax.Array:
+    """The global ``[batch, ...]`` array of ``shape`` split over ``mesh`` as
+    :func:`batch_sharding`, built from ``rows(lo, hi)``: the host array of rows ``lo:hi``.
+
+    ``rows`` is called only for the row ranges this process's devices hold (once for each,
+    however many devices hold it): under several processes each process makes only its part
+    of the global batch, which must be the same rows a single process would cut there (e.g.
+    drawn from a seed all processes share). With one process it equals
+    ``jax.device_put(rows(0, batch), batch_sharding(mesh, len(shape)))``."""
+    made: dict[tuple[int, int], np.ndarray] = {}
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        lo, hi, _ = index[0].indices(shape[0])
+        if (lo, hi) not in made:
+            got = np.asarray(rows(lo, hi))
+            if got.shape != (hi - lo, *shape[1:]):
+                raise ValueError(f"rows({lo}, {hi}) gave shape {got.shape}; expected {(hi - lo, *shape[1:])}")
+            made[lo, hi] = got
+        return made[lo, hi][(slice(None), *index[1:])]
+
+    return jax.make_array_from_callback(tuple(shape), batch_sharding(mesh, len(shape)), block)
 
 
 def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
@@ -288,10 +332,12 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 
 def mesh_from_spec(spec: str | None, devices=None, *, explicit: bool = False):
-    """``"data=2,fsdp=4"`` -> a mesh over ``devices`` (default: all) with those axes (Auto
-    axis types; ``explicit``: Explicit, sharding in types); ``None`` or ``""`` -> data
-    parallel over all devices (``None`` if only one). The sizes must multiply to the number
-    of devices."""
+    """``"data=2,fsdp=4"`` -> a mesh over ``devices`` (default: all, every process's under
+    ``jax.distributed``) with those axes (Auto axis types; ``explicit``: Explicit, sharding in
+    types); ``None`` or ``""`` -> data parallel over all devices (``None`` if only one). The
+    sizes must multiply to the number of devices. The devices fill the mesh in
+    ``jax.devices()`` order (process by process), the last axis fastest: an axis listed last
+    (e.g. ``tensor``) stays within a process where its size divides the process's devices."""
     devices = list(devices if devices is not None else jax.devices())
     kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
     if not spec:

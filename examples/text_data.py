@@ -8,6 +8,8 @@ offsets, deterministically from ``(seed, step)`` so a resumed run sees the same 
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -42,7 +44,16 @@ def build_tokenizer(texts: Sequence[str], vocab_size: int = 4096, cache_dir: Pat
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path))
+    # Written under a temporary name, then renamed: the processes of a multi-process run
+    # (examples/train_llama.py) build the tokenizer at once, and none may read a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        tok.save(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return tok
 
 
@@ -59,29 +70,43 @@ def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.nda
     return tokens[:-n_val], tokens[-n_val:]
 
 
+def batch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int) -> np.ndarray:
+    """The ``batch_size`` window offsets of training step ``step``, drawn from
+    ``default_rng((seed, step))``: the same in every process, so each process of a
+    multi-process run cuts only its own rows' windows (:func:`windows`)."""
+    if n_tokens < seq_len + 2:
+        raise ValueError(f"need more than {seq_len + 1} tokens, got {n_tokens}")
+    return np.random.default_rng((seed, step)).integers(0, n_tokens - seq_len - 1, size=batch_size)
+
+
+def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(inputs, targets)`` int32 ``[len(starts), seq_len]``: the windows at ``starts``,
+    targets = inputs shifted by one."""
+    chunk = tokens[np.asarray(starts)[:, None] + np.arange(seq_len + 1)[None]]
+    return chunk[:, :-1].astype(np.int32), chunk[:, 1:].astype(np.int32)
+
+
 def batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0,
             start_step: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yields ``(inputs, targets)`` int32 ``[batch_size, seq_len]``, targets = inputs shifted by one.
 
-    Step ``s`` draws its offsets from ``default_rng((seed, s))``: deterministic, and a run
-    resumed at ``start_step`` continues the same stream.
+    Step ``s`` draws its offsets from ``default_rng((seed, s))`` (:func:`batch_starts`):
+    deterministic, and a run resumed at ``start_step`` continues the same stream.
     """
-    if len(tokens) < seq_len + 2:
-        raise ValueError(f"need more than {seq_len + 1} tokens, got {len(tokens)}")
+    batch_starts(len(tokens), batch_size, seq_len, seed, start_step)  # checks the length up front
     step = start_step
     while True:
-        rng = np.random.default_rng((seed, step))
-        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
-        idx = starts[:, None] + np.arange(seq_len + 1)[None]
-        chunk = tokens[idx]
-        yield chunk[:, :-1].astype(np.int32), chunk[:, 1:].astype(np.int32)
+        yield windows(tokens, batch_starts(len(tokens), batch_size, seq_len, seed, step), seq_len)
         step += 1
+
+
+def validation_starts(n_tokens: int, batch_size: int, seq_len: int) -> np.ndarray:
+    """The offsets of :func:`validation_batch`'s windows: evenly spaced over the stream."""
+    if n_tokens < seq_len + 2:
+        raise ValueError(f"validation stream too short for seq_len {seq_len}")
+    return np.linspace(0, n_tokens - seq_len - 1, batch_size).astype(np.int64)
 
 
 def validation_batch(tokens: np.ndarray, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """A fixed batch of evenly spaced windows of the validation stream."""
-    if len(tokens) < seq_len + 2:
-        raise ValueError(f"validation stream too short for seq_len {seq_len}")
-    starts = np.linspace(0, len(tokens) - seq_len - 1, batch_size).astype(np.int64)
-    chunk = tokens[starts[:, None] + np.arange(seq_len + 1)[None]]
-    return chunk[:, :-1].astype(np.int32), chunk[:, 1:].astype(np.int32)
+    return windows(tokens, validation_starts(len(tokens), batch_size, seq_len), seq_len)

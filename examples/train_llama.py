@@ -24,12 +24,23 @@ against the H100's bf16 dense peak. The other timings are named for what they ho
 ``wall_tokens_per_s_with_eval_and_checkpoints`` (the whole loop after the first step, wall
 clock, with the evaluation step's compile, evaluations and checkpoints, which dominate
 short runs).
+
+Several processes (``jax.distributed``; docs/multi_gpu.md#several-processes-and-hosts): with
+``--coordinator HOST:PORT --num-processes N --process-id I`` in each process (what
+``scripts/launch_local.sh N`` passes), or ``--distributed`` under a cluster manager JAX
+detects (SLURM, Open MPI, ...: it supplies those three). Without either the script runs as
+one process and never calls ``jax.distributed.initialize``. The mesh then spans every
+process's devices, ``--batch`` is the global batch, each process cuts only the rows its
+devices hold, only process 0 prints and writes ``args.json``, the plot and the summaries, and
+every process takes part in each orbax checkpoint (``--out`` must be one directory all
+processes see), which resumes onto another process count or mesh.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import json
 import time
 from pathlib import Path
@@ -43,7 +54,7 @@ from coda_jax import partitioning
 from coda_jax.fp8 import Fp8Recipe
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
 from coda_jax.layers.tensor_parallel import check_tensor_parallel, tensor_parallel_size
-from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state, token_shards
+from coda_jax.sharding import batch_from_rows, mesh_from_spec, shard_state, token_shards
 from coda_jax.training import adamw_cosine, make_steps
 
 import text_data  # examples/text_data.py: Python puts a script's own folder first on sys.path
@@ -92,8 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--mesh", default=None,
                    help="device mesh, e.g. data=2 or fsdp=8 or data=2,fsdp=4 or data=2,tensor=4 (tensor: Megatron "
                         "tensor parallel blocks; sizes multiply to the device count); "
-                        "default: data parallel over all local devices. --batch is the global batch, split over "
-                        "the mesh (it must divide evenly)")
+                        "default: data parallel over all devices (every process's, under jax.distributed). --batch "
+                        "is the global batch, split over the mesh (it must divide evenly)")
     p.add_argument("--mesh-type", default="auto", choices=["auto", "explicit"],
                    help="the mesh's axis types: auto (the partitioner places what the layers leave to it) or "
                         "explicit (sharding in types; the layers and the vocabulary-split lookup place every "
@@ -116,6 +127,18 @@ def parse_args(argv=None):
     p.add_argument("--remat", default="none", choices=["none", "block"],
                    help="activation checkpointing: block = each block keeps only its input and recomputes its "
                         "forward in the backward (less memory, about a third more GEMM work)")
+    mp = p.add_argument_group(
+        "several processes (jax.distributed.initialize)",
+        "Give all three of --coordinator, --num-processes and --process-id (scripts/launch_local.sh does), or "
+        "--distributed under a cluster manager JAX detects (SLURM, Open MPI, ...), which then supplies any of "
+        "the three left out. With none of these the run is one process.")
+    mp.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                    help="address of process 0's coordination service (coordinator_address)")
+    mp.add_argument("--num-processes", type=int, default=None, help="number of processes (num_processes)")
+    mp.add_argument("--process-id", type=int, default=None, help="this process's index, 0 to N-1 (process_id)")
+    mp.add_argument("--distributed", action="store_true",
+                    help="call jax.distributed.initialize() with the flags given above, the rest detected from "
+                         "the cluster manager (SLURM, Open MPI, Kubernetes, ...)")
     args = p.parse_args(argv)
     if not args.init_from:  # else main() fills them once it knows the starting point's model
         fill_schedule(args, args.preset)
@@ -126,7 +149,9 @@ def parse_args(argv=None):
 
 # Smallest value of each integer flag (the tokenizer needs 256 bytes + specials).
 FLAG_MINIMUMS = {"layers": 1, "steps": 1, "batch": 1, "seq": 1, "warmup": 0, "vocab": 260, "ckpt_every": 0,
-                 "eval_every": 0, "log_every": 1}
+                 "eval_every": 0, "log_every": 1, "num_processes": 1, "process_id": 0}
+# The jax.distributed flags, which go together unless --distributed lets JAX detect the rest.
+PROCESS_FLAGS = ("coordinator", "num_processes", "process_id")
 
 
 def flag_errors(args) -> list[str]:
@@ -138,7 +163,53 @@ def flag_errors(args) -> list[str]:
             errs.append(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
     if args.lr is not None and not (args.lr > 0 and np.isfinite(args.lr)):
         errs.append(f"--lr must be a finite number > 0, got {args.lr}")
+    given = [f for f in PROCESS_FLAGS if getattr(args, f, None) is not None]
+    if given and len(given) < len(PROCESS_FLAGS) and not getattr(args, "distributed", False):
+        missing = [f for f in PROCESS_FLAGS if f not in given]
+        errs.append(f"{', '.join(_flag(f) for f in given)} needs {' and '.join(_flag(f) for f in missing)} "
+                    "(or --distributed, to have JAX detect the rest from a cluster manager such as SLURM)")
+    n, i = getattr(args, "num_processes", None), getattr(args, "process_id", None)
+    if n is not None and i is not None and n >= 1 and not 0 <= i < n:
+        errs.append(f"--process-id must be in 0..{n - 1} (--num-processes {n}), got {i}")
+    coord = getattr(args, "coordinator", None)
+    if coord is not None and not re.fullmatch(r"\S+:\d{1,5}", coord):
+        errs.append(f"--coordinator must be HOST:PORT (e.g. localhost:12355 or 10.0.0.1:12355), got {coord!r}")
     return errs
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def multi_process(args) -> bool:
+    """Whether the flags ask for ``jax.distributed`` (see :func:`init_distributed`)."""
+    return bool(getattr(args, "distributed", False) or getattr(args, "coordinator", None) is not None)
+
+
+def init_distributed(args) -> None:
+    """Joins this process to the others of the run (``jax.distributed.initialize``) when the
+    flags ask for it: all three of ``--coordinator``, ``--num-processes`` and
+    ``--process-id`` (checked together by :func:`flag_errors`), or ``--distributed`` (JAX
+    detects what is not given from the cluster manager). Never for a plain single-process
+    run, even under a cluster manager: that run keeps to this process's devices.
+
+    Must come before anything asks JAX for a device. Calling :func:`main` again in a process
+    that already joined (a fine-tune after a run) keeps the first run's processes."""
+    if not multi_process(args) or jax.distributed.is_initialized():
+        return
+    kw = {name: v for name, v in (("coordinator_address", args.coordinator), ("num_processes", args.num_processes),
+                                  ("process_id", args.process_id)) if v is not None}
+    try:
+        jax.distributed.initialize(**kw)
+    except (ValueError, RuntimeError) as e:  # no cluster manager detected, coordinator unreachable, ...
+        how = "--distributed" if args.distributed else f"--coordinator {args.coordinator}"
+        raise SystemExit(f"train_llama.py: error: {how}: jax.distributed.initialize failed: {e}") from None
+
+
+def _say(*args, **kw) -> None:
+    """``print`` on process 0 only: the other processes of a multi-process run stay quiet."""
+    if jax.process_index() == 0:
+        print(*args, **kw)
 
 
 def run_errors(args, cfg: LlamaConfig, train_tokens: int, val_tokens: int, memory_bytes: int | None,
@@ -184,10 +255,10 @@ def estimate_step_bytes(cfg: LlamaConfig, batch: int, seq: int, platform: str,
 
 
 def device_memory_bytes() -> int | None:
-    """Memory of the first device: the GPU's allocator limit, or the host's RAM on CPU."""
+    """Memory of this process's first device: the GPU's allocator limit, or the host's RAM on CPU."""
     import os
 
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]  # under jax.distributed, jax.devices()[0] may be another process's
     if dev.platform == "cpu":
         try:
             return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -217,25 +288,29 @@ def flops_per_token(cfg: LlamaConfig, seq: int) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    init_distributed(args)  # before any device is asked for
+    primary = jax.process_index() == 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    on_gpu = jax.devices()[0].platform == "gpu"
+    on_gpu = jax.local_devices()[0].platform == "gpu"
 
     corpus = text_data.load_corpus()
     init = _init_source(args)  # with --init-from a train_llama.py run: that run's preset, layers and vocab
     fill_schedule(args, None if "config" in init else args.preset)  # a Hugging Face model is no preset
-    (out / "args.json").write_text(json.dumps(vars(args), indent=1))  # how examples/sample.py rebuilds the model
+    if primary:  # how examples/sample.py rebuilds the model
+        (out / "args.json").write_text(json.dumps(vars(args), indent=1))
     tok = init.get("tokenizer") or text_data.build_tokenizer([corpus], vocab_size=args.vocab)
     train_tokens, val_tokens = text_data.split_tokens(text_data.encode(tok, corpus))
     cfg = (init.get("config") or make_config(args, tok.get_vocab_size())).replace(
         remat=args.remat, fp8=Fp8Recipe() if getattr(args, "fp8", False) else None)
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     for msg in run_errors(args, cfg, len(train_tokens), len(val_tokens), device_memory_bytes(), dev.platform,
                           getattr(dev, "compute_capability", None)):
         raise SystemExit(f"train_llama.py: error: {msg}")
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend}; preset={args.preset} "
-          f"(d={cfg.hidden_size}, layers={cfg.num_layers}, vocab={cfg.vocab_size}); "
-          f"{len(train_tokens):,} train tokens", flush=True)
+    procs = f" x {jax.process_count()} processes ({len(jax.devices())} devices)" if jax.process_count() > 1 else ""
+    _say(f"jax {jax.__version__} on {dev.device_kind}{procs}; backend={args.backend}; preset={args.preset} "
+         f"(d={cfg.hidden_size}, layers={cfg.num_layers}, vocab={cfg.vocab_size}); "
+         f"{len(train_tokens):,} train tokens", flush=True)
 
     try:
         mesh = mesh_from_spec(args.mesh, explicit=args.mesh_type == "explicit")
@@ -243,8 +318,10 @@ def main(argv=None) -> dict:
         raise SystemExit(f"train_llama.py: error: --mesh: {e}") from None
     shards = token_shards(mesh)
     if args.batch % shards:
-        raise SystemExit(f"train_llama.py: error: --batch {args.batch} must be a multiple of the mesh's "
-                         f"{shards} data shards ({args.mesh or 'data parallel over all devices'})")
+        raise SystemExit(f"train_llama.py: error: --batch {args.batch} (the global batch) must be a multiple of "
+                         f"the mesh's {shards} data shards ({args.mesh or 'data parallel over all devices'}"
+                         + (f", {len(jax.devices())} devices in {jax.process_count()} processes"
+                            if jax.process_count() > 1 else "") + ")")
     if tensor_parallel_size(mesh) > 1:
         try:
             check_tensor_parallel(cfg, args.batch, args.seq, mesh)
@@ -260,11 +337,11 @@ def main(argv=None) -> dict:
 def _run(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, shards: int, on_gpu: bool, init: dict):
     n_dev = 1 if mesh is None else mesh.size
     if mesh is not None:
-        print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}"
-              f"{' (Explicit axes)' if mesh.are_all_axes_explicit else ''}: global batch {args.batch}, "
-              f"{args.batch // shards} sequences per data shard"
-              + (f"; FSDP splits the weights' {partitioning.fsdp_split_on(mesh)}" if partitioning.axis_size(mesh, "fsdp") > 1 else ""),
-              flush=True)
+        _say(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}"
+             f"{' (Explicit axes)' if mesh.are_all_axes_explicit else ''}: global batch {args.batch}, "
+             f"{args.batch // shards} sequences per data shard"
+             + (f"; FSDP splits the weights' {partitioning.fsdp_split_on(mesh)}" if partitioning.axis_size(mesh, "fsdp") > 1 else ""),
+             flush=True)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         return _train(args, out, cfg, train_tokens, val_tokens, mesh, n_dev, on_gpu, init.get("load"))
 
@@ -302,6 +379,8 @@ def _init_source(args) -> dict:
             step = mgr.latest_step()
             if step is None:
                 raise SystemExit(f"train_llama.py: error: --init-from {src}: no checkpoint")
+            # The run's optimizer, for the checkpoint's structure; its moments follow the
+            # model's placement, so every array is restored onto this run's mesh.
             opt = nnx.Optimizer(model, adamw_cosine(run.lr, run.warmup, run.steps), wrt=nnx.Param)
             target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state((model, opt)))
             got = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
@@ -312,34 +391,47 @@ def _init_source(args) -> dict:
 
 def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_dev: int, on_gpu: bool,
            load=None) -> dict:
+    primary = jax.process_index() == 0
     model = CodaLlama(cfg, rngs=nnx.Rngs(args.seed), backend=args.backend)
-    if load is not None:
-        load(model)
     optimizer = nnx.Optimizer(model, adamw_cosine(args.lr, args.warmup, args.steps), wrt=nnx.Param)
-    shardings = None
-    if mesh is not None:  # parameters and AdamW moments FSDP-split over "fsdp" (replicated over "data")
-        nnx.update((model, optimizer), shard_state(nnx.state((model, optimizer)), mesh))
-        shardings = jax.tree.map(lambda x: x.sharding, nnx.state((model, optimizer)))
+
+    def place():  # parameters and AdamW moments FSDP-split over "fsdp" (replicated over "data")
+        if mesh is not None:  # each process built the same state (one seed) and takes its devices' part
+            nnx.update((model, optimizer), shard_state(nnx.state((model, optimizer)), mesh))
+
+    place()
+    if load is not None:  # after placing: a run's checkpoint is restored straight onto this mesh
+        load(model)
+        place()  # a Hugging Face model's weights arrive whole on every process
+    shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, nnx.state((model, optimizer)))
     train_step, eval_step, graphdef = make_steps(model, optimizer, shardings)
 
-    def put(x):  # a [batch, seq] host array -> the device(s), split over the mesh's data shards
-        return jax.device_put(x, batch_sharding(mesh)) if mesh is not None else jnp.asarray(x)
+    def put(tokens: np.ndarray, starts: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """The windows of ``tokens`` at ``starts`` as ``[batch, seq]`` (inputs, targets) on
+        the device(s), split over the mesh's data shards; under several processes each
+        process cuts only the rows its devices hold."""
+        if mesh is None:
+            return tuple(jnp.asarray(a) for a in text_data.windows(tokens, starts, args.seq))
+        shape = (len(starts), args.seq)
+        return tuple(batch_from_rows(lambda lo, hi, k=k: text_data.windows(tokens, starts[lo:hi], args.seq)[k],
+                                     shape, mesh) for k in (0, 1))
+
+    def validation() -> tuple[jax.Array, jax.Array]:
+        return put(val_tokens, text_data.validation_starts(len(val_tokens), args.batch, args.seq))
 
     ckpt = _Checkpointer(out / "checkpoints")
     start, history = 0, {"step": [], "loss": [], "val_step": [], "val_loss": []}
     if not args.no_resume and ckpt.latest() is not None:
         start, history = ckpt.restore(model, optimizer)
-        print(f"resumed from step {start} ({out / 'checkpoints'})", flush=True)
+        _say(f"resumed from step {start} ({out / 'checkpoints'})", flush=True)
     elif load is not None:  # fine-tuning: the starting point's validation loss
-        vi, vt = text_data.validation_batch(val_tokens, args.batch, args.seq)
-        history["val_before"] = float(eval_step(nnx.state((model, optimizer)), put(vi), put(vt)))
-        print(f"validation loss before training {history['val_before']:.4f} "
-              f"(perplexity {np.exp(history['val_before']):.1f})", flush=True)
+        history["val_before"] = float(eval_step(nnx.state((model, optimizer)), *validation()))
+        _say(f"validation loss before training {history['val_before']:.4f} "
+             f"(perplexity {np.exp(history['val_before']):.1f})", flush=True)
 
-    batches = text_data.batches(train_tokens, args.batch, args.seq, seed=args.seed, start_step=start)
     tokens_per_step = args.batch * args.seq
     fpt = flops_per_token(cfg, args.seq)
-    bar = _Progress(args.steps, start)
+    bar = _Progress(args.steps, start, show=primary)
     state = nnx.state((model, optimizer))
     pending = []  # (step, loss on the device) since the last synchronization
     window_start, window_steps = None, 0  # the clock starts after the compiling first step
@@ -372,8 +464,9 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
 
     t_first = time.perf_counter()
     for step in range(start, args.steps):
-        inputs, targets = next(batches)
-        state, loss = train_step(state, put(inputs), put(targets))
+        # The step's offsets (a few integers, the same in every process); each process cuts its rows.
+        starts = text_data.batch_starts(len(train_tokens), args.batch, args.seq, args.seed, step)
+        state, loss = train_step(state, *put(train_tokens, starts))
         pending.append((step, loss))
         window_steps += 1
         last = step + 1 == args.steps
@@ -387,9 +480,8 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
                 loop_t0 = time.perf_counter()
                 first_step_s = loop_t0 - t_first  # tracing, compilation and the first step
         if do_eval:
-            vi, vt = text_data.validation_batch(val_tokens, args.batch, args.seq)
             history["val_step"].append(step + 1)
-            history["val_loss"].append(float(eval_step(state, put(vi), put(vt))))
+            history["val_loss"].append(float(eval_step(state, *validation())))
         if do_ckpt:
             nnx.update((model, optimizer), state)
             ckpt.save(step + 1, model, optimizer, history)
@@ -397,8 +489,9 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
             window_start = time.perf_counter()
     nnx.update((model, optimizer), state)
     bar.close()
-    ckpt.close()
-    _plot(history, out / "loss.png")
+    ckpt.close()  # every process: orbax finishes the last checkpoint together
+    if primary:
+        _plot(history, out / "loss.png")
     summary = {}
     if timed_steps:
         # The figure to read, first: the steady-state rate of the train steps after the
@@ -427,25 +520,28 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
             (args.steps - start - 1) * tokens_per_step / (time.perf_counter() - loop_t0)
     if mesh is not None and partitioning.axis_size(mesh, "fsdp") > 1:
         summary["fsdp_split"] = partitioning.fsdp_split_on(mesh)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "history.json").write_text(json.dumps(history))
-    print(json.dumps(summary), flush=True)
+    if primary:  # the same numbers in every process (the losses are the global batch's); one writes them
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "history.json").write_text(json.dumps(history))
+    _say(json.dumps(summary), flush=True)
     if timed_steps:
         mfu = f", MFU {summary['mfu']:.1%} a device" if on_gpu else ""
-        print(f"steady state: {summary['tokens_per_s']:,.0f} tokens/s{mfu} over {timed_steps} timed steps "
-              f"(compile, evaluation and checkpoints excluded; the whole loop with them: "
-              f"{summary['wall_tokens_per_s_with_eval_and_checkpoints']:,.0f} tokens/s)", flush=True)
+        _say(f"steady state: {summary['tokens_per_s']:,.0f} tokens/s{mfu} over {timed_steps} timed steps "
+             f"(compile, evaluation and checkpoints excluded; the whole loop with them: "
+             f"{summary['wall_tokens_per_s_with_eval_and_checkpoints']:,.0f} tokens/s)", flush=True)
     return summary
 
 
 class _Progress:
-    """tqdm when available, else one line every few steps."""
+    """tqdm when available, else one line every few steps; nothing where not ``show`` (the
+    processes of a multi-process run other than process 0)."""
 
-    def __init__(self, total: int, start: int):
+    def __init__(self, total: int, start: int, show: bool = True):
+        self._show = show
         try:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=start, dynamic_ncols=True, mininterval=0.5)
+            self._bar = tqdm(total=total, initial=start, dynamic_ncols=True, mininterval=0.5) if show else None
         except ImportError:
             self._bar = None
         self._last = start
@@ -454,7 +550,7 @@ class _Progress:
         if self._bar is not None:
             self._bar.update(step - self._last)
             self._bar.set_postfix_str(text, refresh=False)
-        elif step % 10 == 0:
+        elif self._show and step % 10 == 0:
             print(f"step {step}: {text}", flush=True)
         self._last = step
 
@@ -464,7 +560,12 @@ class _Progress:
 
 
 class _Checkpointer:
-    """orbax checkpoints of (model params, optimizer state, loss history)."""
+    """orbax checkpoints of (model params, optimizer state, loss history).
+
+    Under several processes every process makes each call: orbax writes each array's shards
+    from the processes holding them (one replica each) and the history from process 0, into
+    one directory (a file system all processes share). A restore reads onto the shardings of
+    the current state, so a checkpoint resumes on another process count or mesh."""
 
     def __init__(self, directory: Path):
         import orbax.checkpoint as ocp
