@@ -108,7 +108,7 @@ def _fallback_allowed() -> bool:
 def _gpu_description() -> tuple[bool, str]:
     """(is a Hopper GPU, what the default device is)."""
     try:
-        dev = jax.devices()[0]
+        dev = jax.local_devices()[0]  # this process's (jax.devices()[0] may be another process's)
     except RuntimeError as e:  # pragma: no cover - no backend at all
         return False, f"no JAX device ({e})"
     if dev.platform != "gpu":

@@ -197,8 +197,8 @@ H100_SMS = 132
 
 
 def gpu_sm_count() -> int:
-    """SMs of the default device; an H100's 132 without a GPU."""
-    return getattr(jax.devices()[0], "core_count", None) or H100_SMS
+    """SMs of this process's first device; an H100's 132 without a GPU."""
+    return getattr(jax.local_devices()[0], "core_count", None) or H100_SMS
 
 
 def persistent_grid_sms(num_sms: int, reserved_sms: int = 0) -> int:

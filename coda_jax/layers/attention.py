@@ -111,7 +111,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, requested: str | 
 
 
 def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, requested: str | None) -> jax.Array:
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]  # this process's: under jax.distributed, devices()[0] may be remote
     plan = plan_attention(requested, dtype=q.dtype, seq_len=q.shape[1], head_dim=q.shape[3],
                           platform=dev.platform, compute_capability=getattr(dev, "compute_capability", None))
     _log_once(plan.note)

@@ -60,15 +60,15 @@ def resolve_logits_dtype(logits_dtype) -> jnp.dtype:
 
 def logits_budget_bytes() -> int:
     """Bytes of saved logits that ``save_logits="auto"`` allows: the option
-    ``cross_entropy.logits_budget_mb`` if set, else 1/8 of the default device's memory
-    (``memory_stats()["bytes_limit"]``: the 1B model's 8192 x 128256 float32 logits, 3.9 GiB,
-    fit on an 80 GB GPU), else 2 GiB.
+    ``cross_entropy.logits_budget_mb`` if set, else 1/8 of this process's first device's
+    memory (``memory_stats()["bytes_limit"]``: the 1B model's 8192 x 128256 float32 logits,
+    3.9 GiB, fit on an 80 GB GPU), else 2 GiB.
     """
     mb = current_options().cross_entropy.logits_budget_mb
     if mb != "auto":
         return int(mb * (1 << 20))
     try:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001  (backends without memory statistics)
         stats = {}
     limit = stats.get("bytes_limit")
