@@ -7,8 +7,9 @@
 #   bash scripts/launch_local.sh --gpus-per-process 1 8 --preset 1b --mesh fsdp=8            # one process per GPU
 #
 # Each process i gets --coordinator localhost:PORT --num-processes N --process-id i (PORT: a
-# free port, or --port). Process 0's output comes as it is (it alone prints the progress bar
-# and the summary); the others' lines are prefixed "[i] " (their warnings and errors). The
+# free port, or --port). Process 0's stdout and stderr come as they are (it alone prints the
+# progress bar and the summary); the others' output goes to stderr, each line prefixed "[i] "
+# (their warnings and errors). The
 # launcher waits for all of them; when one fails it stops the others (SIGTERM) and exits with
 # the first failure's status (0 when all succeed).
 #
@@ -89,15 +90,15 @@ for ((i = 0; i < n; i++)); do
   fi
   run() {  # one process: its id and, when it ends, its exit status go to $tmp
     env "${env_args[@]}" "$python" "$script" "$@" --coordinator "localhost:$port" --num-processes "$n" \
-      --process-id "$i" 2>&1 &
+      --process-id "$i" &
     echo $! > "$tmp/pid.$i.part" && mv "$tmp/pid.$i.part" "$tmp/pid.$i"  # renamed: never read half-written
     wait $!
     echo $? > "$tmp/rc.$i.part" && mv "$tmp/rc.$i.part" "$tmp/rc.$i"
   }
   if [ "$i" -eq 0 ]; then
-    run "$@" &            # process 0's output as it is: its progress bar rewrites one line
+    run "$@" &                                # process 0's stdout and stderr as they are (its progress bar)
   else
-    run "$@" | prefix "$i" &
+    run "$@" 2>&1 | prefix "$i" >&2 &         # the others': both, prefixed, to stderr
   fi
   pids+=($!)
 done
