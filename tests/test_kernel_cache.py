@@ -412,3 +412,56 @@ def test_the_command_line_tells_where_and_how_big_and_clears(tmp_path, monkeypat
     monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", "off")
     assert KC.main([]) == 0 and "off" in capsys.readouterr().out
     assert KC.describe(tmp_path / "missing") == {"directory": str(tmp_path / "missing"), "entries": 0, "bytes": 0}
+
+
+# One writer process of the test below: writes entry KEY N times, each an export of a
+# function whose embedded constant has WIDTH floats (so each writer's entry differs and
+# takes a while to write).
+_RACE_WRITER = r"""
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coda_jax.pallas.kernel_entries import write_entry
+
+directory, key, n, width = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+table = np.arange(width, dtype=np.float32)
+exported = jax.export.export(jax.jit(lambda x: x * table))(jax.ShapeDtypeStruct((width,), jnp.float32))
+print("ready", flush=True)
+for _ in range(n):
+    write_entry(directory, key, exported)
+"""
+
+
+def test_processes_sharing_the_directory_never_read_a_partial_entry(tmp_path):
+    """Several processes of a job share the cache directory (kernel_cache divides its workers
+    among them): three processes write the same entry over and over while this one reads it.
+    Each write goes to a temporary file renamed over the entry, so every read finds no entry
+    or a whole one (one of the writers'), and no temporary file is left."""
+    from coda_jax.pallas.kernel_entries import entry_path, read_entry
+
+    key, widths = "shared", (40_000, 60_000, 80_000)  # 160-320 KB entries
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    writers = [subprocess.Popen([sys.executable, "-c", _RACE_WRITER, str(tmp_path), key, "60", str(w)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in widths]
+    seen, reads = set(), 0
+    try:
+        while any(w.poll() is None for w in writers):
+            got = read_entry(tmp_path, key)  # raises on a partial or foreign file
+            reads += 1
+            if got is not None:
+                seen.add(got.in_avals[0].shape[0])
+    finally:
+        for w in writers:
+            if w.poll() is None:
+                w.kill()
+    for w in writers:
+        out, err = w.communicate(timeout=60)
+        assert w.returncode == 0, err[-4000:]
+    assert seen and seen <= set(widths), seen
+    assert read_entry(tmp_path, key).in_avals[0].shape[0] in widths
+    assert reads > len(seen)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [entry_path(tmp_path, key).name]  # no *.tmp left
