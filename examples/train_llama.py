@@ -139,6 +139,10 @@ def parse_args(argv=None):
     mp.add_argument("--distributed", action="store_true",
                     help="call jax.distributed.initialize() with the flags given above, the rest detected from "
                          "the cluster manager (SLURM, Open MPI, Kubernetes, ...)")
+    mp.add_argument("--local-device-ids", type=_device_ids, default=None, metavar="I,J,...",
+                    help="the GPUs of this host this process uses (local_device_ids), e.g. 0,1,2,3,4,5,6,7 for one "
+                         "process per host under SLURM, where JAX otherwise gives each process the one GPU "
+                         "numbered by its SLURM_LOCALID; default: JAX's choice")
     args = p.parse_args(argv)
     if not args.init_from:  # else main() fills them once it knows the starting point's model
         fill_schedule(args, args.preset)
@@ -174,7 +178,20 @@ def flag_errors(args) -> list[str]:
     coord = getattr(args, "coordinator", None)
     if coord is not None and not re.fullmatch(r"\S+:\d{1,5}", coord):
         errs.append(f"--coordinator must be HOST:PORT (e.g. localhost:12355 or 10.0.0.1:12355), got {coord!r}")
+    if getattr(args, "local_device_ids", None) is not None and not multi_process(args):
+        errs.append("--local-device-ids needs --distributed or --coordinator/--num-processes/--process-id")
     return errs
+
+
+def _device_ids(text: str) -> list[int]:
+    """``"0,1,3"`` -> ``[0, 1, 3]`` (argparse type of ``--local-device-ids``)."""
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"expected distinct device numbers >= 0 separated by commas, got {text!r}")
+    return ids
 
 
 def _flag(dest: str) -> str:
@@ -198,7 +215,8 @@ def init_distributed(args) -> None:
     if not multi_process(args) or jax.distributed.is_initialized():
         return
     kw = {name: v for name, v in (("coordinator_address", args.coordinator), ("num_processes", args.num_processes),
-                                  ("process_id", args.process_id)) if v is not None}
+                                  ("process_id", args.process_id), ("local_device_ids", args.local_device_ids))
+          if v is not None}
     try:
         jax.distributed.initialize(**kw)
     except (ValueError, RuntimeError) as e:  # no cluster manager detected, coordinator unreachable, ...

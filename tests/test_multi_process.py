@@ -184,6 +184,8 @@ def test_the_launcher_checks_its_arguments(argv, rule):
     (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in 0..1"),
     (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"], "--coordinator must be HOST:PORT"),
     (["--num-processes", "0", "--distributed"], "--num-processes must be >= 1"),
+    (["--local-device-ids", "0,1"], "--local-device-ids needs --distributed or --coordinator"),
+    (["--distributed", "--local-device-ids", "0,0"], "expected distinct device numbers >= 0"),
 ])
 def test_process_flags_are_checked(argv, rule, capsys):
     with pytest.raises(SystemExit):
@@ -202,7 +204,9 @@ def test_only_the_process_flags_or_distributed_join_processes(monkeypatch):
     train_llama.init_distributed(train_llama.parse_args([]))
     assert calls == []
     train_llama.init_distributed(train_llama.parse_args(["--distributed"]))
-    train_llama.init_distributed(train_llama.parse_args(["--distributed", "--process-id", "1"]))
+    train_llama.init_distributed(train_llama.parse_args(["--distributed", "--process-id", "1",
+                                                         "--local-device-ids", "0,1,2,3"]))
     train_llama.init_distributed(train_llama.parse_args(["--coordinator", "h:1", "--num-processes", "2",
                                                          "--process-id", "1"]))
-    assert calls == [{}, {"process_id": 1}, {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}]
+    assert calls == [{}, {"process_id": 1, "local_device_ids": [0, 1, 2, 3]},
+                     {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}]
