@@ -128,10 +128,11 @@ def test_a_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs, tmp_
     np.testing.assert_allclose(got["val_loss"], ref["val_loss"], rtol=RTOL)
 
 
-def test_the_library_under_two_processes():
+def test_the_library_under_two_processes(tmp_path):
     """``batch_from_rows`` asks each process only for its devices' rows and builds the global
-    batch; ``place_whole`` places a value each process holds whole."""
-    r = _launch(2, "library", script=ROOT / "tests" / "multi_process_probe.py", timeout=120)
+    batch; ``place_whole`` places a value each process holds whole; a model split over both
+    processes gives its whole Hugging Face state dict, and ``save_pretrained`` writes it once."""
+    r = _launch(2, "library", str(tmp_path / "hf"), script=ROOT / "tests" / "multi_process_probe.py", timeout=120)
     _ok(r)
     got = {}
     for line in (r.stdout + r.stderr).splitlines():
@@ -146,6 +147,8 @@ def test_the_library_under_two_processes():
         assert d["rows"] == [[4 * i, 4 * i + 2], [4 * i + 2, 4 * i + 4]]  # its own half of the batch, nothing else
         np.testing.assert_array_equal(d["batch"], whole)
         np.testing.assert_array_equal(d["placed"], whole * 2)
+        assert d["hf_split_params"] > 0 and d["hf_equal"], d
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_the_launcher_stops_the_others_when_one_fails():

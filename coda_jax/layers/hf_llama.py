@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -173,11 +174,23 @@ def load_hf_state_dict(model: nnx.Module, state_dict: Mapping[str, Any], *, stri
     return model
 
 
+def _on_host(x) -> np.ndarray:
+    """``x`` whole as a float32 numpy array. An array spread over several processes' devices
+    (``jax.distributed``) is gathered from all of them first (a collective: every process
+    must get here); ``np.asarray`` refuses one whose shards are not all in this process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x, np.float32)
+
+
 def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     """The inverse of :func:`load_hf_state_dict`: ``model``'s (a :class:`CodaLlama`'s)
-    parameters as float32 numpy arrays in HF names/layouts."""
+    parameters as float32 numpy arrays in HF names/layouts. Under several processes every
+    process must call it: parameters split over other processes' devices are gathered."""
     cfg = model.config
-    a = lambda p: np.asarray(p[...], np.float32)
+    a = lambda p: _on_host(p[...])
     out = {"model.embed_tokens.weight": a(model.embed), "model.norm.weight": a(model.final_norm)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = a(model.lm_head)

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -105,15 +106,20 @@ def load_pretrained(model: nnx.Module, path: str | Path, *, mesh=None) -> nnx.Mo
 
 def save_pretrained(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Writes ``model`` (a :class:`CodaLlama`) as a Hugging Face checkpoint directory (float32
-    safetensors, split into shards of at most ``max_shard_bytes`` with an index when larger)."""
+    safetensors, split into shards of at most ``max_shard_bytes`` with an index when larger).
+
+    Under several processes (``jax.distributed``) every process must call it: the parameters
+    are gathered from all of them, and process 0 alone writes."""
     from safetensors.numpy import save_file  # optional package: imported on use
 
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     path = Path(path)
+    tensors = {k: np.ascontiguousarray(v) for k, v in to_hf_state_dict(model).items()}  # every process
+    if jax.process_index() != 0:
+        return path
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=1))
-    tensors = {k: np.ascontiguousarray(v) for k, v in to_hf_state_dict(model).items()}
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):
