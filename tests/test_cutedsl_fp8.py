@@ -552,3 +552,17 @@ def test_the_default_lowering_hands_fp8_gemms_to_xla_until_the_path_is_verified_
     a = jnp.zeros((256, 128), E4M3)
     b = jnp.zeros((256, 128), E4M3)
     assert "not yet verified on a GPU" in CUTEDSL.fp8_rule(E.dequantized(P.IDENTITY), a, b, False, True)
+
+
+def test_unscaled_outputs_of_fp8_operands_default_to_bf16():
+    """A tile output given no dtype is stored in bf16 on FP8 operands
+    (:func:`coda_jax.epilogue.default_out_dtype`), as the reference stores it."""
+    from coda_jax.reference import REFERENCE
+
+    epi = E.dequantized(P.rms_dgrad_q8(True))
+    a, b, loads = _abstract(epi, 256, 256, 256)
+    low = _kernel()
+    got = jax.eval_shape(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True), a, b, loads)
+    want = jax.eval_shape(lambda a, b, l: REFERENCE.gemm(epi, a, b, l, transpose_b=True), a, b, loads)
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    assert got["dx"].dtype == BF

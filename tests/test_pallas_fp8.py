@@ -359,3 +359,49 @@ def test_fp8_kernel_lowers_for_cuda(name, epi, dtypes, config):
         txt = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=tb)).trace(
             a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt, name
+
+
+def test_unscaled_outputs_of_fp8_operands_default_to_bf16():
+    # A tile output given no dtype is stored in bf16 on FP8 operands (epilogue.default_out_dtype),
+    # as the reference stores it, not in the operands' FP8 dtype (run 318: the kernel wrote e4m3).
+    from coda_jax.pallas.lowering import kernel_shape
+
+    epi = E.dequantized(programs.rms_dgrad_q8(True))
+    shape = kernel_shape(epi, 2048, 2048, 1024, WS_N8, False, True, E4M3, None, 132)
+    assert dict(shape.out_dtypes) == {"dx": jnp.dtype(BF16), "dxq": jnp.dtype(E5M2), "dgamma": jnp.dtype(F32)}
+    a, b = jax.ShapeDtypeStruct((256, 256), E4M3), jax.ShapeDtypeStruct((256, 256), E4M3)
+    loads = abstract_loads(epi, 256, 256)
+    low = PallasLowering(WS_N8, plain_gemm="kernel")
+    got = jax.eval_shape(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True), a, b, loads)
+    want = jax.eval_shape(lambda a, b, l: REFERENCE.gemm(epi, a, b, l, transpose_b=True), a, b, loads)
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    assert got["dx"].dtype == BF16
+
+
+def _shipped_fp8_configs():
+    """(program, layout, config) of each distinct FP8 configuration in the shipped tuned tables
+    (programs on FP8 operands: :func:`coda_jax.epilogue.dequantized`'s ``<name>_fp8``)."""
+    from coda_jax.pallas.tuned import SHIPPED_TABLES, load_table
+    from test_pallas_kernels import CASES
+
+    inner = [c[0] for c in CASES] + [programs.RESIDUAL_RMS_Q8, programs.rms_swiglu_q8(True), programs.SWIGLU_DGRAD_Q8,
+                                     programs.rms_dgrad_q8(True), programs.rms_dgrad_q8(False),
+                                     programs.rms_dgrad(True, True)]
+    seen = {}
+    for e in (e for path in SHIPPED_TABLES for e in load_table(str(path)).entries):
+        if e.config is not None and e.program.endswith("_fp8"):
+            epi = next((E.dequantized(i) for i in inner if i.name == e.program.removesuffix("_fp8")), None)
+            assert epi is not None, f"tuned table entry for unknown FP8 program {e.program!r}"
+            assert e.config.tile_k == 128, f"{e.program}: an FP8 entry holds the K step it was measured with"
+            seen.setdefault((e.program, e.config), (epi, e.layout, e.config))
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("epi,layout,cfg", _shipped_fp8_configs(),
+                         ids=lambda x: getattr(x, "name", None) or (x if isinstance(x, str) else None))
+def test_shipped_fp8_tuned_configs(epi, layout, cfg):
+    # Each FP8 configuration of the shipped tables on the program it was tuned for, FP8 operands,
+    # ragged M and N (tests/test_gpu_pallas_fp8.py runs the kernels compiled).
+    assert layout == "nt"
+    out = {o.name: BF16 for o in epi.outputs if o.kind is OutputKind.TILE and o.quantize is None}
+    _compare(epi, 200, 384, 256, config=cfg, out_dtypes=out, seed=30)

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind, default_out_dtype
 from coda_jax.ffi.interpret import check_lowerable, trace_body
 from coda_jax.ffi.tuning import CuteDslTuning
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
@@ -158,9 +158,10 @@ class CuteDslLowering(KernelLowering):
         m, n, k = dims
         tuning = self.tuning
         _check_pair_width(epilogue)
-        # A quantizing output is stored in its own FP8 dtype (as the reference stores it).
+        # A quantizing output is stored in its own FP8 dtype (as the reference stores it); an
+        # unscaled one of FP8 operands in bf16 (default_out_dtype).
         dtypes = tuple((o.name, jnp.dtype(o.dtype) if o.quantize is not None else
-                        jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or a.dtype))
+                        jnp.dtype((out_dtypes or {}).get(o.name, o.dtype) or default_out_dtype(a.dtype)))
                        for o in epilogue.outputs)
         for o, (name, dt) in zip(epilogue.outputs, dtypes):
             if o.quantize is None and dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from coda_jax.epilogue import FP8_DTYPES, Epilogue, Load, LoadKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, Load, LoadKind, default_out_dtype
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
 from coda_jax.lowering import gpu_sm_count, split_columns
 from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, out_types, plan_kernel, split_outputs_fit,
@@ -89,12 +89,13 @@ def kernel_shape(epilogue: Epilogue, m: int, n: int, k: int, cfg: TuningConfig, 
                  num_sms: int) -> KernelShape:
     """The kernel's static shape for an ``[m, k] @ [k, n]`` GEMM under ``cfg``: sizes padded
     to the CTA tile (and K to ``tile_k``; a fallback kernel divides the tile too), each
-    output's dtype (``out_dtypes``, else the epilogue's, else the operands'; a quantizing
+    output's dtype (``out_dtypes``, else the epilogue's, else
+    :func:`~coda_jax.epilogue.default_out_dtype`: the operands', bf16 for FP8 ones; a quantizing
     output's is always its FP8 dtype, as the reference writes it), ``num_sms`` CTAs in the
     persistent grid."""
     m_quantum, n_quantum = cfg.cta_tile()
     dtypes = tuple((o.name, jnp.dtype(o.dtype if o.quantize is not None
-                                      else (out_dtypes or {}).get(o.name, o.dtype) or operand_dtype))
+                                      else (out_dtypes or {}).get(o.name, o.dtype) or default_out_dtype(operand_dtype)))
                    for o in epilogue.outputs)
     return KernelShape(m=_round_up(m, m_quantum), n=_round_up(n, n_quantum), k=_round_up(k, cfg.tile_k),
                        m_real=m, n_real=n, transpose_a=transpose_a, transpose_b=transpose_b,
