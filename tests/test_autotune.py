@@ -181,6 +181,32 @@ def test_candidates_respect_the_pair_block():
         at.candidate_configs(step_call(programs.RESIDUAL_RMS), ["bogus"])
 
 
+def test_fp8_calls_get_candidates_with_the_fp8_k_step():
+    # An FP8 call is timed with each candidate's K step doubled (as the heuristics run FP8), so
+    # that its table entry holds what was measured; K steps under 64 (FP8 rows < 128 B) are left out.
+    from coda_jax import epilogue as E
+
+    fp8 = jnp.float8_e4m3fn
+    call = at.KernelCall(E.dequantized(programs.IDENTITY), jax.ShapeDtypeStruct((256, 256), fp8),
+                         jax.ShapeDtypeStruct((512, 256), fp8), (("acc_scale", jax.ShapeDtypeStruct((), jnp.float32)),),
+                         False, True, (), (256, 512, 256))
+    got = at.candidate_configs(call, ["all"])
+    bf16 = at.candidate_configs(dataclasses.replace(call, a=jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+                                                    b=jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)), ["all"])
+    assert got and set(got) == {n for n, c in bf16.items() if c.tile_k >= 64}
+    assert all(got[n].tile_k == 2 * bf16[n].tile_k for n in got)
+    assert "k32" in bf16 and "k32" not in got
+
+
+def test_combined_compares_a_quantizing_outputs_copy_and_amax():
+    epi = programs.RESIDUAL_RMS_Q8
+    outs = {"x": jnp.ones((4, 8)), "h": jnp.ones((4, 8)), "h_t": jnp.ones((8, 4)),
+            "h_amax": jnp.array([[1.0, 2.0, 0.5, 1.0], [3.0, 0.0, 1.0, 1.0]]), "sumsq": jnp.ones((2, 4))}
+    got = at.combined(epi, outs)
+    assert set(got) == {"x", "h", "h_t", "h_amax", "sumsq"}
+    assert got["h_amax"].tolist() == [3.0, 2.0, 1.0, 1.0] and got["h_t"].shape == (8, 4)
+
+
 def test_random_arguments_fit_the_call():
     call = at.KernelCall(programs.RMS_LSE, jax.ShapeDtypeStruct((64, 128), jnp.bfloat16),
                          jax.ShapeDtypeStruct((1000, 128), jnp.bfloat16),

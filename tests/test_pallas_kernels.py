@@ -738,7 +738,7 @@ def _shipped_program_configs():
 
     seen = {}
     for e in (e for path in SHIPPED_TABLES for e in load_table(str(path)).entries):
-        if e.config is not None:
+        if e.config is not None and not e.program.endswith("_fp8"):  # FP8 entries: test_pallas_fp8.py
             case = next((c for c in CASES if c[0].name == e.program), None)
             assert case is not None, f"tuned table entry for unknown program {e.program!r}"
             seen.setdefault((e.program, e.config), (case[0], e.layout, e.config))

@@ -29,13 +29,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from coda_jax.epilogue import Epilogue, OutputKind
+from coda_jax.epilogue import FP8_DTYPES, Epilogue, OutputKind
 from coda_jax.lowering import gpu_sm_count
 from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
 from coda_jax.pallas.gemm_epilogue import plan_kernel
 from coda_jax.pallas.lowering import PallasLowering, kernel_load_dtype, kernel_shape
 from coda_jax.pallas.tuned import config_fields, layout_name, parse_table, tables_disabled
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, for_fp8_operands
 
 _D = CONFIG_TABLE["default"]
 # Variants of the default that won on some GEMM of a training step on the H100
@@ -159,8 +159,14 @@ def known_candidates() -> dict[str, TuningConfig]:
 def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[str, TuningConfig]:
     """The named candidates (default: :data:`CANDIDATES`; ``"extended"``:
     :data:`EXTENDED_CANDIDATES`; ``"all"``: both) that can run ``call``: those whose tile
-    holds the epilogue's pair block and whose K step suits the call's layout. The heuristic's own configuration is timed separately."""
+    holds the epilogue's pair block and whose K step suits the call's layout. The heuristic's own configuration is timed separately.
+
+    A call on FP8 operands gets each candidate with its K step doubled
+    (:func:`~coda_jax.pallas.tuning.for_fp8_operands`: the bytes of a 16-bit K step, as the
+    heuristics run FP8), so its table entry holds the configuration as measured; candidates
+    whose 16-bit K step is shorter than 64 (FP8 rows under 128 bytes) are left out."""
     epi = call.epilogue
+    fp8 = call.a.dtype in FP8_DTYPES
     pw = epi.pair_width if epi.pair_block is not None else None
     known = known_candidates()
     groups = {"extended": list(EXTENDED_CANDIDATES), "all": list(known)}
@@ -170,6 +176,10 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
         if name not in known:
             raise ValueError(f"unknown candidate {name!r}; known: {sorted(known)}, 'extended', 'all'")
         cfg = known[name]
+        if fp8:
+            if cfg.tile_k < 64:
+                continue
+            cfg = for_fp8_operands(cfg)
         if not cfg.k_step_fits(call.transpose_a, call.transpose_b):
             continue  # plan_kernel would refuse it
         if pw is None or cfg.tile_n % pw == 0:
@@ -282,6 +292,10 @@ def combined(epi: Epilogue, outs: dict[str, jax.Array]) -> dict[str, jax.Array]:
         elif o.kind in (OutputKind.ROW_SUM, OutputKind.COL_SUM):
             v = v.sum(axis=0)
         res[o.name] = v
+        if o.quantize is not None:  # a quantizing output's copy, and its amax partials' max
+            for extra in o.result_names()[1:]:
+                x = jnp.asarray(outs[extra], jnp.float32)
+                res[extra] = x.max(axis=0) if extra.endswith("_amax") else x
     return res
 
 
