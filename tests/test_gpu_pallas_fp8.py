@@ -18,7 +18,8 @@ from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
 from op_cases import poison_allocator
-from test_pallas_fp8 import AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare
+from coda_jax.epilogue import OutputKind
+from test_pallas_fp8 import AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs
 
 pytestmark = pytest.mark.gpu
 
@@ -68,3 +69,11 @@ def test_swiglu_q8_programs_on_gpu():
     _run(E.dequantized(programs.rms_swiglu_q8(True)), 2048, 4096, 1024, out_dtypes={"z": BF16}, seed=26)
     _run(programs.SWIGLU_DGRAD_Q8, 2048, 2048, 1024, transpose_b=True, dtypes=(BF16, BF16), seed=27)
     _run(E.dequantized(programs.rms_dgrad_q8(True)), 2048, 2048, 1024, out_dtypes=None, seed=28)
+
+
+@pytest.mark.parametrize("epi,layout,cfg", _shipped_fp8_configs(),
+                         ids=lambda x: getattr(x, "name", None) or (x if isinstance(x, str) else None))
+def test_shipped_fp8_tuned_configs_on_gpu(epi, layout, cfg):
+    # Each FP8 configuration of the shipped tables, compiled, on its program (ragged M and N).
+    out = {o.name: BF16 for o in epi.outputs if o.kind is OutputKind.TILE and o.quantize is None}
+    _run(epi, 2000, 2944, 1024, config=cfg, out_dtypes=out, seed=31)
