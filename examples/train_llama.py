@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import json
+import re
 import time
 from pathlib import Path
 
@@ -256,7 +256,7 @@ def run_errors(args, cfg: LlamaConfig, train_tokens: int, val_tokens: int, memor
 def estimate_step_bytes(cfg: LlamaConfig, batch: int, seq: int, platform: str,
                         compute_capability: str | None = None) -> int:
     """A lower bound on one training step's memory (bytes); see :func:`run_errors`."""
-    from coda_jax.layers.attention import plan_attention
+    from coda_jax.ops.attention import plan_attention
 
     d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     params = L * (d * cfg.qkv_size + cfg.num_heads * cfg.head_dim * d + 3 * d * f) + cfg.vocab_size * d

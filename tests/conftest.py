@@ -43,6 +43,7 @@ SLOW_FIRST = (
     "test_shape_fuzz.py::test_model_draw_on_pallas",
     "test_ops_pallas.py::test_block_on_pallas_matches_xla_backend",
     "test_train_example.py::test_short_training_run_learns_and_resumes",
+    "test_multi_process.py::test_two_processes_train_as_one_process",  # two processes of two devices each
     "test_bench_tools.py::test_train_step_bench_runs_plain_and_coda_and_restores_the_environment",
     "test_train_example.py::test_sample_from_a_training_run",
     "test_ops_reference.py::test_rms_norm_matmul_random_shapes",

@@ -164,7 +164,8 @@ def test_the_launcher_stops_the_others_when_one_fails():
 def test_a_batch_the_data_shards_do_not_divide_is_an_error_in_every_process(tmp_path):
     r = _launch(2, *COMMON, "--batch", "6", "--mesh", "data=4", "--out", str(tmp_path / "run"), timeout=120)
     assert r.returncode != 0
-    rule = "--batch 6 (the global batch) must be a multiple of the mesh's 4 data shards (data=4, 4 devices in 2 processes)"
+    rule = ("--batch 6 (the global batch) must be a multiple of the mesh's 4 data shards "
+            "(data=4, 4 devices in 2 processes)")
     lines = r.stderr.splitlines()
     assert any(l.startswith("train_llama.py: error: " + rule) for l in lines), r.stderr  # process 0
     assert any(l.startswith("[1] train_llama.py: error: " + rule) for l in lines), r.stderr
