@@ -68,7 +68,7 @@ from jax import lax
 from benchmarks.plain_llama import PlainLlama, PlainLlamaBlock, _use, rms_norm, rope
 from coda_jax.fp8 import E4M3, E5M2, Fp8Meta, Fp8Recipe, next_history, quantize, scale_from_history
 from coda_jax.layers import LlamaConfig
-from coda_jax.layers.attention import causal_attention
+from coda_jax.ops.attention import causal_attention
 from coda_jax.sharding import reshape_tokens
 
 __all__ = ["IDIOMS", "DEFAULT_IDIOM", "FP8_GEMM_TARGET", "fp8_dot", "fp8_gemm_calls", "expected_fp8_gemms",

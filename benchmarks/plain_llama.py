@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from coda_jax.layers import CodaLlama, LlamaConfig
-from coda_jax.layers.attention import causal_attention
+from coda_jax.ops.attention import causal_attention
 from coda_jax.ops.rope_frequencies import rope_inv_freq
 from coda_jax.ops.swiglu_layout import split_gate_up
 from coda_jax.sharding import explicit_sharding, gathered, shard_state

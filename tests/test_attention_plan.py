@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax.layers import attention as A
+from coda_jax.ops import attention as A
 
 BF = jnp.bfloat16
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coda_jax.layers.attention import causal_attention
+from coda_jax.ops.attention import causal_attention
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.layers.tensor_parallel import tensor_parallel_block, tensor_parallel_size
 from coda_jax.backend import lowering_for

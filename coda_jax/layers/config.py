@@ -30,7 +30,7 @@ class LlamaConfig:
       param_dtype: storage dtype of parameters.
       attention_implementation: passed to ``jax.nn.dot_product_attention``; ``"auto"``
         picks ``"cudnn"`` on a GPU for 16-bit dtypes where it supports the shape, else XLA
-        (:mod:`coda_jax.layers.attention`; odd lengths are padded by one for cuDNN).
+        (:mod:`coda_jax.ops.attention`; odd lengths are padded by one for cuDNN).
       remat: activation checkpointing of :class:`~coda_jax.layers.CodaLlama`'s blocks.
         ``"none"``: every block keeps what its backward reads (``[tokens, qkv + 4d + 2f]``
         values a layer). ``"block"``: each block keeps only its input and norm carry, and its

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from coda_jax import mesh_axes, partitioning
-from coda_jax.layers.attention import causal_attention
+from coda_jax.ops.attention import causal_attention
 from coda_jax.mesh_axes import TENSOR_AXIS
 from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope
 from coda_jax.ops.swiglu_mlp import swiglu_mlp_partial

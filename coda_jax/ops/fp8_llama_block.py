@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from coda_jax import programs
 from coda_jax.fp8 import E4M3, E5M2, Fp8Tensor, next_history, quantize_tensor, scale_from_history
 from coda_jax.lowering import GemmLowering
+from coda_jax.ops.attention import causal_attention
 from coda_jax.ops.fp8_gemm import fp8_gemm
 from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
 from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
@@ -87,12 +88,6 @@ def _epilogue_fp8(outs: dict, name: str, scale: jax.Array) -> tuple[Fp8Tensor, j
     return Fp8Tensor(outs[name], outs[f"{name}_t"], 1.0 / scale), jnp.max(outs[f"{name}_amax"])
 
 
-def _attention(q, k, v, impl):
-    from coda_jax.layers.attention import causal_attention  # the block's own attention plan
-
-    return causal_attention(q, k, v, impl)
-
-
 def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux, meta):
     m, d = x.shape
     dt = x.dtype
@@ -112,7 +107,7 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
                        out_splits=variant.out_splits)
     q, k, v = qkv_out["qkv"]
     b, s = st.batch, st.seq
-    o, attn_vjp = jax.vjp(lambda q, k, v: _attention(q, k, v, st.attention),
+    o, attn_vjp = jax.vjp(lambda q, k, v: causal_attention(q, k, v, st.attention),
                           reshape_tokens(q, (b, s, nh, hd)), reshape_tokens(k, (b, s, nkv, hd)),
                           reshape_tokens(v, (b, s, nkv, hd)))
     o, amax["o"] = _quantize(meta, "o", reshape_tokens(o, (m, nh * hd)), mg)
