@@ -546,12 +546,12 @@ def test_q8_amax_keeps_nan_on_gpu():
     assert np.isnan(np.asarray(got["h"][300, 700], F32)) and np.isnan(np.asarray(got["h_t"][700, 300], F32))
 
 
-def test_the_default_lowering_hands_fp8_gemms_to_xla_until_the_path_is_verified_on_a_gpu():
+def test_the_default_lowering_hands_fp8_gemms_to_xla_until_the_path_is_measured():
     from coda_jax.ffi.lowering import CUTEDSL
 
     a = jnp.zeros((256, 128), E4M3)
     b = jnp.zeros((256, 128), E4M3)
-    assert "not yet verified on a GPU" in CUTEDSL.fp8_rule(E.dequantized(P.IDENTITY), a, b, False, True)
+    assert "not yet measured against cuBLASLt" in CUTEDSL.fp8_rule(E.dequantized(P.IDENTITY), a, b, False, True)
 
 
 def test_unscaled_outputs_of_fp8_operands_default_to_bf16():

@@ -123,8 +123,8 @@ class CuteDslLowering(KernelLowering):
     def __init__(self, tuning: CuteDslTuning | None = None, *, plain_gemm: str | None = None,
                  latency_hints: bool = False, reserved_sms: int = 0, fp8_kernel: bool = False):
         super().__init__(plain_gemm=plain_gemm, latency_hints=latency_hints, reserved_sms=reserved_sms)
-        # The kernel's FP8 path (FP8 operands, quantizing outputs) traces, lowers and compiles
-        # without spills, but has not yet run on a GPU: until it has, FP8 GEMMs go to XLA
+        # The kernel's FP8 path (FP8 operands, quantizing outputs) is checked on the GPU, but its
+        # speed against cuBLASLt's FP8 GEMM is not measured: until it is, FP8 GEMMs go to XLA
         # unless a lowering is built with fp8_kernel=True (docs/cutedsl.md#fp8).
         self.fp8_kernel = bool(fp8_kernel)
         if tuning is not None and not isinstance(tuning, CuteDslTuning):
@@ -140,8 +140,8 @@ class CuteDslLowering(KernelLowering):
         """See :meth:`coda_jax.kernel_lowering.KernelLowering.fp8_rule`: :func:`fp8_rule`, on a
         lowering built with ``fp8_kernel=True``; otherwise every FP8 GEMM runs on XLA."""
         if not self.fp8_kernel:
-            return ("the CuTeDSL FP8 path is not yet verified on a GPU; build CuteDslLowering(fp8_kernel=True) "
-                    "to run it")
+            return ("the CuTeDSL FP8 path is not yet measured against cuBLASLt's FP8 GEMM; build "
+                    "CuteDslLowering(fp8_kernel=True) to run it")
         return fp8_rule(epilogue, a, b, transpose_a, transpose_b)
 
     def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
