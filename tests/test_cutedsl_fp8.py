@@ -17,7 +17,6 @@ bit-equal on >= 99 % of their elements, the max of the amax partials within rtol
 
 import os
 import shutil
-import subprocess
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -305,34 +304,24 @@ def test_quantizing_smem_plan():
         assert pick(q8) == pick(plain) == 256
 
 
-_SPILL_PROBE = """
-import glob, json, os, shutil, sys
-import jax, jax.numpy as jnp
-from coda_jax import epilogue as E
-from coda_jax.ffi.lowering import CuteDslLowering
-from coda_jax.ffi.tuning import CuteDslTuning
-from coda_jax.ffi.kernel import chunked_epilogue
-from op_cases import abstract_loads
-from test_cutedsl_fp8 import _Q8_PROGRAMS, _plain_dtypes
-stamp, found = {}, {}
-m = n = k = 8192
-runs = [(E.dequantized(e), s) for e in _Q8_PROGRAMS for s in ("auto", "pingpong")
-        if s == "auto" or chunked_epilogue(e)]
-for i, (epi, schedule) in enumerate(runs):
-    a = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
-    b = jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn)
-    low = CuteDslLowering(CuteDslTuning(schedule=schedule), plain_gemm="kernel", fp8_kernel=True)
-    f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi))
-    jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
-    new = []
-    for f in glob.glob(os.path.join(sys.argv[1], "*.ptx")):
-        t = os.stat(f).st_mtime_ns
-        if stamp.get(f) != t:
-            stamp[f] = t
-            new.append(shutil.copy(f, os.path.join(sys.argv[1], f"{i}.{len(new)}.kept")))
-    found[f"{i}:{epi.name}-{schedule}"] = new
-print(json.dumps(found))
-"""
+def _spill_runs():
+    """``[(name, lower)]``: every FP8 program on FP8 operands at an 8192^3 GEMM, automatic and
+    (where it runs) ping-pong (:func:`cutedsl_spills.kernel_spill_lines` runs them)."""
+    from coda_jax.ffi.kernel import chunked_epilogue
+    from coda_jax.ffi.lowering import CuteDslLowering
+    from coda_jax.ffi.tuning import CuteDslTuning
+
+    m = n = k = 8192
+    a = jax.ShapeDtypeStruct((m, k), E4M3)
+    b = jax.ShapeDtypeStruct((n, k), E4M3)
+
+    def lower(epi, schedule):
+        low = CuteDslLowering(CuteDslTuning(schedule=schedule), plain_gemm="kernel", fp8_kernel=True)
+        f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi))  # noqa: E731
+        return lambda: jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
+
+    runs = [(E.dequantized(e), s) for e in _Q8_PROGRAMS for s in ("auto", "pingpong") if s == "auto" or chunked_epilogue(e)]
+    return [(f"{epi.name}-{s}", lower(epi, s)) for epi, s in runs]
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit) on PATH")
@@ -342,26 +331,9 @@ def test_quantizing_kernels_do_not_spill(tmp_path):
     ``test_cutedsl_lowering.test_kernels_do_not_spill``; the transposed copy's swizzled
     staging spilled 380 bytes in ``swiglu_dgrad_q8`` at 128 x 256 before it was unswizzled).
     Skipped where ptxas is older than the PTX CuTeDSL writes."""
-    import json
-    import sys
+    from cutedsl_spills import assert_no_spills, kernel_spill_lines
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _SPILL_PROBE, str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    found = json.loads(r.stdout.strip().splitlines()[-1])
-    assert all(found.values()), found
-    for name, files in found.items():
-        for f in files:
-            v = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, f], capture_output=True, text=True)
-            if "Unsupported .version" in v.stderr:
-                pytest.skip(f"ptxas on PATH is older than CuTeDSL's PTX: {v.stderr.strip()[:200]}")
-            assert v.returncode == 0, v.stderr[-2000:]
-            spills = [line.strip() for line in v.stderr.splitlines() if "spill" in line]
-            assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), (
-                name, spills)
+    assert_no_spills(kernel_spill_lines(tmp_path, "test_cutedsl_fp8:_spill_runs"))
 
 
 # --------------------------------------------------------------------- GPU ---------

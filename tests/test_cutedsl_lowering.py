@@ -7,12 +7,8 @@ lowers the ``cutlass_call`` custom call, so a successful lowering means every ke
 NumPy values against the reference backend's body evaluation.
 """
 
-import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -393,36 +389,26 @@ def test_tile_width_choice(monkeypatch):
     assert CuteDslTuning(tile_n=256, max_stages=4, group_m=16).group_m == 16
 
 
-_SPILL_PROBE = textwrap.dedent("""
-    import glob, json, os, shutil, sys
-    import jax
-    from coda_jax.ffi.lowering import CuteDslLowering
-    from op_cases import abstract_loads
+def _spill_runs():
+    """``[(name, lower)]``: every program at an 8192^3 GEMM on its automatic plan, then every
+    chunked one on the ping-pong schedule (:func:`cutedsl_spills.kernel_spill_lines` runs them)."""
     from coda_jax.ffi.kernel import chunked_epilogue
-    from test_cutedsl_lowering import _PROGRAMS
-    stamp, found = {}, {}
+    from coda_jax.ffi.lowering import CuteDslLowering
+    from coda_jax.ffi.tuning import CuteDslTuning
+
     m = n = k = 8192
-    # Every program on its automatic plan, then every chunked one on the ping-pong schedule.
     runs = [(epi, kw, "auto") for epi, kw in _PROGRAMS]
     runs += [(epi, kw, "pingpong") for epi, kw in _PROGRAMS if chunked_epilogue(epi)]
-    from coda_jax.ffi.tuning import CuteDslTuning
-    for i, (epi, kw, schedule) in enumerate(runs):
+
+    def lower(epi, kw, schedule):
         ta, tb = kw.get("transpose_a", False), kw.get("transpose_b", False)
-        a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jax.numpy.bfloat16)
-        b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jax.numpy.bfloat16)
-        f = lambda a, b, l: CuteDslLowering(CuteDslTuning(schedule=schedule), plain_gemm="kernel").gemm(epi, a, b, l, **kw)
-        jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
-        # PTX files are named by the launch signature: programs with equal operands rewrite
-        # the same file, so take the files written by this lowering and copy them aside.
-        new = []
-        for f in glob.glob(os.path.join(sys.argv[1], "*.ptx")):
-            t = os.stat(f).st_mtime_ns
-            if stamp.get(f) != t:
-                stamp[f] = t
-                new.append(shutil.copy(f, os.path.join(sys.argv[1], f"{i}.{len(new)}.kept")))
-        found[f"{i}:{epi.name}-{schedule}-" + "-".join(kw)] = new
-    print(json.dumps(found))
-""")
+        a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), BF)
+        b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), BF)
+        low = CuteDslLowering(CuteDslTuning(schedule=schedule), plain_gemm="kernel")
+        f = lambda a, b, l: low.gemm(epi, a, b, l, **kw)  # noqa: E731
+        return lambda: jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
+
+    return [(f"{epi.name}-{s}-" + "-".join(kw), lower(epi, kw, s)) for epi, kw, s in runs]
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit) on PATH")
@@ -431,21 +417,11 @@ def test_kernels_do_not_spill(tmp_path):
     ``choose_tile_n`` takes it; the chunked ones also on the ping-pong schedule) compiles for
     sm_90a without register spills: ``ptxas -v``
     on the PTX that CuTeDSL keeps. Guards :func:`coda_jax.ffi.kernel.wide_registers_ok`."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _SPILL_PROBE, str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    found = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(found) > len(_PROGRAMS) and all(found.values()), found
-    for name, files in found.items():
-        for f in files:
-            v = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, f], capture_output=True, text=True)
-            assert v.returncode == 0, v.stderr[-2000:]
-            spills = [line.strip() for line in v.stderr.splitlines() if "spill" in line]
-            assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), (
-                name, spills)
+    from cutedsl_spills import assert_no_spills, kernel_spill_lines
+
+    lines = kernel_spill_lines(tmp_path, "test_cutedsl_lowering:_spill_runs")
+    assert len(lines) > len(_PROGRAMS)
+    assert_no_spills(lines)
 
 
 _COL_SUM_PROBE = E.Epilogue(name="col_sum_probe_cpu", loads=(), outputs=(E.tile_out("out"), E.col_sum("c")),
