@@ -1,6 +1,7 @@
 """FP8 GEMMs on the GPU: XLA's (cuBLASLt) against coda-jax's lowerings, plain and fused.
 
     python -m benchmarks.fp8_gemms [--backends xla,pallas] [--shapes 8192x2048x3072,...] [--out DIR]
+    python -m benchmarks.fp8_gemms --block 1b:8:1024 [--backends xla,pallas]
 
 Per ``M x K x N`` shape (``[M, K] @ [K, N]``), one process, interleaved medians
 (:func:`benchmarks.bench.interleaved_median_ms`):
@@ -17,6 +18,15 @@ Per ``M x K x N`` shape (``[M, K] @ [K, N]``), one process, interleaved medians
 
 The compiled HLO of ``xla_fp8`` is checked for XLA's FP8 GEMM custom call (``f8`` in its
 target): XLA silently runs some FP8 patterns as bf16 GEMMs.
+
+``--block 1b:8:1024`` (preset[-layers]:batch:seq): instead, every FP8 GEMM of that CodaLlama FP8
+training step (the calls its Pallas kernels get, with their programs, shapes and loads;
+:func:`coda_jax.pallas.autotune.kernel_calls`) on random inputs of those shapes, each against
+cuBLASLt's bare FP8 GEMM of the same shape and layout (``a [M, K] @ b[N, K]^T`` -> bf16): the
+issue's "each FP8 fused GEMM within 10 % of cuBLASLt's FP8 GEMM". Per call and backend: the
+fused GEMM's time (``xla``: cuBLASLt's GEMM and the epilogue as XLA passes), and its ratio to
+the bare GEMM. Times are CUPTI kernel time on a GPU (:func:`coda_jax.pallas.autotune.kernel_ms`:
+the sum of the call's kernels), wall-clock medians elsewhere.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import coda_jax as cj
-from benchmarks.bench import interleaved_median_ms, rel
+from benchmarks.bench import interleaved_median_ms, median_ms, rel
 from coda_jax import programs
 from coda_jax.backend import lowering_for
 from coda_jax.fp8 import E4M3, Fp8Tensor, quantize
@@ -102,14 +112,56 @@ def _cases(m: int, k: int, n: int, backends: list[str]):
     return cases
 
 
+def block_gemms(spec: str, backends: list[str], iters: int) -> list[dict]:
+    """Rows of ``--block spec``: each FP8 kernel call of the CodaLlama FP8 step, per backend its
+    fused time and the ratio to cuBLASLt's bare FP8 GEMM of the same shape (see the module doc)."""
+    from benchmarks.tune import model_step
+    from coda_jax.epilogue import FP8_DTYPES
+    from coda_jax.pallas import autotune as at
+    from coda_jax.pallas.tuned import layout_name
+
+    on_gpu = jax.devices()[0].platform == "gpu"
+    timer = at.kernel_ms if on_gpu else median_ms
+    fn, args = model_step(spec + ":fp8")
+    calls = [c for c in at.kernel_calls(fn, *args) if c.a.dtype in FP8_DTYPES]
+    rows = []
+    for call in calls:
+        if call.transpose_a or not call.transpose_b:
+            raise ValueError(f"{call.epilogue.name}: an FP8 call with a non-K-major operand")
+        a, b, loads = at.random_arguments(call)
+        bare = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                        preferred_element_type=jnp.bfloat16))
+        kw = dict(transpose_b=True, out_dtypes=dict(call.out_dtypes) or None)
+        m, n, k = call.mnk
+        label = f"{call.epilogue.name} {layout_name(False, True)} {m}x{n}x{k}"
+        row = {"call": label, "bare_cublaslt_ms": timer(bare, a, b, iters=iters), "ms": {}, "vs_bare": {}}
+        for name in backends:
+            with cj.options(backend=name, routing=dict(xla_output_below=0)):
+                lw = lowering_for(FP8_LLAMA_BLOCK, name)
+            f = jax.jit(lambda a, b, l, lw=lw: lw.gemm(call.epilogue, a, b, l, **kw))
+            row["ms"][name] = timer(f, a, b, loads, iters=iters)
+            row["vs_bare"][name] = row["ms"][name] / row["bare_cublaslt_ms"]
+        rows.append(row)
+        print(f"BLOCK {label:48s} cuBLASLt bare {row['bare_cublaslt_ms']:.4f} ms  " + "  ".join(
+            f"{nm} {row['ms'][nm]:.4f} ms ({row['vs_bare'][nm]:.2f}x bare)" for nm in backends), flush=True)
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="xla,pallas")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--block", default=None, help="preset[-layers]:batch:seq: the FP8 GEMMs of that step instead")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
+    if args.block:
+        rows = block_gemms(args.block, backends, args.iters)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "fp8_block_gemms.json").write_text(json.dumps(rows, indent=1))
+        return rows
     rows = []
     for text in args.shapes.split(","):
         m, k, n = parse_shape(text)

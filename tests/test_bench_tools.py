@@ -968,3 +968,16 @@ def test_fp8_accuracy_compares_window_means_against_the_first_run():
     assert rows[0]["max_window_rel"] == 0 and rows[0]["val_rel"] == 0
     assert abs(rows[1]["last_window_rel"] - 0.05) < 1e-9 and abs(rows[1]["max_window_rel"] - 0.05) < 1e-9
     assert abs(rows[1]["val_rel"] - 0.1) < 1e-9 and rows[1]["nonfinite_steps"] == 0
+
+
+def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch):
+    # The FP8 step's kernel calls (traced with the Pallas kernels in the interpreter), each run
+    # once on the xla backend beside the bare FP8 dot of its shape; the timer is stubbed.
+    from benchmarks import fp8_gemms
+    from coda_jax.pallas import interpret_mode
+
+    monkeypatch.setattr(fp8_gemms, "median_ms", lambda f, *a, iters: (jax.block_until_ready(f(*a)), 2.0)[1])
+    with interpret_mode():
+        rows = fp8_gemms.block_gemms("1b-1:1:128", ["xla"], iters=1)
+    assert rows and all(r["call"].split()[0].endswith("_fp8") for r in rows)
+    assert all(r["vs_bare"]["xla"] == 1.0 and r["bare_cublaslt_ms"] == 2.0 for r in rows)
