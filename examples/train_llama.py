@@ -221,7 +221,9 @@ def init_distributed(args) -> None:
         jax.distributed.initialize(**kw)
     except (ValueError, RuntimeError) as e:  # no cluster manager detected, coordinator unreachable, ...
         how = "--distributed" if args.distributed else f"--coordinator {args.coordinator}"
-        raise SystemExit(f"train_llama.py: error: {how}: jax.distributed.initialize failed: {e}") from None
+        hint = ("; outside a cluster manager JAX detects, give --coordinator, --num-processes and --process-id"
+                if args.coordinator is None else "")
+        raise SystemExit(f"train_llama.py: error: {how}: jax.distributed.initialize failed: {e}{hint}") from None
 
 
 def _say(*args, **kw) -> None:
