@@ -409,3 +409,33 @@ def rms_dgrad_q8(with_dgamma: bool) -> E.Epilogue:
     return E.Epilogue(name=f"rms_dgrad_res_q8{'_dgamma' if with_dgamma else ''}",
                       loads=(E.tile("x"), E.row("xcoef"), E.col("gamma"), E.tile("dres"), E.scalar("dx_scale")),
                       outputs=outputs, body=body)
+
+
+@E.program_factory
+def rope_grad_q8(half_head: int) -> E.Epilogue:
+    """The QKV gradient of an FP8 block: ``dz = rstd * R^T dqkv`` in e5m2 with its transposed
+    copy and amax, where ``dqkv`` ``[M, N]`` (the attention backward's dq, dk, dv side by side)
+    is a tile load and no GEMM contributes (run by :func:`coda_jax.ops.epilogue_pass.epilogue_pass`:
+    the accumulator is zero and ignored).
+
+    Pair mode with ``pair_block = head_dim / 2``: per head, the rotation's transpose
+    ``du_lo = d_lo c + d_hi s``, ``du_hi = d_hi c - d_lo s`` (Q/K heads; V heads, ``rot = 0``,
+    pass unrotated), the loads of :func:`rms_rope` (``cos``/``sin`` row blocks ``[M, hd/2]``,
+    ``rot`` per pair column) and ``rstd`` (row), the forward's ``1/rms``. One pass writes
+    both FP8 layouts the QKV dgrad and wgrad read and the amax: where XLA, given this math on
+    the attention backward's outputs, wrote the float32 gradient transposed first."""
+
+    def body(acc, ctx, dqkv, rstd, cos, sin, rot, dz_scale):
+        d_lo, d_hi = dqkv
+        on = rot > 0
+        c, s = jnp.where(on, cos, 1.0), jnp.where(on, sin, 0.0)
+        return {"dz": ((d_lo * c + d_hi * s) * rstd, (d_hi * c - d_lo * s) * rstd)}
+
+    return E.Epilogue(
+        name="rope_grad_q8",
+        loads=(E.tile("dqkv"), E.row("rstd"), E.row_block("cos"), E.row_block("sin"), E.col("rot", half=True),
+               E.scalar("dz_scale")),
+        outputs=(E.fp8_out("dz", _E5M2, scale="dz_scale", transpose=True),),
+        body=body,
+        pair_block=half_head,
+    )

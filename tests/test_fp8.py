@@ -210,6 +210,38 @@ def test_swiglu_dgrad_q8_is_swiglu_dgrad_then_quantized():
     assert rel_err(dz, rstd[:, None] * dzb.reshape(m, -1)) < 1e-5
 
 
+def rope_grad_inputs(m, heads, kv_heads, half, seed):
+    """Random ``dqkv`` ``[m, (heads + 2 kv_heads) * 2 half]`` (bf16) and the pass's loads."""
+    n = (heads + 2 * kv_heads) * 2 * half
+    dqkv = _rand(seed, (m, n)).astype(jnp.bfloat16)
+    cos, sin = rope_tables(jnp.arange(m) % 97, rope_inv_freq(2 * half, 10000.0))
+    rstd = 0.5 + jax.random.uniform(jax.random.key(seed + 1), (m,), f32)
+    loads = {"dqkv": dqkv, "rstd": rstd, "cos": cos, "sin": sin, "rot": rope_rotated_columns(heads, kv_heads, half),
+             "dz_scale": jnp.float32(8.0)}
+    return loads
+
+
+def test_rope_grad_q8_is_the_rope_transpose_times_rstd_then_quantized():
+    # The epilogue pass (zero accumulator) against the RoPE backward of the bf16 path
+    # (RopeVariant.backward: R^T dqkv) times rstd, quantized: bit-equal FP8 and copy, exact amax.
+    from coda_jax.ops.epilogue_pass import epilogue_pass
+    from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
+
+    m, heads, kv, half = 40, 4, 2, 8
+    loads = rope_grad_inputs(m, heads, kv, half, 5)
+    got = epilogue_pass(REFERENCE, programs.rope_grad_q8(half), m, loads["dqkv"].shape[1], loads)
+    aux = {k: loads[k] for k in ("cos", "sin", "rot")}
+    qkv = jnp.zeros_like(loads["dqkv"])
+    du, _, _ = RopeVariant(half, None).backward((qkv, None), loads["dqkv"], aux)
+    want = du * loads["rstd"][:, None]
+    np.testing.assert_array_equal(_bits(got["dz"]), _bits(quantize(want, loads["dz_scale"], E5M2)))
+    np.testing.assert_array_equal(_bits(got["dz_t"]), _bits(got["dz"]).T)
+    assert float(jnp.max(got["dz_amax"])) == pytest.approx(float(jnp.max(jnp.abs(want))), rel=1e-6)
+    v = slice(2 * half * (heads + kv), None)  # V heads pass unrotated
+    np.testing.assert_allclose(np.asarray(want[:, v]), np.asarray(loads["dqkv"][:, v].astype(f32) * loads["rstd"][:, None]),
+                               rtol=1e-6)
+
+
 def test_dequantized_epilogue_equals_the_epilogue_on_dequantized_operands():
     m, k, n = 32, 64, 128
     a, b = _rand(10, (m, k)), _rand(11, (k, n), 0.02)

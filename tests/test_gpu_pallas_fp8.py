@@ -11,15 +11,21 @@ output sizes are allocated and freed first), so an unwritten element fails the f
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from coda_jax import epilogue as E
 from coda_jax import programs
-from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
-from op_cases import poison_allocator
 from coda_jax.epilogue import OutputKind
-from test_pallas_fp8 import AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs
+from coda_jax.ops.epilogue_pass import epilogue_pass
+from coda_jax.pallas.lowering import PallasLowering
+from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
+from coda_jax.reference import REFERENCE
+from op_cases import poison_allocator
+from test_fp8 import rope_grad_inputs
+from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _check_fp8, _compare,
+                             _shipped_fp8_configs)
 
 pytestmark = pytest.mark.gpu
 
@@ -77,3 +83,20 @@ def test_shipped_fp8_tuned_configs_on_gpu(epi, layout, cfg):
     # Each FP8 configuration of the shipped tables, compiled, on its program (ragged M and N).
     out = {o.name: BF16 for o in epi.outputs if o.kind is OutputKind.TILE and o.quantize is None}
     _run(epi, 2000, 2944, 1024, config=cfg, out_dtypes=out, seed=31)
+
+
+@pytest.mark.parametrize("config", ["lowering_default", "cooperative", "pingpong"])
+def test_rope_grad_pass_on_gpu(config):
+    # The FP8 block's QKV gradient pass at 1B shapes (32 Q, 8 K, 8 V heads of 64; ragged M).
+    m, heads, kv, half = 8000, 32, 8, 32
+    loads = rope_grad_inputs(m, heads, kv, half, 40)
+    epi, n = programs.rope_grad_q8(half), loads["dqkv"].shape[1]
+    amax = float(jnp.max(epilogue_pass(REFERENCE, epi, m, n, loads)["dz_amax"]))
+    loads["dz_scale"] = jnp.float32(1.25 * float(jnp.finfo(E5M2).max) / amax)
+    want = epilogue_pass(REFERENCE, epi, m, n, loads)
+    poison_allocator([(m, n)] * 3)
+    low = PallasLowering(CONFIGS[config], plain_gemm="kernel")
+    got = jax.jit(lambda l: epilogue_pass(low, epi, m, n, l))(loads)
+    _check_fp8("dz", got["dz"], want["dz"], float(loads["dz_scale"]))
+    _check_fp8("dz_t", got["dz_t"], want["dz"].T, float(loads["dz_scale"]))
+    assert float(jnp.max(got["dz_amax"])) == pytest.approx(amax, rel=1e-5)

@@ -12,12 +12,14 @@ both layouts and its amax, while the tile is on chip:
     backward   down dgrad    dz' = SwiGLU'(dx2 @ W_down^T) * rstd1              (e5m2, + dz'^T)
                gate/up dgrad dx1 = dx2 + RMSNorm'(dz' @ W_gu^T)                (bf16 and e5m2, + ^T)
 
-Standalone quantizing passes remain where no GEMM of the block produces the tensor: the
-attention output ``o`` (cuDNN's), the QKV gradient (attention's backward and the RoPE
-transpose, an XLA fusion that also writes the FP8 copies), the block's output gradient
-``dx2`` (it arrives from the next block as the cotangent of a compute-dtype array), the
-first block's ``h`` (the embedding's), and the weights (once per step). Attention, RoPE,
-the norms and the residual stream stay in the compute dtype.
+The QKV gradient comes from no GEMM (attention's backward): its RoPE transpose and
+quantization run as an epilogue pass of their own (:func:`coda_jax.ops.epilogue_pass.epilogue_pass`,
+:func:`coda_jax.programs.rope_grad_q8`), which writes both layouts and the amax from registers;
+with QK-norm, one XLA pass does its backward and the quantization. Standalone XLA quantizing
+passes remain for the attention output ``o`` (cuDNN's), the block's output gradient ``dx2``
+(it arrives from the next block as the cotangent of a compute-dtype array), the first block's
+``h`` (the embedding's), and the weights (once per step). Attention, RoPE, the norms and the
+residual stream stay in the compute dtype.
 
 Recipe state: ``meta [len(TENSORS), history]`` float32, one amax history per quantized tensor
 (:data:`TENSORS`); the op's gradient for ``meta`` is its next value (:mod:`coda_jax.fp8`).
@@ -35,6 +37,7 @@ from coda_jax import programs
 from coda_jax.fp8 import E4M3, E5M2, Fp8Tensor, next_history, quantize_tensor, scale_from_history
 from coda_jax.lowering import GemmLowering
 from coda_jax.ops.attention import causal_attention
+from coda_jax.ops.epilogue_pass import epilogue_pass
 from coda_jax.ops.fp8_gemm import fp8_gemm
 from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
 from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
@@ -173,13 +176,24 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
     dw_o = fp8_gemm(lw, programs.IDENTITY, saved["o_t"].T, dx1q, {}, out_dtypes={"out": f32})["out"]
     b, s, nh = st.batch, st.seq, st.num_heads
     dq, dk, dv = saved["attn_vjp"](reshape_tokens(do, (b, s, nh, hd)))
-    # QKV: RoPE (and QK-norm) backward in one XLA pass that also quantizes rstd * dz.
     variant = RopeVariant(hd // 2, st.qk_norm_eps, tuple(t.shape[1] for t in saved["qkv"]))
-    dz_qkv, zdz0, daux = variant.backward((saved["qkv"], saved["z_qk"]),
-                                          tuple(reshape_tokens(t, (m, t.shape[2] * t.shape[3])) for t in (dq, dk, dv)),
-                                          aux)
+    dqkv = tuple(reshape_tokens(t, (m, t.shape[2] * t.shape[3])) for t in (dq, dk, dv))
     r0 = saved["rstd"]
-    dzq, amax["dz_qkv"] = _quantize(meta, "dz_qkv", dz_qkv * r0[:, None], mg)
+    if st.qk_norm_eps is None:
+        # QKV: the RoPE backward as an epilogue pass that writes rstd * dz in e5m2, both layouts
+        # and the amax; sum(z * dz) over each row (the norm's backward) in an XLA reduction.
+        qkv = saved["qkv"]
+        zdz0 = sum(jnp.sum(t.astype(f32) * g.astype(f32), axis=1) for t, g in zip(qkv, dqkv))
+        s_dzq = _scale(meta, "dz_qkv", mg)
+        rg = epilogue_pass(lw, programs.rope_grad_q8(hd // 2), m, sum(t.shape[1] for t in dqkv),
+                           {"dqkv": jnp.concatenate(dqkv, axis=1), "rstd": r0, **variant.loads(aux),
+                            "dz_scale": s_dzq})
+        dzq, amax["dz_qkv"] = _epilogue_fp8(rg, "dz", s_dzq)
+        daux = jax.tree.map(jnp.zeros_like, aux)
+    else:
+        # RoPE and QK-norm backward in one XLA pass that also quantizes rstd * dz.
+        dz_qkv, zdz0, daux = variant.backward((saved["qkv"], saved["z_qk"]), dqkv, aux)
+        dzq, amax["dz_qkv"] = _quantize(meta, "dz_qkv", dz_qkv * r0[:, None], mg)
     nb0 = fp8_gemm(lw, programs.rms_dgrad(True, True), dzq, saved["w_qkv"].T,
                    {"x": saved["x"], "xcoef": r0 * r0 * zdz0 / d, "gamma": params["attn_norm"], "dres": dx1},
                    out_dtypes={"dx": dt})
