@@ -92,7 +92,7 @@ def fp8_device_rule(platform: str, compute_capability: str | None) -> str | None
 
 def check_fp8_device() -> None:
     """Raises ``ValueError`` where the default device cannot train in FP8 (:func:`fp8_device_rule`)."""
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     rule = fp8_device_rule(dev.platform, getattr(dev, "compute_capability", None))
     if rule:
         raise ValueError(rule)

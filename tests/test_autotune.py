@@ -14,6 +14,7 @@ import pytest
 
 import coda_jax as cj
 
+from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.pallas import autotune as at
 from coda_jax.pallas import lowering
@@ -125,6 +126,11 @@ def test_shipped_table_is_valid(path):
                               programs.RMS_LSE, programs.RMS_LSE_LOGITS, programs.rms_dgrad(True),
                               programs.rms_dgrad(False), programs.CE_GRAD, programs.ACCUMULATE, programs.NORM_WGRAD,
                               programs.SWIGLU_DGRAD, programs.IDENTITY, programs.RESIDUAL, programs.ROW_SCALE)}
+    # The FP8 block's programs on FP8 operands (E.dequantized: "<name>_fp8").
+    names |= {E.dequantized(e).name for e in (programs.IDENTITY, programs.RESIDUAL_RMS, programs.RESIDUAL_RMS_Q8,
+                                              programs.rms_swiglu_q8(True), programs.SWIGLU_DGRAD_Q8,
+                                              programs.rms_dgrad_q8(True), programs.rms_dgrad(True, True),
+                                              programs.rms_rope(32, None, False))}
     assert t.entries and {e.program for e in t.entries} <= names
     assert t.num_sms == 132 and {T.table_file_name(k) for k in t.device_kinds} == {path.name}, t.device_kinds
 
@@ -360,7 +366,7 @@ def test_tune_model_spec_errors_name_the_format(spec):
 def test_autotune_resumes_only_calls_with_every_wanted_candidate(monkeypatch):
     """``rows`` from an earlier run: a call with all wanted candidates is not measured again;
     one that lacks some is measured again in full (old candidates too, in the same run)."""
-    monkeypatch.setattr(at.jax, "devices", lambda: [_FakeGpu()])
+    monkeypatch.setattr(at.jax, "local_devices", lambda: [_FakeGpu()])
     c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
                        jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), (), False, False, (), (8, 8, 8))
     c2 = dataclasses.replace(c1, mnk=(16, 8, 8))
@@ -388,7 +394,7 @@ def test_autotune_measures_each_gemms_incumbent_beside_the_sweep(monkeypatch):
     """A sweep of other candidates also times the table's current winner of each GEMM (and
     only that GEMM's), so the entry written is the best of both; skipped programs are not
     measured and get no entry."""
-    monkeypatch.setattr(at.jax, "devices", lambda: [_FakeGpu()])
+    monkeypatch.setattr(at.jax, "local_devices", lambda: [_FakeGpu()])
     c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
                        jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), (), False, False, (), (8, 8, 8))
     c2 = dataclasses.replace(c1, mnk=(16, 8, 8))

@@ -399,7 +399,7 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     measured beside ``names`` for its GEMM, so that the table entry written is the best of
     both. ``skip_programs``: epilogue names whose calls are left out (and out of the table);
     ``only_programs``: if given, only calls of these epilogues are tuned."""
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     if dev.platform != "gpu":
         raise RuntimeError(f"autotune times kernels on a GPU; the default device is {dev.platform!r}")
     all_calls = kernel_calls(fn, *args)

@@ -295,7 +295,7 @@ def _flat(fn: Callable) -> Callable:
 def _gpu_arch() -> str:
     """The default device's compute capability (Mosaic GPU lowers for it), or ``none``."""
     try:
-        return str(getattr(jax.devices()[0], "compute_capability", "none"))
+        return str(getattr(jax.local_devices()[0], "compute_capability", "none"))
     except RuntimeError:
         return "none"
 

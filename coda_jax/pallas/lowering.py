@@ -103,7 +103,7 @@ def kernel_shape(epilogue: Epilogue, m: int, n: int, k: int, cfg: TuningConfig, 
 
 
 def _default_device():
-    return jax.devices()[0]
+    return jax.local_devices()[0]
 
 
 def _pair_rule(tile_n: int) -> str:
