@@ -36,6 +36,9 @@ CONFIGS = {
     "pingpong": for_fp8_operands(dataclasses.replace(_DEFAULT, schedule="pingpong", cluster_dimension=None)),
     "ring": for_fp8_operands(dataclasses.replace(_DEFAULT, delay_release=1)),
     "direct_stores": for_fp8_operands(dataclasses.replace(_DEFAULT, direct_loads=True, direct_stores=True)),
+    # Swizzled staging, the transposed copy's included.
+    "pingpong_swizzled": for_fp8_operands(dataclasses.replace(_DEFAULT, schedule="pingpong", cluster_dimension=None,
+                                                              swizzle_epilogue=True)),
 }
 
 

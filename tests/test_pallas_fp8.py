@@ -249,8 +249,10 @@ def test_quantizing_epilogue_fp8_operands():
     _compare(E.dequantized(programs.RESIDUAL_RMS_Q8), 200, 300, 130, config=WS_N8, out_dtypes={"x": BF16}, seed=5)
 
 
-@pytest.mark.parametrize("config", [SMALL8, WS_N8, PINGPONG8, DIRECT, ONE_SLOT, SWIZZLED],
-                         ids=["single", "cooperative", "pingpong", "direct_stores", "one_out_slot", "swizzled"])
+@pytest.mark.parametrize("config", [SMALL8, WS_N8, PINGPONG8, DIRECT, ONE_SLOT, SWIZZLED,
+                                    dataclasses.replace(PINGPONG8, swizzle_epilogue=True)],
+                         ids=["single", "cooperative", "pingpong", "direct_stores", "one_out_slot", "swizzled",
+                              "pingpong_swizzled"])
 def test_amax_and_copy_mask_padding(config):
     # Ragged M and N (200 x 300 on 64- and 128-wide tiles): the padding's 1e4 must reach
     # neither the amax (masked columns, sliced rows) nor the copy (sliced).
@@ -339,6 +341,8 @@ LOWERED = [
      dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None)),
     ("residual_rms_q8", programs.RESIDUAL_RMS_Q8, (BF16, BF16),
      dataclasses.replace(CONFIG_TABLE["default"], swizzle_epilogue=True)),
+    ("swiglu_dgrad_q8_fp8_pingpong_swizzled", E.dequantized(programs.SWIGLU_DGRAD_Q8), (E5M2, E4M3),
+     dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None, swizzle_epilogue=True)),
     ("swiglu_dgrad_q8", programs.SWIGLU_DGRAD_Q8, (BF16, BF16),
      dataclasses.replace(CONFIG_TABLE["default"], delay_release=1, direct_stores=True)),
 ]

@@ -71,6 +71,11 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_minor_m_band8": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                   grid_minor_dim="m", grid_tile_width=8),
     "pingpong_slots3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, epilogue_load_slots=3),
+    # Swizzled staging on the ping-pong schedule (the FP8 block's quantizing programs tuned to
+    # ping-pong): a quantizing output's transposed copy is then staged swizzled as well.
+    "pingpong_swizzled": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, swizzle_epilogue=True),
+    "pingpong_minor_m_swizzled": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                     grid_minor_dim="m", swizzle_epilogue=True),
     # A 128 x 128 x 64 stage is half the cooperative kernel's: deeper rings fit. With CTA
     # pairs, a deeper ring may absorb the partner's epilogue that made the clustered
     # ping-pong lose at 4 stages (docs/performance.md#kernels).

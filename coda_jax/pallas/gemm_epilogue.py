@@ -343,9 +343,11 @@ class _EpilogueEmitter:
         for o in self.col_outs:
             s["col_" + o.name] = plgpu.SMEM(lead + (2, self._nparts(False), w), jnp.float32)
         # A transposed copy's chunk is staged [w, tm] (the GMEM layout of its [N, M] array),
-        # written through a transposed view; unswizzled.
+        # written through a transposed view: unswizzled, or with swizzle_epilogue swizzled over
+        # its rows of tm bytes (the transposed view's stores then spread over the SMEM banks).
         for o in self.t_outs if not self.direct_stores else ():
-            s["outT_" + o.name] = plgpu.SMEM(lead + (self.out_slots, self._nparts(o.half), w, tm), self.dt[o.name])
+            s["outT_" + o.name] = plgpu.SMEM(lead + (self.out_slots, self._nparts(o.half), w, tm), self.dt[o.name],
+                                             transforms=_transforms(tm, self.dt[o.name]) if self.cfg.swizzle_epilogue else ())
         for o in self.amax_outs:
             s["amax_" + o.name] = plgpu.SMEM(lead + (2, tm), jnp.float32)
         if self.n_barriers:

@@ -39,7 +39,8 @@ class TuningConfig:
         L2 -> SMEM traffic. The other grid dimension's tiles are then walked in pairs.
       swizzle_epilogue: the epilogue's SMEM staging tiles (tile loads and tile outputs)
         use the 128-byte swizzled layout that TMA and the WGMMA register layout agree on
-        (no bank conflicts); ``False`` keeps them row-major.
+        (no bank conflicts); ``False`` keeps them row-major. A quantizing output's transposed
+        copy is staged swizzled too (the widest swizzle its rows of ``tile_m`` bytes allow).
       epilogue_cols: width of one epilogue chunk outside pair mode (64, 32 or 16): the
         accumulator is processed ``[tile_m, epilogue_cols]`` at a time, each chunk's tile
         loads and outputs double-buffered in SMEM. ``plan_kernel`` narrows it for heavy
