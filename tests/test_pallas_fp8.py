@@ -348,6 +348,28 @@ LOWERED = [
 ]
 
 
+@pytest.mark.parametrize("config", [None, dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
+                                                                cluster_dimension=None, swizzle_epilogue=True)],
+                         ids=["heuristic", "pingpong_swizzled"])
+def test_rope_grad_pass_lowers_for_cuda(config):
+    """The QKV gradient's epilogue pass at 1B shapes (K = one step: the heuristic's small
+    single-warpgroup configuration) passes Mosaic GPU's code generation: the pair-mode tile
+    load and the e5m2 copy's transposed stores."""
+    from coda_jax.ops.epilogue_pass import epilogue_pass
+
+    m, half = 8192, 32
+    epi = programs.rope_grad_q8(half)
+    n = 48 * 2 * half
+    loads = {"dqkv": jax.ShapeDtypeStruct((m, n), BF16), "rstd": jax.ShapeDtypeStruct((m,), F32),
+             "cos": jax.ShapeDtypeStruct((m, half), F32), "sin": jax.ShapeDtypeStruct((m, half), F32),
+             "rot": jax.ShapeDtypeStruct((n // 2,), F32), "dz_scale": jax.ShapeDtypeStruct((), F32)}
+    low = PallasLowering(config, plain_gemm="pallas")
+    with interpret_mode(False):  # compiled, not interpreted
+        txt = jax.jit(lambda l: epilogue_pass(low, epi, m, n, l)).trace(loads).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
+
+
 @pytest.mark.parametrize("name,epi,dtypes,config", LOWERED, ids=[c[0] for c in LOWERED])
 def test_fp8_kernel_lowers_for_cuda(name, epi, dtypes, config):
     """Mosaic GPU's code generation accepts the FP8 kernels at real tile sizes: the 8-bit wgmma
