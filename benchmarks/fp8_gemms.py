@@ -118,7 +118,6 @@ def block_gemms(spec: str, backends: list[str], iters: int) -> list[dict]:
     from benchmarks.tune import model_step
     from coda_jax.epilogue import FP8_DTYPES
     from coda_jax.pallas import autotune as at
-    from coda_jax.pallas.tuned import layout_name
 
     on_gpu = jax.devices()[0].platform == "gpu"
     timer = at.kernel_ms if on_gpu else median_ms
@@ -133,7 +132,7 @@ def block_gemms(spec: str, backends: list[str], iters: int) -> list[dict]:
                                                         preferred_element_type=jnp.bfloat16))
         kw = dict(transpose_b=True, out_dtypes=dict(call.out_dtypes) or None)
         m, n, k = call.mnk
-        label = f"{call.epilogue.name} {layout_name(False, True)} {m}x{n}x{k}"
+        label = f"{call.epilogue.name} nt {m}x{n}x{k}"  # K-major operands (checked above)
         row = {"call": label, "bare_cublaslt_ms": timer(bare, a, b, iters=iters), "ms": {}, "vs_bare": {}}
         for name in backends:
             with cj.options(backend=name, routing=dict(xla_output_below=0)):

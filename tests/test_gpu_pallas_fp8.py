@@ -11,21 +11,15 @@ output sizes are allocated and freed first), so an unwritten element fails the f
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.epilogue import OutputKind
-from coda_jax.ops.epilogue_pass import epilogue_pass
-from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
-from coda_jax.reference import REFERENCE
 from op_cases import poison_allocator
-from test_fp8 import rope_grad_inputs
-from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _check_fp8, _compare,
-                             _shipped_fp8_configs)
+from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs,
+                             check_rope_grad_pass)
 
 pytestmark = pytest.mark.gpu
 
@@ -91,15 +85,5 @@ def test_shipped_fp8_tuned_configs_on_gpu(epi, layout, cfg):
 @pytest.mark.parametrize("config", ["lowering_default", "cooperative", "pingpong"])
 def test_rope_grad_pass_on_gpu(config):
     # The FP8 block's QKV gradient pass at 1B shapes (32 Q, 8 K, 8 V heads of 64; ragged M).
-    m, heads, kv, half = 8000, 32, 8, 32
-    loads = rope_grad_inputs(m, heads, kv, half, 40)
-    epi, n = programs.rope_grad_q8(half), loads["dqkv"].shape[1]
-    amax = float(jnp.max(epilogue_pass(REFERENCE, epi, m, n, loads)["dz_amax"]))
-    loads["dz_scale"] = jnp.float32(1.25 * float(jnp.finfo(E5M2).max) / amax)
-    want = epilogue_pass(REFERENCE, epi, m, n, loads)
-    poison_allocator([(m, n)] * 3)
-    low = PallasLowering(CONFIGS[config], plain_gemm="kernel")
-    got = jax.jit(lambda l: epilogue_pass(low, epi, m, n, l))(loads)
-    _check_fp8("dz", got["dz"], want["dz"], float(loads["dz_scale"]))
-    _check_fp8("dz_t", got["dz_t"], want["dz"].T, float(loads["dz_scale"]))
-    assert float(jnp.max(got["dz_amax"])) == pytest.approx(amax, rel=1e-5)
+    check_rope_grad_pass(CONFIGS[config], 8000, 32, 8, 32, 40,
+                         before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))

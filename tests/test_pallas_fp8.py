@@ -433,23 +433,29 @@ def test_shipped_fp8_tuned_configs(epi, layout, cfg):
     _compare(epi, 200, 384, 256, config=cfg, out_dtypes=out, seed=30)
 
 
-@pytest.mark.parametrize("config", [SMALL, WS_N, PINGPONG], ids=["single", "cooperative", "pingpong"])
-def test_rope_grad_pass(config):
-    # The FP8 block's QKV gradient as an epilogue pass (zero accumulator, the gradient a tile
-    # load, pair mode per head): the e5m2 tile, its copy and amax, ragged M; scale set so that
-    # some values saturate.
+def check_rope_grad_pass(config, m, heads, kv, half, seed, before_kernel=lambda m, n: None):
+    """The FP8 block's QKV gradient as an epilogue pass (zero accumulator, the gradient a tile
+    load, pair mode per head) on the Pallas kernel under ``config`` against the reference: the
+    e5m2 tile, its copy and amax; scale set from the reference's amax so that some values
+    saturate. ``before_kernel(m, n)`` runs just before the kernel (the GPU tests poison there)."""
     from coda_jax.ops.epilogue_pass import epilogue_pass
     from test_fp8 import rope_grad_inputs
 
-    m, heads, kv, half = 200, 4, 1, 32
-    loads = rope_grad_inputs(m, heads, kv, half, 12)
+    loads = rope_grad_inputs(m, heads, kv, half, seed)
     epi, n = programs.rope_grad_q8(half), loads["dqkv"].shape[1]
     want = epilogue_pass(REFERENCE, epi, m, n, loads)
     loads["dz_scale"] = jnp.float32(1.25 * float(jnp.finfo(E5M2).max) / float(jnp.max(want["dz_amax"])))
     want = epilogue_pass(REFERENCE, epi, m, n, loads)
+    before_kernel(m, n)
     low = PallasLowering(config, plain_gemm="kernel")
     got = jax.jit(lambda l: epilogue_pass(low, epi, m, n, l))(loads)
     scale = float(loads["dz_scale"])
     _check_fp8("dz", got["dz"], want["dz"], scale)
     _check_fp8("dz_t", got["dz_t"], want["dz"].T, scale)
     np.testing.assert_allclose(float(jnp.max(got["dz_amax"])), float(jnp.max(want["dz_amax"])), rtol=1e-5)
+
+
+@pytest.mark.parametrize("config", [SMALL, WS_N, PINGPONG], ids=["single", "cooperative", "pingpong"])
+def test_rope_grad_pass(config):
+    # Ragged M (200 rows), 4 Q, 1 K and 1 V heads of 64.
+    check_rope_grad_pass(config, 200, 4, 1, 32, 12)
