@@ -19,7 +19,7 @@ from coda_jax.epilogue import OutputKind
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
 from op_cases import poison_allocator
 from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs,
-                             check_rope_grad_pass)
+                             check_rope_grad_pass, shipped_rope_grad_configs)
 
 pytestmark = pytest.mark.gpu
 
@@ -82,8 +82,22 @@ def test_shipped_fp8_tuned_configs_on_gpu(epi, layout, cfg):
     _run(epi, 2000, 2944, 1024, config=cfg, out_dtypes=out, seed=31)
 
 
-@pytest.mark.parametrize("config", ["lowering_default", "cooperative", "pingpong"])
+@pytest.mark.parametrize("config", [*CONFIGS, "single_warpgroup_sum"])
+@pytest.mark.parametrize("seed", [41, 42])
+def test_dgamma_beside_a_quantizing_dgrad_on_gpu(config, seed):
+    # The FP8 norm backward with dgamma: on the warp-specialized kernels written as its summand
+    # tile (col_sum_tiles), else summed in the single-warpgroup kernel; ragged M and N, two
+    # seeds (the in-kernel sum in two consumers at once was intermittently wrong on the H100).
+    cfg = CONFIGS[config] if config in CONFIGS else dataclasses.replace(CONFIGS["cooperative"], col_sum_tiles=False)
+    _run(E.dequantized(programs.rms_dgrad_q8(True)), 2000, 1984, 1024, config=cfg, out_dtypes={"dx": BF16}, seed=seed)
+
+
+_ROPE_GRAD = {**CONFIGS, **{f"shipped{i}": c for i, c in enumerate(shipped_rope_grad_configs())}}
+
+
+@pytest.mark.parametrize("config", ["lowering_default", "cooperative", "pingpong",
+                                    *(c for c in _ROPE_GRAD if c.startswith("shipped"))])
 def test_rope_grad_pass_on_gpu(config):
     # The FP8 block's QKV gradient pass at 1B shapes (32 Q, 8 K, 8 V heads of 64; ragged M).
-    check_rope_grad_pass(CONFIGS[config], 8000, 32, 8, 32, 40,
+    check_rope_grad_pass(_ROPE_GRAD[config], 8000, 32, 8, 32, 40,
                          before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))

@@ -43,7 +43,7 @@ from coda_jax.epilogue import FP8_DTYPES, LoadKind, OutputKind
 from coda_jax.pallas import interpret_mode
 from coda_jax.pallas.gemm_epilogue import KernelShape, plan_kernel
 from coda_jax.pallas.lowering import PallasLowering
-from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
+from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, for_fp8_operands
 from coda_jax.reference import REFERENCE, xla_backend_lowering
 from op_cases import abstract_loads, rel_err
 from test_pallas_kernels import PINGPONG, RING, SMALL, WS, WS_N, _loads
@@ -345,6 +345,10 @@ LOWERED = [
      dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None, swizzle_epilogue=True)),
     ("swiglu_dgrad_q8", programs.SWIGLU_DGRAD_Q8, (BF16, BF16),
      dataclasses.replace(CONFIG_TABLE["default"], delay_release=1, direct_stores=True)),
+    # dgamma as its float32 summand tile on the two-consumer kernels (col_sum_tiles)
+    ("rms_dgrad_res_q8_dgamma_fp8", E.dequantized(programs.rms_dgrad_q8(True)), (E5M2, E4M3), CONFIG_TABLE["default"]),
+    ("rms_dgrad_res_dgamma_fp8_pingpong_swizzled", E.dequantized(programs.rms_dgrad(True, True)), (E5M2, E4M3),
+     dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None, swizzle_epilogue=True)),
 ]
 
 
@@ -455,7 +459,29 @@ def check_rope_grad_pass(config, m, heads, kv, half, seed, before_kernel=lambda 
     np.testing.assert_allclose(float(jnp.max(got["dz_amax"])), float(jnp.max(want["dz_amax"])), rtol=1e-5)
 
 
-@pytest.mark.parametrize("config", [SMALL, WS_N, PINGPONG], ids=["single", "cooperative", "pingpong"])
+def shipped_rope_grad_configs() -> list[TuningConfig]:
+    """The distinct configurations of the QKV-gradient pass (``rope_grad_q8``) in the shipped tables."""
+    from coda_jax.pallas.tuned import SHIPPED_TABLES, load_table
+
+    entries = (e for path in SHIPPED_TABLES for e in load_table(str(path)).entries)
+    return list(dict.fromkeys(e.config for e in entries if e.program == "rope_grad_q8" and e.config is not None))
+
+
+_ROPE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG,
+                      **{f"shipped{i}": c for i, c in enumerate(shipped_rope_grad_configs())}}
+
+
+@pytest.mark.parametrize("config", _ROPE_GRAD_CONFIGS.values(), ids=list(_ROPE_GRAD_CONFIGS))
 def test_rope_grad_pass(config):
-    # Ragged M (200 rows), 4 Q, 1 K and 1 V heads of 64.
+    # Ragged M (200 rows), 4 Q, 1 K and 1 V heads of 64; the test configurations, then the tuned ones.
     check_rope_grad_pass(config, 200, 4, 1, 32, 12)
+
+
+@pytest.mark.parametrize("config", [WS_N8, PINGPONG8, SWIZZLED, dataclasses.replace(WS_N8, col_sum_tiles=False)],
+                         ids=["cooperative", "pingpong", "swizzled", "single_warpgroup_sum"])
+def test_dgamma_beside_a_quantizing_dgrad(config):
+    # The FP8 block's norm backward: dx (bf16), dx in e5m2 with copy and amax, and dgamma's
+    # column sum, on FP8 operands; on the warp-specialized kernels dgamma is written as its
+    # summand tile ([M, N] float32 partials), else summed in the single-warpgroup kernel.
+    _compare(E.dequantized(programs.rms_dgrad_q8(True)), 200, 320, 256, transpose_b=True, config=config,
+             out_dtypes={"dx": BF16}, seed=34)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, OutputKind
 from coda_jax.lowering import gpu_sm_count
 from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
-from coda_jax.pallas.gemm_epilogue import plan_kernel
+from coda_jax.pallas.gemm_epilogue import plan_epilogue
 from coda_jax.pallas.lowering import PallasLowering, kernel_load_dtype, kernel_shape
 from coda_jax.pallas.tuned import config_fields, layout_name, parse_table, tables_disabled
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, for_fp8_operands
@@ -193,7 +193,7 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
 
 
 def planned_config(call: KernelCall, cfg: TuningConfig, num_sms: int = 132) -> TuningConfig:
-    """What runs when ``call`` is given ``cfg``: :func:`~coda_jax.pallas.gemm_epilogue.plan_kernel`'s
+    """What runs when ``call`` is given ``cfg``: :func:`~coda_jax.pallas.gemm_epilogue.plan_epilogue`'s
     configuration (pipeline stages, epilogue chunk width and load slots fitted to SMEM, or the
     single-warpgroup fallback), on a GPU of ``num_sms`` SMs (132: the H100). No GPU needed."""
     m, n, k = call.mnk
@@ -201,7 +201,7 @@ def planned_config(call: KernelCall, cfg: TuningConfig, num_sms: int = 132) -> T
                          dict(call.out_dtypes), num_sms)
     loads = dict(call.loads)
     load_dtypes = tuple((l.name, kernel_load_dtype(l, loads[l.name].dtype)) for l in call.epilogue.loads)
-    return plan_kernel(call.epilogue, shape, cfg, load_dtypes)
+    return plan_epilogue(call.epilogue, shape, cfg, load_dtypes)[1]
 
 
 def random_arguments(call: KernelCall, seed: int = 0) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:

@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from coda_jax.epilogue import Epilogue, LoadKind, OutputKind, body_uses_row_sum
+from coda_jax.epilogue import Epilogue, LoadKind, Output, OutputKind, body_uses_row_sum
 from coda_jax.pallas.tuning import TuningConfig
 
 _WG = plgpu.Layout.WGMMA
@@ -714,6 +714,41 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
             return c
     raise ValueError(f"epilogue {epi.name!r}: operand stages + epilogue staging exceed the {SMEM_LIMIT} B of SMEM "
                      f"even at tile_m=64 with 2 stages (tile_n={cfg.tile_n}); use a smaller tile_n")
+
+
+def col_sums_as_tiles(epi: Epilogue) -> Epilogue:
+    """``epi`` with each column-sum output written as a float32 tile of its summands
+    (``[M, N]``; sliced to the GEMM's rows and columns like any tile, so padding drops out):
+    the column-sum contract's partials ``[P, N]`` with ``P = M``, which the caller sums over
+    axis 0. The body is unchanged (a tile output stores what a column sum would have summed).
+    Pair-mode epilogues are returned as they are (their half-width summands have their own
+    layout)."""
+    if epi.pair_block is not None or not any(o.kind is OutputKind.COL_SUM for o in epi.outputs):
+        return epi
+    outs = tuple(Output(o.name, OutputKind.TILE, jnp.float32) if o.kind is OutputKind.COL_SUM else o
+                 for o in epi.outputs)
+    return dataclasses.replace(epi, outputs=outs)
+
+
+def plan_epilogue(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
+                  load_dtypes: tuple[tuple[str, Any], ...] = ()) -> tuple[Epilogue, TuningConfig]:
+    """The epilogue and configuration that run: :func:`plan_kernel`'s, except that where
+    ``cfg`` asks for the warp-specialized kernel and ``epi``'s column sums alone keep it off
+    (see ``plan_kernel``), with ``cfg.col_sum_tiles`` the sums are written as tiles
+    (:func:`col_sums_as_tiles`) and the kernel keeps its two consumer warpgroups, if they
+    then fit in SMEM. ``shape`` serves both (a column sum's partials and its summand tile
+    are float32 alike)."""
+    planned = plan_kernel(epi, shape, cfg, load_dtypes)
+    if planned.warp_specialized or not (cfg.warp_specialized and cfg.col_sum_tiles):
+        return epi, planned
+    tiled = col_sums_as_tiles(epi)
+    if tiled is epi:
+        return epi, planned
+    try:
+        tiled_plan = plan_kernel(tiled, shape, cfg, load_dtypes)
+    except ValueError:  # the summand tile's staging does not fit: keep the sum in the kernel
+        return epi, planned
+    return (tiled, tiled_plan) if tiled_plan.warp_specialized else (epi, planned)
 
 
 # Timelines of the kernel's phases (Mosaic GPU's in-kernel profiler), for studying where a

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, Load, LoadKind, default_out_dtype
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
 from coda_jax.lowering import gpu_sm_count, split_columns
-from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, out_types, plan_kernel, split_outputs_fit,
+from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, out_types, plan_epilogue, split_outputs_fit,
                                           tile_grid)
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_builder import compiled_kernel
@@ -209,7 +209,9 @@ class PallasLowering(KernelLowering):
         args = [v.astype(kernel_load_dtype(l, v.dtype))
                 for l, v in zip(epilogue.loads, pad_loads(epilogue, loads, m, n, mp, np_))]
         load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
-        cfg = plan_kernel(epilogue, shape, cfg, load_dtypes)
+        # From here on, the epilogue that runs: a column sum may be written as its summand
+        # tile, whose [M, N] slice is the contract's [P, N] partials with P = M.
+        epilogue, cfg = plan_epilogue(epilogue, shape, cfg, load_dtypes)
         native = out_splits if out_splits and split_outputs_fit(epilogue, shape, cfg, out_splits) else {}
         native = {name: w for name, w in native.items() if epilogue.output(name).quantize is None}
         shape = dataclasses.replace(shape, out_splits=tuple(native.items()))

@@ -99,6 +99,15 @@ class TuningConfig:
       direct_stores: the epilogue's tile outputs go from registers straight to GMEM (vector
         stores), not staged in SMEM and written by TMA. The kernel then runs without Pallas's
         automatic barriers (what SMEM it still writes, row partials, is fenced by hand).
+      col_sum_tiles: warp-specialized kernel: an epilogue with column sums (the RMSNorm
+        backward's ``dgamma``) writes each sum's summands as a float32 tile ``[M, N]``, which
+        the caller sums over M (the column-sum contract, with one partial per row), so that
+        it keeps the two consumer warpgroups. A column sum reduced in the kernel crosses warps,
+        and run by two consumer warpgroups at once it gave intermittently wrong partials on
+        the H100, so such an epilogue otherwise falls back to the single-warpgroup kernel
+        (:func:`coda_jax.pallas.gemm_epilogue.plan_epilogue`). The tile costs 8 bytes an
+        element of traffic (written, then read by the sum). ``False``: the single-warpgroup
+        kernel with the sum in the kernel.
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -123,6 +132,7 @@ class TuningConfig:
     pingpong_turns: bool = False
     direct_loads: bool = False
     direct_stores: bool = False
+    col_sum_tiles: bool = True
     approx_math: bool = False
 
     def __post_init__(self):
