@@ -86,9 +86,12 @@ def test_shipped_fp8_tuned_configs_on_gpu(epi, layout, cfg):
 @pytest.mark.parametrize("seed", [41, 42])
 def test_dgamma_beside_a_quantizing_dgrad_on_gpu(config, seed):
     # The FP8 norm backward with dgamma: on the warp-specialized kernels written as its summand
-    # tile (col_sum_tiles), else summed in the single-warpgroup kernel; ragged M and N, two
+    # tile (col_sum_tiles), else (the default) summed in the single-warpgroup kernel; ragged M and N, two
     # seeds (the in-kernel sum in two consumers at once was intermittently wrong on the H100).
-    cfg = CONFIGS[config] if config in CONFIGS else dataclasses.replace(CONFIGS["cooperative"], col_sum_tiles=False)
+    if config == "single_warpgroup_sum":
+        cfg = CONFIGS["cooperative"]
+    else:  # the lowering's own configuration (None) keeps its default
+        cfg = CONFIGS[config] and dataclasses.replace(CONFIGS[config], col_sum_tiles=True)
     _run(E.dequantized(programs.rms_dgrad_q8(True)), 2000, 1984, 1024, config=cfg, out_dtypes={"dx": BF16}, seed=seed)
 
 

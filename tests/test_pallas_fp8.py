@@ -345,10 +345,12 @@ LOWERED = [
      dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None, swizzle_epilogue=True)),
     ("swiglu_dgrad_q8", programs.SWIGLU_DGRAD_Q8, (BF16, BF16),
      dataclasses.replace(CONFIG_TABLE["default"], delay_release=1, direct_stores=True)),
-    # dgamma as its float32 summand tile on the two-consumer kernels (col_sum_tiles)
-    ("rms_dgrad_res_q8_dgamma_fp8", E.dequantized(programs.rms_dgrad_q8(True)), (E5M2, E4M3), CONFIG_TABLE["default"]),
+    # dgamma as its float32 summand tile on the two-consumer kernels
+    ("rms_dgrad_res_q8_dgamma_fp8", E.dequantized(programs.rms_dgrad_q8(True)), (E5M2, E4M3),
+     dataclasses.replace(CONFIG_TABLE["default"], col_sum_tiles=True)),
     ("rms_dgrad_res_dgamma_fp8_pingpong_swizzled", E.dequantized(programs.rms_dgrad(True, True)), (E5M2, E4M3),
-     dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None, swizzle_epilogue=True)),
+     dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None, swizzle_epilogue=True,
+                         col_sum_tiles=True)),
 ]
 
 
@@ -477,8 +479,8 @@ def test_rope_grad_pass(config):
     check_rope_grad_pass(config, 200, 4, 1, 32, 12)
 
 
-@pytest.mark.parametrize("config", [WS_N8, PINGPONG8, SWIZZLED, dataclasses.replace(WS_N8, col_sum_tiles=False)],
-                         ids=["cooperative", "pingpong", "swizzled", "single_warpgroup_sum"])
+@pytest.mark.parametrize("config", [*(dataclasses.replace(c, col_sum_tiles=True) for c in (WS_N8, PINGPONG8, SWIZZLED)),
+                                    WS_N8], ids=["cooperative", "pingpong", "swizzled", "single_warpgroup_sum"])
 def test_dgamma_beside_a_quantizing_dgrad(config):
     # The FP8 block's norm backward: dx (bf16), dx in e5m2 with copy and amax, and dgamma's
     # column sum, on FP8 operands; on the warp-specialized kernels dgamma is written as its

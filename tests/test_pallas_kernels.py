@@ -525,19 +525,21 @@ def test_column_sums_never_run_warp_specialized_in_the_kernel():
     # summands as float32 tiles instead and keeps the two consumers (col_sum_tiles), or,
     # with col_sum_tiles=False, the single-warpgroup kernel's in-kernel sum.
     shape = _shape(2048, 1024, 1024, {"out": jnp.bfloat16, "colsum": jnp.float32})
-    ldt, cfg = _dtypes(gamma=jnp.float32), CONFIG_TABLE["default"]
+    ldt, cfg = _dtypes(gamma=jnp.float32), dataclasses.replace(CONFIG_TABLE["default"], col_sum_tiles=True)
     assert not plan_kernel(COL_SUM_PROBE, shape, cfg, ldt).warp_specialized
     epi, planned = plan_epilogue(COL_SUM_PROBE, shape, cfg, ldt)
     assert planned.warp_specialized and epi.name == COL_SUM_PROBE.name
     assert [(o.name, o.kind, o.dtype) for o in epi.outputs] == [
         ("out", OutputKind.TILE, None), ("colsum", OutputKind.TILE, jnp.float32)]
-    kept, planned = plan_epilogue(COL_SUM_PROBE, shape, dataclasses.replace(cfg, col_sum_tiles=False), ldt)
+    # The default keeps the in-kernel sum.
+    kept, planned = plan_epilogue(COL_SUM_PROBE, shape, CONFIG_TABLE["default"], ldt)
     assert kept is COL_SUM_PROBE and not planned.warp_specialized
     # A single-warpgroup configuration keeps the in-kernel sum.
     assert plan_epilogue(COL_SUM_PROBE, shape, SMALL, ldt)[0] is COL_SUM_PROBE
 
 
-@pytest.mark.parametrize("config", [WS, WS_N, PINGPONG, dataclasses.replace(WS, swizzle_epilogue=True)],
+@pytest.mark.parametrize("config", [dataclasses.replace(c, col_sum_tiles=True) for c in
+                                    (WS, WS_N, PINGPONG, dataclasses.replace(WS, swizzle_epilogue=True))],
                          ids=["cooperative", "cooperative_n", "pingpong", "swizzled"])
 def test_column_sums_as_summand_tiles(config):
     # The norm backward's dgamma beside dx on the warp-specialized kernels: written as the

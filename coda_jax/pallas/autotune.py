@@ -76,6 +76,13 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_swizzled": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, swizzle_epilogue=True),
     "pingpong_minor_m_swizzled": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                      grid_minor_dim="m", swizzle_epilogue=True),
+    # Column sums (the FP8 norm backward's dgamma) as float32 summand tiles on the
+    # warp-specialized kernels (TuningConfig.col_sum_tiles; only programs with a column sum
+    # get them): faster on one of the 1B FP8 step's two such GEMMs, slower on the other.
+    "col_tiles": dataclasses.replace(_D, col_sum_tiles=True),
+    "pingpong_col_tiles": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, col_sum_tiles=True),
+    "pingpong_minor_m_col_tiles": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                      grid_minor_dim="m", col_sum_tiles=True),
     # A 128 x 128 x 64 stage is half the cooperative kernel's: deeper rings fit. With CTA
     # pairs, a deeper ring may absorb the partner's epilogue that made the clustered
     # ping-pong lose at 4 stages (docs/performance.md#kernels).
@@ -187,6 +194,8 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
             cfg = for_fp8_operands(cfg)
         if not cfg.k_step_fits(call.transpose_a, call.transpose_b):
             continue  # plan_kernel would refuse it
+        if cfg.col_sum_tiles and not any(o.kind is OutputKind.COL_SUM for o in epi.outputs):
+            continue  # the same kernel as the candidate without it
         if pw is None or cfg.tile_n % pw == 0:
             out[name] = cfg
     return out

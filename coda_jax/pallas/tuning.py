@@ -106,8 +106,11 @@ class TuningConfig:
         and run by two consumer warpgroups at once it gave intermittently wrong partials on
         the H100, so such an epilogue otherwise falls back to the single-warpgroup kernel
         (:func:`coda_jax.pallas.gemm_epilogue.plan_epilogue`). The tile costs 8 bytes an
-        element of traffic (written, then read by the sum). ``False``: the single-warpgroup
-        kernel with the sum in the kernel.
+        element of traffic (written, then read by the sum), and its staging SMEM can cost the
+        kernel pipeline stages or chunk width. Off by default (the single-warpgroup kernel
+        with the sum in the kernel): in the 1B FP8 step it sped up the light dgrad with
+        ``dgamma`` (K = 3072) and slowed the heavy one (K = 16384, which also writes two FP8
+        layouts) (docs/fp8.md); the autotuner's ``*_col_tiles`` candidates time it per GEMM.
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -132,7 +135,7 @@ class TuningConfig:
     pingpong_turns: bool = False
     direct_loads: bool = False
     direct_stores: bool = False
-    col_sum_tiles: bool = True
+    col_sum_tiles: bool = False
     approx_math: bool = False
 
     def __post_init__(self):
