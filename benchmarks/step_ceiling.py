@@ -6,7 +6,8 @@ Reads the ``train_step.json`` of each directory, written by ``train_step_bench.p
 (each run's whole step traced, optimizer included: ``gpu_bench.sh`` with ``STEP_ARGS=--profile``;
 merged as ``summarize.py`` merges them: a later directory's configuration replaces an
 earlier one's, so each table compares runs of one process) and splits
-each run's GPU kernel time per step into
+each run's GPU kernel time per step (against `plain`, or `plain_fp8` where only the FP8
+baseline was profiled) into
 
 * GEMMs: the fused kernels (coda-jax's) and the GEMMs left to XLA / cuBLAS;
 * attention (cuDNN);
@@ -115,17 +116,20 @@ def report(steps: dict[str, list[dict]]) -> str:
     out = []
     for tag, runs in steps.items():
         prof = [(r["run"], split_run(r["profile"])) for r in runs if r.get("profile")]
-        plains = [s for name, s in prof if name == "plain"]
-        if not plains:
+        # The baseline: plain JAX in bf16, else plain JAX in FP8 (an FP8 comparison profiled alone)
+        base = next((b for b in ("plain", "plain_fp8") if any(name == b for name, _ in prof)), None)
+        if base is None:
+            out += [f"### {tag}", "", f"(no profiled `plain` or `plain_fp8` run: nothing to compare with; runs: "
+                    f"{', '.join(name for name, _ in prof) or 'none profiled'})", ""]
             continue
-        plain = plains[0]
-        out += [f"### {tag}", "",
+        plain = next(s for name, s in prof if name == base)
+        out += [f"### {tag}", "", f"Baseline: `{base}`.", "",
                 "| run | device ms | GEMMs | attention | optimizer | param casts | other passes | "
                 "now | bound: cuBLAS-speed GEMMs | bound: free fusion |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for name, s in prof:
             cells = [f"{s[k]:.2f}" for k in ("device", *PARTS)]
-            if name == "plain":
+            if name == base:
                 ratios = ["1.000x", "", ""]
             else:
                 c = ceilings(plain, s)

@@ -746,6 +746,22 @@ def test_step_ceiling_splits_a_profile_and_bounds_the_ratio():
     assert "no kernel of the `optimizer` scope" not in text
 
 
+def test_step_ceiling_baseline_is_plain_else_plain_fp8():
+    """step_ceiling.py: an FP8 comparison profiled without plain bf16 is measured against
+    ``plain_fp8``; without either baseline the report says so instead of printing nothing."""
+    from benchmarks import step_ceiling as sc
+
+    def prof(gemm, other):
+        return {"device_ms": gemm + other, "by_class": {"gemm": gemm, "other": other}, "top_kernels": []}
+
+    text = sc.report({"8b": [{"run": "pallas:fp8=true", "profile": prof(30.0, 20.0)},
+                             {"run": "plain_fp8", "profile": prof(40.0, 20.0)}]})
+    assert "Baseline: `plain_fp8`." in text and "| plain_fp8 | 60.00 |" in text
+    assert "| pallas:fp8=true | 50.00 | 30.00 |" in text and "1.200x" in text
+    text = sc.report({"8b": [{"run": "pallas", "profile": prof(30.0, 20.0)}]})
+    assert "no profiled `plain` or `plain_fp8` run" in text and "pallas" in text
+
+
 def test_step_ceiling_lists_fused_gemms_by_call_site():
     """step_ceiling.py: Pallas kernels named ``coda_<program>_<layout>_<M>x<N>x<K>`` become
     one line each, with launches, ms per launch and TFLOP/s; other kernels are not listed,
