@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterator
 
 import jax
 
+from coda_jax.log import log_once
 from coda_jax.lowering import GemmLowering
 from coda_jax.options import current_options, options, reset_options, set_options
 from coda_jax.partitioning import PartitionedLowering
 
-logger = logging.getLogger("coda_jax")
 
 BACKENDS = ("xla", "pallas", "cutedsl")
 
@@ -55,8 +55,6 @@ class BackendOpMissingError(BackendError, NotImplementedError):
 
 _lowering_overrides: contextvars.ContextVar[dict[str, GemmLowering]] = contextvars.ContextVar(
     "coda_jax_lowerings", default={})
-_auto_logged: set[str] = set()
-_fallback_warned: set[tuple[str, str]] = set()
 
 
 def _check_name(name: str) -> str:
@@ -158,9 +156,7 @@ def resolve_backend(backend: str | None = None) -> str:
     if name == "auto":
         ok, what = _gpu_description()
         name = "pallas" if ok else "xla"
-        if what not in _auto_logged:
-            _auto_logged.add(what)
-            logger.info("coda-jax backend 'auto' picked %r because %s", name, what)
+        log_once(("auto", what), logging.INFO, "coda-jax backend 'auto' picked %r because %s", name, what)
         return name
     reason = backend_unavailable_reason(name)
     if reason is not None:
@@ -212,8 +208,7 @@ def lowering_for(op: str, backend: str | None = None) -> GemmLowering:
             f"use backend='xla' for it, or allow the reference fallback with "
             f"use_backend({name!r}, allow_fallback=True) or CODA_JAX_ALLOW_FALLBACK=1"
         )
-    if (op, name) not in _fallback_warned:
-        _fallback_warned.add((op, name))
-        logger.warning("coda-jax: op %r is not implemented by backend %r; falling back to 'xla'", op, name)
+    log_once(("fallback", op, name), logging.WARNING,
+             "coda-jax: op %r is not implemented by backend %r; falling back to 'xla'", op, name)
     _ensure_registered("xla")
     return PartitionedLowering(_lowerings["xla"]())

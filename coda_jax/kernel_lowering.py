@@ -23,20 +23,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from coda_jax.log import log_once
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind
 from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, kernel_latency_hint,
                                persistent_grid_sms, routes_to_xla)
 from coda_jax.reference import REFERENCE, xla_backend_lowering
 
 
-_logger = logging.getLogger("coda_jax")
-_fp8_logged: set[tuple[str, str]] = set()
 
 
 def _log_fp8_fallback(backend: str, program: str, why: str) -> None:
-    if (backend, program) not in _fp8_logged:  # once per program (INFO)
-        _fp8_logged.add((backend, program))
-        _logger.info("coda_jax: %s runs the FP8 GEMMs of %r on XLA: %s", backend, program, why)
+    log_once(("fp8_fallback", backend, program), logging.INFO,  # once per program
+             "coda_jax: %s runs the FP8 GEMMs of %r on XLA: %s", backend, program, why)
 
 
 def _pad2(x: jax.Array, rows: int, cols: int) -> jax.Array:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from coda_jax.log import log_once
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, OutputKind
 from coda_jax.options import current_options
 
@@ -273,8 +274,6 @@ def check_plain_gemm(backend: str, choice: str | None) -> str | None:
     raise ValueError(f"plain_gemm must be 'xla', 'kernel' or {backend!r}, got {choice!r}")
 
 
-_logger = logging.getLogger("coda_jax")
-_small_output_logged: set[tuple[str, str]] = set()
 
 
 def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plain_choice: str | None = None,
@@ -298,11 +297,9 @@ def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plai
         return (plain_choice or routing.plain_gemm) == "xla"
     below = routing.xla_output_below if by_size else 0
     if m * n < below:
-        if (backend, epilogue.name) not in _small_output_logged:  # once per program (INFO)
-            _small_output_logged.add((backend, epilogue.name))
-            _logger.info("coda_jax: %s runs %r GEMMs with outputs under %d elements (here %d x %d) on XLA; "
-                         "the option routing.xla_output_below=0 keeps them on the kernel", backend, epilogue.name,
-                         below, m, n)
+        log_once(("small_output", backend, epilogue.name), logging.INFO,  # once per program
+                 "coda_jax: %s runs %r GEMMs with outputs under %d elements (here %d x %d) on XLA; the option "
+                 "routing.xla_output_below=0 keeps them on the kernel", backend, epilogue.name, below, m, n)
         return True
     if epilogue.name not in routing.xla_programs:
         return False

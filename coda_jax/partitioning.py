@@ -59,6 +59,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from coda_jax.log import log_once
 from coda_jax import mesh_axes
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind, default_out_dtype
 from coda_jax.lowering import GemmLowering, gemm_dims, routes_to_xla
@@ -70,8 +71,6 @@ from coda_jax.mesh_axes import (FSDP_AXIS, FSDP_SPLITS, axis_size, context_mesh,
 from coda_jax.options import current_options, is_set
 from coda_jax.reference import xla_backend_lowering
 
-logger = logging.getLogger("coda_jax")
-_warned: set[str] = set()
 
 
 def __getattr__(name: str):
@@ -169,9 +168,7 @@ def _sum_shards(v: jax.Array) -> jax.Array:
 
 
 def _warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(msg)
+    log_once(("partitioning", key), logging.WARNING, "%s", msg)
 
 
 def _row_specs(epi: Epilogue, tok) -> tuple[dict[str, P], dict[str, P]]:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coda_jax import log as coda_log
 from coda_jax.ops import attention as A
 
 BF = jnp.bfloat16
@@ -57,7 +58,7 @@ def test_padding_an_odd_length_at_the_end_is_exact_under_the_causal_mask(monkeyp
 
 
 def test_each_decision_is_logged_once(monkeypatch, caplog):
-    monkeypatch.setattr(A, "_LOGGED", set())
+    monkeypatch.setattr(coda_log, "_logged", set())
     monkeypatch.setattr(A, "plan_attention", lambda *a, **kw: A.AttentionPlan(None, kw["seq_len"], "note x"))
     q = jnp.ones((1, 5, 2, 8))
     with caplog.at_level(logging.WARNING, logger="coda_jax"):

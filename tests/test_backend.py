@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from coda_jax import log as coda_log
 import coda_jax as cj
 from coda_jax import backend as B
 from coda_jax.reference import REFERENCE
@@ -28,7 +29,7 @@ def test_unknown_env_backend(monkeypatch):
 
 
 def test_auto_on_cpu_picks_xla_and_logs_why(caplog):
-    B._auto_logged.clear()
+    coda_log.forget_logged()
     with caplog.at_level(logging.INFO, logger="coda_jax"):
         assert cj.resolve_backend() == "xla"
         assert cj.resolve_backend("auto") == "xla"
@@ -105,7 +106,7 @@ def partial_pallas(monkeypatch):
     _pretend_available(monkeypatch, {"pallas"})
     monkeypatch.setitem(B._lowerings, "pallas", _Partial)
     monkeypatch.setitem(B._ops, "pallas", {"rms_norm_matmul"})
-    B._fallback_warned.clear()
+    coda_log.forget_logged()
     _Partial.calls = 0
 
 

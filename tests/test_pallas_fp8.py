@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coda_jax import log as coda_log
 from coda_jax import epilogue as E
-from coda_jax import kernel_lowering
 from coda_jax import programs
 from coda_jax.epilogue import FP8_DTYPES, LoadKind, OutputKind
 from coda_jax.pallas import interpret_mode
@@ -324,7 +324,7 @@ def test_refused_layout_runs_on_xla(monkeypatch, caplog):
 
     low = PallasLowering(SMALL8, plain_gemm="kernel")
     monkeypatch.setattr(low, "kernel_gemm", no_kernel)
-    monkeypatch.setattr(kernel_lowering, "_fp8_logged", set())  # logged once per program
+    monkeypatch.setattr(coda_log, "_logged", set())  # logged once per program
     with caplog.at_level(logging.INFO, logger="coda_jax"):
         got = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, out_dtypes={"z": F32}))(a, b, loads)["z"]
     assert any("runs the FP8 GEMMs of 'row_scale_fp8' on XLA" in r.getMessage() and "K-major" in r.getMessage()

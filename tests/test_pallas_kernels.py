@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from coda_jax import log as coda_log
 import coda_jax as cj
 from coda_jax import epilogue as E
-from coda_jax import lowering as coda_lowering
 from coda_jax import programs
 from coda_jax.epilogue import LoadKind, OutputKind
 from coda_jax.lowering import routes_to_xla
@@ -649,7 +649,7 @@ def test_small_output_routing(monkeypatch, caplog):
     assert _has_kernel(run, a, b, loads)
     cj.reset_options("routing")  # the library's default, 2^22
     assert cj.current_options().routing.xla_output_below == 1 << 22
-    monkeypatch.setattr(coda_lowering, "_small_output_logged", set())  # logged once per program
+    monkeypatch.setattr(coda_log, "_logged", set())  # logged once per program
     with caplog.at_level(logging.INFO, logger="coda_jax"):
         assert not _has_kernel(run, a, b, loads)  # 128 x 128 < 2^22: the default routes it
     assert any("residual_rms" in r.getMessage() and "routing.xla_output_below" in r.getMessage()

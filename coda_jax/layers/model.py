@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from coda_jax.log import log_once
 from coda_jax.backend import BackendUnavailableError, resolve_backend
 from coda_jax.layers.block import CodaLlamaBlock
 from coda_jax.layers.config import LlamaConfig
@@ -23,8 +24,6 @@ from coda_jax.mesh_axes import context_mesh
 from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.sharding import cast_for_use, gathered, logical_param, reshape_tokens
 
-logger = logging.getLogger("coda_jax")
-_remat_interpret_logged: list[bool] = []
 
 
 def _run_block(block: CodaLlamaBlock, x, positions, carry, next_norm):
@@ -133,11 +132,9 @@ class CodaLlama(nnx.Module):
         except BackendUnavailableError:
             return True  # the ops raise it, or fall back to the xla backend where allowed
         if name == "pallas" and interpret_enabled():
-            if not _remat_interpret_logged:
-                _remat_interpret_logged.append(True)
-                logger.warning("coda-jax: remat='block' is not applied with the Pallas kernels in the GPU "
-                               "interpreter (its callbacks cannot be rematerialized); the blocks save their "
-                               "activations")
+            log_once("remat_interpret", logging.WARNING,
+                     "coda-jax: remat='block' is not applied with the Pallas kernels in the GPU interpreter (its "
+                     "callbacks cannot be rematerialized); the blocks save their activations")
             return False
         return True
 

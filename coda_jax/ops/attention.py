@@ -28,10 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from coda_jax.log import log_once
 from coda_jax.sharding import explicit_sharding
 
-_LOG = logging.getLogger("coda_jax")
-_LOGGED: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +84,8 @@ def plan_attention(requested: str | None, *, dtype, seq_len: int, head_dim: int,
 
 
 def _log_once(note: str) -> None:
-    if note and note not in _LOGGED:
-        _LOGGED.add(note)
-        _LOG.warning(note)
+    if note:
+        log_once(("attention", note), logging.WARNING, "%s", note)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, requested: str | None) -> jax.Array:
