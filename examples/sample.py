@@ -7,7 +7,9 @@
 checkpoint; the tokenizer is rebuilt from the shipped corpus with the run's ``--vocab``) or a
 Hugging Face checkpoint directory (``config.json``, safetensors, and ``tokenizer.json`` read
 with the ``tokenizers`` library). Forward only, any backend; each new token reruns the model on
-the whole sequence (no KV cache: fine for the short continuations this is for).
+the whole sequence (no KV cache: fine for the short continuations this is for). It runs in
+one process, on that process's devices, and reads a checkpoint written by any number of
+processes (``train_llama.py`` under ``jax.distributed``): orbax restores it onto this process.
 """
 
 from __future__ import annotations

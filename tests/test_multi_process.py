@@ -128,6 +128,20 @@ def test_a_checkpoint_of_two_processes_resumes_in_one_on_another_mesh(runs, tmp_
     np.testing.assert_allclose(got["val_loss"], ref["val_loss"], rtol=RTOL)
 
 
+def test_sample_reads_a_checkpoint_of_two_processes(runs):
+    """examples/sample.py runs in one process and reads the checkpoint the 2 processes wrote:
+    the same greedy continuation as from the one-process run's checkpoint."""
+    one, two, _ = runs("data=4")
+
+    def sample(run: Path) -> str:
+        r = subprocess.run([sys.executable, str(ROOT / "examples" / "sample.py"), "--from", str(run), "--prompt",
+                            "It was", "--tokens", "6"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           timeout=300)
+        return [l for l in _ok(r).splitlines() if l.startswith("--- sample 1:")][0]
+
+    assert sample(two) == sample(one)
+
+
 def test_the_library_under_two_processes(tmp_path):
     """``batch_from_rows`` asks each process only for its devices' rows and builds the global
     batch; ``place_whole`` places a value each process holds whole; a model split over both
