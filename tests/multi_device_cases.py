@@ -468,8 +468,11 @@ def case_model(backend: str, shape: tuple[int, ...], mode: str) -> None:
 
 def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str) -> None:
     """An FP8 CodaLlama (``LlamaConfig(fp8=...)``): loss, gradients and the new amax histories
-    (the histories' gradients) on a ("data", "fsdp") mesh equal one device's: each amax is a
-    max over the whole tensor, so data parallel and FSDP give one device's scales."""
+    (the histories' gradients) on a ("data", "fsdp") mesh, or with a third shape entry a
+    ("data", "fsdp", "tensor") mesh, equal one device's: each amax is a max over the whole
+    tensor, so data parallel, FSDP and tensor parallel give one device's scales. (Under a
+    tensor axis the FP8 block's GEMMs are split by XLA's partitioner from the weights' tensor
+    splits: heads, MLP features.)"""
     from flax import nnx
 
     from coda_jax.fp8 import Fp8Meta, Fp8Recipe
@@ -482,8 +485,9 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str) -> None:
     # by a bf16 step crosses an e5m2 boundary (25 % steps) often enough that the gradients of
     # the first block differ by ~10 % (errors compound through the backward): a loose bound.
     dtype, tol = (jnp.float32, 1e-3) if backend == "xla" else (jnp.bfloat16, 0.25)
-    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                           num_kv_heads=1, head_dim=32, dtype=dtype, fp8=Fp8Recipe())
+    heads = (8, 4) if len(shape) == 3 else (2, 1)  # a tensor axis splits heads and KV heads
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=heads[0],
+                           num_kv_heads=heads[1], head_dim=32, dtype=dtype, fp8=Fp8Recipe())
     if backend == "pallas":
         install_opaque_kernel()
     model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
@@ -499,10 +503,14 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str) -> None:
     step = jax.jit(lambda st, t: grads(nnx.merge(gdef, st), t))
     want = step(state, tokens)
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
-    names = ("data", "fsdp")[:len(shape)]
+    names = ("data", "fsdp", "tensor")[:len(shape)]
     mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
     with jax.set_mesh(mesh):
-        got = step(shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh)))
+        sharded = shard_state(state, mesh)
+        if len(shape) == 3:  # the weights on their tensor splits (so the GEMMs split by features)
+            blk = sharded["blocks"][0]
+            assert "tensor" in str(blk["w_gu"][...].sharding.spec) and "tensor" in str(blk["w_down"][...].sharding.spec)
+        got = step(sharded, jax.device_put(tokens, batch_sharding(mesh)))
     _assert_matches(got, want, tol, f"fp8 {backend} {shape} {mode}")
     print(f"OK model_fp8_{backend}_{'x'.join(map(str, shape))}_{mode}")
 
@@ -1009,7 +1017,8 @@ CASES = {
     **{f"model_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model(b, s, m))
        for b in ("xla", "pallas") for s in ((8,), (2, 4)) for m in ("auto", "explicit")},
     **{f"model_fp8_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model_fp8(b, s, m))
-       for b, s, m in (("xla", (8,), "auto"), ("xla", (2, 4), "explicit"), ("pallas", (2, 4), "auto"))},
+       for b, s, m in (("xla", (8,), "auto"), ("xla", (2, 4), "explicit"), ("pallas", (2, 4), "auto"),
+                       ("xla", (2, 2, 2), "auto"), ("xla", (1, 2, 4), "explicit"), ("pallas", (2, 1, 4), "explicit"))},
     **{f"tp_{b}_{'x'.join(map(str, s))}_{m}_{d}": (lambda b=b, s=s, m=m, d=d: case_model_tensor_parallel(b, s, m, d))
        for b, s, m, d in (("xla", (2, 2, 2), "auto", "float32"), ("pallas", (2, 2, 2), "explicit", "bfloat16"),
                           ("pallas", (1, 2, 4), "auto", "float32"), ("xla", (2, 1, 4), "explicit", "float32"))},

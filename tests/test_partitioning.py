@@ -32,6 +32,9 @@ GROUPS = {
     "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_2x4_explicit"],
     # FP8 (LlamaConfig(fp8=...)): loss, gradients and amax histories against one device.
     "model_fp8": ["model_fp8_xla_8_auto", "model_fp8_xla_2x4_explicit", "model_fp8_pallas_2x4_auto"],
+    # FP8 under a tensor axis (the partitioner splits the FP8 block by the weights' tensor splits).
+    "model_fp8_tensor": ["model_fp8_xla_2x2x2_auto", "model_fp8_xla_1x2x4_explicit",
+                         "model_fp8_pallas_2x1x4_explicit"],
     "vocab_parallel": ["vocab_ce_2x1x4_explicit", "vocab_ce_2x2x2_auto", "vocab_ce_2x4x1_auto_fsdp",
                        "vocab_ce_1x8x1_explicit_fsdp"],
     "step_bench": ["step_bench", "plain_explicit", "plain_tensor"],

@@ -5,12 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from coda_jax.ops.attention import causal_attention
 from coda_jax.layers.config import LlamaConfig
 from coda_jax.layers.tensor_parallel import tensor_parallel_block, tensor_parallel_size
 from coda_jax.backend import lowering_for
-from coda_jax.fp8 import Fp8Meta, check_fp8_device
+from coda_jax.fp8 import Fp8Meta, Fp8Tensor, check_fp8_device
 from coda_jax.ops.fp8_llama_block import TENSORS as FP8_TENSORS
 from coda_jax.ops.fp8_llama_block import BlockShape as Fp8BlockShape
 from coda_jax.ops.fp8_llama_block import Fp8Carry, fp8_llama_block
@@ -20,7 +21,8 @@ from coda_jax.ops.norm_carry import NormCarry
 from coda_jax.ops.rms_norm_matmul_rope import rms_norm_matmul_rope, rope_rotated_columns, rope_tables
 from coda_jax.ops.swiglu_mlp import swiglu_mlp
 from coda_jax.ops.rope_frequencies import rope_inv_freq
-from coda_jax.mesh_axes import context_mesh
+from coda_jax.reference import xla_backend_lowering
+from coda_jax.mesh_axes import context_mesh, token_axes
 from coda_jax.sharding import cast_for_use, logical_param, reshape_tokens
 
 
@@ -103,13 +105,11 @@ class CodaLlamaBlock(nnx.Module):
             raise ValueError(f"x must be [batch, seq, {c.hidden_size}], got {x.shape}")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        if tensor_parallel_size(context_mesh()) > 1:  # Megatron TP: coda_jax/layers/tensor_parallel.py
-            if c.fp8 is not None:
-                raise NotImplementedError("config.fp8 is not supported under a 'tensor' mesh axis yet; use data / "
-                                          "fsdp axes, or fp8=None")
-            return tensor_parallel_block(self, x, positions), None
+        tensor_parallel = tensor_parallel_size(context_mesh()) > 1
         if c.fp8 is not None:
-            return self._fp8_call(x, positions, carry, next_norm)
+            return self._fp8_call(x, positions, carry, next_norm, tensor_parallel)
+        if tensor_parallel:  # Megatron TP: coda_jax/layers/tensor_parallel.py
+            return tensor_parallel_block(self, x, positions), None
         dt = c.dtype
         m = b * s
         x2 = reshape_tokens(x, (m, d)).astype(dt)
@@ -130,8 +130,14 @@ class CodaLlamaBlock(nnx.Module):
                                  next_norm, carry=carry1, eps=c.rms_norm_eps, backend=self.backend)
         return reshape_tokens(out, (b, s, d)), carry2
 
-    def _fp8_call(self, x, positions, carry, next_norm):
-        """The block in FP8 (:func:`coda_jax.ops.fp8_llama_block.fp8_llama_block`)."""
+    def _fp8_call(self, x, positions, carry, next_norm, tensor_parallel: bool = False):
+        """The block in FP8 (:func:`coda_jax.ops.fp8_llama_block.fp8_llama_block`).
+
+        Under a ``"tensor"`` mesh axis the weights stay on their stored splits (``w_gu`` by
+        columns, ``w_o`` and ``w_down`` by rows) and the block's GEMMs and epilogues run as
+        XLA ops (the ``xla`` backend's lowering, unpartitioned), which XLA's SPMD partitioner
+        splits from those shardings, amaxes reduced over the whole tensors: the FP8 block has
+        no ``shard_map`` of its own (docs/fp8.md#limits)."""
         c = self.config
         b, s, d = x.shape
         m, hd = b * s, c.head_dim
@@ -139,7 +145,8 @@ class CodaLlamaBlock(nnx.Module):
         if carry is not None and not isinstance(carry, Fp8Carry):
             carry = None  # a compute-dtype carry (not from an FP8 block): h is quantized from x
         w = self._param
-        params = {name: w(name) for name in ("attn_norm", "w_qkv", "w_o", "mlp_norm", "w_gu", "w_down")}
+        params = {name: w(name, whole=not tensor_parallel)
+                  for name in ("attn_norm", "w_qkv", "w_o", "mlp_norm", "w_gu", "w_down")}
         pos = reshape_tokens(positions, (m,))
         cos, sin = rope_tables(pos, w("inv_freq"))
         aux = {"cos": cos, "sin": sin, "rot": rope_rotated_columns(c.num_heads, c.num_kv_heads, hd // 2)}
@@ -151,7 +158,26 @@ class CodaLlamaBlock(nnx.Module):
         shape = Fp8BlockShape(b, s, c.num_heads, c.num_kv_heads, hd, float(c.rms_norm_eps),
                               float(c.qk_norm_eps) if c.qk_norm else None, c.attention_implementation,
                               c.fp8.margin, carry_out)
-        lowering = lowering_for(FP8_LLAMA_BLOCK, self.backend)
-        out, carry_out = fp8_llama_block(lowering, shape, reshape_tokens(x, (m, d)).astype(c.dtype), params, aux,
-                                         self.fp8_meta[...], carry=carry, next_norm=next_norm)
+        lowering = xla_backend_lowering() if tensor_parallel else lowering_for(FP8_LLAMA_BLOCK, self.backend)
+
+        def block(x, params, aux, meta, carry, next_norm):
+            return fp8_llama_block(lowering, shape, x, params, aux, meta, carry=carry, next_norm=next_norm)
+
+        mesh = context_mesh()
+        if tensor_parallel and not mesh.are_all_axes_auto:
+            # Explicit shardings would make each FP8 dot of differently split operands a type
+            # error: the block is partitioned as under an Auto mesh, its results placed back.
+            block = jax.sharding.auto_axes(block, out_sharding=_fp8_out_specs(shape.carry_out, mesh))
+        out, carry_out = block(reshape_tokens(x, (m, d)).astype(c.dtype), params, aux, self.fp8_meta[...], carry,
+                               next_norm)
         return reshape_tokens(out, (b, s, d)), carry_out
+
+
+def _fp8_out_specs(carry_out: str, mesh) -> tuple:
+    """The shardings of the FP8 block's ``(x_out, carry)`` on ``mesh``: rows split over the
+    token axes (``[M, d]`` by rows, ``[d, M]`` copies and ``[P, M]`` partials by columns)."""
+    axes = token_axes(mesh)
+    tok = axes if len(axes) > 1 else (axes[0] if axes else None)
+    rows, cols = P(tok, None), P(None, tok)
+    carry = {"fp8": Fp8Carry(Fp8Tensor(rows, cols, P()), cols), "norm": NormCarry(rows, cols), "none": None}
+    return rows, carry[carry_out]
