@@ -85,6 +85,7 @@ __all__ = [
     "default_out_dtype",
     "saturate_cast",
     "dequantized",
+    "unquantized",
     "body_uses_row_sum",
     "split_pairs",
     "join_pairs",
@@ -433,6 +434,17 @@ def col_sum(name: str) -> Output:
 
 def row_logsumexp(name: str) -> Output:
     return Output(name, OutputKind.ROW_LOGSUMEXP, jnp.float32)
+
+
+def unquantized(epi: Epilogue) -> Epilogue:
+    """``epi`` with each quantizing output written unscaled, as a plain tile output of the same
+    name in the GEMM's output dtype (no transposed copy, no amax): the program for a recipe
+    that knows a tensor's scale only once the whole tensor exists (current scaling), which
+    quantizes it after the GEMM. The scale loads stay (the body is ``epi``'s) and are not read."""
+    if not any(o.quantize is not None for o in epi.outputs):
+        raise ValueError(f"epilogue {epi.name!r} has no quantizing output")
+    outs = tuple(tile_out(o.name, half=o.half) if o.quantize is not None else o for o in epi.outputs)
+    return dataclasses.replace(epi, name=f"{epi.name}_unquantized", outputs=outs)
 
 
 def _dequantized_body(epi: Epilogue):

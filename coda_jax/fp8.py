@@ -32,13 +32,15 @@ from flax import nnx
 from coda_jax.epilogue import saturate_cast
 
 __all__ = ["E4M3", "E5M2", "Fp8Recipe", "Fp8Meta", "Fp8Tensor", "scale_from_history", "quantize",
-           "quantize_tensor", "next_history", "NONFINITE_POLICIES", "fp8_device_rule", "check_fp8_device"]
+           "quantize_tensor", "next_history", "NONFINITE_POLICIES", "SCALINGS", "fp8_device_rule", "check_fp8_device"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
 
 # What the train step does when a new amax or a gradient is not finite.
 NONFINITE_POLICIES = ("skip", "apply")
+# Where a tensor's scale comes from: its amax history, or its own amax.
+SCALINGS = ("delayed", "current")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,13 @@ class Fp8Recipe:
       on_nonfinite: ``"skip"``: a step whose new amaxes or gradients are not all finite
         leaves the parameters, optimizer moments and histories as they were (the loss it
         returns shows the non-finite value); ``"apply"``: no check.
+      scaling: ``"delayed"`` (default): each scale from the tensor's amax history, known before
+        the tensor exists, so the GEMM that produces it writes it in FP8 from its epilogue.
+        ``"current"``: each scale from the tensor's own amax (TransformerEngine's current
+        scaling: no lag behind a change of range). A producing GEMM then writes the tensor in
+        the compute dtype and a pass after it quantizes it, once its amax is reduced: one more
+        write and two more reads of the tensor each (docs/fp8.md). The histories are still
+        recorded (``history`` and ``margin`` apply to the scale as with one step of history).
 
     Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its
     softmax and both of its GEMMs), the LM head and the norms stay in the compute dtype.
@@ -59,6 +68,7 @@ class Fp8Recipe:
     history: int = 16
     margin: int = 0
     on_nonfinite: str = "skip"
+    scaling: str = "delayed"
 
     def __post_init__(self):
         if not isinstance(self.history, int) or self.history < 1:
@@ -67,6 +77,8 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe.margin must be a non-negative int, got {self.margin!r}")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Fp8Recipe.on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Fp8Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}")
 
 
 class Fp8Meta(nnx.Variable):
@@ -158,15 +170,16 @@ class Fp8Tensor:
         return (self.data.astype(jnp.float32) * self.scale_inv).astype(dtype)
 
 
-def quantize_tensor(x: jax.Array, history: jax.Array, dtype: Any, margin: int = 0, *,
+def quantize_tensor(x: jax.Array, history: jax.Array | None, dtype: Any, margin: int = 0, *,
                     transpose: bool = True, rows: bool = True) -> tuple[Fp8Tensor, jax.Array]:
     """A standalone quantizing pass (where no GEMM epilogue produces ``x``): ``(Fp8Tensor,
-    amax)`` of the matrix ``x`` ``[R, C]`` with the delayed scale from ``history``.
+    amax)`` of the matrix ``x`` ``[R, C]`` with the delayed scale from ``history``, or with
+    ``history=None`` the current scale from ``x``'s own amax.
 
     ``transpose``: also the ``[C, R]`` copy; ``rows=False`` leaves the row-major copy out
-    (where only the transposed one is read). XLA writes both copies and reduces the amax in
-    one fusion."""
-    scale = scale_from_history(history, dtype, margin)
-    q = quantize(x, scale, dtype)
+    (where only the transposed one is read). With a delayed scale XLA writes both copies and
+    reduces the amax in one fusion; a current scale needs the amax first (two passes)."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = scale_from_history(amax[None] if history is None else history, dtype, margin)
+    q = quantize(x, scale, dtype)
     return Fp8Tensor(q if rows else None, q.T if transpose else None, 1.0 / scale), amax

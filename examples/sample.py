@@ -70,7 +70,9 @@ def load(source: Path, backend: str):
 
     run = SimpleNamespace(**json.loads((source / "args.json").read_text()))
     tok = text_data.build_tokenizer([text_data.load_corpus()], vocab_size=run.vocab)
-    model = CodaLlama(train_llama.make_config(run, tok.get_vocab_size()), rngs=nnx.Rngs(0), backend=backend)
+    # As trained: an FP8 run's blocks hold amax histories its checkpoint restores (and run in FP8).
+    cfg = train_llama.make_config(run, tok.get_vocab_size()).replace(fp8=train_llama.fp8_recipe(run))
+    model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
     optimizer = nnx.Optimizer(model, adamw_cosine(run.lr, run.warmup, run.steps), wrt=nnx.Param)
     mgr = ocp.CheckpointManager((source / "checkpoints").resolve())
     step = mgr.latest_step()
@@ -85,10 +87,13 @@ def load(source: Path, backend: str):
 
 def generate(model: CodaLlama, ids: list[int], n: int, temperature: float, top_k: int, key) -> list[int]:
     """``n`` new token ids after ``ids`` (greedy when ``temperature == 0``)."""
-    forward = jax.jit(lambda t: model(t)[0, -1])
+    # The weights as an argument, not constants baked into the program (XLA would fold an FP8
+    # model's weight amaxes at compile time).
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[0, -1])
     out = list(ids)
     for _ in range(n):
-        logits = forward(jnp.asarray([out], jnp.int32))
+        logits = forward(state, jnp.asarray([out], jnp.int32))
         if temperature == 0:
             nxt = int(jnp.argmax(logits))
         else:

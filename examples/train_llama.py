@@ -51,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from coda_jax import partitioning
-from coda_jax.fp8 import Fp8Recipe
+from coda_jax.fp8 import SCALINGS, Fp8Recipe
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
 from coda_jax.layers.tensor_parallel import check_tensor_parallel, tensor_parallel_size
 from coda_jax.sharding import batch_from_rows, mesh_from_spec, shard_state, token_shards
@@ -124,6 +124,9 @@ def parse_args(argv=None):
                    help="train the blocks' projections in FP8 (coda_jax.fp8.Fp8Recipe: e4m3 forward, e5m2 gradients, "
                         "delayed scaling; attention, norms and the LM head stay in the compute dtype). Needs a GPU "
                         "with FP8 tensor cores (sm_89+) or the CPU (emulated by XLA)")
+    p.add_argument("--fp8-scaling", default="delayed", choices=list(SCALINGS),
+                   help="with --fp8: each tensor's scale from its amax history (delayed: the GEMM that produces it "
+                        "writes it in FP8) or from its own amax (current: a pass after the GEMM quantizes it)")
     p.add_argument("--remat", default="none", choices=["none", "block"],
                    help="activation checkpointing: block = each block keeps only its input and recomputes its "
                         "forward in the backward (less memory, about a third more GEMM work)")
@@ -288,6 +291,14 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
+def fp8_recipe(args) -> Fp8Recipe | None:
+    """The run's FP8 recipe (``--fp8``, ``--fp8-scaling``), or None; ``args`` may be an older
+    run's ``args.json`` without these flags."""
+    if not getattr(args, "fp8", False):
+        return None
+    return Fp8Recipe(scaling=getattr(args, "fp8_scaling", "delayed"))
+
+
 def make_config(args, vocab_size: int) -> LlamaConfig:
     if args.preset == "tiny":
         cfg = LlamaConfig.tiny(vocab_size=vocab_size)
@@ -322,7 +333,7 @@ def main(argv=None) -> dict:
     tok = init.get("tokenizer") or text_data.build_tokenizer([corpus], vocab_size=args.vocab)
     train_tokens, val_tokens = text_data.split_tokens(text_data.encode(tok, corpus))
     cfg = (init.get("config") or make_config(args, tok.get_vocab_size())).replace(
-        remat=args.remat, fp8=Fp8Recipe() if getattr(args, "fp8", False) else None)
+        remat=args.remat, fp8=fp8_recipe(args))
     dev = jax.local_devices()[0]
     for msg in run_errors(args, cfg, len(train_tokens), len(val_tokens), device_memory_bytes(), dev.platform,
                           getattr(dev, "compute_capability", None)):

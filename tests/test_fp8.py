@@ -432,6 +432,35 @@ def _meta_rows_used(carry_in: bool, carry_out: str):
     return [n for n in TENSORS if not (n == "h_in" and carry_in) and not (n == "h_out" and carry_out != "fp8")]
 
 
+def _naive_chain(c, st1, st2, probes, margin):
+    """The two naive fake-quant blocks of :func:`_fp8_chain` (each quantizing with the scales of
+    the histories it is given) and ``naive_run``: both blocks' outputs, gradients and amaxes on
+    the FP8 chain's own inputs and cotangents."""
+    def scales_of(meta):
+        return {n: scale_from_history(meta[ROW[n]], _row_dtype(n), margin) for n in TENSORS}
+
+    def block1(x, p, aux, pr, sc, quant=True):
+        return naive_block(st1, x, p, aux.get("qk_w"), aux["cos"], aux["sin"], c["p2"]["attn_norm"], sc[0], pr,
+                           sc[0].get("h_in"), quant)
+
+    def block2(x, p, aux, pr, sc, quant=True):  # its h: the FP8 carry, quantized with block 1's h_out row
+        return naive_block(st2, x, p, aux.get("qk_w"), aux["cos"], aux["sin"], c["final"], sc[1], pr,
+                           sc[0].get("h_out"), quant)
+
+    @jax.jit
+    def naive_run(x, p1, p2, aux1, aux2, out1, dout1, meta1, meta2):
+        sc = (scales_of(meta1), scales_of(meta2))
+        o1, vjp1, a1 = jax.vjp(lambda *a: block1(*a, sc), x, p1, aux1, probes, has_aux=True)
+        o2, vjp2, a2 = jax.vjp(lambda *a: block2(*a, sc), out1, p2, aux2, probes, has_aux=True)
+        dout1_n, dp2, daux2, g2 = vjp2(c["r"])
+        dx, dp1, daux1, g1 = vjp1(dout1)
+        return dict(out1=o1, out2=o2, dout1=dout1_n, dx=dx, dp1=dp1, dp2=dp2, daux1=daux1, daux2=daux2,
+                    amax1={**a1, **{n: jnp.max(jnp.abs(g)) for n, g in g1.items()}},
+                    amax2={**a2, **{n: jnp.max(jnp.abs(g)) for n, g in g2.items()}})
+
+    return block1, block2, naive_run
+
+
 @pytest.mark.parametrize("qk_norm,margin", [(False, 0), (True, 1)], ids=["plain", "qknorm_margin1"])
 def test_fp8_block_chain_matches_naive_fake_quant(qk_norm, margin):
     """Two FP8 blocks (FP8 carry between them, compute-dtype carry out of the second) against
@@ -461,27 +490,7 @@ def test_fp8_block_chain_matches_naive_fake_quant(qk_norm, margin):
     widths = {"dz_qkv": (nh + 2 * nkv) * hd, "dx1": d, "dz_gu": c["p1"]["w_gu"].shape[1], "dx2": d}
     probes = {n: jnp.zeros((m, w), f32) for n, w in widths.items()}
 
-    def scales_of(meta):
-        return {n: scale_from_history(meta[ROW[n]], _row_dtype(n), margin) for n in TENSORS}
-
-    def block1(x, p, aux, pr, sc, quant=True):
-        return naive_block(st1, x, p, aux.get("qk_w"), aux["cos"], aux["sin"], c["p2"]["attn_norm"], sc[0], pr,
-                           sc[0].get("h_in"), quant)
-
-    def block2(x, p, aux, pr, sc, quant=True):  # its h: the FP8 carry, quantized with block 1's h_out row
-        return naive_block(st2, x, p, aux.get("qk_w"), aux["cos"], aux["sin"], c["final"], sc[1], pr,
-                           sc[0].get("h_out"), quant)
-
-    @jax.jit
-    def naive_run(x, p1, p2, aux1, aux2, out1, dout1, meta1, meta2):
-        sc = (scales_of(meta1), scales_of(meta2))
-        o1, vjp1, a1 = jax.vjp(lambda *a: block1(*a, sc), x, p1, aux1, probes, has_aux=True)
-        o2, vjp2, a2 = jax.vjp(lambda *a: block2(*a, sc), out1, p2, aux2, probes, has_aux=True)
-        dout1_n, dp2, daux2, g2 = vjp2(c["r"])
-        dx, dp1, daux1, g1 = vjp1(dout1)
-        return dict(out1=o1, out2=o2, dout1=dout1_n, dx=dx, dp1=dp1, dp2=dp2, daux1=daux1, daux2=daux2,
-                    amax1={**a1, **{n: jnp.max(jnp.abs(g)) for n, g in g1.items()}},
-                    amax2={**a2, **{n: jnp.max(jnp.abs(g)) for n, g in g2.items()}})
+    block1, block2, naive_run = _naive_chain(c, st1, st2, probes, margin)
 
     @jax.jit
     def float32_run(x, p1, p2, aux1, aux2):  # the same two blocks without quantization, end to end
@@ -569,6 +578,53 @@ def test_fp8_block_chain_matches_naive_fake_quant(qk_norm, margin):
                                              errs[:, 0].max())
             worst = max(worst, float(errs[:, 0].max()))
     print(f"  rows cut one at a time: worst rel err {worst:.2e}")
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qknorm"])
+def test_current_scaling_block_chain(qk_norm):
+    """``Fp8Recipe(scaling="current")``: each tensor is quantized with the scale of its own amax.
+    The two-block chain's results do not depend on the histories (two unrelated ones give the
+    same bits); they match the naive fake-quant blocks quantizing at those current scales; and
+    the histories' gradients record this step's amaxes, as under delayed scaling."""
+    c = _block_setup(qk_norm)
+    b, s, nh, nkv, hd = c["dims"]
+    m, d = c["x"].shape
+    qk_eps = 1e-6 if qk_norm else None
+    st1 = BlockShape(b, s, nh, nkv, hd, 1e-5, qk_eps, None, 0, "fp8", "current")
+    st2 = BlockShape(b, s, nh, nkv, hd, 1e-5, qk_eps, None, 0, "norm", "current")
+    lw = lowering_for(FP8_LLAMA_BLOCK, "xla")
+    args = (c["x"], c["p1"], c["p2"], c["aux1"], c["aux2"], c["final"])
+    run = jax.jit(lambda *a: _fp8_chain(lw, st1, st2, *a, c["r"]))
+    hist = 4
+    metas = [jax.random.uniform(jax.random.key(k), (len(TENSORS), hist), f32, 0.01, 100.0) for k in range(4)]
+    got = run(*args, metas[0], metas[1])
+    other = run(*args, metas[2], metas[3])
+    for name in ("out1", "out2", "dx", "dout1", "dp1", "dp2"):
+        for a, o in zip(jax.tree.leaves(got[name]), jax.tree.leaves(other[name])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(o), err_msg=name)
+    # The naive blocks at the current scales: one step of history holding this step's amax.
+    now1, now2 = got["dmeta1"][:, :1], got["dmeta2"][:, :1]
+    widths = {"dz_qkv": (nh + 2 * nkv) * hd, "dx1": d, "dz_gu": c["p1"]["w_gu"].shape[1], "dx2": d}
+    probes = {n: jnp.zeros((m, w), f32) for n, w in widths.items()}
+    _, _, naive_run = _naive_chain(c, st1, st2, probes, 0)
+    want = naive_run(*args[:5], got["out1"], got["dout1"], now1, now2)
+    for name in ("out1", "out2", "dx", "dout1", "dp1", "dp2"):
+        for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(got[name]), jax.tree.leaves(want[name])):
+            assert rel_err(a, w) < 1e-2, (name, jax.tree_util.keystr(path), rel_err(a, w))
+    for blk, (gm, mt, amax) in enumerate(((got["dmeta1"], metas[0], want["amax1"]),
+                                          (got["dmeta2"], metas[1], want["amax2"]))):
+        for name in _meta_rows_used(blk == 1, (st1, st2)[blk].carry_out):
+            i = ROW[name]
+            np.testing.assert_array_equal(gm[i, 1:], mt[i, :-1], err_msg=name)
+            np.testing.assert_allclose(gm[i, 0], amax[name], rtol=1e-5, err_msg=f"block {blk + 1} {name}")
+    # The carry: block 1's h at its own amax's scale.
+    assert float(got["c1"].h.scale_inv) == 1.0 / float(scale_from_history(now1[ROW["h_out"]], E4M3))
+
+
+def test_recipe_scaling_is_checked():
+    assert Fp8Recipe(scaling="current").scaling == "current"
+    with pytest.raises(ValueError, match="Fp8Recipe.scaling must be one of"):
+        Fp8Recipe(scaling="just-in-time")
 
 
 # ---------------------------------------------------------------- 4. FP8 vs float32 -----

@@ -335,6 +335,13 @@ def test_refused_layout_runs_on_xla(monkeypatch, caplog):
 
 
 # ------------------------------------------------------------ CUDA lowering --------
+# Current scaling (Fp8Recipe(scaling="current")): the block's quantizing programs unquantized
+# (E.unquantized: the FP8 output written in the compute dtype, quantized after the GEMM).
+UNQUANTIZED = {name: E.dequantized(E.unquantized(p)) for name, p in (
+    ("residual_rms_q8", programs.RESIDUAL_RMS_Q8), ("rms_swiglu_q8_train", programs.rms_swiglu_q8(True)),
+    ("swiglu_dgrad_q8", programs.SWIGLU_DGRAD_Q8))}
+
+
 LOWERED = [
     ("identity_e5m2xe4m3", E.dequantized(programs.IDENTITY), (E5M2, E4M3), CONFIG_TABLE["default"]),
     ("rms_swiglu_train", E.dequantized(programs.rms_swiglu(True)), (E4M3, E4M3),
@@ -348,6 +355,7 @@ LOWERED = [
     # dgamma as its float32 summand tile on the two-consumer kernels
     ("rms_dgrad_res_q8_dgamma_fp8", E.dequantized(programs.rms_dgrad_q8(True)), (E5M2, E4M3),
      dataclasses.replace(CONFIG_TABLE["default"], col_sum_tiles=True)),
+    ("swiglu_dgrad_q8_unquantized_fp8", UNQUANTIZED["swiglu_dgrad_q8"], (E5M2, E4M3), CONFIG_TABLE["default"]),
     ("rms_dgrad_res_dgamma_fp8_pingpong_swizzled", E.dequantized(programs.rms_dgrad(True, True)), (E5M2, E4M3),
      dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None, swizzle_epilogue=True,
                          col_sum_tiles=True)),
@@ -477,6 +485,21 @@ _ROPE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG
 def test_rope_grad_pass(config):
     # Ragged M (200 rows), 4 Q, 1 K and 1 V heads of 64; the test configurations, then the tuned ones.
     check_rope_grad_pass(config, 200, 4, 1, 32, 12)
+
+
+@pytest.mark.parametrize("name", UNQUANTIZED)
+@pytest.mark.parametrize("config", [WS_N8, PINGPONG8], ids=["cooperative", "pingpong"])
+def test_unquantized_programs(name, config):
+    # The quantizing output comes back as a plain tile (here bf16: no copy, no amax).
+    epi = UNQUANTIZED[name]
+    assert not any(o.quantize for o in epi.outputs) and epi.name.endswith("_unquantized_fp8")
+    outs = {o.name: BF16 for o in epi.outputs if o.kind is OutputKind.TILE}
+    _compare(epi, 200, 384, 256, config=config, out_dtypes=outs, seed=35)
+
+
+def test_unquantized_needs_a_quantizing_output():
+    with pytest.raises(ValueError, match="has no quantizing output"):
+        E.unquantized(programs.RESIDUAL_RMS)
 
 
 @pytest.mark.parametrize("config", [*(dataclasses.replace(c, col_sum_tiles=True) for c in (WS_N8, PINGPONG8, SWIZZLED)),

@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,6 +143,23 @@ def test_sample_from_a_training_run(tmp_path):
     assert len(c) == 2
     with pytest.raises(SystemExit):
         sample.parse_args(["--from", str(out), "--top-k", "-1"])
+
+
+def test_fp8_run_with_current_scaling_and_its_samples(tmp_path):
+    """``--fp8 --fp8-scaling current`` trains (finite, recorded in args.json), and sample.py
+    restores the FP8 run (its blocks' amax histories included) and continues a prompt."""
+    import sample
+
+    out = tmp_path / "fp8"
+    s = train_llama.main(["--fp8", "--fp8-scaling", "current", "--batch", "4", "--seq", "32", "--layers", "1",
+                          "--vocab", "512", "--steps", "3", "--eval-every", "0", "--ckpt-every", "3", "--out", str(out)])
+    assert np.isfinite(s["last_loss"])
+    run = json.loads((out / "args.json").read_text())
+    assert run["fp8"] and run["fp8_scaling"] == "current"
+    assert train_llama.fp8_recipe(train_llama.parse_args(["--fp8", "--fp8-scaling", "current"])).scaling == "current"
+    assert train_llama.fp8_recipe(train_llama.parse_args([])) is None
+    a = sample.main(["--from", str(out), "--prompt", "It was", "--tokens", "3"])
+    assert a[0].startswith("It was") and len(a[0]) > len("It was")
 
 
 def test_finetune_continues_from_a_run_and_reports_perplexity(tmp_path):

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.fp8 import E4M3, E5M2, Fp8Tensor, next_history, quantize_tensor, scale_from_history
 from coda_jax.lowering import GemmLowering
@@ -72,6 +73,7 @@ class BlockShape:
     attention: str | None
     margin: int
     carry_out: str  # "fp8" (the next block reads it), "norm" (a compute-dtype NormCarry), "none"
+    scaling: str = "delayed"  # Fp8Recipe.scaling: "delayed" or "current"
 
 
 def _dtype(name: str):
@@ -82,8 +84,10 @@ def _scale(meta: jax.Array, name: str, margin: int) -> jax.Array:
     return scale_from_history(meta[_ROW[name]], _dtype(name), margin)
 
 
-def _quantize(meta: jax.Array, name: str, x: jax.Array, margin: int, **kw) -> tuple[Fp8Tensor, jax.Array]:
-    return quantize_tensor(x, meta[_ROW[name]], _dtype(name), margin, **kw)
+def _quantize(meta: jax.Array, name: str, x: jax.Array, st: BlockShape, **kw) -> tuple[Fp8Tensor, jax.Array]:
+    """A standalone quantizing pass of tensor ``name``: its delayed scale, or its current one."""
+    history = None if st.scaling == "current" else meta[_ROW[name]]
+    return quantize_tensor(x, history, _dtype(name), st.margin, **kw)
 
 
 def _epilogue_fp8(outs: dict, name: str, scale: jax.Array) -> tuple[Fp8Tensor, jax.Array]:
@@ -91,19 +95,38 @@ def _epilogue_fp8(outs: dict, name: str, scale: jax.Array) -> tuple[Fp8Tensor, j
     return Fp8Tensor(outs[name], outs[f"{name}_t"], 1.0 / scale), jnp.max(outs[f"{name}_amax"])
 
 
+def _quantizing(st: BlockShape, meta: jax.Array, amax: dict, name: str, run, program: E.Epilogue, loads: dict,
+                out: str, dtype) -> tuple[dict, Fp8Tensor]:
+    """``program``'s results and its quantizing output ``out``, the FP8 tensor ``name``, with
+    that tensor's amax put in ``amax``. ``run(program, loads, out_dtypes)`` runs a program.
+
+    Delayed scaling: ``program`` as declared, its scale load set from the history: the epilogue
+    writes both FP8 layouts and the amax. Current scaling: :func:`coda_jax.epilogue.unquantized`
+    ``program`` writes ``out`` in ``dtype``, then a pass quantizes it with its own amax."""
+    q = program.output(out).quantize
+    if st.scaling == "delayed":
+        scale = _scale(meta, name, st.margin)
+        outs = run(program, {**loads, q.scale: scale}, {})
+        t, amax[name] = _epilogue_fp8(outs, out, scale)
+    else:
+        outs = run(E.unquantized(program), {**loads, q.scale: jnp.ones((), jnp.float32)}, {out: dtype})
+        t, amax[name] = _quantize(meta, name, outs[out], st)
+    return outs, t
+
+
 def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux, meta):
     m, d = x.shape
     dt = x.dtype
-    hd, nh, nkv, mg = st.head_dim, st.num_heads, st.num_kv_heads, st.margin
+    hd, nh, nkv = st.head_dim, st.num_heads, st.num_kv_heads
     amax = {}
     if carry is None:  # the first block: h of the embedding's output, one standalone pass
         xf = x.astype(jnp.float32)
         sumsq = jnp.sum(xf * xf, axis=1)[None]
-        h, amax["h_in"] = _quantize(meta, "h_in", xf * params["attn_norm"].astype(jnp.float32), mg)
+        h, amax["h_in"] = _quantize(meta, "h_in", xf * params["attn_norm"].astype(jnp.float32), st)
     else:
         h, sumsq = carry.h, carry.sumsq
     rstd = rstd_from_partials(sumsq, d, st.eps)
-    w_qkv, amax["w_qkv"] = _quantize(meta, "w_qkv", params["w_qkv"], mg)
+    w_qkv, amax["w_qkv"] = _quantize(meta, "w_qkv", params["w_qkv"], st)
     variant = RopeVariant(hd // 2, st.qk_norm_eps, (nh * hd, nkv * hd, nkv * hd))
     qkv_out = fp8_gemm(lw, variant.program(True), h, w_qkv, {"rstd": rstd, **variant.loads(aux)},
                        out_dtypes={"qkv": dt, **({"z": dt} if st.qk_norm_eps is not None else {})},
@@ -113,24 +136,21 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
     o, attn_vjp = jax.vjp(lambda q, k, v: causal_attention(q, k, v, st.attention),
                           reshape_tokens(q, (b, s, nh, hd)), reshape_tokens(k, (b, s, nkv, hd)),
                           reshape_tokens(v, (b, s, nkv, hd)))
-    o, amax["o"] = _quantize(meta, "o", reshape_tokens(o, (m, nh * hd)), mg)
-    w_o, amax["w_o"] = _quantize(meta, "w_o", params["w_o"], mg)
-    s_h1 = _scale(meta, "h1", mg)
-    r1 = fp8_gemm(lw, programs.RESIDUAL_RMS_Q8, o, w_o, {"residual": x, "gamma": params["mlp_norm"], "h_scale": s_h1},
-                  out_dtypes={"x": dt})
+    o, amax["o"] = _quantize(meta, "o", reshape_tokens(o, (m, nh * hd)), st)
+    w_o, amax["w_o"] = _quantize(meta, "w_o", params["w_o"], st)
+    r1, h1 = _quantizing(st, meta, amax, "h1",
+                         lambda p, l, od: fp8_gemm(lw, p, o, w_o, l, out_dtypes={"x": dt, **od}),
+                         programs.RESIDUAL_RMS_Q8, {"residual": x, "gamma": params["mlp_norm"]}, "h", dt)
     x1, sumsq1 = r1["x"], r1["sumsq"]
-    h1, amax["h1"] = _epilogue_fp8(r1, "h", s_h1)
     rstd1 = rstd_from_partials(sumsq1, d, st.eps)
-    w_gu, amax["w_gu"] = _quantize(meta, "w_gu", params["w_gu"], mg)
-    s_y = _scale(meta, "y", mg)
-    g = fp8_gemm(lw, programs.rms_swiglu_q8(True), h1, w_gu, {"rstd": rstd1, "y_scale": s_y}, out_dtypes={"z": dt})
-    y, amax["y"] = _epilogue_fp8(g, "y", s_y)
-    w_down, amax["w_down"] = _quantize(meta, "w_down", params["w_down"], mg)
+    w_gu, amax["w_gu"] = _quantize(meta, "w_gu", params["w_gu"], st)
+    g, y = _quantizing(st, meta, amax, "y", lambda p, l, od: fp8_gemm(lw, p, h1, w_gu, l, out_dtypes={"z": dt, **od}),
+                       programs.rms_swiglu_q8(True), {"rstd": rstd1}, "y", dt)
+    w_down, amax["w_down"] = _quantize(meta, "w_down", params["w_down"], st)
     if st.carry_out == "fp8":
-        s_out = _scale(meta, "h_out", mg)
-        r2 = fp8_gemm(lw, programs.RESIDUAL_RMS_Q8, y, w_down,
-                      {"residual": x1, "gamma": next_norm, "h_scale": s_out}, out_dtypes={"x": dt})
-        h_out, amax["h_out"] = _epilogue_fp8(r2, "h", s_out)
+        r2, h_out = _quantizing(st, meta, amax, "h_out",
+                                lambda p, l, od: fp8_gemm(lw, p, y, w_down, l, out_dtypes={"x": dt, **od}),
+                                programs.RESIDUAL_RMS_Q8, {"residual": x1, "gamma": next_norm}, "h", dt)
         carry_out = Fp8Carry(h_out, r2["sumsq"])
     elif st.carry_out == "norm":
         r2 = fp8_gemm(lw, programs.RESIDUAL_RMS, y, w_down, {"residual": x1, "gamma": next_norm},
@@ -151,24 +171,26 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
 
 def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
     m, d = saved["x"].shape
-    dt, mg, hd = dx2.dtype, st.margin, st.head_dim
+    dt, hd = dx2.dtype, st.head_dim
     amax = dict(saved["amax"])
     f32 = jnp.float32
     # MLP: dx2 in e5m2 (standalone: it arrives as the next block's cotangent).
-    g2, amax["dx2"] = _quantize(meta, "dx2", dx2, mg)
-    s_dz = _scale(meta, "dz_gu", mg)
-    sd = fp8_gemm(lw, programs.SWIGLU_DGRAD_Q8, g2, saved["w_down"].T,
-                  {"z": saved["z"], "rstd": saved["rstd1"], "dz_scale": s_dz})
-    dz, amax["dz_gu"] = _epilogue_fp8(sd, "dz", s_dz)
+    g2, amax["dx2"] = _quantize(meta, "dx2", dx2, st)
+    sd, dz = _quantizing(st, meta, amax, "dz_gu",
+                         lambda p, l, od: fp8_gemm(lw, p, g2, saved["w_down"].T, l, out_dtypes=od or None),
+                         programs.SWIGLU_DGRAD_Q8, {"z": saved["z"], "rstd": saved["rstd1"]}, "dz", dt)
     dw_down = fp8_gemm(lw, programs.IDENTITY, saved["y_t"].T, g2, {}, out_dtypes={"out": f32})["out"]
     zdz = jnp.sum(sd["zdz"], axis=0)
     r1 = saved["rstd1"]
-    s_dx1 = _scale(meta, "dx1", mg)
-    nb = fp8_gemm(lw, programs.rms_dgrad_q8(True), dz, saved["w_gu"].T,
-                  {"x": saved["x1"], "xcoef": r1 * r1 * zdz / d, "gamma": params["mlp_norm"], "dres": dx2,
-                   "dx_scale": s_dx1}, out_dtypes={"dx": dt})
+    nb_loads = {"x": saved["x1"], "xcoef": r1 * r1 * zdz / d, "gamma": params["mlp_norm"], "dres": dx2}
+    if st.scaling == "delayed":
+        nb, dx1q = _quantizing(st, meta, amax, "dx1",
+                               lambda p, l, od: fp8_gemm(lw, p, dz, saved["w_gu"].T, l, out_dtypes={"dx": dt, **od}),
+                               programs.rms_dgrad_q8(True), nb_loads, "dxq", dt)
+    else:  # dx once, in the compute dtype, quantized after (rms_dgrad_q8 unquantized would write it twice)
+        nb = fp8_gemm(lw, programs.rms_dgrad(True, True), dz, saved["w_gu"].T, nb_loads, out_dtypes={"dx": dt})
+        dx1q, amax["dx1"] = _quantize(meta, "dx1", nb["dx"], st)
     dx1 = nb["dx"]
-    dx1q, amax["dx1"] = _epilogue_fp8(nb, "dxq", s_dx1)
     dmlp_norm = jnp.sum(nb["dgamma"], axis=0)
     dw_gu = fp8_gemm(lw, programs.IDENTITY, saved["h1_t"].T, dz, {}, out_dtypes={"out": f32})["out"]
     # O projection and attention.
@@ -184,16 +206,16 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
         # and the amax; sum(z * dz) over each row (the norm's backward) in an XLA reduction.
         qkv = saved["qkv"]
         zdz0 = sum(jnp.sum(t.astype(f32) * g.astype(f32), axis=1) for t, g in zip(qkv, dqkv))
-        s_dzq = _scale(meta, "dz_qkv", mg)
-        rg = epilogue_pass(lw, programs.rope_grad_q8(hd // 2), m, sum(t.shape[1] for t in dqkv),
-                           {"dqkv": jnp.concatenate(dqkv, axis=1), "rstd": r0, **variant.loads(aux),
-                            "dz_scale": s_dzq})
-        dzq, amax["dz_qkv"] = _epilogue_fp8(rg, "dz", s_dzq)
+        n_qkv = sum(t.shape[1] for t in dqkv)
+        _, dzq = _quantizing(st, meta, amax, "dz_qkv",
+                             lambda p, l, od: epilogue_pass(lw, p, m, n_qkv, l, out_dtypes=od or None),
+                             programs.rope_grad_q8(hd // 2),
+                             {"dqkv": jnp.concatenate(dqkv, axis=1), "rstd": r0, **variant.loads(aux)}, "dz", dt)
         daux = jax.tree.map(jnp.zeros_like, aux)
     else:
         # RoPE and QK-norm backward in one XLA pass that also quantizes rstd * dz.
         dz_qkv, zdz0, daux = variant.backward((saved["qkv"], saved["z_qk"]), dqkv, aux)
-        dzq, amax["dz_qkv"] = _quantize(meta, "dz_qkv", dz_qkv * r0[:, None], mg)
+        dzq, amax["dz_qkv"] = _quantize(meta, "dz_qkv", dz_qkv * r0[:, None], st)
     nb0 = fp8_gemm(lw, programs.rms_dgrad(True, True), dzq, saved["w_qkv"].T,
                    {"x": saved["x"], "xcoef": r0 * r0 * zdz0 / d, "gamma": params["attn_norm"], "dres": dx1},
                    out_dtypes={"dx": dt})
