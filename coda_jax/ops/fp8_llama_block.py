@@ -23,6 +23,9 @@ residual stream stay in the compute dtype.
 
 Recipe state: ``meta [len(TENSORS), history]`` float32, one amax history per quantized tensor
 (:data:`TENSORS`); the op's gradient for ``meta`` is its next value (:mod:`coda_jax.fp8`).
+Under current scaling (``BlockShape.scaling``) no scale is known before its tensor exists: each
+quantizing GEMM above runs its program unquantized and a pass quantizes the tensor with the
+scale of its own amax (:func:`_quantizing`).
 """
 
 from __future__ import annotations
