@@ -1,7 +1,7 @@
 """FP8 training accuracy: loss curves of FP8 and bf16 models from the same weights and data.
 
     python -m benchmarks.fp8_accuracy --preset 1b --steps 300 --batch 8 --seq 1024 \
-        --runs plain,plain_fp8,xla:fp8,pallas:fp8 [--layers N] [--out DIR]
+        --runs plain,plain_fp8,xla:fp8,pallas:fp8 [--layers N] [--lr LR] [--seeds 0,1] [--out DIR]
 
 Every run starts from the same weights (a ``CodaLlama`` of the seed; the plain models copy it
 with ``from_coda``) and trains on the same batches of the example's corpus
@@ -9,9 +9,15 @@ with ``from_coda``) and trains on the same batches of the example's corpus
 (:func:`coda_jax.training.adamw_cosine`, the preset's learning rate and warm-up) and jitted
 step (:func:`coda_jax.training.make_steps`). Runs: ``plain`` (the plain JAX Llama, bf16), ``plain_fp8``
 (:class:`benchmarks.plain_fp8_llama.PlainFp8Llama`), ``<backend>`` (CodaLlama in bf16) and
-``<backend>:fp8`` (``LlamaConfig(fp8=Fp8Recipe())``). The first run is the reference: per run, the
-relative difference of the training loss averaged over windows of 25 steps (the largest after
-the first 50 steps, and the last), and the validation loss after the last step.
+``<backend>:fp8`` (``LlamaConfig(fp8=Fp8Recipe())``), ``<backend>:fp8-current`` (current scaling).
+The first run is the reference: per run, the relative difference of the training loss averaged
+over windows of 25 steps (the largest after the first 50 steps, and the last), and the
+validation loss after the last step.
+
+``--lr`` replaces the preset's learning rate (a high one makes even two bf16 implementations
+drift apart: run 321); ``--seeds`` repeats every run per seed (the weights and the batches'
+order), with a table per seed and one of the largest differences over the seeds, so that an
+FP8 run's distance from bf16 is read against two bf16 implementations' distance.
 """
 
 from __future__ import annotations
@@ -36,15 +42,18 @@ from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
 WINDOW = 25
 
 
+RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current")}
+
+
 def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
     name, _, flag = run.partition(":")
-    if flag not in ("", "fp8"):
-        raise ValueError(f"run {run!r}: the only setting is ':fp8'")
+    if flag not in ("", *RECIPES):
+        raise ValueError(f"run {run!r}: the settings are {', '.join(':' + r for r in RECIPES)}")
     if name in ("plain", "plain_fp8"):
         if flag:
             raise ValueError(f"run {run!r}: {name} takes no setting")
         return (PlainLlama if name == "plain" else PlainFp8Llama).from_coda(reference)
-    model = CodaLlama(cfg.replace(fp8=Fp8Recipe()) if flag else cfg, rngs=nnx.Rngs(0), backend=name)
+    model = CodaLlama(cfg.replace(fp8=RECIPES[flag]) if flag else cfg, rngs=nnx.Rngs(0), backend=name)
     nnx.update(model, nnx.state(reference, nnx.Param))
     return model
 
@@ -91,8 +100,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--runs", default="plain,plain_fp8,xla:fp8")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds: the weights and the batches' order")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    seeds = [int(v) for v in args.seeds.split(",")]
     td, tl = example("text_data"), example("train_llama")
     corpus = td.load_corpus()
     tok = td.build_tokenizer([corpus])
@@ -100,26 +112,52 @@ def main(argv=None) -> list[dict]:
     cfg = tl.make_config(argparse.Namespace(preset=args.preset, layers=args.layers), tok.get_vocab_size())
     cfg = cfg.replace(dtype=jnp.bfloat16)  # the tiny preset computes in float32: FP8 is compared with bf16
     lr, warmup = tl.PRESET_SCHEDULES.get(args.preset, tl.DEFAULT_SCHEDULE)
-    reference = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla")
+    lr = args.lr if args.lr is not None else lr
     val = td.validation_batch(val_tokens, args.batch, args.seq)
-    data = lambda: td.batches(train_tokens, args.batch, args.seq, seed=0)  # noqa: E731
-    results = []
-    for run in args.runs.split(","):
-        results.append(train(run, cfg, reference, data, val, args.steps, lr, warmup))
-        print(f"{run}: last loss {results[-1]['losses'][-1]:.4f}, val {results[-1]['val_loss']:.4f} "
-              f"({results[-1]['wall_s']:.0f} s)", flush=True)
-    rows = compare(results)
-    print(f"\n### FP8 accuracy, {args.preset}{'' if args.layers is None else f' ({args.layers} layers)'}, "
-          f"{args.steps} steps of {args.batch} x {args.seq}, reference {rows[0]['run']}\n")
+    title = (f"{args.preset}{'' if args.layers is None else f' ({args.layers} layers)'}, {args.steps} steps of "
+             f"{args.batch} x {args.seq}, lr {lr:g}")
+    per_seed, results = [], []
+    for seed in seeds:
+        reference = CodaLlama(cfg, rngs=nnx.Rngs(seed), backend="xla")
+        data = lambda seed=seed: td.batches(train_tokens, args.batch, args.seq, seed=seed)  # noqa: E731
+        results.append([])
+        for run in args.runs.split(","):
+            results[-1].append(train(run, cfg, reference, data, val, args.steps, lr, warmup))
+            r = results[-1][-1]
+            print(f"seed {seed} {run}: last loss {r['losses'][-1]:.4f}, val {r['val_loss']:.4f} ({r['wall_s']:.0f} s)",
+                  flush=True)
+        per_seed.append(compare(results[-1]))
+        print_table(per_seed[-1], f"{title}, seed {seed}")
+    rows = per_seed[0] if len(seeds) == 1 else worst_over_seeds(per_seed)
+    if len(seeds) > 1:
+        print_table(rows, f"{title}, the largest difference over seeds {args.seeds}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "fp8_accuracy.json").write_text(
+            json.dumps({"seeds": seeds, "lr": lr, "rows": rows, "per_seed": per_seed, "runs": results}))
+    return rows
+
+
+def worst_over_seeds(per_seed: list[list[dict]]) -> list[dict]:
+    """Per run, the largest of each difference over the seeds (losses: the mean)."""
+    out = []
+    for rs in zip(*per_seed):
+        row = {"run": rs[0]["run"], "nonfinite_steps": sum(r["nonfinite_steps"] for r in rs)}
+        for k in ("max_window_rel", "last_window_rel", "val_rel"):
+            row[k] = max(r[k] for r in rs)
+        for k in ("last_window_loss", "val_loss"):
+            row[k] = float(np.mean([r[k] for r in rs]))
+        out.append(row)
+    return out
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    print(f"\n### FP8 accuracy, {title}, reference {rows[0]['run']}\n")
     print("| run | max window diff (after step 50) | last window diff | last window loss | val loss | val diff | "
           "non-finite steps |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['run']} | {100 * r['max_window_rel']:.2f} % | {100 * r['last_window_rel']:.2f} % | "
               f"{r['last_window_loss']:.4f} | {r['val_loss']:.4f} | {100 * r['val_rel']:.2f} % | {r['nonfinite_steps']} |")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "fp8_accuracy.json").write_text(json.dumps({"rows": rows, "runs": results}))
-    return rows
 
 
 if __name__ == "__main__":

@@ -986,6 +986,30 @@ def test_fp8_accuracy_compares_window_means_against_the_first_run():
     assert abs(rows[1]["val_rel"] - 0.1) < 1e-9 and rows[1]["nonfinite_steps"] == 0
 
 
+def test_fp8_accuracy_over_seeds_and_recipes(capsys):
+    """--seeds: per run the largest difference over the seeds (losses averaged); runs take
+    ':fp8' or ':fp8-current' (current scaling); a tiny run of two seeds end to end."""
+    from benchmarks import fp8_accuracy as fa
+
+    a = [{"run": "plain", "max_window_rel": 0.0, "last_window_rel": 0.0, "last_window_loss": 4.0, "val_loss": 4.0,
+          "val_rel": 0.0, "nonfinite_steps": 0},
+         {"run": "xla:fp8", "max_window_rel": 0.02, "last_window_rel": 0.01, "last_window_loss": 4.1,
+          "val_loss": 4.2, "val_rel": 0.05, "nonfinite_steps": 1}]
+    b = [dict(a[0]), dict(a[1], max_window_rel=0.03, last_window_rel=0.005, val_loss=4.0, val_rel=0.01,
+                          nonfinite_steps=0)]
+    rows = fa.worst_over_seeds([a, b])
+    assert rows[1]["max_window_rel"] == 0.03 and rows[1]["last_window_rel"] == 0.01 and rows[1]["val_rel"] == 0.05
+    assert rows[1]["val_loss"] == pytest.approx(4.1) and rows[1]["nonfinite_steps"] == 1
+    assert fa.RECIPES["fp8-current"].scaling == "current" and fa.RECIPES["fp8"].scaling == "delayed"
+    with pytest.raises(ValueError, match=":fp8-current"):
+        fa._model("xla:fp16", None, None)
+    rows = fa.main(["--steps", "2", "--batch", "2", "--seq", "16", "--layers", "1", "--runs", "xla,xla:fp8-current",
+                    "--seeds", "0,1", "--lr", "1e-3"])
+    printed = capsys.readouterr().out
+    assert [r["run"] for r in rows] == ["xla", "xla:fp8-current"] and rows[0]["val_rel"] == 0.0
+    assert "seed 1" in printed and "the largest difference over seeds 0,1" in printed and "lr 0.001" in printed
+
+
 def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch):
     # The FP8 step's kernel calls (traced with the Pallas kernels in the interpreter), each run
     # once on the xla backend beside the bare FP8 dot of its shape; the timer is stubbed.
