@@ -131,6 +131,7 @@ def test_shipped_table_is_valid(path):
                                               programs.rms_swiglu_q8(True), programs.SWIGLU_DGRAD_Q8,
                                               programs.rms_dgrad_q8(True), programs.rms_dgrad(True, True),
                                               programs.rms_rope(32, None, False))}
+    names.add(programs.rope_grad_q8(32).name)  # the FP8 block's QKV-gradient epilogue pass (16-bit operands)
     assert t.entries and {e.program for e in t.entries} <= names
     assert t.num_sms == 132 and {T.table_file_name(k) for k in t.device_kinds} == {path.name}, t.device_kinds
 
@@ -467,8 +468,14 @@ def test_planned_config_is_what_the_lowering_builds(monkeypatch):
     calls = at.kernel_calls(fn, *args)
     assert len(calls) >= 8
     built = []
-    orig = pl_lowering.plan_kernel
-    monkeypatch.setattr(pl_lowering, "plan_kernel", lambda *a, **k: built.append(orig(*a, **k)) or built[-1])
+    orig = pl_lowering.plan_epilogue
+
+    def spy(*a, **k):  # records the configuration the lowering plans
+        epi, cfg = orig(*a, **k)
+        built.append(cfg)
+        return epi, cfg
+
+    monkeypatch.setattr(pl_lowering, "plan_epilogue", spy)
     checked = 0
     for call in calls:
         for name, cfg in at.candidate_configs(call, ["default", "one_out_slot", "direct_loads_one_out_slot"]).items():

@@ -679,10 +679,11 @@ def test_a_config_variant_reaches_the_tuned_tables_entries():
 
     entries = lambda: [e.config for path in tuned.SHIPPED_TABLES  # noqa: E731
                        for e in tuned.load_table(str(path)).entries if e.config is not None]
-    assert entries() and not any(c.swizzle_epilogue for c in entries())
-    with bench.backend_variant("pallas@swizzle_epilogue=True"):
-        assert all(c.swizzle_epilogue for c in entries())
-    assert not any(c.swizzle_epilogue for c in entries())
+    # A field value no shipped entry has (tuned entries do set swizzle_epilogue).
+    assert entries() and not any(c.epilogue_regs == 112 for c in entries())
+    with bench.backend_variant("pallas@epilogue_regs=112"):
+        assert all(c.epilogue_regs == 112 for c in entries())
+    assert not any(c.epilogue_regs == 112 for c in entries())
 
 
 def test_tune_sweep_programs_get_the_loads_they_declare():

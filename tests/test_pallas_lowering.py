@@ -116,7 +116,7 @@ def _lower(epi, kw, config, m, n, k):
 
 @pytest.mark.parametrize("cfg", ["default", "pingpong"])
 def test_smem_plan_covers_what_mosaic_allocates(cfg, monkeypatch):
-    """plan_kernel's SMEM estimate (operand stages, both consumers' epilogue staging, the
+    """The plan's SMEM estimate (operand stages, both consumers' epilogue staging, the
     reserve of ``_reserved_smem``) is at least what Mosaic GPU allocates, for every program.
     (Pallas reserves its cross-warp reduction scratch in kernels that reduce: without it in
     the estimate, a plan at the limit failed to compile, RESULTS.md run 231.) The SMEM
@@ -131,11 +131,11 @@ def test_smem_plan_covers_what_mosaic_allocates(cfg, monkeypatch):
     planned = {}
 
     def spy(epi, shape, c, ldt=()):
-        p = G.plan_kernel(epi, shape, c, ldt)
+        epi, p = G.plan_epilogue(epi, shape, c, ldt)
         planned["bytes"] = G.smem_estimate(epi, shape, p, dict(ldt))
-        return p
+        return epi, p
 
-    monkeypatch.setattr(L, "plan_kernel", spy)
+    monkeypatch.setattr(L, "plan_epilogue", spy)
     monkeypatch.setattr(mosaic_core, "_SMEM_SIZE_BOUND", 1)
     for epi, kw in CASES:
         with pytest.raises(ValueError, match="exceeds available shared memory") as err:
