@@ -137,7 +137,7 @@ class CodaLlamaBlock(nnx.Module):
         columns, ``w_o`` and ``w_down`` by rows) and the block's GEMMs and epilogues run as
         XLA ops (the ``xla`` backend's lowering, unpartitioned), which XLA's SPMD partitioner
         splits from those shardings, amaxes reduced over the whole tensors: the FP8 block has
-        no ``shard_map`` of its own (docs/fp8.md#limits)."""
+        no ``shard_map`` of its own (docs/fp8.md#meshes)."""
         c = self.config
         b, s, d = x.shape
         m, hd = b * s, c.head_dim
