@@ -13,7 +13,8 @@ how many FP8 GEMM calls the compiled step holds against how many it should,
 ``fp8_gemm_calls`` / ``fp8_gemm_calls_expected``: XLA runs an FP8 dot it cannot rewrite as a
 bf16 GEMM, silently); ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
 options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
-with :func:`coda_jax.options.options`, and ``fp8=true`` for ``LlamaConfig(fp8=Fp8Recipe())``, whose
+with :func:`coda_jax.options.options`, and ``fp8=true`` for ``LlamaConfig(fp8=Fp8Recipe())``
+(``fp8=current``: ``Fp8Recipe(scaling="current")``), whose
 FP8 GEMM calls are checked as ``plain_fp8``'s; e.g. ``pallas:cross_entropy.save_logits=false``: the
 cross-entropy recomputes its logits; ``pallas:routing.xla_output_below=0,routing.plain_gemm=kernel``:
 every GEMM on the kernel). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
@@ -179,11 +180,14 @@ def parse_run(spec: str) -> RunSpec:
             if own["fuse"].lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"run {spec!r}: fuse must be true or false, got {own['fuse']!r}")
             model_args["fuse"] = own["fuse"].lower() in ("true", "1")
-    elif "fp8" in items:  # a CodaLlama run in FP8: LlamaConfig(fp8=Fp8Recipe())
+    elif "fp8" in items:  # a CodaLlama run in FP8: LlamaConfig(fp8=Fp8Recipe(scaling=...))
         value = items.pop("fp8").lower()
-        if value not in ("true", "false", "1", "0"):
-            raise ValueError(f"run {spec!r}: fp8 must be true or false, got {value!r}")
-        model_args["fp8"] = value in ("true", "1")
+        scaling = {"true": "delayed", "1": "delayed", "delayed": "delayed", "current": "current",
+                   "false": None, "0": None}
+        if value not in scaling:
+            raise ValueError(f"run {spec!r}: fp8 must be true (delayed scaling), current or false, got {value!r}")
+        if scaling[value]:
+            model_args["fp8"] = scaling[value]
     try:
         pgle_runs = (int(pgle.get("JAX_PGLE_PROFILING_RUNS", "3"))
                      if pgle.get("JAX_ENABLE_PGLE", "").lower() in PGLE_ON else 0)
@@ -347,8 +351,9 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         elif name == "plain_fp8":
             model = PlainFp8Llama(cfg, rngs=nnx.Rngs(0), **run.model_args)
         else:
-            model = CodaLlama(cfg.replace(fp8=Fp8Recipe()) if run.model_args.get("fp8") else cfg,
-                              rngs=nnx.Rngs(0), backend=name)
+            fp8 = run.model_args.get("fp8")
+            model = CodaLlama(cfg.replace(fp8=Fp8Recipe(scaling=fp8)) if fp8 else cfg, rngs=nnx.Rngs(0),
+                              backend=name)
         # FP8 GEMMs the compiled step should hold (checked against its HLO on a GPU): plain_fp8's,
         # or a CodaLlama FP8 block's 12 (forward, dgrad and wgrad of its four projections).
         # (On a kernel backend the FP8 GEMMs are its own kernels, not cuBLASLt calls: no check.)

@@ -344,6 +344,12 @@ def test_train_step_bench_run_specs():
     assert r.xla_options == {"xla_gpu_enable_command_buffer": ""}
     assert tsb.parse_run("xla:JAX_ENABLE_PGLE=1,JAX_PGLE_PROFILING_RUNS=2").pgle_runs == 2
     assert tsb.parse_run("plain") == tsb.RunSpec("plain", "plain", {}, {})
+    # A CodaLlama run in FP8: delayed scaling (true) or current; false is no FP8.
+    assert tsb.parse_run("pallas:fp8=true").model_args == {"fp8": "delayed"}
+    assert tsb.parse_run("pallas:fp8=current").model_args == {"fp8": "current"}
+    assert tsb.parse_run("pallas:fp8=false").model_args == {}
+    with pytest.raises(ValueError, match="fp8 must be true .delayed scaling., current or false"):
+        tsb.parse_run("pallas:fp8=maybe")
     with pytest.raises(ValueError, match="plain, xla, pallas or cutedsl"):
         tsb.parse_run("torch")
     with pytest.raises(ValueError, match="name=value"):
