@@ -112,9 +112,12 @@ def _cases(m: int, k: int, n: int, backends: list[str]):
     return cases
 
 
-def block_gemms(spec: str, backends: list[str], iters: int) -> list[dict]:
+def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = None) -> list[dict]:
     """Rows of ``--block spec``: each FP8 kernel call of the CodaLlama FP8 step, per backend its
-    fused time and the ratio to cuBLASLt's bare FP8 GEMM of the same shape (see the module doc)."""
+    fused time and the ratio to cuBLASLt's bare FP8 GEMM of the same shape (see the module doc).
+    With ``out``, ``fp8_block_gemms.json`` there is rewritten after each row, so a run cut short
+    keeps what it measured. (Two layers give every call of a deeper model of the same width:
+    ``1b-2:8:1024``.)"""
     from benchmarks.tune import model_step
     from coda_jax.epilogue import FP8_DTYPES
     from coda_jax.pallas import autotune as at
@@ -141,6 +144,9 @@ def block_gemms(spec: str, backends: list[str], iters: int) -> list[dict]:
             row["ms"][name] = timer(f, a, b, loads, iters=iters)
             row["vs_bare"][name] = row["ms"][name] / row["bare_cublaslt_ms"]
         rows.append(row)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "fp8_block_gemms.json").write_text(json.dumps(rows, indent=1))
         print(f"BLOCK {label:48s} cuBLASLt bare {row['bare_cublaslt_ms']:.4f} ms  " + "  ".join(
             f"{nm} {row['ms'][nm]:.4f} ms ({row['vs_bare'][nm]:.2f}x bare)" for nm in backends), flush=True)
     return rows
@@ -156,11 +162,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     if args.block:
-        rows = block_gemms(args.block, backends, args.iters)
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "fp8_block_gemms.json").write_text(json.dumps(rows, indent=1))
-        return rows
+        return block_gemms(args.block, backends, args.iters, Path(args.out) if args.out else None)
     rows = []
     for text in args.shapes.split(","):
         m, k, n = parse_shape(text)

@@ -5,6 +5,7 @@ these tests check the harness's bookkeeping (which cases are sampled how often a
 order, which settings a variant applies), not any timing.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -1017,14 +1018,16 @@ def test_fp8_accuracy_over_seeds_and_recipes(capsys):
     assert "seed 1" in printed and "the largest difference over seeds 0,1" in printed and "lr 0.001" in printed
 
 
-def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch):
+def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch, tmp_path):
     # The FP8 step's kernel calls (traced with the Pallas kernels in the interpreter), each run
-    # once on the xla backend beside the bare FP8 dot of its shape; the timer is stubbed.
+    # once on the xla backend beside the bare FP8 dot of its shape; the timer is stubbed. The
+    # JSON is written as the rows come (a run stopped by a time limit keeps them).
     from benchmarks import fp8_gemms
     from coda_jax.pallas import interpret_mode
 
     monkeypatch.setattr(fp8_gemms, "median_ms", lambda f, *a, iters: (jax.block_until_ready(f(*a)), 2.0)[1])
     with interpret_mode():
-        rows = fp8_gemms.block_gemms("1b-1:1:128", ["xla"], iters=1)
+        rows = fp8_gemms.block_gemms("1b-1:1:128", ["xla"], iters=1, out=tmp_path)
     assert rows and all(r["call"].split()[0].endswith("_fp8") for r in rows)
     assert all(r["vs_bare"]["xla"] == 1.0 and r["bare_cublaslt_ms"] == 2.0 for r in rows)
+    assert json.loads((tmp_path / "fp8_block_gemms.json").read_text()) == rows
