@@ -23,13 +23,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from coda_jax.log import log_once
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind
+from coda_jax.log import log_once
 from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, kernel_latency_hint,
                                persistent_grid_sms, routes_to_xla)
 from coda_jax.reference import REFERENCE, xla_backend_lowering
-
-
 
 
 def _log_fp8_fallback(backend: str, program: str, why: str) -> None:

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from coda_jax.log import log_once
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, OutputKind
+from coda_jax.log import log_once
 from coda_jax.options import current_options
 
 
@@ -272,8 +272,6 @@ def check_plain_gemm(backend: str, choice: str | None) -> str | None:
     if choice == backend:
         return "kernel"
     raise ValueError(f"plain_gemm must be 'xla', 'kernel' or {backend!r}, got {choice!r}")
-
-
 
 
 def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plain_choice: str | None = None,

@@ -59,9 +59,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from coda_jax.log import log_once
 from coda_jax import mesh_axes
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind, default_out_dtype
+from coda_jax.log import log_once
 from coda_jax.lowering import GemmLowering, gemm_dims, routes_to_xla
 # The mesh axes, the context mesh and the FSDP split live in coda_jax.mesh_axes (read by
 # coda_jax.sharding too); they stay importable from here.
@@ -70,7 +70,6 @@ from coda_jax.mesh_axes import (FSDP_AXIS, FSDP_SPLITS, axis_size, context_mesh,
                                 token_axes, token_shards)
 from coda_jax.options import current_options, is_set
 from coda_jax.reference import xla_backend_lowering
-
 
 
 def __getattr__(name: str):

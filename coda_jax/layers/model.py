@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coda_jax.log import log_once
 from coda_jax.backend import BackendUnavailableError, resolve_backend
 from coda_jax.layers.block import CodaLlamaBlock
 from coda_jax.layers.config import LlamaConfig
@@ -18,12 +17,12 @@ from coda_jax.layers.embedding import embedding_lookup
 from coda_jax.layers.hf_llama import config_from_hf, load_hf_state_dict
 from coda_jax.layers.pretrained import load_pretrained, pretrained_config, save_pretrained
 from coda_jax.layers.vocab_parallel import vocab_parallel_axis, vocab_parallel_cross_entropy
+from coda_jax.log import log_once
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
 from coda_jax.mesh_axes import context_mesh
 from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.sharding import cast_for_use, gathered, logical_param, reshape_tokens
-
 
 
 def _run_block(block: CodaLlamaBlock, x, positions, carry, next_norm):

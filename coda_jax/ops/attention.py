@@ -32,7 +32,6 @@ from coda_jax.log import log_once
 from coda_jax.sharding import explicit_sharding
 
 
-
 @dataclasses.dataclass(frozen=True)
 class AttentionPlan:
     """How one attention call runs.
