@@ -9,7 +9,9 @@ with ``from_coda``) and trains on the same batches of the example's corpus
 (:func:`coda_jax.training.adamw_cosine`, the preset's learning rate and warm-up) and jitted
 step (:func:`coda_jax.training.make_steps`). Runs: ``plain`` (the plain JAX Llama, bf16), ``plain_fp8``
 (:class:`benchmarks.plain_fp8_llama.PlainFp8Llama`), ``<backend>`` (CodaLlama in bf16) and
-``<backend>:fp8`` (``LlamaConfig(fp8=Fp8Recipe())``), ``<backend>:fp8-current`` (current scaling).
+``<backend>:fp8`` (``LlamaConfig(fp8=Fp8Recipe())``), ``<backend>:fp8-current`` (current scaling),
+``<backend>:fp8-head`` (the LM head in FP8 too), ``plain_fp8:fp8-head`` (the plain FP8 baseline's
+head in FP8).
 The first run is the reference: per run, the relative difference of the training loss averaged
 over windows of 25 steps (the largest after the first 50 steps, and the last), and the
 validation loss after the last step.
@@ -42,7 +44,7 @@ from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
 WINDOW = 25
 
 
-RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current")}
+RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current"), "fp8-head": Fp8Recipe(lm_head=True)}
 
 
 def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
@@ -50,9 +52,11 @@ def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
     if flag not in ("", *RECIPES):
         raise ValueError(f"run {run!r}: the settings are {', '.join(':' + r for r in RECIPES)}")
     if name in ("plain", "plain_fp8"):
-        if flag:
-            raise ValueError(f"run {run!r}: {name} takes no setting")
-        return (PlainLlama if name == "plain" else PlainFp8Llama).from_coda(reference)
+        if flag and (name, flag) != ("plain_fp8", "fp8-head"):
+            raise ValueError(f"run {run!r}: plain takes no setting, plain_fp8 only :fp8-head")
+        if name == "plain":
+            return PlainLlama.from_coda(reference)
+        return PlainFp8Llama.from_coda(reference, lm_head=flag == "fp8-head")
     model = CodaLlama(cfg.replace(fp8=RECIPES[flag]) if flag else cfg, rngs=nnx.Rngs(0), backend=name)
     nnx.update(model, nnx.state(reference, nnx.Param))
     return model

@@ -40,8 +40,10 @@ bf16 baseline's 7 projections (Flax / MaxText's default: each ``Dense`` quantize
 input with its own history), 7 x 3 = 21 a layer. The parameters are the bf16 baseline's
 either way (``wq``, ``wk``, ``wv``, ``w_gate``, ``w_up`` apart: fused, they are concatenated
 inside the fusion that quantizes them), so :meth:`PlainFp8Llama.from_coda` and the same
-sharding rules apply. Attention, the norms, RoPE, the embedding and the LM head stay in the
-compute dtype.
+sharding rules apply. Attention, the norms, RoPE and the embedding stay in the compute dtype;
+the LM head too unless ``lm_head=True`` (``config.fp8.lm_head``): then it is one more
+:func:`fp8_dot` (``h [M, d] @ W^T``, its weight quantized from the stored ``[V, d]``), as a
+user would write it beside CodaLlama's ``Fp8Recipe(lm_head=True)``.
 
 Recipe state: per projection one :class:`coda_jax.fp8.Fp8Meta` ``[3, history]`` (rows: the
 input, the weight, the output gradient; newest first), read by exactly one :func:`fp8_dot`
@@ -111,10 +113,10 @@ def gemm_call_targets(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-def expected_fp8_gemms(config: LlamaConfig, fuse: bool = True) -> int:
+def expected_fp8_gemms(config: LlamaConfig, fuse: bool = True, lm_head: bool = False) -> int:
     """FP8 GEMMs of one train step of :class:`PlainFp8Llama`: forward, dgrad and wgrad of each
-    projection (4 a layer fused, 7 not)."""
-    return config.num_layers * 3 * len(FUSED_PROJECTIONS if fuse else SEPARATE_PROJECTIONS)
+    projection (4 a layer fused, 7 not), and of the LM head with ``lm_head``."""
+    return 3 * (config.num_layers * len(FUSED_PROJECTIONS if fuse else SEPARATE_PROJECTIONS) + bool(lm_head))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,17 +240,31 @@ class PlainFp8Llama(PlainLlama):
     projections in FP8, the rest as the bf16 baseline. ``config.fp8`` (default
     ``Fp8Recipe()``) gives the history length, margin and non-finite policy; ``fuse``: Q/K/V
     and gate/up as one GEMM each; ``idiom``: how the FP8 GEMMs are written for XLA
-    (:data:`IDIOMS`)."""
+    (:data:`IDIOMS`); ``lm_head``: the LM head in FP8 too (default: ``config.fp8.lm_head``)."""
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, fuse: bool = True, idiom: str = DEFAULT_IDIOM):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, fuse: bool = True, idiom: str = DEFAULT_IDIOM,
+                 lm_head: bool | None = None):
         if idiom not in IDIOMS:
             raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
         self.fuse, self.idiom = bool(fuse), idiom
-        super().__init__(config.replace(fp8=config.fp8 or Fp8Recipe()), rngs=rngs)
+        recipe = config.fp8 or Fp8Recipe()
+        if lm_head is not None:
+            recipe = dataclasses.replace(recipe, lm_head=bool(lm_head))
+        super().__init__(config.replace(fp8=recipe), rngs=rngs)
+        if recipe.lm_head:
+            self.fp8_lm_head = Fp8Meta(jnp.zeros((3, recipe.history), jnp.float32))
+
+    def _head(self, h: jax.Array, w_vocab: jax.Array) -> jax.Array:
+        if not self.config.fp8.lm_head:
+            return super()._head(h, w_vocab)
+        b, s, d = h.shape
+        y = fp8_dot(reshape_tokens(h, (b * s, d)), w_vocab.T, self.fp8_lm_head[...], idiom=self.idiom,
+                    margin=self.config.fp8.margin)
+        return reshape_tokens(y, (b, s, y.shape[-1]))
 
     def _make_block(self, c: LlamaConfig, rngs: nnx.Rngs) -> PlainFp8LlamaBlock:
         return PlainFp8LlamaBlock(c, rngs=rngs, fuse=self.fuse, idiom=self.idiom)
 
     def expected_fp8_gemms(self) -> int:
         """FP8 GEMM calls a train step of this model should compile to (:func:`expected_fp8_gemms`)."""
-        return expected_fp8_gemms(self.config, self.fuse)
+        return expected_fp8_gemms(self.config, self.fuse, self.config.fp8.lm_head)

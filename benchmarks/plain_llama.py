@@ -147,8 +147,12 @@ class PlainLlama(nnx.Module):
             x = run(block, x, cos, sin)
         h = rms_norm(x, _use(self.final_norm, jnp.float32), c.rms_norm_eps)
         if not c.tie_word_embeddings:
-            return h @ _use(self.lm_head, c.dtype).T
-        return h @ (table if explicit is not None else self.embed[...].astype(c.dtype)).T
+            return self._head(h, _use(self.lm_head, c.dtype))
+        return self._head(h, table if explicit is not None else self.embed[...].astype(c.dtype))
+
+    def _head(self, h: jax.Array, w_vocab: jax.Array) -> jax.Array:
+        """The LM head: ``h [B, S, d] @ w_vocab [V, d]^T`` (a subclass runs it in FP8)."""
+        return h @ w_vocab.T
 
     def loss(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy (float32) over all ``[B, S]`` positions."""

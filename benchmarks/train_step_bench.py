@@ -8,13 +8,14 @@ clipping) and functional jitted step with donated state (:func:`coda_jax.trainin
 one fixed batch of random tokens. ``plain`` is :class:`plain_llama.PlainLlama`, the baseline
 of record, and ``plain_fp8`` its FP8 counterpart (:class:`plain_fp8_llama.PlainFp8Llama`: delayed
 scaling, XLA's cuBLASLt FP8 GEMMs; settings ``idiom=direct|dequant``, how the scaled GEMM is
-written, and ``fuse=true|false``, Q/K/V and gate/up as one GEMM each; on a GPU its row records
+written, ``fuse=true|false``, Q/K/V and gate/up as one GEMM each, and ``lm_head=true``, the LM
+head's GEMMs in FP8 too; on a GPU its row records
 how many FP8 GEMM calls the compiled step holds against how many it should,
 ``fp8_gemm_calls`` / ``fp8_gemm_calls_expected``: XLA runs an FP8 dot it cannot rewrite as a
 bf16 GEMM, silently); ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
 options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
 with :func:`coda_jax.options.options`, and ``fp8=true`` for ``LlamaConfig(fp8=Fp8Recipe())``
-(``fp8=current``: ``Fp8Recipe(scaling="current")``), whose
+(``fp8=current``: ``Fp8Recipe(scaling="current")``; with ``lm_head=true``: ``Fp8Recipe(lm_head=True)``), whose
 FP8 GEMM calls are checked as ``plain_fp8``'s; e.g. ``pallas:cross_entropy.save_logits=false``: the
 cross-entropy recomputes its logits; ``pallas:routing.xla_output_below=0,routing.plain_gemm=kernel``:
 every GEMM on the kernel). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
@@ -103,7 +104,7 @@ PLAIN_MODELS = ("plain", "plain_fp8")
 MODEL_RULE = ("plain, xla, pallas or cutedsl, or plain_fp8 (the plain model in FP8, settings idiom="
               + "|".join(IDIOMS) + " and fuse=true|false)")
 # plain_fp8's own settings (PlainFp8Llama's arguments), not coda-jax options.
-PLAIN_FP8_SETTINGS = ("idiom", "fuse")
+PLAIN_FP8_SETTINGS = ("idiom", "fuse", "lm_head")
 # Settings of a run that are not coda-jax options: JAX's automatic PGLE (JAX_ENABLE_PGLE=1,
 # JAX_PGLE_PROFILING_RUNS=N) and the ahead-of-time PGLE compile (PGLE_AOT=N); xla_* settings
 # are XLA options of the step's compile.
@@ -176,11 +177,10 @@ def parse_run(spec: str) -> RunSpec:
             if own["idiom"] not in IDIOMS:
                 raise ValueError(f"run {spec!r}: idiom must be one of {', '.join(IDIOMS)}, got {own['idiom']!r}")
             model_args["idiom"] = own["idiom"]
-        if "fuse" in own:
-            if own["fuse"].lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"run {spec!r}: fuse must be true or false, got {own['fuse']!r}")
-            model_args["fuse"] = own["fuse"].lower() in ("true", "1")
-    elif "fp8" in items:  # a CodaLlama run in FP8: LlamaConfig(fp8=Fp8Recipe(scaling=...))
+        for key in ("fuse", "lm_head"):
+            if key in own:
+                model_args[key] = _flag(spec, key, own[key])
+    elif "fp8" in items:  # a CodaLlama run in FP8: LlamaConfig(fp8=Fp8Recipe(scaling=..., lm_head=...))
         value = items.pop("fp8").lower()
         scaling = {"true": "delayed", "1": "delayed", "delayed": "delayed", "current": "current",
                    "false": None, "0": None}
@@ -188,6 +188,10 @@ def parse_run(spec: str) -> RunSpec:
             raise ValueError(f"run {spec!r}: fp8 must be true (delayed scaling), current or false, got {value!r}")
         if scaling[value]:
             model_args["fp8"] = scaling[value]
+        if "lm_head" in items:
+            model_args["lm_head"] = _flag(spec, "lm_head", items.pop("lm_head"))
+    if "lm_head" in items:
+        raise ValueError(f"run {spec!r}: lm_head=true is a setting of FP8 runs (plain_fp8, or fp8=true)")
     try:
         pgle_runs = (int(pgle.get("JAX_PGLE_PROFILING_RUNS", "3"))
                      if pgle.get("JAX_ENABLE_PGLE", "").lower() in PGLE_ON else 0)
@@ -199,6 +203,12 @@ def parse_run(spec: str) -> RunSpec:
     except OptionError as e:
         raise ValueError(f"{e} ({SETTINGS_RULE})") from None
     return RunSpec(spec, model, overrides, xla_options, pgle_runs, aot_steps, model_args)
+
+
+def _flag(spec: str, key: str, value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"run {spec!r}: {key} must be true or false, got {value!r}")
+    return value.lower() in ("true", "1")
 
 
 @contextlib.contextmanager
@@ -352,13 +362,14 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             model = PlainFp8Llama(cfg, rngs=nnx.Rngs(0), **run.model_args)
         else:
             fp8 = run.model_args.get("fp8")
-            model = CodaLlama(cfg.replace(fp8=Fp8Recipe(scaling=fp8)) if fp8 else cfg, rngs=nnx.Rngs(0),
-                              backend=name)
+            recipe = Fp8Recipe(scaling=fp8, lm_head=run.model_args.get("lm_head", False)) if fp8 else None
+            model = CodaLlama(cfg.replace(fp8=recipe) if fp8 else cfg, rngs=nnx.Rngs(0), backend=name)
         # FP8 GEMMs the compiled step should hold (checked against its HLO on a GPU): plain_fp8's,
         # or a CodaLlama FP8 block's 12 (forward, dgrad and wgrad of its four projections).
         # (On a kernel backend the FP8 GEMMs are its own kernels, not cuBLASLt calls: no check.)
         fp8_expected = (model.expected_fp8_gemms() if name == "plain_fp8"
-                        else 12 * cfg.num_layers if run.model_args.get("fp8") and name == "xla" else None)
+                        else 12 * cfg.num_layers + 3 * run.model_args.get("lm_head", False)
+                        if run.model_args.get("fp8") and name == "xla" else None)
         plain = name in PLAIN_MODELS
         split = "width" if plain else partitioning.fsdp_split_on(mesh)
         if mesh is not None and not plain and partitioning.axis_size(mesh, "fsdp") > 1:

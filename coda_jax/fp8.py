@@ -60,15 +60,23 @@ class Fp8Recipe:
         the compute dtype and a pass after it quantizes it, once its amax is reduced: one more
         write and two more reads of the tensor each (docs/fp8.md). The histories are still
         recorded (``history`` and ``margin`` apply to the scale as with one step of history).
+      lm_head: also run the LM head's three GEMMs (logits, their dgrad and wgrad) in FP8
+        (:mod:`coda_jax.ops.fp8_cross_entropy`): the last block writes the head's ``h`` in
+        e4m3 from its epilogue, and the head quantizes its weight (e4m3) and the logits'
+        gradient (e5m2). Off by default, as in TransformerEngine's and MaxText's recipes: the
+        logits are the tensor FP8 rounding hurts most (docs/fp8.md#lm-head). The
+        vocab-parallel head (a ``"tensor"`` mesh axis) stays in the compute dtype.
 
     Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its
-    softmax and both of its GEMMs), the LM head and the norms stay in the compute dtype.
+    softmax and both of its GEMMs) and the norms stay in the compute dtype, and the LM head
+    unless ``lm_head``.
     """
 
     history: int = 16
     margin: int = 0
     on_nonfinite: str = "skip"
     scaling: str = "delayed"
+    lm_head: bool = False
 
     def __post_init__(self):
         if not isinstance(self.history, int) or self.history < 1:
@@ -79,6 +87,8 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe.on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
         if self.scaling not in SCALINGS:
             raise ValueError(f"Fp8Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if not isinstance(self.lm_head, bool):
+            raise ValueError(f"Fp8Recipe.lm_head must be a bool, got {self.lm_head!r}")
 
 
 class Fp8Meta(nnx.Variable):

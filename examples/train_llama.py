@@ -127,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--fp8-scaling", default="delayed", choices=list(SCALINGS),
                    help="with --fp8: each tensor's scale from its amax history (delayed: the GEMM that produces it "
                         "writes it in FP8) or from its own amax (current: a pass after the GEMM quantizes it)")
+    p.add_argument("--fp8-lm-head", action="store_true",
+                   help="with --fp8: the LM head's three GEMMs in FP8 too (Fp8Recipe(lm_head=True); docs/fp8.md#lm-head)")
     p.add_argument("--remat", default="none", choices=["none", "block"],
                    help="activation checkpointing: block = each block keeps only its input and recomputes its "
                         "forward in the backward (less memory, about a third more GEMM work)")
@@ -292,11 +294,11 @@ def device_memory_bytes() -> int | None:
 
 
 def fp8_recipe(args) -> Fp8Recipe | None:
-    """The run's FP8 recipe (``--fp8``, ``--fp8-scaling``), or None; ``args`` may be an older
+    """The run's FP8 recipe (``--fp8``, ``--fp8-scaling``, ``--fp8-lm-head``), or None; ``args`` may be an older
     run's ``args.json`` without these flags."""
     if not getattr(args, "fp8", False):
         return None
-    return Fp8Recipe(scaling=getattr(args, "fp8_scaling", "delayed"))
+    return Fp8Recipe(scaling=getattr(args, "fp8_scaling", "delayed"), lm_head=getattr(args, "fp8_lm_head", False))
 
 
 def make_config(args, vocab_size: int) -> LlamaConfig:

@@ -100,6 +100,7 @@ def test_fp8_operands_lower(da, db, monkeypatch):
 
 
 _FP8_PROGRAMS = [P.IDENTITY, P.RESIDUAL_RMS, P.rms_swiglu(True), P.rms_dgrad(True), P.SWIGLU_DGRAD, P.RMS_LSE,
+                 P.RMS_LSE_LOGITS, P.CE_GRAD, P.ACCUMULATE,  # the FP8 LM head's
                  P.rms_rope(64, 1e-6, True),
                  # current scaling's programs (E.unquantized: the FP8 output written in the compute dtype)
                  E.unquantized(P.rms_swiglu_q8(True)), E.unquantized(P.SWIGLU_DGRAD_Q8)]

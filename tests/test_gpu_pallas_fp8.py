@@ -19,7 +19,7 @@ from coda_jax.epilogue import OutputKind
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
 from op_cases import poison_allocator
 from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs,
-                             check_rope_grad_pass, shipped_rope_grad_configs)
+                             check_fp8_lm_head, check_rope_grad_pass, shipped_rope_grad_configs)
 
 pytestmark = pytest.mark.gpu
 
@@ -104,3 +104,11 @@ def test_rope_grad_pass_on_gpu(config):
     # The FP8 block's QKV gradient pass at 1B shapes (32 Q, 8 K, 8 V heads of 64; ragged M).
     check_rope_grad_pass(_ROPE_GRAD[config], 8000, 32, 8, 32, 40,
                          before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["saved_logits", "recompute"])
+def test_fp8_lm_head_on_gpu(save, monkeypatch):
+    # The FP8 LM head at a real vocabulary (ragged V: not a tile multiple; two vocab chunks when
+    # recomputed), every GEMM on the kernel, against the xla backend on the GPU.
+    poison_allocator([(2048, 32000)] * 4)
+    check_fp8_lm_head(2048, 2048, 32000, save, monkeypatch)

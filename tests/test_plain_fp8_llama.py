@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 import benchmarks.plain_fp8_llama as pf8
-from benchmarks.plain_fp8_llama import PlainFp8Llama, expected_fp8_gemms, fp8_dot, fp8_gemm_calls, gemm_call_targets
+from benchmarks.plain_fp8_llama import (FUSED_PROJECTIONS, PlainFp8Llama, expected_fp8_gemms, fp8_dot, fp8_gemm_calls,
+                                        gemm_call_targets)
 from benchmarks.plain_llama import PlainLlama
 from coda_jax import training
 from coda_jax.fp8 import Fp8Meta
@@ -246,3 +247,40 @@ def test_train_step_bench_runs_plain_fp8():
     assert rows[0]["fp8_gemm_calls_expected"] == 21 and "fp8_gemm_calls" not in rows[0]  # counted on a GPU only
     # a fresh model's loss: about log(vocab) (the tiny preset's 4096)
     assert rows[0]["tokens_per_s"] > 0 and rows[0]["first_loss"] == pytest.approx(np.log(4096), rel=0.05)
+
+
+def test_plain_fp8_lm_head_is_one_more_fp8_dot(monkeypatch):
+    """``lm_head=True``: the head is a fifth :func:`fp8_dot` after the blocks', its history
+    records the final norm's output, the weight and the logits' gradient; the loss stays within
+    FP8's error of the bf16-head model's, and the step has 3 more FP8 GEMMs."""
+    seen, calls = _recording_fp8_dot(monkeypatch)
+    coda = CodaLlama(CFG1, rngs=nnx.Rngs(1), backend="xla")
+    inputs, targets = _tokens()
+    loss_of = nnx.jit(lambda m: m.loss(inputs, targets))
+    l16 = float(loss_of(PlainFp8Llama.from_coda(coda)))
+    l8 = float(loss_of(PlainFp8Llama.from_coda(coda, lm_head=True)))
+    assert 1e-5 < abs(l8 / l16 - 1) < 0.02, (l8, l16)
+    calls.clear()
+    model = PlainFp8Llama.from_coda(coda, lm_head=True)
+    assert model.config.fp8.lm_head and model.fp8_lm_head[...].shape == (3, model.config.fp8.history)
+    assert model.expected_fp8_gemms() == expected_fp8_gemms(CFG1) + 3
+    opt = nnx.Optimizer(model, training.adamw_cosine(1e-3, 1, 10), wrt=nnx.Param)
+    step, _, _ = training.make_steps(model, opt)
+    state, loss = step(jax.tree.map(jnp.copy, nnx.state((model, opt))), inputs, targets)
+    jax.block_until_ready(loss)
+    nnx.update((model, opt), state)
+    assert len(calls) == len(FUSED_PROJECTIONS) * CFG1.num_layers + 1
+    head = np.asarray(model.fp8_lm_head[...])
+    i = len(calls) - 1
+    np.testing.assert_array_equal(head[:, 0], np.asarray([seen[(i, "x")], seen[(i, "w")], seen[(i, "g")]], np.float32))
+
+
+def test_train_step_bench_lm_head_setting():
+    from benchmarks import train_step_bench as tsb
+
+    assert tsb.parse_run("plain_fp8:lm_head=true").model_args == {"lm_head": True}
+    assert tsb.parse_run("pallas:fp8=true,lm_head=true").model_args == {"fp8": "delayed", "lm_head": True}
+    with pytest.raises(ValueError, match="lm_head=true is a setting of FP8 runs"):
+        tsb.parse_run("pallas:lm_head=true")
+    with pytest.raises(ValueError, match="lm_head must be true or false"):
+        tsb.parse_run("plain_fp8:lm_head=perhaps")

@@ -38,7 +38,8 @@ class LlamaConfig:
         GEMM work for ``[tokens, 2d]`` a layer, plus one layer's activations at a time.
       fp8: train the blocks' projections in FP8 with this recipe (:class:`coda_jax.fp8.Fp8Recipe`;
         :mod:`coda_jax.ops.fp8_llama_block`), or None (the compute dtype). Attention, the
-        norms, the embedding and the LM head stay in the compute dtype.
+        norms and the embedding stay in the compute dtype, and the LM head unless
+        ``Fp8Recipe(lm_head=True)``.
     """
 
     vocab_size: int = 128256

@@ -17,7 +17,10 @@ from coda_jax.layers.embedding import embedding_lookup
 from coda_jax.layers.hf_llama import config_from_hf, load_hf_state_dict
 from coda_jax.layers.pretrained import load_pretrained, pretrained_config, save_pretrained
 from coda_jax.layers.vocab_parallel import vocab_parallel_axis, vocab_parallel_cross_entropy
+from coda_jax.fp8 import Fp8Meta
 from coda_jax.log import log_once
+from coda_jax.ops.fp8_cross_entropy import HEAD_TENSORS, fp8_linear_cross_entropy
+from coda_jax.ops.fp8_llama_block import Fp8Carry
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
 from coda_jax.mesh_axes import context_mesh
@@ -54,7 +57,10 @@ class CodaLlama(nnx.Module):
             jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), c.param_dtype) * 0.02, ("vocab", "embed"))
         self.blocks = nnx.List([CodaLlamaBlock(c, rngs=rngs, backend=backend) for _ in range(c.num_layers)])
         if c.num_layers:
-            self.blocks[-1].fp8_carry_out = False  # the final norm / LM head reads a compute-dtype carry
+            # The final norm / LM head reads a compute-dtype carry, or with an FP8 head the FP8 one.
+            self.blocks[-1].fp8_carry_out = self._fp8_head
+        if self._fp8_head:  # the amax histories of the FP8 LM head (coda_jax.ops.fp8_cross_entropy)
+            self.fp8_head_meta = Fp8Meta(jnp.zeros((len(HEAD_TENSORS), c.fp8.history), jnp.float32))
         self.final_norm = logical_param(jnp.ones((c.hidden_size,), c.param_dtype), ("norm",))
         if not c.tie_word_embeddings:
             self.lm_head = logical_param(
@@ -99,6 +105,11 @@ class CodaLlama(nnx.Module):
         see :func:`coda_jax.layers.pretrained.save_pretrained`."""
         return save_pretrained(self, path, **kwargs)
 
+    @property
+    def _fp8_head(self) -> bool:
+        """Whether the LM head runs in FP8 (``Fp8Recipe(lm_head=True)``)."""
+        return self.config.fp8 is not None and self.config.fp8.lm_head
+
     def vocab_weight(self, whole: bool = True) -> jax.Array:
         """``[V, d]`` LM-head weight in the compute dtype (``whole=False``: left on its
         parameter's split, for the vocab-parallel head's ``shard_map`` to slice)."""
@@ -141,6 +152,8 @@ class CodaLlama(nnx.Module):
         """Full logits ``[B, S, V]`` float32 (for evaluation / parity; training uses :meth:`loss`)."""
         b, s = tokens.shape
         x, carry = self.hidden_states(tokens, positions)
+        if isinstance(carry, Fp8Carry):  # an FP8 head's carry: these logits come from the compute-dtype head
+            carry = None
         logits = rms_norm_matmul(x, gathered(self.final_norm[...]), self.vocab_weight().T, carry=carry,
                                  eps=self.config.rms_norm_eps, backend=self.backend)
         return reshape_tokens(logits.astype(jnp.float32), (b, s, logits.shape[-1]))
@@ -152,15 +165,29 @@ class CodaLlama(nnx.Module):
         ``"tensor"`` mesh axis, or an ``"fsdp"`` axis without one, whose size ``n`` divides the
         vocabulary, each shard of that axis takes ``V / n`` of the vocab
         (:mod:`coda_jax.layers.vocab_parallel`); otherwise every shard computes the whole LM
-        head for its data shard."""
+        head for its data shard. With ``Fp8Recipe(lm_head=True)`` the head's GEMMs run in FP8
+        (:func:`coda_jax.ops.fp8_cross_entropy.fp8_linear_cross_entropy`), except the
+        vocab-parallel head's (logged once)."""
         x, carry = self.hidden_states(tokens, positions)
         axis = vocab_parallel_axis(context_mesh(), self.config.vocab_size)
+        targets = reshape_tokens(targets, (targets.size,))
+        if self._fp8_head and axis is None:
+            return fp8_linear_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(), targets,
+                                            self.fp8_head_meta[...], recipe=self.config.fp8,
+                                            carry=carry if isinstance(carry, Fp8Carry) else None,
+                                            eps=self.config.rms_norm_eps, ignore_index=ignore_index, z_loss=z_loss,
+                                            backend=self.backend)
+        if isinstance(carry, Fp8Carry):
+            carry = None
         if axis is not None:
+            if self._fp8_head:
+                log_once("fp8_head_vocab_parallel", logging.WARNING,
+                         "coda-jax: Fp8Recipe(lm_head=True) is not applied to the vocab-parallel LM head "
+                         "(mesh axis %r); the head runs in the compute dtype", axis)
             return vocab_parallel_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(whole=False),
-                                                reshape_tokens(targets, (targets.size,)), eps=self.config.rms_norm_eps,
+                                                targets, eps=self.config.rms_norm_eps,
                                                 ignore_index=ignore_index, z_loss=z_loss, backend=self.backend,
                                                 vocab_axis=axis)
-        return linear_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(),
-                                    reshape_tokens(targets, (targets.size,)),
+        return linear_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(), targets,
                                     carry=carry, eps=self.config.rms_norm_eps, ignore_index=ignore_index,
                                     z_loss=z_loss, backend=self.backend)

@@ -95,7 +95,7 @@ def _vocab_shard(w, vocab_axis) -> tuple[jax.Array | int, int]:
 
 def _forward(lowering, eps, z_loss, save, logits_dtype, vocab_axis, x, gamma, w, h, sumsq, targets):
     rstd = rstd_from_partials(sumsq, x.shape[1], eps)
-    offset, v = _vocab_shard(w, vocab_axis)
+    offset, _ = _vocab_shard(w, vocab_axis)
     # A target on another shard (or -1, ignored) matches no column of this one.
     loads = {"rstd": rstd, "target": targets - offset}
     if save:
@@ -103,6 +103,16 @@ def _forward(lowering, eps, z_loss, save, logits_dtype, vocab_axis, x, gamma, w,
                              out_dtypes={"logits": logits_dtype})
     else:
         outs = lowering.gemm(programs.RMS_LSE, h, w, loads, transpose_b=True)
+    losses, lse = row_losses_from_partials(outs, targets, z_loss, w.shape[0], vocab_axis)
+    return losses, rstd, lse, outs.get("logits")
+
+
+def row_losses_from_partials(outs: dict, targets: jax.Array, z_loss: float, v_local: int,
+                             vocab_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(losses [M], lse [M])`` float32 from the LM-head GEMM's ``lse`` and ``target_logit``
+    partials ``[P, M]`` (one per vocab tile; with ``vocab_axis``, combined over its shards of
+    ``v_local`` columns each)."""
+    v = v_local if vocab_axis is None else v_local * jax.lax.axis_size(vocab_axis)
     lse = jax.nn.logsumexp(outs["lse"], axis=0)
     target_logit = jnp.sum(outs["target_logit"], axis=0)
     if vocab_axis is not None:  # combine the shards' LSEs ([M] each) and target logits
@@ -114,7 +124,26 @@ def _forward(lowering, eps, z_loss, save, logits_dtype, vocab_axis, x, gamma, w,
     # A target outside [0, V) that is not ignore_index cannot be reported under jit: its
     # row's loss is NaN, so the error shows instead of a silently wrong loss.
     losses = jnp.where(targets >= v, jnp.nan, losses)
-    return losses, rstd, lse, outs.get("logits")
+    return losses, lse
+
+
+def grad_loads(lse: jax.Array, targets: jax.Array, dloss: jax.Array, z_loss: float, v: int) -> dict:
+    """The row loads of the cross-entropy backward (:data:`coda_jax.programs.CE_GRAD`'s
+    ``lse``, ``gscale``, ``zcoef``): ignored and out-of-range rows get no gradient."""
+    valid = (targets >= 0) & (targets < v)
+    return {"lse": lse, "gscale": jnp.where(valid, dloss, 0.0).astype(jnp.float32), "zcoef": 1.0 + 2.0 * z_loss * lse}
+
+
+def final_norm_backward(x: jax.Array, gamma: jax.Array, rstd: jax.Array, g_h: jax.Array,
+                        zdz: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(dx [M, d] x.dtype, dgamma [d] gamma.dtype)`` of the final RMSNorm from the gradient
+    ``g_h [M, d]`` of its output ``x_hat * gamma`` and the row term ``zdz = sum_V(logits *
+    dlogits)`` ``[M]`` (float32): ``dx = rstd * (gamma * g_h - x_hat * zdz / d)``,
+    ``dgamma = sum_M(g_h * x_hat)``, elementwise over ``[M, d]``."""
+    d = x.shape[1]
+    xh = x.astype(jnp.float32) * rstd[:, None]
+    dx = rstd[:, None] * (gamma.astype(jnp.float32) * g_h - xh * (zdz / d)[:, None])
+    return dx.astype(x.dtype), jnp.sum(g_h * xh, axis=0).astype(gamma.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
@@ -132,31 +161,22 @@ def _row_losses_fwd(lowering, eps, z_loss, save, logits_dtype, vocab_axis, x, ga
 
 def _row_losses_bwd(lowering, eps, z_loss, save, logits_dtype, vocab_axis, res, dloss):
     x, gamma, w, h, sumsq, targets, rstd, lse, logits = res
-    m, d = x.shape
     offset, v = _vocab_shard(w, vocab_axis)
     if vocab_axis is not None:
         # Every row's loss depends on every shard's columns; the caller hands each shard the
         # cotangent of its own rows only (see the vocab_axis argument), so gather them all.
         dloss = jax.lax.psum(dloss, vocab_axis)
-    valid = (targets >= 0) & (targets < v)
-    loads = {"rstd": rstd, "lse": lse, "gscale": jnp.where(valid, dloss, 0.0).astype(jnp.float32),
-             "zcoef": 1.0 + 2.0 * z_loss * lse}
+    loads = {"rstd": rstd, **grad_loads(lse, targets, dloss, z_loss, v)}
     xg = (x.astype(jnp.float32) * rstd[:, None] * gamma.astype(jnp.float32)).astype(w.dtype)  # x_hat * gamma
     local = targets - offset  # this shard's column of each target (none if elsewhere)
     if save:
         g_h, zdz, dw = _grads_from_logits(lowering, logits, w, xg, local, loads)
     else:
         g_h, zdz, dw = _grads_by_recompute(lowering, h, w, xg, local, loads)
-    # Final RMSNorm backward (zdz = sum_V(logits * dlogits) / d), elementwise over [M, d].
     # Linear in (g_h, zdz): with a vocab axis, each shard's dx and d_gamma are its partial
     # sums over its columns, and the caller's shard_map sums them.
-    xf = x.astype(jnp.float32)
-    xh = xf * rstd[:, None]
-    gf = gamma.astype(jnp.float32)
-    dx = rstd[:, None] * (gf * g_h - xh * (zdz / d)[:, None])
-    dgamma = jnp.sum(g_h * xh, axis=0)
-    return (dx.astype(x.dtype), dgamma.astype(gamma.dtype), dw, jnp.zeros_like(h), jnp.zeros_like(sumsq),
-            None)
+    dx, dgamma = final_norm_backward(x, gamma, rstd, g_h, zdz)
+    return dx, dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), None
 
 
 def _grads_from_logits(lowering, logits, w, xg, targets, loads):
@@ -250,6 +270,21 @@ def linear_cross_entropy(
     Returns:
       float32 scalar (``mean`` / ``sum``) or ``[M]`` float32 per-row losses.
     """
+    check_args(x, gamma, w_vocab, targets, reduction, z_loss)
+    logits_dtype = resolve_logits_dtype(logits_dtype)
+    carry = resolve_carry(x, gamma, carry)
+    lowering = lowering_for(LINEAR_CROSS_ENTROPY, backend)
+    v = w_vocab.shape[0] * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
+    t = prepared_targets(targets, ignore_index, v)
+    save = resolve_save_logits(save_logits, x.shape[0], w_vocab.shape[0], logits_dtype)
+    losses = _row_losses(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), vocab_axis, x, gamma,
+                         w_vocab, carry.h, carry.sumsq, t)
+    return reduce_losses(losses, t, reduction)
+
+
+def check_args(x, gamma, w_vocab, targets, reduction: str, z_loss: float) -> None:
+    """The argument rules of :func:`linear_cross_entropy` (``ValueError`` / ``TypeError`` naming
+    the argument)."""
     check_2d("x", x)
     check_float("x", x)
     check_vector("gamma", gamma, x.shape[1])
@@ -262,19 +297,20 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if z_loss < 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    logits_dtype = resolve_logits_dtype(logits_dtype)
-    carry = resolve_carry(x, gamma, carry)
-    lowering = lowering_for(LINEAR_CROSS_ENTROPY, backend)
-    # Ignored rows get target -1: no column matches, and the loss masks them. Other
-    # out-of-range targets become V: the forward marks their loss NaN.
-    v = w_vocab.shape[0] * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
-    t = jnp.where(targets == ignore_index, -1, jnp.where((targets < 0) | (targets >= v), v, targets)).astype(jnp.int32)
-    save = resolve_save_logits(save_logits, x.shape[0], w_vocab.shape[0], logits_dtype)
-    losses = _row_losses(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), vocab_axis, x, gamma,
-                         w_vocab, carry.h, carry.sumsq, t)
+
+
+def prepared_targets(targets: jax.Array, ignore_index: int, v: int) -> jax.Array:
+    """``[M]`` int32 targets as the programs read them: ignored rows -1 (no column matches,
+    the loss masks them), other ids outside ``[0, v)`` ``v`` (the forward marks their loss NaN)."""
+    return jnp.where(targets == ignore_index, -1, jnp.where((targets < 0) | (targets >= v), v, targets)).astype(jnp.int32)
+
+
+def reduce_losses(losses: jax.Array, targets: jax.Array, reduction: str) -> jax.Array:
+    """Row losses ``[M]`` reduced as ``reduction`` asks (``"mean"`` over the rows whose prepared
+    target is not ignored)."""
     if reduction == "none":
         return losses
     total = jnp.sum(losses)
     if reduction == "sum":
         return total
-    return total / jnp.maximum(jnp.sum(t >= 0), 1).astype(jnp.float32)
+    return total / jnp.maximum(jnp.sum(targets >= 0), 1).astype(jnp.float32)
