@@ -124,7 +124,7 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
 
     on_gpu = jax.devices()[0].platform == "gpu"
     timer = at.kernel_ms if on_gpu else median_ms
-    fn, args = model_step(spec + ":fp8")
+    fn, args = model_step(spec if spec.endswith((":fp8", ":fp8-head")) else spec + ":fp8")
     calls = [c for c in at.kernel_calls(fn, *args) if c.a.dtype in FP8_DTYPES]
     rows = []
     for call in calls:

@@ -17,7 +17,7 @@ and the dgrad gives ``g' = rstd * g_h``, which the final norm's backward divides
 With saved logits (the default where they fit, :func:`coda_jax.linear_cross_entropy`'s
 ``save_logits``) one XLA pass computes ``dlogits'`` from them and writes its two e5m2 layouts
 and amax; with recomputed logits each vocab chunk's CE-gradient GEMM runs on the FP8
-operands and a pass quantizes its ``dlogits'`` (delayed scaling: one scale for every chunk;
+operands, writes its ``dlogits'`` in float32, and a pass quantizes it (delayed scaling: one scale for every chunk;
 current scaling: each chunk by its own amax).
 
 Recipe state: ``meta [3, history]`` float32, the amax histories of :data:`HEAD_TENSORS`; its
@@ -136,7 +136,7 @@ def _grads_by_recompute(st: _Static, meta, amax: dict, h: Fp8Tensor, wq: Fp8Tens
         c1 = min(v, c0 + VOCAB_CHUNK)
         w_c = Fp8Tensor(wq.data[c0:c1], wq.data_t[:, c0:c1], wq.scale_inv)
         outs = fp8_gemm(st.lowering, programs.CE_GRAD, h, w_c.T, dict(loads, rstd=rstd, target=targets - c0),
-                        out_dtypes={"dlogits": jnp.bfloat16})
+                        out_dtypes={"dlogits": jnp.float32})  # float32: one rounding, to e5m2
         zdz = zdz + jnp.sum(outs["zdz"], axis=0)
         dq, a = _quantize(st, meta, "dlogits", outs["dlogits"])
         amaxes.append(a)
