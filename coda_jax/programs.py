@@ -439,3 +439,25 @@ def rope_grad_q8(half_head: int) -> E.Epilogue:
         body=body,
         pair_block=half_head,
     )
+
+
+def _ce_grad_q8_body(acc, ctx, logits, lse, target, gscale, zcoef, dlogits_scale):
+    lf = logits.astype(jnp.float32)
+    dlogits = _dlogits(lf, ctx.col_index(), target, lse, gscale, zcoef)
+    return {"dlogits": dlogits, "zdz": lf * dlogits}
+
+
+CE_GRAD_Q8 = E.Epilogue(
+    name="ce_grad_q8",
+    loads=(E.tile("logits"), E.row("lse"), E.row("target"), E.row("gscale"), E.row("zcoef"),
+           E.scalar("dlogits_scale")),
+    outputs=(E.fp8_out("dlogits", _E5M2, scale="dlogits_scale", transpose=True), E.row_sum("zdz")),
+    body=_ce_grad_q8_body,
+    uses_col_index=True,
+)
+"""The FP8 LM head's cross-entropy backward from the saved logits, run as an epilogue pass
+(:func:`coda_jax.ops.epilogue_pass.epilogue_pass`: no GEMM under it, the accumulator is zero and
+ignored): :func:`ce_grad_from_logits`'s ``dlogits`` (with the final norm's ``rstd`` folded into
+``gscale`` by the caller) written in e5m2 with its transposed copy (the wgrad's operand) and amax,
+and the row partials of ``zdz = sum_V(logits * dlogits)``. One read of the logits: as XLA
+fusions, the transposed copy made XLA transpose the float32 logits first (run 332)."""

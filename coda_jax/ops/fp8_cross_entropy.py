@@ -15,8 +15,8 @@ the left operand, the wgrad needs no normalized copy of ``h`` (``x_hat * gamma =
 and the dgrad gives ``g' = rstd * g_h``, which the final norm's backward divides back out.
 
 With saved logits (the default where they fit, :func:`coda_jax.linear_cross_entropy`'s
-``save_logits``) one XLA pass computes ``dlogits'`` from them and writes its two e5m2 layouts
-and amax; with recomputed logits each vocab chunk's CE-gradient GEMM runs on the FP8
+``save_logits``) one epilogue pass over them (:data:`coda_jax.programs.CE_GRAD_Q8`) computes
+``dlogits'`` and writes its two e5m2 layouts and amax from registers; with recomputed logits each vocab chunk's CE-gradient GEMM runs on the FP8
 operands, writes its ``dlogits'`` in float32, and a pass quantizes it (delayed scaling: one scale for every chunk;
 current scaling: each chunk by its own amax).
 
@@ -33,10 +33,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.backend import lowering_for
-from coda_jax.fp8 import E4M3, E5M2, Fp8Recipe, Fp8Tensor, next_history, quantize_tensor
+from coda_jax.fp8 import E4M3, E5M2, Fp8Recipe, Fp8Tensor, next_history, quantize_tensor, scale_from_history
 from coda_jax.lowering import GemmLowering
+from coda_jax.ops.epilogue_pass import epilogue_pass
 from coda_jax.ops.fp8_gemm import fp8_gemm
 from coda_jax.ops.fp8_llama_block import Fp8Carry
 from coda_jax.ops.linear_cross_entropy import (VOCAB_CHUNK, check_args, final_norm_backward, grad_loads,
@@ -108,10 +110,7 @@ def _row_losses_bwd(st, res, dloss):
     # rstd folded into the row scale: dlogits' = rstd * dlogits, zdz' = rstd * zdz.
     loads["gscale"] = loads["gscale"] * rstd
     if st.save:
-        col = jnp.arange(v, dtype=jnp.int32)[None, :]
-        dlog, zdz = programs.ce_grad_from_logits(logits, col, targets[:, None], lse[:, None], loads["gscale"][:, None],
-                                                 loads["zcoef"][:, None])
-        dq, amax["dlogits"] = _quantize(st, meta, "dlogits", dlog)
+        dq, zdz = _grads_from_logits(st, meta, amax, logits, targets, loads)
         g_h = fp8_gemm(st.lowering, programs.IDENTITY, dq, wq, {}, out_dtypes={"out": jnp.float32})["out"]
         dw = fp8_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype})["out"]
     else:
@@ -122,6 +121,24 @@ def _row_losses_bwd(st, res, dloss):
                           for i, name in enumerate(HEAD_TENSORS)])
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
     return dx, dgamma, dw, zeros(h_in), zeros(sumsq_in), None, new_meta
+
+
+def _grads_from_logits(st: _Static, meta, amax: dict, logits, targets, loads) -> tuple[Fp8Tensor, jax.Array]:
+    """``(dlogits' in e5m2 with its transposed copy, zdz' [M] f32)`` from the saved logits, in one
+    epilogue pass over them (:data:`coda_jax.programs.CE_GRAD_Q8`); under current scaling the pass
+    writes ``dlogits'`` in float32 and a pass after it quantizes it with its own amax."""
+    m, v = logits.shape
+    loads = {"logits": logits, "lse": loads["lse"], "target": targets, "gscale": loads["gscale"],
+             "zcoef": loads["zcoef"]}
+    if st.scaling == "delayed":
+        scale = scale_from_history(meta[_ROW["dlogits"]], E5M2, st.margin)
+        outs = epilogue_pass(st.lowering, programs.CE_GRAD_Q8, m, v, {**loads, "dlogits_scale": scale})
+        dq, amax["dlogits"] = Fp8Tensor(outs["dlogits"], outs["dlogits_t"], 1.0 / scale), jnp.max(outs["dlogits_amax"])
+    else:
+        outs = epilogue_pass(st.lowering, E.unquantized(programs.CE_GRAD_Q8), m, v,
+                             {**loads, "dlogits_scale": jnp.ones((), jnp.float32)}, out_dtypes={"dlogits": jnp.float32})
+        dq, amax["dlogits"] = _quantize(st, meta, "dlogits", outs["dlogits"])
+    return dq, jnp.sum(outs["zdz"], axis=0)
 
 
 def _grads_by_recompute(st: _Static, meta, amax: dict, h: Fp8Tensor, wq: Fp8Tensor, targets, rstd, loads):
