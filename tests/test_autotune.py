@@ -130,8 +130,10 @@ def test_shipped_table_is_valid(path):
     names |= {E.dequantized(e).name for e in (programs.IDENTITY, programs.RESIDUAL_RMS, programs.RESIDUAL_RMS_Q8,
                                               programs.rms_swiglu_q8(True), programs.SWIGLU_DGRAD_Q8,
                                               programs.rms_dgrad_q8(True), programs.rms_dgrad(True, True),
-                                              programs.rms_rope(32, None, False))}
-    names.add(programs.rope_grad_q8(32).name)  # the FP8 block's QKV-gradient epilogue pass (16-bit operands)
+                                              programs.rms_rope(32, None, False), programs.RMS_LSE_LOGITS,
+                                              programs.RMS_LSE, programs.CE_GRAD, programs.ACCUMULATE)}
+    # The epilogue passes (16-bit zero operands): the FP8 block's QKV gradient, the FP8 LM head's dlogits.
+    names |= {programs.rope_grad_q8(32).name, programs.CE_GRAD_Q8.name}
     assert t.entries and {e.program for e in t.entries} <= names
     assert t.num_sms == 132 and {T.table_file_name(k) for k in t.device_kinds} == {path.name}, t.device_kinds
 

@@ -19,7 +19,8 @@ from coda_jax.epilogue import OutputKind
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
 from op_cases import poison_allocator
 from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs,
-                             check_fp8_lm_head, check_rope_grad_pass, shipped_rope_grad_configs)
+                             check_ce_grad_pass, check_fp8_lm_head, check_rope_grad_pass, shipped_pass_configs,
+                             shipped_rope_grad_configs)
 
 pytestmark = pytest.mark.gpu
 
@@ -112,3 +113,13 @@ def test_fp8_lm_head_on_gpu(save, monkeypatch):
     # recomputed), every GEMM on the kernel, against the xla backend on the GPU.
     poison_allocator([(2048, 32000)] * 4)
     check_fp8_lm_head(2048, 2048, 32000, save, monkeypatch)
+
+
+_CE_GRAD = {"lowering_default": None, "cooperative": CONFIGS["cooperative"], "pingpong": CONFIGS["pingpong"],
+            **{f"shipped{i}": c for i, c in enumerate(shipped_pass_configs("ce_grad_q8"))}}
+
+
+@pytest.mark.parametrize("config", _CE_GRAD, ids=list(_CE_GRAD))
+def test_ce_grad_pass_on_gpu(config):
+    # The FP8 LM head's gradient pass over float32 logits, ragged M and V, more tiles than SMs.
+    check_ce_grad_pass(_CE_GRAD[config], 4000, 32000, 41, before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))

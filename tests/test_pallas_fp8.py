@@ -194,6 +194,9 @@ def _compare(epi, m, n, k, *, transpose_a=False, transpose_b=True, dtypes=(E4M3,
                 np.testing.assert_allclose(float(jnp.max(amax)), float(jnp.max(want[f"{o.name}_amax"])), rtol=1e-5)
         elif o.kind in (OutputKind.ROW_SUM, OutputKind.COL_SUM):
             assert rel_err(g.sum(0), w.sum(0)) < 1e-5, o.name
+        elif o.kind is OutputKind.ROW_LOGSUMEXP:  # partials per N-tile: their log-sum-exp
+            assert bool(jnp.all(~jnp.isnan(g))), o.name
+            assert rel_err(jax.nn.logsumexp(g, axis=0), jax.nn.logsumexp(w, axis=0)) < 1e-5, o.name
         else:
             assert g.shape == w.shape and g.dtype == w.dtype, (o.name, g.shape, w.shape, g.dtype, w.dtype)
             assert rel_err(g, w) < (1e-5 if g.dtype == F32 else 1e-2), o.name
@@ -447,7 +450,7 @@ def _shipped_fp8_configs():
     from coda_jax.pallas.tuned import SHIPPED_TABLES, load_table
     from test_pallas_kernels import CASES
 
-    inner = [c[0] for c in CASES] + [programs.RESIDUAL_RMS_Q8, programs.rms_swiglu_q8(True), programs.SWIGLU_DGRAD_Q8,
+    inner = [c[0] for c in CASES] + [programs.RMS_LSE_LOGITS, programs.RESIDUAL_RMS_Q8, programs.rms_swiglu_q8(True), programs.SWIGLU_DGRAD_Q8,
                                      programs.rms_dgrad_q8(True), programs.rms_dgrad_q8(False),
                                      programs.rms_dgrad(True, True)]
     seen = {}
@@ -492,12 +495,55 @@ def check_rope_grad_pass(config, m, heads, kv, half, seed, before_kernel=lambda 
     np.testing.assert_allclose(float(jnp.max(got["dz_amax"])), float(jnp.max(want["dz_amax"])), rtol=1e-5)
 
 
-def shipped_rope_grad_configs() -> list[TuningConfig]:
-    """The distinct configurations of the QKV-gradient pass (``rope_grad_q8``) in the shipped tables."""
+def shipped_pass_configs(program: str) -> list[TuningConfig]:
+    """The distinct configurations of epilogue pass ``program`` (``rope_grad_q8``: the QKV
+    gradient; ``ce_grad_q8``: the LM head's) in the shipped tables."""
     from coda_jax.pallas.tuned import SHIPPED_TABLES, load_table
 
     entries = (e for path in SHIPPED_TABLES for e in load_table(str(path)).entries)
-    return list(dict.fromkeys(e.config for e in entries if e.program == "rope_grad_q8" and e.config is not None))
+    return list(dict.fromkeys(e.config for e in entries if e.program == program and e.config is not None))
+
+
+def shipped_rope_grad_configs() -> list[TuningConfig]:
+    return shipped_pass_configs("rope_grad_q8")
+
+
+def check_ce_grad_pass(config, m, v, seed, before_kernel=lambda m, n: None):
+    """The FP8 LM head's gradient pass over saved float32 logits (:data:`programs.CE_GRAD_Q8`:
+    tile load, row loads, the column index, an e5m2 output with copy and amax, a row sum) on the
+    Pallas kernel under ``config`` against the reference; scale set so that some values saturate."""
+    from coda_jax.ops.epilogue_pass import epilogue_pass
+
+    k = jax.random.split(jax.random.key(seed), 3)
+    logits = jax.random.normal(k[0], (m, v), F32) * 3.0
+    lse = jax.nn.logsumexp(logits, axis=1)
+    loads = {"logits": logits, "lse": lse, "target": jax.random.randint(k[1], (m,), -1, v),
+             "gscale": jax.random.uniform(k[2], (m,), F32, 0.5, 1.5) / m, "zcoef": 1.0 + 2e-3 * lse,
+             "dlogits_scale": jnp.float32(1.0)}
+    epi = programs.CE_GRAD_Q8
+    want = epilogue_pass(REFERENCE, epi, m, v, loads)
+    loads["dlogits_scale"] = jnp.float32(1.25 * float(jnp.finfo(E5M2).max) / float(jnp.max(want["dlogits_amax"])))
+    want = epilogue_pass(REFERENCE, epi, m, v, loads)
+    before_kernel(m, v)
+    low = PallasLowering(config, plain_gemm="kernel")
+    got = jax.jit(lambda l: epilogue_pass(low, epi, m, v, l))(loads)
+    scale = float(loads["dlogits_scale"])
+    _check_fp8("dlogits", got["dlogits"], want["dlogits"], scale)
+    _check_fp8("dlogits_t", got["dlogits_t"], want["dlogits"].T, scale)
+    np.testing.assert_allclose(float(jnp.max(got["dlogits_amax"])), float(jnp.max(want["dlogits_amax"])), rtol=1e-5)
+    zdz = jnp.sum(got["zdz"], axis=0)
+    assert bool(jnp.all(jnp.isfinite(zdz)))
+    assert rel_err(zdz, jnp.sum(want["zdz"], axis=0)) < 1e-5
+
+
+_CE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG,
+                    **{f"shipped{i}": c for i, c in enumerate(shipped_pass_configs("ce_grad_q8"))}}
+
+
+@pytest.mark.parametrize("config", _CE_GRAD_CONFIGS.values(), ids=list(_CE_GRAD_CONFIGS))
+def test_ce_grad_pass(config):
+    # Ragged M and V (200 x 520), some targets ignored (-1).
+    check_ce_grad_pass(config, 200, 520, 13)
 
 
 _ROPE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG,

@@ -769,8 +769,8 @@ def _shipped_program_configs():
 
     seen = {}
     for e in (e for path in SHIPPED_TABLES for e in load_table(str(path)).entries):
-        # FP8 entries, and the FP8 block's QKV-gradient pass: test_pallas_fp8.py
-        if e.config is not None and not e.program.endswith("_fp8") and e.program != "rope_grad_q8":
+        # FP8 entries, and the FP8 epilogue passes (QKV gradient, LM-head gradient): test_pallas_fp8.py
+        if e.config is not None and not e.program.endswith("_fp8") and e.program not in ("rope_grad_q8", "ce_grad_q8"):
             case = next((c for c in CASES if c[0].name == e.program), None)
             assert case is not None, f"tuned table entry for unknown program {e.program!r}"
             seen.setdefault((e.program, e.config), (case[0], e.layout, e.config))
