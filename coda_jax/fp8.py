@@ -65,7 +65,8 @@ class Fp8Recipe:
         e4m3 from its epilogue, and the head quantizes its weight (e4m3) and the logits'
         gradient (e5m2). Off by default, as in TransformerEngine's and MaxText's recipes: the
         logits are the tensor FP8 rounding hurts most (docs/fp8.md#lm-head). The
-        vocab-parallel head (a ``"tensor"`` mesh axis) stays in the compute dtype.
+        vocab-parallel head (a ``"tensor"`` or ``"fsdp"`` axis that splits the vocabulary)
+        runs in FP8 too, its amaxes reduced over the mesh.
 
     Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its
     softmax and both of its GEMMs) and the norms stay in the compute dtype, and the LM head

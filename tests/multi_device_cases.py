@@ -466,13 +466,15 @@ def case_model(backend: str, shape: tuple[int, ...], mode: str) -> None:
     print(f"OK model_{backend}_{'x'.join(map(str, shape))}_{mode}")
 
 
-def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str) -> None:
+def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: bool = False) -> None:
     """An FP8 CodaLlama (``LlamaConfig(fp8=...)``): loss, gradients and the new amax histories
     (the histories' gradients) on a ("data", "fsdp") mesh, or with a third shape entry a
     ("data", "fsdp", "tensor") mesh, equal one device's: each amax is a max over the whole
     tensor, so data parallel, FSDP and tensor parallel give one device's scales. (Under a
     tensor axis the FP8 block's GEMMs are split by XLA's partitioner from the weights' tensor
-    splits: heads, MLP features.)"""
+    splits: heads, MLP features.) ``lm_head``: ``Fp8Recipe(lm_head=True)``; on a mesh whose
+    fsdp or tensor axis divides the vocabulary the FP8 head is vocab-parallel (its amaxes
+    reduced over the shard_map's axes, its histories returned by one shard)."""
     from flax import nnx
 
     from coda_jax.fp8 import Fp8Meta, Fp8Recipe
@@ -487,7 +489,7 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str) -> None:
     dtype, tol = (jnp.float32, 1e-3) if backend == "xla" else (jnp.bfloat16, 0.25)
     heads = (8, 4) if len(shape) == 3 else (2, 1)  # a tensor axis splits heads and KV heads
     cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=heads[0],
-                           num_kv_heads=heads[1], head_dim=32, dtype=dtype, fp8=Fp8Recipe())
+                           num_kv_heads=heads[1], head_dim=32, dtype=dtype, fp8=Fp8Recipe(lm_head=lm_head))
     if backend == "pallas":
         install_opaque_kernel()
     model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
@@ -511,8 +513,11 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str) -> None:
             blk = sharded["blocks"][0]
             assert "tensor" in str(blk["w_gu"][...].sharding.spec) and "tensor" in str(blk["w_down"][...].sharding.spec)
         got = step(sharded, jax.device_put(tokens, batch_sharding(mesh)))
-    _assert_matches(got, want, tol, f"fp8 {backend} {shape} {mode}")
-    print(f"OK model_fp8_{backend}_{'x'.join(map(str, shape))}_{mode}")
+    if lm_head:
+        head = np.asarray(got[1]["fp8_head_meta"][...])
+        assert head[1, 0] > 0 and head[2, 0] > 0, head  # the weight's and dlogits' amaxes: recorded once
+    _assert_matches(got, want, tol, f"fp8 {backend} {shape} {mode} lm_head={lm_head}")
+    print(f"OK model_fp8_{'head_' if lm_head else ''}{backend}_{'x'.join(map(str, shape))}_{mode}")
 
 
 def case_model_tensor_parallel(backend: str, shape: tuple[int, int, int], mode: str, dtype: str) -> None:
@@ -852,6 +857,41 @@ def case_vocab_parallel_ce(shape: tuple[int, int, int], mode: str, axis: str = "
     print(f"OK vocab_ce_{'x'.join(map(str, shape))}_{mode}{'' if axis == 'tensor' else '_' + axis}")
 
 
+def case_vocab_parallel_fp8_ce(shape: tuple[int, int, int], mode: str, axis: str, scaling: str) -> None:
+    """The vocab-split FP8 head (``vocab_parallel_cross_entropy(fp8=...)``, no carry: the head
+    quantizes ``h`` itself) equals one device's ``fp8_linear_cross_entropy`` in float32: loss,
+    the gradients of x, gamma and W, and the histories' gradient (each amax the whole tensor's,
+    the histories returned once), on both backward paths."""
+    from coda_jax.fp8 import Fp8Recipe
+    from coda_jax.layers.vocab_parallel import vocab_parallel_cross_entropy
+    from coda_jax.ops.fp8_cross_entropy import fp8_linear_cross_entropy
+
+    m, d, v = 64, 64, 512
+    k = jax.random.split(jax.random.key(6), 4)
+    x = jax.random.normal(k[0], (m, d), jnp.float32) * 2.0
+    gamma = 1.0 + 0.1 * jax.random.normal(k[1], (d,), jnp.float32)
+    w = jax.random.normal(k[2], (v, d), jnp.float32) * 3.0 / d ** 0.5
+    targets = jax.random.randint(k[3], (m,), 0, v).at[::7].set(-100)
+    recipe = Fp8Recipe(scaling=scaling)
+    meta = jnp.asarray([[8.0, 6.0], [1.2, 1.0], [0.02, 0.01]], jnp.float32)
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(axis_type,) * 3)
+    args = dict(eps=1e-5, z_loss=1e-3, backend="xla")
+    with cj.options(xla=dict(accumulate="float32")):
+        for save in (True, False):
+            jax.clear_caches()
+            with cj.options(cross_entropy=cj.CrossEntropyOptions(save_logits=save)):
+                want = jax.jit(jax.value_and_grad(lambda x, g, w, mt: fp8_linear_cross_entropy(
+                    x, g, w, targets, mt, recipe=recipe, **args), argnums=(0, 1, 2, 3)))(x, gamma, w, meta)
+                with jax.set_mesh(mesh):
+                    got = jax.jit(jax.value_and_grad(lambda x, g, w, mt: vocab_parallel_cross_entropy(
+                        x, g, w, targets, vocab_axis=axis, fp8=(mt, recipe, None), **args),
+                        argnums=(0, 1, 2, 3)))(x, gamma, w, meta)
+            _assert_matches(got, want, 1e-5, f"vocab-parallel FP8 CE {shape} {mode} {axis} {scaling} save={save}")
+            np.testing.assert_array_equal(np.asarray(got[1][3]), np.asarray(want[1][3]))  # the histories, exactly
+    print(f"OK vocab_ce_fp8_{'x'.join(map(str, shape))}_{mode}_{axis}_{scaling}")
+
+
 def case_cutedsl_lowers_under_mesh() -> None:
     """The CuTeDSL ops trace and lower for CUDA under a data-parallel mesh (no GPU needed)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -1019,6 +1059,8 @@ CASES = {
     **{f"model_fp8_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model_fp8(b, s, m))
        for b, s, m in (("xla", (8,), "auto"), ("xla", (2, 4), "explicit"), ("pallas", (2, 4), "auto"),
                        ("xla", (2, 2, 2), "auto"), ("xla", (1, 2, 4), "explicit"), ("pallas", (2, 1, 4), "explicit"))},
+    **{f"model_fp8_head_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model_fp8(b, s, m, True))
+       for b, s, m in (("xla", (8,), "auto"), ("xla", (2, 4), "explicit"), ("xla", (2, 2, 2), "auto"))},
     **{f"tp_{b}_{'x'.join(map(str, s))}_{m}_{d}": (lambda b=b, s=s, m=m, d=d: case_model_tensor_parallel(b, s, m, d))
        for b, s, m, d in (("xla", (2, 2, 2), "auto", "float32"), ("pallas", (2, 2, 2), "explicit", "bfloat16"),
                           ("pallas", (1, 2, 4), "auto", "float32"), ("xla", (2, 1, 4), "explicit", "float32"))},
@@ -1039,6 +1081,10 @@ CASES = {
     "vocab_ce_2x2x2_auto": lambda: case_vocab_parallel_ce((2, 2, 2), "auto"),
     "vocab_ce_2x4x1_auto_fsdp": lambda: case_vocab_parallel_ce((2, 4, 1), "auto", "fsdp"),
     "vocab_ce_1x8x1_explicit_fsdp": lambda: case_vocab_parallel_ce((1, 8, 1), "explicit", "fsdp"),
+    "vocab_ce_fp8_2x4x1_explicit_fsdp_delayed": lambda: case_vocab_parallel_fp8_ce((2, 4, 1), "explicit", "fsdp",
+                                                                                    "delayed"),
+    "vocab_ce_fp8_2x2x2_auto_tensor_current": lambda: case_vocab_parallel_fp8_ce((2, 2, 2), "auto", "tensor",
+                                                                                  "current"),
 }
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ GROUPS = {
     # FP8 under a tensor axis (the partitioner splits the FP8 block by the weights' tensor splits).
     "model_fp8_tensor": ["model_fp8_xla_2x2x2_auto", "model_fp8_xla_1x2x4_explicit",
                          "model_fp8_pallas_2x1x4_explicit"],
+    # The FP8 LM head: token-split (GSPMD) and vocab-parallel over fsdp and over tensor.
+    "model_fp8_head": ["model_fp8_head_xla_8_auto", "model_fp8_head_xla_2x4_explicit", "model_fp8_head_xla_2x2x2_auto",
+                       "vocab_ce_fp8_2x4x1_explicit_fsdp_delayed", "vocab_ce_fp8_2x2x2_auto_tensor_current"],
     "vocab_parallel": ["vocab_ce_2x1x4_explicit", "vocab_ce_2x2x2_auto", "vocab_ce_2x4x1_auto_fsdp",
                        "vocab_ce_1x8x1_explicit_fsdp"],
     "step_bench": ["step_bench", "plain_explicit", "plain_tensor"],

@@ -166,28 +166,21 @@ class CodaLlama(nnx.Module):
         vocabulary, each shard of that axis takes ``V / n`` of the vocab
         (:mod:`coda_jax.layers.vocab_parallel`); otherwise every shard computes the whole LM
         head for its data shard. With ``Fp8Recipe(lm_head=True)`` the head's GEMMs run in FP8
-        (:func:`coda_jax.ops.fp8_cross_entropy.fp8_linear_cross_entropy`), except the
-        vocab-parallel head's (logged once)."""
+        (:func:`coda_jax.ops.fp8_cross_entropy.fp8_linear_cross_entropy`), the vocab-parallel
+        head's too."""
+        c = self.config
         x, carry = self.hidden_states(tokens, positions)
-        axis = vocab_parallel_axis(context_mesh(), self.config.vocab_size)
+        axis = vocab_parallel_axis(context_mesh(), c.vocab_size)
         targets = reshape_tokens(targets, (targets.size,))
-        if self._fp8_head and axis is None:
-            return fp8_linear_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(), targets,
-                                            self.fp8_head_meta[...], recipe=self.config.fp8,
-                                            carry=carry if isinstance(carry, Fp8Carry) else None,
-                                            eps=self.config.rms_norm_eps, ignore_index=ignore_index, z_loss=z_loss,
-                                            backend=self.backend)
-        if isinstance(carry, Fp8Carry):
-            carry = None
+        gamma = gathered(self.final_norm[...])
+        kw = dict(eps=c.rms_norm_eps, ignore_index=ignore_index, z_loss=z_loss, backend=self.backend)
+        # With an FP8 head the last block wrote the head's h in e4m3 (an Fp8Carry).
+        fp8_carry = carry if isinstance(carry, Fp8Carry) else None
         if axis is not None:
-            if self._fp8_head:
-                log_once("fp8_head_vocab_parallel", logging.WARNING,
-                         "coda-jax: Fp8Recipe(lm_head=True) is not applied to the vocab-parallel LM head "
-                         "(mesh axis %r); the head runs in the compute dtype", axis)
-            return vocab_parallel_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(whole=False),
-                                                targets, eps=self.config.rms_norm_eps,
-                                                ignore_index=ignore_index, z_loss=z_loss, backend=self.backend,
-                                                vocab_axis=axis)
-        return linear_cross_entropy(x, gathered(self.final_norm[...]), self.vocab_weight(), targets,
-                                    carry=carry, eps=self.config.rms_norm_eps, ignore_index=ignore_index,
-                                    z_loss=z_loss, backend=self.backend)
+            fp8 = (self.fp8_head_meta[...], c.fp8, fp8_carry) if self._fp8_head else None
+            return vocab_parallel_cross_entropy(x, gamma, self.vocab_weight(whole=False), targets, vocab_axis=axis,
+                                                fp8=fp8, **kw)
+        if self._fp8_head:
+            return fp8_linear_cross_entropy(x, gamma, self.vocab_weight(), targets, self.fp8_head_meta[...],
+                                            recipe=c.fp8, carry=fp8_carry, **kw)
+        return linear_cross_entropy(x, gamma, self.vocab_weight(), targets, carry=carry, **kw)

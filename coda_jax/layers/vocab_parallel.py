@@ -28,7 +28,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from coda_jax import mesh_axes, partitioning
+from coda_jax.fp8 import Fp8Recipe
 from coda_jax.mesh_axes import TENSOR_AXIS
+from coda_jax.ops.fp8_cross_entropy import fp8_linear_cross_entropy
+from coda_jax.ops.fp8_llama_block import Fp8Carry
 from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.options import current_options
 
@@ -49,7 +52,8 @@ def vocab_parallel_axis(mesh, vocab_size: int) -> str | None:
 
 def vocab_parallel_cross_entropy(x: jax.Array, gamma: jax.Array, w_vocab: jax.Array, targets: jax.Array, *,
                                  eps: float, ignore_index: int = -100, z_loss: float = 0.0,
-                                 backend: str | None = None, vocab_axis: str = TENSOR_AXIS) -> jax.Array:
+                                 backend: str | None = None, vocab_axis: str = TENSOR_AXIS,
+                                 fp8: tuple[jax.Array, Fp8Recipe, Fp8Carry | None] | None = None) -> jax.Array:
     """Mean cross-entropy of ``RMSNorm(x; gamma) @ w_vocab^T``, the vocab split over ``vocab_axis``.
 
     Each shard of ``vocab_axis`` (size ``n``) runs the fused LM-head GEMM on its ``V / n``
@@ -64,6 +68,12 @@ def vocab_parallel_cross_entropy(x: jax.Array, gamma: jax.Array, w_vocab: jax.Ar
       w_vocab: ``[V, d]`` LM-head weight, ``V`` a multiple of ``n``.
       targets: ``[M]`` global class ids, or ``ignore_index``.
       vocab_axis: ``"tensor"`` or ``"fsdp"`` (see the module docstring).
+      fp8: ``(meta [3, history], recipe, carry)``: the head's GEMMs in FP8
+        (:func:`coda_jax.ops.fp8_cross_entropy.fp8_linear_cross_entropy`), each amax reduced
+        over the whole mesh so that every shard quantizes with one device's scales; the
+        gradient of ``meta`` is its next value. ``carry``: the last FP8 block's
+        :class:`Fp8Carry` of ``x`` (its e4m3 ``h`` gathered for each shard's rows as ``x`` is:
+        half the bytes), or None (the head quantizes ``h``).
 
     Returns:
       float32 scalar: the mean over rows whose target is not ``ignore_index``.
@@ -84,12 +94,22 @@ def vocab_parallel_cross_entropy(x: jax.Array, gamma: jax.Array, w_vocab: jax.Ar
     # that is the batch's own split, ("data", "fsdp")).
     rows_spec = tuple(a for a in mesh_axes.TOKEN_AXES + (TENSOR_AXIS,) if a in dp or a == vocab_axis)
 
-    def body(x, gamma, w, targets):
-        losses = linear_cross_entropy(x, gamma, w, targets, eps=eps, ignore_index=ignore_index, z_loss=z_loss,
-                                      reduction="none", vocab_axis=vocab_axis, backend=backend)
+    def body(x, gamma, w, targets, meta, carry):
+        kw = dict(eps=eps, ignore_index=ignore_index, z_loss=z_loss, reduction="none", vocab_axis=vocab_axis,
+                  backend=backend)
+        if fp8 is None:
+            losses = linear_cross_entropy(x, gamma, w, targets, **kw)
+        else:
+            losses = fp8_linear_cross_entropy(x, gamma, w, targets, meta, recipe=fp8[1], carry=carry,
+                                              amax_axes=tuple(mesh.axis_names), **kw)
         rows = x.shape[0] // n  # this shard's own rows of the (replicated) losses
         return jax.lax.dynamic_slice_in_dim(losses, jax.lax.axis_index(vocab_axis) * rows, rows)
 
-    losses = partitioning.shard_map_over(mesh, body, (P(tok, None), P(), P(vocab_axis, None), P(tok)),
-                                         P(rows_spec), x, gamma, w_vocab, targets)
+    meta, carry = (fp8[0], fp8[2]) if fp8 is not None else (jnp.zeros((), jnp.float32), None)
+    carry_spec = None
+    if carry is not None:  # a cache, not differentiated: [M, d] rows and [d, M] / [P, M] columns by tokens
+        carry = jax.tree.map(jax.lax.stop_gradient, carry)
+        carry_spec = Fp8Carry(type(carry.h)(P(tok, None), P(None, tok), P()), P(None, tok))
+    losses = partitioning.shard_map_over(mesh, body, (P(tok, None), P(), P(vocab_axis, None), P(tok), P(), carry_spec),
+                                         P(rows_spec), x, gamma, w_vocab, targets, meta, carry)
     return jnp.sum(losses) / jnp.maximum(jnp.sum(targets != ignore_index), 1).astype(jnp.float32)

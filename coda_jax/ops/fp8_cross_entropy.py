@@ -65,12 +65,26 @@ class _Static:
     margin: int
     scaling: str
     w_dtype: jnp.dtype  # w's, the dtype of its gradient
+    vocab_axis: str | None = None
+    amax_axes: tuple[str, ...] = ()  # inside a shard_map: the axes an amax is reduced over
+
+
+def _global_amax(st: _Static, amax: jax.Array) -> jax.Array:
+    """A shard's amax made the whole tensor's (a max over the shard_map's axes, if any)."""
+    return jax.lax.pmax(amax, st.amax_axes) if st.amax_axes else amax
 
 
 def _quantize(st: _Static, meta, name: str, x, **kw) -> tuple[Fp8Tensor, jax.Array]:
-    """``x`` quantized as tensor ``name``: its delayed scale (from its history), or its current one."""
-    history = None if st.scaling == "current" else meta[_ROW[name]]
-    return quantize_tensor(x, history, _DTYPE[name], st.margin, **kw)
+    """``x`` quantized as tensor ``name`` and its (whole tensor's) amax: the delayed scale (from
+    its history), or the current one (from that amax)."""
+    amax = _global_amax(st, jnp.max(jnp.abs(x)).astype(jnp.float32))
+    history = amax[None] if st.scaling == "current" else meta[_ROW[name]]
+    return quantize_tensor(x, history, _DTYPE[name], st.margin, **kw)[0], amax
+
+
+def _vocab_offset(st: _Static, v_local: int):
+    """The first vocab id of this shard's rows of ``W`` (0 without a vocab axis)."""
+    return 0 if st.vocab_axis is None else jax.lax.axis_index(st.vocab_axis) * v_local
 
 
 def _forward(st: _Static, x, gamma, w, h, sumsq, targets, meta):
@@ -81,12 +95,13 @@ def _forward(st: _Static, x, gamma, w, h, sumsq, targets, meta):
         h, amax["h"] = _quantize(st, meta, "h", xf * gamma.astype(jnp.float32))
     rstd = rstd_from_partials(sumsq, x.shape[1], st.eps)
     wq, amax["w"] = _quantize(st, meta, "w", w)  # [V, d] (the forward's B) and [d, V] (the dgrad's)
-    loads = {"rstd": rstd, "target": targets}
+    # A target on another vocab shard (or -1, ignored) matches no column of this one.
+    loads = {"rstd": rstd, "target": targets - _vocab_offset(st, w.shape[0])}
     if st.save:
         outs = fp8_gemm(st.lowering, programs.RMS_LSE_LOGITS, h, wq.T, loads, out_dtypes={"logits": st.logits_dtype})
     else:
         outs = fp8_gemm(st.lowering, programs.RMS_LSE, h, wq.T, loads)
-    losses, lse = row_losses_from_partials(outs, targets, st.z_loss, w.shape[0])
+    losses, lse = row_losses_from_partials(outs, targets, st.z_loss, w.shape[0], st.vocab_axis)
     saved = (x, gamma, Fp8Tensor(h.data if not st.save else None, h.data_t, h.scale_inv), wq, targets, rstd, lse,
              outs.get("logits"), amax)
     return losses, saved
@@ -105,8 +120,15 @@ def _row_losses_fwd(st, x, gamma, w, h, sumsq, targets, meta):
 def _row_losses_bwd(st, res, dloss):
     (x, gamma, h, wq, targets, rstd, lse, logits, amax), meta, h_in, sumsq_in = res
     amax = dict(amax)
-    v = wq.shape[0]
+    v_local = wq.shape[0]
+    v = v_local
+    if st.vocab_axis is not None:
+        # Every row's loss depends on every shard's columns; the caller hands each shard the
+        # cotangent of its own rows only, so gather them all (as linear_cross_entropy does).
+        dloss = jax.lax.psum(dloss, st.vocab_axis)
+        v = v_local * jax.lax.axis_size(st.vocab_axis)
     loads = grad_loads(lse, targets, dloss, st.z_loss, v)
+    targets = targets - _vocab_offset(st, v_local)  # this shard's column of each target
     # rstd folded into the row scale: dlogits' = rstd * dlogits, zdz' = rstd * zdz.
     loads["gscale"] = loads["gscale"] * rstd
     if st.save:
@@ -119,6 +141,11 @@ def _row_losses_bwd(st, res, dloss):
     dx, dgamma = final_norm_backward(x, gamma, rstd, g_h / rstd[:, None], zdz / rstd)
     new_meta = jnp.stack([next_history(meta[i], amax[name]) if name in amax else meta[i]
                           for i, name in enumerate(HEAD_TENSORS)])
+    if st.amax_axes:
+        # meta enters the shard_map replicated: its transpose sums the shards' cotangents, so
+        # the first shard alone returns the histories (the others zeros; the sum is exact).
+        first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in st.amax_axes])
+        new_meta = jnp.where(first, new_meta, 0.0)
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
     return dx, dgamma, dw, zeros(h_in), zeros(sumsq_in), None, new_meta
 
@@ -133,7 +160,8 @@ def _grads_from_logits(st: _Static, meta, amax: dict, logits, targets, loads) ->
     if st.scaling == "delayed":
         scale = scale_from_history(meta[_ROW["dlogits"]], E5M2, st.margin)
         outs = epilogue_pass(st.lowering, programs.CE_GRAD_Q8, m, v, {**loads, "dlogits_scale": scale})
-        dq, amax["dlogits"] = Fp8Tensor(outs["dlogits"], outs["dlogits_t"], 1.0 / scale), jnp.max(outs["dlogits_amax"])
+        dq = Fp8Tensor(outs["dlogits"], outs["dlogits_t"], 1.0 / scale)
+        amax["dlogits"] = _global_amax(st, jnp.max(outs["dlogits_amax"]))
     else:
         outs = epilogue_pass(st.lowering, E.unquantized(programs.CE_GRAD_Q8), m, v,
                              {**loads, "dlogits_scale": jnp.ones((), jnp.float32)}, out_dtypes={"dlogits": jnp.float32})
@@ -182,12 +210,14 @@ def fp8_linear_cross_entropy(
     z_loss: float = 0.0,
     save_logits: bool | None = None,
     logits_dtype=None,
+    vocab_axis: str | None = None,
+    amax_axes: tuple[str, ...] = (),
     backend: str | None = None,
 ) -> jax.Array:
     """Cross-entropy of ``RMSNorm(x; gamma) @ w_vocab^T`` with the LM head's GEMMs in FP8.
 
-    Arguments and result as :func:`coda_jax.linear_cross_entropy` (no ``vocab_axis``: the
-    vocab-parallel head runs in the compute dtype), and:
+    Arguments and result as :func:`coda_jax.linear_cross_entropy` (``vocab_axis`` included:
+    :func:`coda_jax.layers.vocab_parallel.vocab_parallel_cross_entropy` runs it), and:
 
     Args:
       meta: ``[3, history]`` float32 amax histories of :data:`HEAD_TENSORS` (newest first);
@@ -195,6 +225,11 @@ def fp8_linear_cross_entropy(
       recipe: the :class:`coda_jax.fp8.Fp8Recipe` (``margin``, ``scaling``).
       carry: the last FP8 block's :class:`Fp8Carry` of ``x`` (``h = x * gamma`` in e4m3, both
         layouts), or None (one pass quantizes ``h``).
+      amax_axes: inside a ``shard_map`` over these mesh axes (``check_vma=False``, ``meta``
+        passed in replicated): each amax is reduced over them (a max over the whole tensor,
+        so every shard quantizes with one device's scales), and the first shard alone returns
+        the histories' gradient (the map's transpose sums a replicated input's cotangents).
+        ``vocab_axis`` must be one of them.
     """
     check_args(x, gamma, w_vocab, targets, reduction, z_loss)
     m, d = x.shape
@@ -206,12 +241,16 @@ def fp8_linear_cross_entropy(
         if carry.h.shape != (m, d) or carry.h.data_t is None:
             raise ValueError(f"carry.h must be an Fp8Tensor of shape {(m, d)} with its transposed copy, "
                              f"got shape {carry.h.shape}")
+    amax_axes = tuple(amax_axes)
+    if vocab_axis is not None and vocab_axis not in amax_axes:
+        raise ValueError(f"amax_axes must include vocab_axis {vocab_axis!r} (the shard_map's axes), got {amax_axes}")
     logits_dtype = resolve_logits_dtype(logits_dtype)
     lowering = lowering_for(LINEAR_CROSS_ENTROPY, backend)
-    t = prepared_targets(targets, ignore_index, w_vocab.shape[0])
+    v = w_vocab.shape[0] * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
+    t = prepared_targets(targets, ignore_index, v)
     save = resolve_save_logits(save_logits, m, w_vocab.shape[0], logits_dtype)
     st = _Static(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), recipe.margin, recipe.scaling,
-                 jnp.dtype(w_vocab.dtype))
+                 jnp.dtype(w_vocab.dtype), vocab_axis, amax_axes)
     h = sumsq = None
     if carry is not None:
         h = jax.tree.map(jax.lax.stop_gradient, carry.h)
