@@ -473,26 +473,37 @@ def test_shipped_fp8_tuned_configs(epi, layout, cfg):
     _compare(epi, 200, 384, 256, config=cfg, out_dtypes=out, seed=30)
 
 
-def check_rope_grad_pass(config, m, heads, kv, half, seed, before_kernel=lambda m, n: None):
-    """The FP8 block's QKV gradient as an epilogue pass (zero accumulator, the gradient a tile
-    load, pair mode per head) on the Pallas kernel under ``config`` against the reference: the
-    e5m2 tile, its copy and amax; scale set from the reference's amax so that some values
-    saturate. ``before_kernel(m, n)`` runs just before the kernel (the GPU tests poison there)."""
+def _check_pass(epi, m, n, loads, out, scale, config, before_kernel):
+    """Epilogue pass ``epi`` (:func:`coda_jax.ops.epilogue_pass.epilogue_pass`) on the Pallas
+    kernel under ``config`` against the reference: its e5m2 output ``out``, the copy and amax,
+    with the scale load ``scale`` set from the reference's amax so that some values saturate.
+    Returns ``(got, want)``."""
     from coda_jax.ops.epilogue_pass import epilogue_pass
-    from test_fp8 import rope_grad_inputs
 
-    loads = rope_grad_inputs(m, heads, kv, half, seed)
-    epi, n = programs.rope_grad_q8(half), loads["dqkv"].shape[1]
+    loads = dict(loads, **{scale: jnp.float32(1.0)})
     want = epilogue_pass(REFERENCE, epi, m, n, loads)
-    loads["dz_scale"] = jnp.float32(1.25 * float(jnp.finfo(E5M2).max) / float(jnp.max(want["dz_amax"])))
+    loads[scale] = jnp.float32(1.25 * float(jnp.finfo(E5M2).max) / float(jnp.max(want[f"{out}_amax"])))
     want = epilogue_pass(REFERENCE, epi, m, n, loads)
     before_kernel(m, n)
     low = PallasLowering(config, plain_gemm="kernel")
     got = jax.jit(lambda l: epilogue_pass(low, epi, m, n, l))(loads)
-    scale = float(loads["dz_scale"])
-    _check_fp8("dz", got["dz"], want["dz"], scale)
-    _check_fp8("dz_t", got["dz_t"], want["dz"].T, scale)
-    np.testing.assert_allclose(float(jnp.max(got["dz_amax"])), float(jnp.max(want["dz_amax"])), rtol=1e-5)
+    s = float(loads[scale])
+    _check_fp8(out, got[out], want[out], s)
+    _check_fp8(f"{out}_t", got[f"{out}_t"], want[out].T, s)
+    np.testing.assert_allclose(float(jnp.max(got[f"{out}_amax"])), float(jnp.max(want[f"{out}_amax"])), rtol=1e-5)
+    return got, want
+
+
+def check_rope_grad_pass(config, m, heads, kv, half, seed, before_kernel=lambda m, n: None):
+    """The FP8 block's QKV gradient as an epilogue pass (zero accumulator, the gradient a tile
+    load, pair mode per head) on the Pallas kernel under ``config`` against the reference
+    (:func:`_check_pass`). ``before_kernel(m, n)`` runs just before the kernel (the GPU tests
+    poison there)."""
+    from test_fp8 import rope_grad_inputs
+
+    loads = rope_grad_inputs(m, heads, kv, half, seed)
+    _check_pass(programs.rope_grad_q8(half), m, loads["dqkv"].shape[1], loads, "dz", "dz_scale", config,
+                before_kernel)
 
 
 def shipped_pass_configs(program: str) -> list[TuningConfig]:
@@ -511,26 +522,13 @@ def shipped_rope_grad_configs() -> list[TuningConfig]:
 def check_ce_grad_pass(config, m, v, seed, before_kernel=lambda m, n: None):
     """The FP8 LM head's gradient pass over saved float32 logits (:data:`programs.CE_GRAD_Q8`:
     tile load, row loads, the column index, an e5m2 output with copy and amax, a row sum) on the
-    Pallas kernel under ``config`` against the reference; scale set so that some values saturate."""
-    from coda_jax.ops.epilogue_pass import epilogue_pass
-
+    Pallas kernel under ``config`` against the reference (:func:`_check_pass`), and ``zdz``."""
     k = jax.random.split(jax.random.key(seed), 3)
     logits = jax.random.normal(k[0], (m, v), F32) * 3.0
     lse = jax.nn.logsumexp(logits, axis=1)
     loads = {"logits": logits, "lse": lse, "target": jax.random.randint(k[1], (m,), -1, v),
-             "gscale": jax.random.uniform(k[2], (m,), F32, 0.5, 1.5) / m, "zcoef": 1.0 + 2e-3 * lse,
-             "dlogits_scale": jnp.float32(1.0)}
-    epi = programs.CE_GRAD_Q8
-    want = epilogue_pass(REFERENCE, epi, m, v, loads)
-    loads["dlogits_scale"] = jnp.float32(1.25 * float(jnp.finfo(E5M2).max) / float(jnp.max(want["dlogits_amax"])))
-    want = epilogue_pass(REFERENCE, epi, m, v, loads)
-    before_kernel(m, v)
-    low = PallasLowering(config, plain_gemm="kernel")
-    got = jax.jit(lambda l: epilogue_pass(low, epi, m, v, l))(loads)
-    scale = float(loads["dlogits_scale"])
-    _check_fp8("dlogits", got["dlogits"], want["dlogits"], scale)
-    _check_fp8("dlogits_t", got["dlogits_t"], want["dlogits"].T, scale)
-    np.testing.assert_allclose(float(jnp.max(got["dlogits_amax"])), float(jnp.max(want["dlogits_amax"])), rtol=1e-5)
+             "gscale": jax.random.uniform(k[2], (m,), F32, 0.5, 1.5) / m, "zcoef": 1.0 + 2e-3 * lse}
+    got, want = _check_pass(programs.CE_GRAD_Q8, m, v, loads, "dlogits", "dlogits_scale", config, before_kernel)
     zdz = jnp.sum(got["zdz"], axis=0)
     assert bool(jnp.all(jnp.isfinite(zdz)))
     assert rel_err(zdz, jnp.sum(want["zdz"], axis=0)) < 1e-5
