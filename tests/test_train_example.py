@@ -146,17 +146,19 @@ def test_sample_from_a_training_run(tmp_path):
 
 
 def test_fp8_run_with_current_scaling_and_its_samples(tmp_path):
-    """``--fp8 --fp8-scaling current`` trains (finite, recorded in args.json), and sample.py
-    restores the FP8 run (its blocks' amax histories included) and continues a prompt."""
+    """``--fp8 --fp8-scaling current --fp8-lm-head`` trains (finite, recorded in args.json), and
+    sample.py restores the FP8 run (its blocks' and its head's amax histories included) and
+    continues a prompt."""
     import sample
 
     out = tmp_path / "fp8"
-    s = train_llama.main(["--fp8", "--fp8-scaling", "current", "--batch", "4", "--seq", "32", "--layers", "1",
-                          "--vocab", "512", "--steps", "3", "--eval-every", "0", "--ckpt-every", "3", "--out", str(out)])
+    s = train_llama.main(["--fp8", "--fp8-scaling", "current", "--fp8-lm-head", "--batch", "4", "--seq", "32",
+                          "--layers", "1", "--vocab", "512", "--steps", "3", "--eval-every", "0", "--ckpt-every", "3", "--out", str(out)])
     assert np.isfinite(s["last_loss"])
     run = json.loads((out / "args.json").read_text())
-    assert run["fp8"] and run["fp8_scaling"] == "current"
-    assert train_llama.fp8_recipe(train_llama.parse_args(["--fp8", "--fp8-scaling", "current"])).scaling == "current"
+    assert run["fp8"] and run["fp8_scaling"] == "current" and run["fp8_lm_head"]
+    recipe = train_llama.fp8_recipe(train_llama.parse_args(["--fp8", "--fp8-scaling", "current", "--fp8-lm-head"]))
+    assert recipe.scaling == "current" and recipe.lm_head
     assert train_llama.fp8_recipe(train_llama.parse_args([])) is None
     a = sample.main(["--from", str(out), "--prompt", "It was", "--tokens", "3"])
     assert a[0].startswith("It was") and len(a[0]) > len("It was")
