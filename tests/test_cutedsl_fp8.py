@@ -183,7 +183,7 @@ def test_refused_fp8_gemm_runs_on_xla():
 
 # ------------------------------------------------------- quantizing outputs --------
 _Q8_PROGRAMS = [P.RESIDUAL_RMS_Q8, P.rms_swiglu_q8(True), P.rms_swiglu_q8(False), P.SWIGLU_DGRAD_Q8,
-                P.rms_dgrad_q8(True), P.rms_dgrad_q8(False)]
+                P.rms_dgrad_q8(True), P.rms_dgrad_q8(False), P.CE_GRAD_Q8]
 
 
 def _q8_probes():
