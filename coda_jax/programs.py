@@ -460,4 +460,4 @@ CE_GRAD_Q8 = E.Epilogue(
 ignored): :func:`ce_grad_from_logits`'s ``dlogits`` (with the final norm's ``rstd`` folded into
 ``gscale`` by the caller) written in e5m2 with its transposed copy (the wgrad's operand) and amax,
 and the row partials of ``zdz = sum_V(logits * dlogits)``. One read of the logits: as XLA
-fusions, the transposed copy made XLA transpose the float32 logits first (run 332)."""
+fusions, the transposed copy made XLA transpose the float32 logits first (docs/fp8.md#lm-head)."""
