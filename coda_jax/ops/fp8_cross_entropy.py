@@ -102,8 +102,9 @@ def _forward(st: _Static, x, gamma, w, h, sumsq, targets, meta):
     else:
         outs = fp8_gemm(st.lowering, programs.RMS_LSE, h, wq.T, loads)
     losses, lse = row_losses_from_partials(outs, targets, st.z_loss, w.shape[0], st.vocab_axis)
-    saved = (x, gamma, Fp8Tensor(h.data if not st.save else None, h.data_t, h.scale_inv), wq, targets, rstd, lse,
-             outs.get("logits"), amax)
+    if st.save:  # the backward reads h^T (wgrad) and W^T (dgrad) only; recomputing, h and W too
+        h, wq = Fp8Tensor(None, h.data_t, h.scale_inv), Fp8Tensor(None, wq.data_t, wq.scale_inv)
+    saved = (x, gamma, h, wq, targets, rstd, lse, outs.get("logits"), amax)
     return losses, saved
 
 
