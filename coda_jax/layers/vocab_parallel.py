@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from coda_jax import mesh_axes, partitioning
-from coda_jax.fp8 import Fp8Recipe
+from coda_jax.fp8 import Fp8Recipe, Fp8Tensor
 from coda_jax.mesh_axes import TENSOR_AXIS
 from coda_jax.ops.fp8_cross_entropy import fp8_linear_cross_entropy
 from coda_jax.ops.fp8_llama_block import Fp8Carry
@@ -109,7 +109,7 @@ def vocab_parallel_cross_entropy(x: jax.Array, gamma: jax.Array, w_vocab: jax.Ar
     carry_spec = None
     if carry is not None:  # a cache, not differentiated: [M, d] rows and [d, M] / [P, M] columns by tokens
         carry = jax.tree.map(jax.lax.stop_gradient, carry)
-        carry_spec = Fp8Carry(type(carry.h)(P(tok, None), P(None, tok), P()), P(None, tok))
+        carry_spec = Fp8Carry(Fp8Tensor(P(tok, None), P(None, tok), P()), P(None, tok))
     losses = partitioning.shard_map_over(mesh, body, (P(tok, None), P(), P(vocab_axis, None), P(tok), P(), carry_spec),
                                          P(rows_spec), x, gamma, w_vocab, targets, meta, carry)
     return jnp.sum(losses) / jnp.maximum(jnp.sum(targets != ignore_index), 1).astype(jnp.float32)
