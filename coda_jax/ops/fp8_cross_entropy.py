@@ -43,7 +43,7 @@ from coda_jax.ops.fp8_gemm import fp8_gemm
 from coda_jax.ops.fp8_llama_block import Fp8Carry
 from coda_jax.ops.linear_cross_entropy import (VOCAB_CHUNK, check_args, final_norm_backward, grad_loads,
                                                prepared_targets, reduce_losses, resolve_logits_dtype,
-                                               resolve_save_logits, row_losses_from_partials)
+                                               resolve_save_logits, row_losses_from_partials, vocab_shard)
 from coda_jax.ops.names import LINEAR_CROSS_ENTROPY
 from coda_jax.ops.norm_carry import rstd_from_partials
 
@@ -82,11 +82,6 @@ def _quantize(st: _Static, meta, name: str, x, **kw) -> tuple[Fp8Tensor, jax.Arr
     return quantize_tensor(x, history, _DTYPE[name], st.margin, **kw)[0], amax
 
 
-def _vocab_offset(st: _Static, v_local: int):
-    """The first vocab id of this shard's rows of ``W`` (0 without a vocab axis)."""
-    return 0 if st.vocab_axis is None else jax.lax.axis_index(st.vocab_axis) * v_local
-
-
 def _forward(st: _Static, x, gamma, w, h, sumsq, targets, meta):
     amax = {}
     if h is None:  # no FP8 carry: h = x * gamma quantized here, its sums of squares with it
@@ -96,7 +91,7 @@ def _forward(st: _Static, x, gamma, w, h, sumsq, targets, meta):
     rstd = rstd_from_partials(sumsq, x.shape[1], st.eps)
     wq, amax["w"] = _quantize(st, meta, "w", w)  # [V, d] (the forward's B) and [d, V] (the dgrad's)
     # A target on another vocab shard (or -1, ignored) matches no column of this one.
-    loads = {"rstd": rstd, "target": targets - _vocab_offset(st, w.shape[0])}
+    loads = {"rstd": rstd, "target": targets - vocab_shard(w, st.vocab_axis)[0]}
     if st.save:
         outs = fp8_gemm(st.lowering, programs.RMS_LSE_LOGITS, h, wq.T, loads, out_dtypes={"logits": st.logits_dtype})
     else:
@@ -121,15 +116,13 @@ def _row_losses_fwd(st, x, gamma, w, h, sumsq, targets, meta):
 def _row_losses_bwd(st, res, dloss):
     (x, gamma, h, wq, targets, rstd, lse, logits, amax), meta, h_in, sumsq_in = res
     amax = dict(amax)
-    v_local = wq.shape[0]
-    v = v_local
+    offset, v = vocab_shard(wq, st.vocab_axis)
     if st.vocab_axis is not None:
         # Every row's loss depends on every shard's columns; the caller hands each shard the
         # cotangent of its own rows only, so gather them all (as linear_cross_entropy does).
         dloss = jax.lax.psum(dloss, st.vocab_axis)
-        v = v_local * jax.lax.axis_size(st.vocab_axis)
     loads = grad_loads(lse, targets, dloss, st.z_loss, v)
-    targets = targets - _vocab_offset(st, v_local)  # this shard's column of each target
+    targets = targets - offset  # this shard's column of each target
     # rstd folded into the row scale: dlogits' = rstd * dlogits, zdz' = rstd * zdz.
     loads["gscale"] = loads["gscale"] * rstd
     if st.save:
@@ -247,8 +240,7 @@ def fp8_linear_cross_entropy(
         raise ValueError(f"amax_axes must include vocab_axis {vocab_axis!r} (the shard_map's axes), got {amax_axes}")
     logits_dtype = resolve_logits_dtype(logits_dtype)
     lowering = lowering_for(LINEAR_CROSS_ENTROPY, backend)
-    v = w_vocab.shape[0] * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
-    t = prepared_targets(targets, ignore_index, v)
+    t = prepared_targets(targets, ignore_index, vocab_shard(w_vocab, vocab_axis)[1])
     save = resolve_save_logits(save_logits, m, w_vocab.shape[0], logits_dtype)
     st = _Static(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), recipe.margin, recipe.scaling,
                  jnp.dtype(w_vocab.dtype), vocab_axis, amax_axes)

@@ -86,8 +86,8 @@ def resolve_save_logits(save_logits: bool | None, m: int, v: int, logits_dtype) 
     return m * v * jnp.dtype(logits_dtype).itemsize <= logits_budget_bytes()
 
 
-def _vocab_shard(w, vocab_axis) -> tuple[jax.Array | int, int]:
-    """(first vocab id of this shard's rows of ``w``, total vocab size)."""
+def vocab_shard(w, vocab_axis) -> tuple[jax.Array | int, int]:
+    """(first vocab id of this shard's rows of ``w`` ``[V_s, d]``, an array or an FP8 tensor; total vocab size)."""
     if vocab_axis is None:
         return 0, w.shape[0]
     return jax.lax.axis_index(vocab_axis) * w.shape[0], w.shape[0] * jax.lax.axis_size(vocab_axis)
@@ -95,7 +95,7 @@ def _vocab_shard(w, vocab_axis) -> tuple[jax.Array | int, int]:
 
 def _forward(lowering, eps, z_loss, save, logits_dtype, vocab_axis, x, gamma, w, h, sumsq, targets):
     rstd = rstd_from_partials(sumsq, x.shape[1], eps)
-    offset, _ = _vocab_shard(w, vocab_axis)
+    offset, _ = vocab_shard(w, vocab_axis)
     # A target on another shard (or -1, ignored) matches no column of this one.
     loads = {"rstd": rstd, "target": targets - offset}
     if save:
@@ -161,7 +161,7 @@ def _row_losses_fwd(lowering, eps, z_loss, save, logits_dtype, vocab_axis, x, ga
 
 def _row_losses_bwd(lowering, eps, z_loss, save, logits_dtype, vocab_axis, res, dloss):
     x, gamma, w, h, sumsq, targets, rstd, lse, logits = res
-    offset, v = _vocab_shard(w, vocab_axis)
+    offset, v = vocab_shard(w, vocab_axis)
     if vocab_axis is not None:
         # Every row's loss depends on every shard's columns; the caller hands each shard the
         # cotangent of its own rows only (see the vocab_axis argument), so gather them all.
@@ -274,7 +274,7 @@ def linear_cross_entropy(
     logits_dtype = resolve_logits_dtype(logits_dtype)
     carry = resolve_carry(x, gamma, carry)
     lowering = lowering_for(LINEAR_CROSS_ENTROPY, backend)
-    v = w_vocab.shape[0] * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
+    _, v = vocab_shard(w_vocab, vocab_axis)
     t = prepared_targets(targets, ignore_index, v)
     save = resolve_save_logits(save_logits, x.shape[0], w_vocab.shape[0], logits_dtype)
     losses = _row_losses(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), vocab_axis, x, gamma,
