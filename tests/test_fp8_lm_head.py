@@ -265,3 +265,12 @@ def test_fp8_head_trains():
     m, _ = nnx.merge(graphdef, state)
     head = np.asarray(m.fp8_head_meta[...])
     assert (head[W] > 0).all() and (head[G] > 0).all() and (head[H] == 0).all(), head
+
+
+def test_quantizing_run_takes_one_scaling():
+    from coda_jax import programs
+    from coda_jax.ops.fp8_gemm import quantizing_run
+
+    for kw in ({}, {"scale": jnp.float32(1.0), "quantize": lambda x: x}):
+        with pytest.raises(ValueError, match="exactly one of scale"):
+            quantizing_run(lambda p, l, od: {}, programs.CE_GRAD_Q8, {}, "dlogits", f32, **kw)

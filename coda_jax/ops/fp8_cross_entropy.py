@@ -33,13 +33,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.backend import lowering_for
 from coda_jax.fp8 import E4M3, E5M2, Fp8Recipe, Fp8Tensor, next_history, quantize_tensor, scale_from_history
 from coda_jax.lowering import GemmLowering
 from coda_jax.ops.epilogue_pass import epilogue_pass
-from coda_jax.ops.fp8_gemm import fp8_gemm
+from coda_jax.ops.fp8_gemm import fp8_gemm, quantizing_run
 from coda_jax.ops.fp8_llama_block import Fp8Carry
 from coda_jax.ops.linear_cross_entropy import (VOCAB_CHUNK, check_args, final_norm_backward, grad_loads,
                                                prepared_targets, reduce_losses, resolve_logits_dtype,
@@ -151,15 +150,12 @@ def _grads_from_logits(st: _Static, meta, amax: dict, logits, targets, loads) ->
     m, v = logits.shape
     loads = {"logits": logits, "lse": loads["lse"], "target": targets, "gscale": loads["gscale"],
              "zcoef": loads["zcoef"]}
-    if st.scaling == "delayed":
-        scale = scale_from_history(meta[_ROW["dlogits"]], E5M2, st.margin)
-        outs = epilogue_pass(st.lowering, programs.CE_GRAD_Q8, m, v, {**loads, "dlogits_scale": scale})
-        dq = Fp8Tensor(outs["dlogits"], outs["dlogits_t"], 1.0 / scale)
-        amax["dlogits"] = _global_amax(st, jnp.max(outs["dlogits_amax"]))
-    else:
-        outs = epilogue_pass(st.lowering, E.unquantized(programs.CE_GRAD_Q8), m, v,
-                             {**loads, "dlogits_scale": jnp.ones((), jnp.float32)}, out_dtypes={"dlogits": jnp.float32})
-        dq, amax["dlogits"] = _quantize(st, meta, "dlogits", outs["dlogits"])
+    delayed = st.scaling == "delayed"
+    outs, dq, a = quantizing_run(lambda p, l, od: epilogue_pass(st.lowering, p, m, v, l, out_dtypes=od or None),
+                                 programs.CE_GRAD_Q8, loads, "dlogits", jnp.float32,
+                                 scale=scale_from_history(meta[_ROW["dlogits"]], E5M2, st.margin) if delayed else None,
+                                 quantize=None if delayed else lambda x: _quantize(st, meta, "dlogits", x))
+    amax["dlogits"] = _global_amax(st, a) if delayed else a  # _quantize's amax is the whole tensor's already
     return dq, jnp.sum(outs["zdz"], axis=0)
 
 

@@ -10,10 +10,11 @@ reads ``dy.data`` and ``W.data``, wgrad ``x^T @ dy`` reads ``x.data_t`` and ``dy
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from coda_jax import epilogue as E
 from coda_jax.fp8 import Fp8Tensor
@@ -32,3 +33,24 @@ def fp8_gemm(lowering: GemmLowering, epilogue: E.Epilogue, a: Fp8Tensor, b: Fp8T
                          f"for epilogue {epilogue.name!r}")
     return lowering.gemm(E.dequantized(epilogue), a.data, b.data_t,
                          {**loads, "acc_scale": a.scale_inv * b.scale_inv}, transpose_b=True, **kw)
+
+
+def quantizing_run(run: Callable[[E.Epilogue, dict, dict], dict], program: E.Epilogue, loads: Mapping[str, Any],
+                   out: str, dtype: Any, *, scale: jax.Array | None = None,
+                   quantize: Callable[[jax.Array], tuple[Fp8Tensor, jax.Array]] | None = None
+                   ) -> tuple[dict, Fp8Tensor, jax.Array]:
+    """``(results, Fp8Tensor, amax)`` of ``program`` and its quantizing output ``out``, where
+    ``run(program, loads, out_dtypes)`` runs a program (a GEMM or an epilogue pass).
+
+    Delayed scaling (``scale`` given): ``program`` as declared, its scale load set to ``scale``:
+    the epilogue writes both FP8 layouts and the amax partials. Current scaling (``quantize``
+    given): :func:`coda_jax.epilogue.unquantized` ``program`` writes ``out`` in ``dtype``, and
+    ``quantize(values)`` returns its FP8 tensor and amax (a pass with the scale of its own amax)."""
+    if (scale is None) == (quantize is None):
+        raise ValueError("quantizing_run takes exactly one of scale (delayed) and quantize (current)")
+    q = program.output(out).quantize
+    if scale is not None:
+        outs = run(program, {**loads, q.scale: scale}, {})
+        return outs, Fp8Tensor(outs[out], outs[f"{out}_t"], 1.0 / scale), jnp.max(outs[f"{out}_amax"])
+    outs = run(E.unquantized(program), {**loads, q.scale: jnp.ones((), jnp.float32)}, {out: dtype})
+    return (outs, *quantize(outs[out]))

@@ -42,7 +42,7 @@ from coda_jax.fp8 import E4M3, E5M2, Fp8Tensor, next_history, quantize_tensor, s
 from coda_jax.lowering import GemmLowering
 from coda_jax.ops.attention import causal_attention
 from coda_jax.ops.epilogue_pass import epilogue_pass
-from coda_jax.ops.fp8_gemm import fp8_gemm
+from coda_jax.ops.fp8_gemm import fp8_gemm, quantizing_run
 from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
 from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
 from coda_jax.sharding import reshape_tokens
@@ -93,27 +93,16 @@ def _quantize(meta: jax.Array, name: str, x: jax.Array, st: BlockShape, **kw) ->
     return quantize_tensor(x, history, _dtype(name), st.margin, **kw)
 
 
-def _epilogue_fp8(outs: dict, name: str, scale: jax.Array) -> tuple[Fp8Tensor, jax.Array]:
-    """The :class:`Fp8Tensor` and amax of quantizing output ``name`` of a GEMM's results."""
-    return Fp8Tensor(outs[name], outs[f"{name}_t"], 1.0 / scale), jnp.max(outs[f"{name}_amax"])
-
-
 def _quantizing(st: BlockShape, meta: jax.Array, amax: dict, name: str, run, program: E.Epilogue, loads: dict,
                 out: str, dtype) -> tuple[dict, Fp8Tensor]:
     """``program``'s results and its quantizing output ``out``, the FP8 tensor ``name``, with
-    that tensor's amax put in ``amax``. ``run(program, loads, out_dtypes)`` runs a program.
-
-    Delayed scaling: ``program`` as declared, its scale load set from the history: the epilogue
-    writes both FP8 layouts and the amax. Current scaling: :func:`coda_jax.epilogue.unquantized`
-    ``program`` writes ``out`` in ``dtype``, then a pass quantizes it with its own amax."""
-    q = program.output(out).quantize
-    if st.scaling == "delayed":
-        scale = _scale(meta, name, st.margin)
-        outs = run(program, {**loads, q.scale: scale}, {})
-        t, amax[name] = _epilogue_fp8(outs, out, scale)
-    else:
-        outs = run(E.unquantized(program), {**loads, q.scale: jnp.ones((), jnp.float32)}, {out: dtype})
-        t, amax[name] = _quantize(meta, name, outs[out], st)
+    that tensor's amax put in ``amax`` (:func:`coda_jax.ops.fp8_gemm.quantizing_run`: delayed
+    scaling writes both FP8 layouts and the amax from the epilogue, current scaling quantizes
+    after). ``run(program, loads, out_dtypes)`` runs a program."""
+    delayed = st.scaling == "delayed"
+    outs, t, amax[name] = quantizing_run(run, program, loads, out, dtype,
+                                         scale=_scale(meta, name, st.margin) if delayed else None,
+                                         quantize=None if delayed else lambda x: _quantize(meta, name, x, st))
     return outs, t
 
 
