@@ -123,21 +123,26 @@ def expected_fp8_gemms(config: LlamaConfig, fuse: bool = True, lm_head: bool = F
 class _DotConfig:
     idiom: str
     margin: int
+    promote: bool = False  # the backward GEMMs at Precision.HIGHEST (no fast accumulation)
 
 
-def _gemm(a: jax.Array, b: jax.Array, a_inv: jax.Array, b_inv: jax.Array, idiom: str, out_dtype) -> jax.Array:
+def _gemm(a: jax.Array, b: jax.Array, a_inv: jax.Array, b_inv: jax.Array, idiom: str, out_dtype,
+          promote: bool = False) -> jax.Array:
     """``(a * a_inv) @ (b * b_inv)^T`` for FP8 ``a [M, K]``, ``b [N, K]`` (both contracted over
-    their minor dimension: K-major), float32 accumulation, written in ``out_dtype``."""
+    their minor dimension: K-major), float32 accumulation, written in ``out_dtype``. ``promote``:
+    at ``Precision.HIGHEST``, which XLA runs as cuBLASLt's FP8 GEMM without fast accumulation
+    (docs/fp8.md#accumulation)."""
     dims = (((1,), (1,)), ((), ()))
+    precision = lax.Precision.HIGHEST if promote else None
     if idiom == "direct":
         # The scalar multiply right on the dot's output: XLA folds it into the cuBLASLt call.
-        y = lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+        y = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
         return y * (a_inv * b_inv).astype(out_dtype)
     # dequantize-then-dot: convert(f8) * broadcast(scalar) per operand, the pattern XLA's
     # GEMM rewriter turns into a scaled FP8 GEMM.
     da = a.astype(out_dtype) * a_inv.astype(out_dtype)
     db = b.astype(out_dtype) * b_inv.astype(out_dtype)
-    return lax.dot_general(da, db, dims, preferred_element_type=out_dtype)
+    return lax.dot_general(da, db, dims, precision=precision, preferred_element_type=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -161,8 +166,8 @@ def _fp8_dot_bwd(cfg: _DotConfig, res, dy):
     xq_t, wq, sx_inv, sw_inv, hist_x, hist_w, hist_g = res
     sg = scale_from_history(hist_g, E5M2, cfg.margin)
     gq = quantize(dy, sg, E5M2)  # [M, N], and its transpose [N, M] in the same pass
-    dx = _gemm(gq, wq, 1.0 / sg, sw_inv, cfg.idiom, dy.dtype)  # [M, N] . [K, N] -> [M, K]
-    dw = _gemm(xq_t, gq.T, sx_inv, 1.0 / sg, cfg.idiom, dy.dtype)  # [K, M] . [N, M] -> [K, N]
+    dx = _gemm(gq, wq, 1.0 / sg, sw_inv, cfg.idiom, dy.dtype, cfg.promote)  # [M, N] . [K, N] -> [M, K]
+    dw = _gemm(xq_t, gq.T, sx_inv, 1.0 / sg, cfg.idiom, dy.dtype, cfg.promote)  # [K, M] . [N, M] -> [K, N]
     hist_g = next_history(hist_g, jnp.max(jnp.abs(dy)).astype(jnp.float32))
     # The "gradient" of the recipe state is its next value (coda_jax.fp8).
     return dx, dw, jnp.stack([hist_x, hist_w, hist_g])
@@ -171,13 +176,15 @@ def _fp8_dot_bwd(cfg: _DotConfig, res, dy):
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
-def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT_IDIOM, margin: int = 0) -> jax.Array:
+def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT_IDIOM, margin: int = 0,
+            promote: bool = False) -> jax.Array:
     """``x [M, K] @ w [K, N]`` in FP8 with delayed per-tensor scaling: e4m3 ``x`` and ``w``
     forward, e5m2 output gradient backward, each GEMM accumulated in float32 and written in
     ``x.dtype``. ``meta [3, history]`` float32: the amax histories of ``x``, ``w`` and the
     output gradient; its gradient is the three next histories (the amaxes of this call's
     tensors first). ``x`` and ``w`` share a dtype (the compute dtype: the gradients come
-    back in it)."""
+    back in it). ``promote``: the backward GEMMs without fast accumulation (``Precision.HIGHEST``:
+    cuBLASLt's own float32 promotion), as ``Fp8Recipe.promote_k`` asks of CodaLlama's."""
     if idiom not in IDIOMS:
         raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
@@ -186,7 +193,7 @@ def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT
         raise TypeError(f"x and w must share the compute dtype, got {x.dtype} and {w.dtype}")
     if meta.ndim != 2 or meta.shape[0] != 3:
         raise ValueError(f"meta must be [3, history] (x, w, gradient), got {tuple(meta.shape)}")
-    return _fp8_dot(_DotConfig(idiom, int(margin)), x, w, meta)
+    return _fp8_dot(_DotConfig(idiom, int(margin), bool(promote)), x, w, meta)
 
 
 class PlainFp8LlamaBlock(PlainLlamaBlock):
@@ -198,14 +205,15 @@ class PlainFp8LlamaBlock(PlainLlamaBlock):
         if idiom not in IDIOMS:
             raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
         recipe = c.fp8 or Fp8Recipe()
-        self.fuse, self.idiom, self.margin = bool(fuse), idiom, recipe.margin
+        self.fuse, self.idiom, self.margin, self.promote = bool(fuse), idiom, recipe.margin, recipe.promote_k > 0
         self.projections = FUSED_PROJECTIONS if fuse else SEPARATE_PROJECTIONS
         for name in self.projections:
             setattr(self, f"fp8_{name}", Fp8Meta(jnp.zeros((3, recipe.history), jnp.float32)))
 
     def _dense(self, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
         # fp8_dot looked up at call time (the tests record its calls).
-        return fp8_dot(x, w, getattr(self, f"fp8_{name}")[...], idiom=self.idiom, margin=self.margin)
+        return fp8_dot(x, w, getattr(self, f"fp8_{name}")[...], idiom=self.idiom, margin=self.margin,
+                       promote=self.promote)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """``x [B, S, d]`` (compute dtype) -> ``[B, S, d]``."""
@@ -240,16 +248,20 @@ class PlainFp8Llama(PlainLlama):
     projections in FP8, the rest as the bf16 baseline. ``config.fp8`` (default
     ``Fp8Recipe()``) gives the history length, margin and non-finite policy; ``fuse``: Q/K/V
     and gate/up as one GEMM each; ``idiom``: how the FP8 GEMMs are written for XLA
-    (:data:`IDIOMS`); ``lm_head``: the LM head in FP8 too (default: ``config.fp8.lm_head``)."""
+    (:data:`IDIOMS`); ``lm_head``: the LM head in FP8 too (default: ``config.fp8.lm_head``);
+    ``promote_k``: the recipe's (default ``config.fp8.promote_k``); above 0 the backward GEMMs run
+    without fast accumulation (:func:`fp8_dot`'s ``promote``)."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, fuse: bool = True, idiom: str = DEFAULT_IDIOM,
-                 lm_head: bool | None = None):
+                 lm_head: bool | None = None, promote_k: int | None = None):
         if idiom not in IDIOMS:
             raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
         self.fuse, self.idiom = bool(fuse), idiom
         recipe = config.fp8 or Fp8Recipe()
         if lm_head is not None:
             recipe = dataclasses.replace(recipe, lm_head=bool(lm_head))
+        if promote_k is not None:
+            recipe = dataclasses.replace(recipe, promote_k=promote_k)
         super().__init__(config.replace(fp8=recipe), rngs=rngs)
         if recipe.lm_head:
             self.fp8_lm_head = Fp8Meta(jnp.zeros((3, recipe.history), jnp.float32))
@@ -259,7 +271,7 @@ class PlainFp8Llama(PlainLlama):
             return super()._head(h, w_vocab)
         b, s, d = h.shape
         y = fp8_dot(reshape_tokens(h, (b * s, d)), w_vocab.T, self.fp8_lm_head[...], idiom=self.idiom,
-                    margin=self.config.fp8.margin)
+                    margin=self.config.fp8.margin, promote=self.config.fp8.promote_k > 0)
         return reshape_tokens(y, (b, s, y.shape[-1]))
 
     def _make_block(self, c: LlamaConfig, rngs: nnx.Rngs) -> PlainFp8LlamaBlock:

@@ -15,7 +15,8 @@ how many FP8 GEMM calls the compiled step holds against how many it should,
 bf16 GEMM, silently); ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
 options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
 with :func:`coda_jax.options.options`, and ``fp8=true`` for ``LlamaConfig(fp8=Fp8Recipe())``
-(``fp8=current``: ``Fp8Recipe(scaling="current")``; with ``lm_head=true``: ``Fp8Recipe(lm_head=True)``), whose
+(``fp8=current``: ``Fp8Recipe(scaling="current")``; with ``lm_head=true``: ``Fp8Recipe(lm_head=True)``;
+``promote_k=N``: ``Fp8Recipe(promote_k=N)``, also a ``plain_fp8`` setting), whose
 FP8 GEMM calls are checked as ``plain_fp8``'s; e.g. ``pallas:cross_entropy.save_logits=false``: the
 cross-entropy recomputes its logits; ``pallas:routing.xla_output_below=0,routing.plain_gemm=kernel``:
 every GEMM on the kernel). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
@@ -104,7 +105,7 @@ PLAIN_MODELS = ("plain", "plain_fp8")
 MODEL_RULE = ("plain, xla, pallas or cutedsl, or plain_fp8 (the plain model in FP8, settings idiom="
               + "|".join(IDIOMS) + " and fuse=true|false)")
 # plain_fp8's own settings (PlainFp8Llama's arguments), not coda-jax options.
-PLAIN_FP8_SETTINGS = ("idiom", "fuse", "lm_head")
+PLAIN_FP8_SETTINGS = ("idiom", "fuse", "lm_head", "promote_k")
 # Settings of a run that are not coda-jax options: JAX's automatic PGLE (JAX_ENABLE_PGLE=1,
 # JAX_PGLE_PROFILING_RUNS=N) and the ahead-of-time PGLE compile (PGLE_AOT=N); xla_* settings
 # are XLA options of the step's compile.
@@ -180,6 +181,8 @@ def parse_run(spec: str) -> RunSpec:
         for key in ("fuse", "lm_head"):
             if key in own:
                 model_args[key] = _flag(spec, key, own[key])
+        if "promote_k" in own:
+            model_args["promote_k"] = _int_setting(spec, "promote_k", own["promote_k"])
     elif "fp8" in items:  # a CodaLlama run in FP8: LlamaConfig(fp8=Fp8Recipe(scaling=..., lm_head=...))
         value = items.pop("fp8").lower()
         scaling = {"true": "delayed", "1": "delayed", "delayed": "delayed", "current": "current",
@@ -190,8 +193,11 @@ def parse_run(spec: str) -> RunSpec:
             model_args["fp8"] = scaling[value]
         if "lm_head" in items:
             model_args["lm_head"] = _flag(spec, "lm_head", items.pop("lm_head"))
-    if "lm_head" in items:
-        raise ValueError(f"run {spec!r}: lm_head=true is a setting of FP8 runs (plain_fp8, or fp8=true)")
+        if "promote_k" in items:
+            model_args["promote_k"] = _int_setting(spec, "promote_k", items.pop("promote_k"))
+    for key in ("lm_head", "promote_k"):
+        if key in items:
+            raise ValueError(f"run {spec!r}: {key} is a setting of FP8 runs (plain_fp8, or fp8=true)")
     try:
         pgle_runs = (int(pgle.get("JAX_PGLE_PROFILING_RUNS", "3"))
                      if pgle.get("JAX_ENABLE_PGLE", "").lower() in PGLE_ON else 0)
@@ -209,6 +215,13 @@ def _flag(spec: str, key: str, value: str) -> bool:
     if value.lower() not in ("true", "false", "1", "0"):
         raise ValueError(f"run {spec!r}: {key} must be true or false, got {value!r}")
     return value.lower() in ("true", "1")
+
+
+def _int_setting(spec: str, key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"run {spec!r}: {key} must be an integer, got {value!r}") from None
 
 
 @contextlib.contextmanager
@@ -362,7 +375,9 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             model = PlainFp8Llama(cfg, rngs=nnx.Rngs(0), **run.model_args)
         else:
             fp8 = run.model_args.get("fp8")
-            recipe = Fp8Recipe(scaling=fp8, lm_head=run.model_args.get("lm_head", False)) if fp8 else None
+            recipe = Fp8Recipe(scaling=fp8, lm_head=run.model_args.get("lm_head", False),
+                               **({"promote_k": run.model_args["promote_k"]} if "promote_k" in run.model_args
+                                  else {})) if fp8 else None
             model = CodaLlama(cfg.replace(fp8=recipe) if fp8 else cfg, rngs=nnx.Rngs(0), backend=name)
         # FP8 GEMMs the compiled step should hold (checked against its HLO on a GPU): plain_fp8's,
         # or a CodaLlama FP8 block's 12 (forward, dgrad and wgrad of its four projections).

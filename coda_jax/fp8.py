@@ -67,6 +67,13 @@ class Fp8Recipe:
         logits are the tensor FP8 rounding hurts most (docs/fp8.md#lm-head). The
         vocab-parallel head (a ``"tensor"`` or ``"fsdp"`` axis that splits the vocabulary)
         runs in FP8 too, its amaxes reduced over the mesh.
+      promote_k: the backward GEMMs (dgrad and wgrad, the LM head's too) add their FP8
+        accumulator into a float32 total every ``promote_k`` K elements, as TransformerEngine's
+        split accumulator does: Hopper's FP8 MMA keeps about 14 bits of its running sum, so the
+        error of an unpromoted product grows with K (the wgrads' K is the token count, the
+        head's dgrad K is the vocabulary; measured in docs/fp8.md#accumulation). A multiple of
+        128 (the kernels' FP8 K step); ``0``: no promotion (the whole K in the tensor core, as
+        the forward GEMMs always run). The CuTeDSL mainloop does not promote (logged).
 
     Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its
     softmax and both of its GEMMs) and the norms stay in the compute dtype, and the LM head
@@ -78,6 +85,7 @@ class Fp8Recipe:
     on_nonfinite: str = "skip"
     scaling: str = "delayed"
     lm_head: bool = False
+    promote_k: int = 512
 
     def __post_init__(self):
         if not isinstance(self.history, int) or self.history < 1:
@@ -90,6 +98,10 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if not isinstance(self.lm_head, bool):
             raise ValueError(f"Fp8Recipe.lm_head must be a bool, got {self.lm_head!r}")
+        if (not isinstance(self.promote_k, int) or isinstance(self.promote_k, bool) or self.promote_k < 0
+                or self.promote_k % 128):
+            raise ValueError(f"Fp8Recipe.promote_k must be 0 or a positive multiple of 128 (K elements between "
+                             f"float32 promotions of the backward GEMMs' accumulators), got {self.promote_k!r}")
 
 
 class Fp8Meta(nnx.Variable):

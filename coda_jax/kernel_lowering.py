@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind
 from coda_jax.log import log_once
-from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, kernel_latency_hint,
-                               persistent_grid_sms, routes_to_xla)
+from coda_jax.lowering import (check_kernel_gemm, check_out_splits, check_plain_gemm, check_promote_k,
+                               kernel_latency_hint, persistent_grid_sms, routes_to_xla)
 from coda_jax.reference import REFERENCE, xla_backend_lowering
 
 
@@ -126,10 +126,12 @@ class KernelLowering:
         transpose_b: bool = False,
         out_dtypes: Mapping[str, Any] | None = None,
         out_splits: Mapping[str, tuple[int, ...]] | None = None,
+        promote_k: int = 0,
     ) -> dict[str, Any]:
         """See :class:`coda_jax.lowering.GemmLowering`: checks the call, routes it to XLA where
         the routing options say so, else runs :meth:`kernel_gemm`."""
         m, n, k = check_kernel_gemm(self.title, epilogue, a, b, loads, transpose_a, transpose_b)
+        promote_k = check_promote_k(promote_k) if a.dtype in FP8_DTYPES else 0
         splits = check_out_splits(epilogue, out_splits, n)
         fp8_rule = None
         if a.dtype in FP8_DTYPES or epilogue.quantizes:
@@ -138,12 +140,13 @@ class KernelLowering:
                 _log_fp8_fallback(self.name, epilogue.name, fp8_rule)
         if fp8_rule is not None:  # XLA's FP8 GEMM writing bf16, as the xla backend runs it
             return xla_backend_lowering().gemm(epilogue, a, b, loads, transpose_a=transpose_a,
-                                               transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=splits)
+                                               transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=splits,
+                                               promote_k=promote_k)
         if routes_to_xla(self.name, epilogue, m, n, k, self.plain_gemm):
             return REFERENCE.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
-                                  out_dtypes=out_dtypes, out_splits=splits)
+                                  out_dtypes=out_dtypes, out_splits=splits, promote_k=promote_k)
         return self.kernel_gemm(epilogue, a, b, loads, (m, n, k), transpose_a=transpose_a, transpose_b=transpose_b,
-                                out_dtypes=out_dtypes, out_splits=splits)
+                                out_dtypes=out_dtypes, out_splits=splits, promote_k=promote_k)
 
     def fp8_rule(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, transpose_a: bool,
                  transpose_b: bool) -> str | None:
@@ -156,7 +159,7 @@ class KernelLowering:
     def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
                     dims: tuple[int, int, int], *, transpose_a: bool, transpose_b: bool,
                     out_dtypes: Mapping[str, Any] | None,
-                    out_splits: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-        """Runs the checked GEMM (``dims``: its ``(m, n, k)``; ``out_splits`` checked) on the
-        backend's kernel."""
+                    out_splits: dict[str, tuple[int, ...]], promote_k: int = 0) -> dict[str, Any]:
+        """Runs the checked GEMM (``dims``: its ``(m, n, k)``; ``out_splits`` and ``promote_k``
+        checked, ``promote_k`` 0 for 16-bit operands) on the backend's kernel."""
         raise NotImplementedError

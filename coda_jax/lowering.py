@@ -45,6 +45,11 @@ class GemmLowering(Protocol):
       b: ``[K, N]`` (``[N, K]`` if ``transpose_b``), same dtype as ``a``.
       loads: arrays named as in ``epilogue.loads``.
       out_dtypes: per-output storage dtypes overriding the declaration.
+      promote_k: FP8 operands: add the tensor core's accumulator into a float32 total every
+        ``promote_k`` K elements (TransformerEngine's split accumulator, for long-K backward
+        GEMMs); ``0`` (default): the whole K in the tensor core's accumulator. A kernel rounds
+        it down to a multiple of its K step; 16-bit operands accumulate in float32 anyway
+        (ignored). See :func:`check_promote_k` and docs/fp8.md#accumulation.
       out_splits: ``{tile output: column widths}``: that output is returned as a tuple of
         ``[M, w_i]`` arrays, its columns in order (:func:`check_out_splits`). A kernel may
         write the parts as separate arrays (the Pallas kernel does where its stores allow),
@@ -73,7 +78,16 @@ class GemmLowering(Protocol):
         transpose_b: bool = False,
         out_dtypes: Mapping[str, Any] | None = None,
         out_splits: Mapping[str, tuple[int, ...]] | None = None,
+        promote_k: int = 0,
     ) -> dict[str, Any]: ...
+
+
+def check_promote_k(promote_k: int) -> int:
+    """``promote_k`` (see :class:`GemmLowering`) after checking it: a non-negative int."""
+    if not isinstance(promote_k, int) or isinstance(promote_k, bool) or promote_k < 0:
+        raise ValueError(f"promote_k must be a non-negative int (K elements between float32 promotions of an FP8 "
+                         f"accumulator; 0: none), got {promote_k!r}")
+    return promote_k
 
 
 def check_out_splits(epilogue: Epilogue, out_splits: Mapping[str, tuple[int, ...]] | None,

@@ -193,8 +193,9 @@ class PartitionedLowering:
     def gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array], *,
              transpose_a: bool = False, transpose_b: bool = False,
              out_dtypes: Mapping[str, Any] | None = None,
-             out_splits: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
-        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=out_splits)
+             out_splits: Mapping[str, tuple[int, ...]] | None = None, promote_k: int = 0) -> dict[str, Any]:
+        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=out_splits,
+                  promote_k=promote_k)
         # A split output's spec: one per part (the parts are its column ranges: split as it is).
         split_specs = lambda specs: {k: (v,) * len(out_splits[k]) if k in (out_splits or {}) else v  # noqa: E731
                                      for k, v in specs.items()}
@@ -241,7 +242,7 @@ class PartitionedLowering:
 
             def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis
                 outs = inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b,
-                                  out_dtypes=partial, out_splits=out_splits)
+                                  out_dtypes=partial, out_splits=out_splits, promote_k=promote_k)
                 return jax.tree.map(lambda v: v[None], outs)
 
             in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),

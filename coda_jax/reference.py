@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, Output, OutputKind, default_out_dtype, saturate_cast
-from coda_jax.lowering import check_out_splits, split_columns
+from coda_jax.lowering import check_out_splits, check_promote_k, split_columns
 from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.options import current_options
 
@@ -29,13 +29,15 @@ from coda_jax.options import current_options
 LSE_CHUNK = 8192
 
 
-def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, round_acc: bool = False) -> jax.Array:
+def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, round_acc: bool = False,
+         promote: bool = False) -> jax.Array:
     """float32 ``op(a) @ op(b)``; full float32 precision for float32 operands. With
     ``round_acc`` and 16-bit operands, the product is written in the operand dtype (float32
-    accumulation inside the GEMM, one rounding on the way out) and upcast after."""
+    accumulation inside the GEMM, one rounding on the way out) and upcast after. ``promote``
+    (FP8 operands): at ``Precision.HIGHEST``, no fast accumulation."""
     ca = 0 if transpose_a else 1
     cb = 1 if transpose_b else 0
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 or promote else None
     if a.dtype in FP8_DTYPES:  # an FP8 GEMM (cuBLASLt's on a GPU), scaled by the body afterwards
         out_dtype = jnp.bfloat16 if round_acc else jnp.float32
     else:
@@ -212,14 +214,19 @@ class ReferenceLowering:
         transpose_b: bool = False,
         out_dtypes: Mapping[str, Any] | None = None,
         out_splits: Mapping[str, tuple[int, ...]] | None = None,
+        promote_k: int = 0,
     ) -> dict[str, Any]:
+        """See :class:`~coda_jax.lowering.GemmLowering`. ``promote_k`` on FP8 operands: XLA's
+        FP8 GEMM at ``Precision.HIGHEST``, which XLA runs as cuBLASLt's FP8 GEMM without fast
+        accumulation (its own periodic float32 promotion; docs/fp8.md#accumulation)."""
+        promote = bool(check_promote_k(promote_k)) and a.dtype in FP8_DTYPES
         m = a.shape[1] if transpose_a else a.shape[0]
         n = b.shape[0] if transpose_b else b.shape[1]
         epilogue.validate_loads(loads, m, n)
         splits = check_out_splits(epilogue, out_splits, n)
         if splits:  # XLA fuses the slices into whatever reads the parts
             return split_columns(self.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,
-                                           out_dtypes=out_dtypes), splits)
+                                           out_dtypes=out_dtypes, promote_k=promote_k), splits)
         dtypes = {o.name: (out_dtypes or {}).get(o.name, o.dtype) or default_out_dtype(a.dtype) for o in epilogue.outputs}
         if (any(o.kind is OutputKind.ROW_LOGSUMEXP for o in epilogue.outputs) and n > LSE_CHUNK
                 and not any(o.kind is OutputKind.TILE for o in epilogue.outputs)):  # [M, N] is written anyway
@@ -232,7 +239,7 @@ class ReferenceLowering:
         # docs/performance.md#multi-gpu).
         plain_16 = (epilogue.name == "identity" and a.dtype == b.dtype == jnp.dtype(dtypes["out"])
                     and jnp.dtype(a.dtype).itemsize == 2)
-        acc = _dot(a, b, transpose_a, transpose_b, self.round_acc or plain_16)
+        acc = _dot(a, b, transpose_a, transpose_b, self.round_acc or plain_16, promote)
         res = self._run_body(epilogue, acc, _prepare_loads(epilogue, loads), n, 0)
         return self._finish(epilogue, res, m, n, dtypes, loads)
 

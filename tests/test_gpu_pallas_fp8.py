@@ -123,3 +123,36 @@ _CE_GRAD = {"lowering_default": None, "cooperative": CONFIGS["cooperative"], "pi
 def test_ce_grad_pass_on_gpu(config):
     # The FP8 LM head's gradient pass over float32 logits, ragged M and V, more tiles than SMs.
     check_ce_grad_pass(_CE_GRAD[config], 4000, 32000, 41, before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))
+
+
+_PROMOTING = {"lowering_default": None, "cooperative": CONFIGS["cooperative"], "pingpong": CONFIGS["pingpong"],
+              "single": for_fp8_operands(CONFIG_TABLE["small"])}
+
+
+@pytest.mark.parametrize("config", _PROMOTING, ids=list(_PROMOTING))
+def test_promoted_accumulation_on_gpu(config):
+    """Promotion against the tensor core's own FP8 accumulation, on all-positive e4m3 inputs
+    (every product adds: the worst case for an accumulator that drops its addends' low bits)
+    with K = 32768, against the exact (float64) product: the unpromoted kernel loses percents
+    (docs/fp8.md#accumulation), the promoted one (every 512) must be ten times closer and
+    within 2e-3; and the promoted fused program still matches the reference (``_compare``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.fp8_accumulation import errors, exact_product, fp8_inputs
+    from coda_jax.fp8 import Fp8Tensor
+    from coda_jax.ops.fp8_gemm import fp8_gemm
+    from coda_jax.pallas.lowering import PallasLowering
+
+    a8, b8 = fp8_inputs(256, 384, 32768, "positive", seed=5)
+    ref = exact_product(a8, b8)
+    low = PallasLowering(_PROMOTING[config], plain_gemm="kernel")
+    one = jnp.ones((), jnp.float32)
+
+    def product(pk):
+        return jax.jit(lambda a, b: fp8_gemm(low, programs.IDENTITY, Fp8Tensor(a, None, one), Fp8Tensor(None, b, one),
+                                             {}, out_dtypes={"out": jnp.float32}, promote_k=pk)["out"])(a8, b8)
+
+    plain, promoted = errors(product(0), ref)["rel"], errors(product(512), ref)["rel"]
+    assert promoted < 2e-3 and promoted < plain / 10, (plain, promoted)
+    _run(AMAX_PROBE, 2000, 1000, 3000, config=_PROMOTING[config], promote_k=512, seed=23)

@@ -168,11 +168,11 @@ def _check_fp8(name, got, want, scale) -> None:
 
 
 def _compare(epi, m, n, k, *, transpose_a=False, transpose_b=True, dtypes=(E4M3, E4M3), config=None,
-             out_dtypes=None, seed=0):
+             out_dtypes=None, seed=0, promote_k=0):
     """``epi`` on the Pallas kernel (interpreted) vs :data:`REFERENCE` on the same inputs."""
     a, b = _operands(m, n, k, transpose_a, transpose_b, dtypes, seed)
     loads = _fp8_loads(epi, m, n, seed)
-    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes)
+    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, promote_k=promote_k)
 
     def run(lowering, loads):
         return lowering.gemm(epi, a, b, loads, **kw)
@@ -221,6 +221,60 @@ def test_fp8_operands_row_scale(dtypes, config):
     # three K steps, ragged M and N.
     _compare(E.dequantized(programs.ROW_SCALE), 130, 200, 260, dtypes=dtypes, config=config,
              out_dtypes={"z": BF16}, seed=3)
+
+
+# Promotion: K = 700 pads to 6 steps of 128; every 4 steps leaves a group of 2, every step
+# makes 6 groups of 1. The kernel's sums differ from the reference's only by order.
+@pytest.mark.parametrize("config", [SMALL8, WS8, PINGPONG8], ids=["single", "cooperative", "pingpong"])
+@pytest.mark.parametrize("promote_k", [128, 512])
+def test_promoted_accumulation(config, promote_k):
+    _compare(E.dequantized(programs.IDENTITY), 200, 136, 700, config=config, out_dtypes={"out": F32},
+             promote_k=promote_k)
+    _compare(AMAX_PROBE, 200, 136, 700, config=config, promote_k=promote_k, seed=1)
+
+
+def test_promoting_plan_halves_the_consumer_tile_and_runs_the_ring():
+    # Two accumulators a consumer: a 128 x 128 tile (128 registers each) is halved along M; the
+    # cooperative kernel runs on the ring's mainloop, which promotes between K steps.
+    shape = KernelShape(m=1024, n=1024, k=1024, m_real=1024, n_real=1024, transpose_a=False, transpose_b=True,
+                        operand_dtype=jnp.dtype(E4M3), out_dtypes=(("out", jnp.dtype(F32)),), num_sms=4,
+                        promote_k=512)
+    epi = E.dequantized(programs.IDENTITY)
+    for cfg in (WS8, PINGPONG8, SMALL8):
+        plan = plan_kernel(epi, shape, cfg)
+        assert plan.tile_m * plan.tile_n <= 64 * 128 and plan.tile_n == cfg.tile_n, (cfg, plan)
+        assert plan.warp_specialized == cfg.warp_specialized and (plan.pingpong or plan.delay_release or
+                                                                  not plan.warp_specialized), plan
+    assert shape.promote_steps(128) == 4 and dataclasses.replace(shape, promote_k=64).promote_steps(128) == 1
+    assert plan_kernel(epi, dataclasses.replace(shape, promote_k=0), WS8) == plan_kernel(epi, dataclasses.replace(
+        shape, promote_k=0), WS8)  # unpromoted plans unchanged
+    assert plan_kernel(epi, dataclasses.replace(shape, promote_k=0), WS8).tile_m == WS8.tile_m
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_promote_k_is_checked(bad):
+    a = jnp.ones((64, 128), E4M3)
+    with pytest.raises(ValueError, match="promote_k must be a non-negative int"):
+        PallasLowering(SMALL8, plain_gemm="kernel").gemm(E.dequantized(programs.IDENTITY), a, a,
+                                                          {"acc_scale": jnp.float32(1)}, transpose_b=True,
+                                                          promote_k=bad)
+
+
+@pytest.mark.parametrize("config", [SMALL8, WS8, PINGPONG8], ids=["single", "cooperative", "pingpong"])
+@pytest.mark.parametrize("k", [1024, 1152])
+def test_promoting_kernel_lowers_for_cuda(config, k):
+    """Mosaic GPU's code generation accepts the promoting mainloops: a fresh accumulator a
+    group, the float32 total carried through the group loop (WGMMA layout), a last partial
+    group (K = 1152: 9 steps, groups of 4)."""
+    m, n = 1024, 1024
+    epi = E.dequantized(programs.IDENTITY)
+    a, b = jax.ShapeDtypeStruct((m, k), E4M3), jax.ShapeDtypeStruct((n, k), E5M2)
+    low = PallasLowering(config, plain_gemm="pallas")
+    with interpret_mode(False):
+        txt = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes={"out": F32},
+                                               promote_k=512)).trace(
+            a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
 
 
 def test_fp8_operands_plan_like_bf16():

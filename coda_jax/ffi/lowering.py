@@ -26,6 +26,7 @@ regeneration on cache hits), so a training step does not recompile.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,7 @@ from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind, defaul
 from coda_jax.ffi.interpret import check_lowerable, trace_body
 from coda_jax.ffi.tuning import CuteDslTuning
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
+from coda_jax.log import log_once
 from coda_jax.lowering import gpu_sm_count, split_columns, with_latency_hint
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
@@ -147,9 +149,15 @@ class CuteDslLowering(KernelLowering):
     def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
                     dims: tuple[int, int, int], *, transpose_a: bool, transpose_b: bool,
                     out_dtypes: Mapping[str, Any] | None,
-                    out_splits: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+                    out_splits: dict[str, tuple[int, ...]], promote_k: int = 0) -> dict[str, Any]:
         """See :class:`coda_jax.lowering.GemmLowering`. ``out_splits``: the kernel writes one
-        array per output and XLA slices it into the parts."""
+        array per output and XLA slices it into the parts. ``promote_k`` is not implemented in
+        this mainloop (documented fallback, logged once per program): its FP8 GEMMs accumulate
+        the whole K in the tensor core (docs/fp8.md#accumulation)."""
+        if promote_k:
+            log_once(("cutedsl_promote_k", epilogue.name), logging.WARNING,
+                     "coda_jax: the CuTeDSL FP8 mainloop does not promote its accumulator (promote_k=%d asked "
+                     "for %r): the whole K accumulates in the tensor core", promote_k, epilogue.name)
         # The optional cutlass package, and the kernel module that needs it: imported on use.
         from cutlass.jax import TensorSpec
 

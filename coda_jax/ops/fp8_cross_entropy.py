@@ -66,6 +66,7 @@ class _Static:
     w_dtype: jnp.dtype  # w's, the dtype of its gradient
     vocab_axis: str | None = None
     amax_axes: tuple[str, ...] = ()  # inside a shard_map: the axes an amax is reduced over
+    promote_k: int = 0  # Fp8Recipe.promote_k: the dgrad's and wgrad's float32 promotion interval
 
 
 def _global_amax(st: _Static, amax: jax.Array) -> jax.Array:
@@ -126,8 +127,9 @@ def _row_losses_bwd(st, res, dloss):
     loads["gscale"] = loads["gscale"] * rstd
     if st.save:
         dq, zdz = _grads_from_logits(st, meta, amax, logits, targets, loads)
-        g_h = fp8_gemm(st.lowering, programs.IDENTITY, dq, wq, {}, out_dtypes={"out": jnp.float32})["out"]
-        dw = fp8_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype})["out"]
+        pk = st.promote_k
+        g_h = fp8_gemm(st.lowering, programs.IDENTITY, dq, wq, {}, out_dtypes={"out": jnp.float32}, promote_k=pk)["out"]
+        dw = fp8_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype}, promote_k=pk)["out"]
     else:
         g_h, zdz, dw = _grads_by_recompute(st, meta, amax, h, wq, targets, rstd, loads)
     # g' = rstd * g_h and zdz' = rstd * zdz: the final norm's backward takes the unscaled ones.
@@ -175,8 +177,10 @@ def _grads_by_recompute(st: _Static, meta, amax: dict, h: Fp8Tensor, wq: Fp8Tens
         zdz = zdz + jnp.sum(outs["zdz"], axis=0)
         dq, a = _quantize(st, meta, "dlogits", outs["dlogits"])
         amaxes.append(a)
-        g_h = fp8_gemm(st.lowering, programs.ACCUMULATE, dq, w_c, {"prev": g_h}, out_dtypes={"out": jnp.float32})["out"]
-        dw_chunks.append(fp8_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype})["out"])
+        g_h = fp8_gemm(st.lowering, programs.ACCUMULATE, dq, w_c, {"prev": g_h}, out_dtypes={"out": jnp.float32},
+                       promote_k=st.promote_k)["out"]
+        dw_chunks.append(fp8_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype},
+                                  promote_k=st.promote_k)["out"])
     amax["dlogits"] = jnp.max(jnp.stack(amaxes))
     dw = jnp.concatenate(dw_chunks, axis=0) if len(dw_chunks) > 1 else dw_chunks[0]
     return g_h, zdz, dw
@@ -239,7 +243,7 @@ def fp8_linear_cross_entropy(
     t = prepared_targets(targets, ignore_index, vocab_shard(w_vocab, vocab_axis)[1])
     save = resolve_save_logits(save_logits, m, w_vocab.shape[0], logits_dtype)
     st = _Static(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), recipe.margin, recipe.scaling,
-                 jnp.dtype(w_vocab.dtype), vocab_axis, amax_axes)
+                 jnp.dtype(w_vocab.dtype), vocab_axis, amax_axes, recipe.promote_k)
     h = sumsq = None
     if carry is not None:
         h = jax.tree.map(jax.lax.stop_gradient, carry.h)

@@ -26,7 +26,7 @@ def fp8_gemm(lowering: GemmLowering, epilogue: E.Epilogue, a: Fp8Tensor, b: Fp8T
     """``epilogue`` on ``a @ b`` (``a`` ``[M, K]``, ``b`` ``[K, N]`` as matrices; use ``.T`` for
     a transposed operand): the GEMM reads ``a.data`` ``[M, K]`` and ``b.data_t`` ``[N, K]``,
     and the body sees the float32 accumulator times ``a.scale_inv * b.scale_inv``
-    (:func:`coda_jax.epilogue.dequantized`). ``kw``: ``out_dtypes`` / ``out_splits`` as in
+    (:func:`coda_jax.epilogue.dequantized`). ``kw``: ``out_dtypes`` / ``out_splits`` / ``promote_k`` as in
     :meth:`coda_jax.lowering.GemmLowering.gemm`."""
     if a.data is None or b.data_t is None:
         raise ValueError(f"fp8_gemm: operand copy missing (a needs its row-major copy, b its transposed one) "

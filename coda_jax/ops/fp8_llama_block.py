@@ -31,6 +31,7 @@ scale of its own amax (:func:`_quantizing`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -77,6 +78,7 @@ class BlockShape:
     margin: int
     carry_out: str  # "fp8" (the next block reads it), "norm" (a compute-dtype NormCarry), "none"
     scaling: str = "delayed"  # Fp8Recipe.scaling: "delayed" or "current"
+    promote_k: int = 0  # Fp8Recipe.promote_k: the backward GEMMs' float32 promotion interval
 
 
 def _dtype(name: str):
@@ -162,6 +164,8 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
 
 
 def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
+    # Every dgrad and wgrad promotes its FP8 accumulator (st.promote_k; 0: none).
+    bw_gemm = functools.partial(fp8_gemm, promote_k=st.promote_k)
     m, d = saved["x"].shape
     dt, hd = dx2.dtype, st.head_dim
     amax = dict(saved["amax"])
@@ -169,25 +173,25 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
     # MLP: dx2 in e5m2 (standalone: it arrives as the next block's cotangent).
     g2, amax["dx2"] = _quantize(meta, "dx2", dx2, st)
     sd, dz = _quantizing(st, meta, amax, "dz_gu",
-                         lambda p, l, od: fp8_gemm(lw, p, g2, saved["w_down"].T, l, out_dtypes=od or None),
+                         lambda p, l, od: bw_gemm(lw, p, g2, saved["w_down"].T, l, out_dtypes=od or None),
                          programs.SWIGLU_DGRAD_Q8, {"z": saved["z"], "rstd": saved["rstd1"]}, "dz", dt)
-    dw_down = fp8_gemm(lw, programs.IDENTITY, saved["y_t"].T, g2, {}, out_dtypes={"out": f32})["out"]
+    dw_down = bw_gemm(lw, programs.IDENTITY, saved["y_t"].T, g2, {}, out_dtypes={"out": f32})["out"]
     zdz = jnp.sum(sd["zdz"], axis=0)
     r1 = saved["rstd1"]
     nb_loads = {"x": saved["x1"], "xcoef": r1 * r1 * zdz / d, "gamma": params["mlp_norm"], "dres": dx2}
     if st.scaling == "delayed":
         nb, dx1q = _quantizing(st, meta, amax, "dx1",
-                               lambda p, l, od: fp8_gemm(lw, p, dz, saved["w_gu"].T, l, out_dtypes={"dx": dt, **od}),
+                               lambda p, l, od: bw_gemm(lw, p, dz, saved["w_gu"].T, l, out_dtypes={"dx": dt, **od}),
                                programs.rms_dgrad_q8(True), nb_loads, "dxq", dt)
     else:  # dx once, in the compute dtype, quantized after (rms_dgrad_q8 unquantized would write it twice)
-        nb = fp8_gemm(lw, programs.rms_dgrad(True, True), dz, saved["w_gu"].T, nb_loads, out_dtypes={"dx": dt})
+        nb = bw_gemm(lw, programs.rms_dgrad(True, True), dz, saved["w_gu"].T, nb_loads, out_dtypes={"dx": dt})
         dx1q, amax["dx1"] = _quantize(meta, "dx1", nb["dx"], st)
     dx1 = nb["dx"]
     dmlp_norm = jnp.sum(nb["dgamma"], axis=0)
-    dw_gu = fp8_gemm(lw, programs.IDENTITY, saved["h1_t"].T, dz, {}, out_dtypes={"out": f32})["out"]
+    dw_gu = bw_gemm(lw, programs.IDENTITY, saved["h1_t"].T, dz, {}, out_dtypes={"out": f32})["out"]
     # O projection and attention.
-    do = fp8_gemm(lw, programs.IDENTITY, dx1q, saved["w_o"].T, {}, out_dtypes={"out": dt})["out"]
-    dw_o = fp8_gemm(lw, programs.IDENTITY, saved["o_t"].T, dx1q, {}, out_dtypes={"out": f32})["out"]
+    do = bw_gemm(lw, programs.IDENTITY, dx1q, saved["w_o"].T, {}, out_dtypes={"out": dt})["out"]
+    dw_o = bw_gemm(lw, programs.IDENTITY, saved["o_t"].T, dx1q, {}, out_dtypes={"out": f32})["out"]
     b, s, nh = st.batch, st.seq, st.num_heads
     dq, dk, dv = saved["attn_vjp"](reshape_tokens(do, (b, s, nh, hd)))
     variant = RopeVariant(hd // 2, st.qk_norm_eps, tuple(t.shape[1] for t in saved["qkv"]))
@@ -208,11 +212,11 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
         # RoPE and QK-norm backward in one XLA pass that also quantizes rstd * dz.
         dz_qkv, zdz0, daux = variant.backward((saved["qkv"], saved["z_qk"]), dqkv, aux)
         dzq, amax["dz_qkv"] = _quantize(meta, "dz_qkv", dz_qkv * r0[:, None], st)
-    nb0 = fp8_gemm(lw, programs.rms_dgrad(True, True), dzq, saved["w_qkv"].T,
+    nb0 = bw_gemm(lw, programs.rms_dgrad(True, True), dzq, saved["w_qkv"].T,
                    {"x": saved["x"], "xcoef": r0 * r0 * zdz0 / d, "gamma": params["attn_norm"], "dres": dx1},
                    out_dtypes={"dx": dt})
     dattn_norm = jnp.sum(nb0["dgamma"], axis=0)
-    dw_qkv = fp8_gemm(lw, programs.IDENTITY, saved["h_t"].T, dzq, {}, out_dtypes={"out": f32})["out"]
+    dw_qkv = bw_gemm(lw, programs.IDENTITY, saved["h_t"].T, dzq, {}, out_dtypes={"out": f32})["out"]
     grads = {"attn_norm": dattn_norm, "w_qkv": dw_qkv, "w_o": dw_o, "mlp_norm": dmlp_norm, "w_gu": dw_gu,
              "w_down": dw_down}
     grads = {k: v.astype(params[k].dtype) for k, v in grads.items()}

@@ -241,7 +241,7 @@ def _runner(call: KernelCall, cfg: TuningConfig | None):
 
     def gemm(a, b, loads):
         return low.gemm(call.epilogue, a, b, loads, transpose_a=call.transpose_a, transpose_b=call.transpose_b,
-                        out_dtypes=out_dtypes)
+                        out_dtypes=out_dtypes, promote_k=call.promote_k)
 
     run = jax.jit(lambda a, b, loads: combined(call.epilogue, gemm(a, b, loads)))
     timed = jax.jit(lambda a, b, loads: jax.tree.map(lambda x: x.reshape(-1)[:1], gemm(a, b, loads)))

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -92,6 +93,14 @@ class KernelShape:
     # Tile outputs written as several arrays, their columns in order: ((name, widths), ...).
     # Every part boundary is a multiple of the chunk width (split_outputs_fit) and N is unpadded.
     out_splits: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # FP8 accumulation: every ``promote_k`` K elements the tensor core's accumulator is added
+    # into a float32 register total and restarted (0: the whole K in the tensor core). See
+    # :func:`_promoted_groups`.
+    promote_k: int = 0
+
+    def promote_steps(self, tile_k: int) -> int:
+        """K steps between promotions under ``tile_k`` (0: none)."""
+        return max(1, self.promote_k // tile_k) if self.promote_k else 0
 
 
 def _transforms(minor_elems: int, dtype) -> tuple:
@@ -668,9 +677,18 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     ``cfg.epilogue_load_slots``, at least 2), then narrower chunks (32, 16 columns: less
     staging SMEM per consumer), then fewer stages (down to 2); then the single-warpgroup kernel (whose
     epilogue staging reuses the pipeline's SMEM), then with ``tile_m=64``. Raises
-    ``ValueError`` naming the epilogue if nothing fits.
+    ``ValueError`` naming the epilogue if nothing fits. A promoting kernel
+    (``shape.promote_k``) first halves its consumer tile (M, then N) to
+    :data:`PROMOTED_TILE_ELEMS`, as it holds two accumulators, and runs the cooperative
+    schedule on the ring's mainloop (``delay_release=1``), which promotes between its K steps.
     """
     ldt = dict(load_dtypes)
+    if shape.promote_k:  # two accumulators a consumer; the ring's mainloop, not JAX's pipeline
+        while cfg.tile_m * cfg.tile_n > PROMOTED_TILE_ELEMS:
+            cfg = dataclasses.replace(cfg, **(dict(tile_m=cfg.tile_m // 2) if cfg.tile_m > 64 else
+                                              dict(tile_n=cfg.tile_n // 2)))
+        if cfg.warp_specialized and not cfg.pingpong:
+            cfg = dataclasses.replace(cfg, delay_release=1)
     if not cfg.k_step_fits(shape.transpose_a, shape.transpose_b):
         raise ValueError(f"tile_k={cfg.tile_k} needs both operands K-major (A [M, K], B given as [N, K]: "
                          f"transpose_a=False, transpose_b=True); use a multiple of 64")
@@ -902,11 +920,44 @@ def _consumer_tile(cfg: TuningConfig, mi, ni, wg):
     return mi * cta_m + wg * cfg.tile_m, ni * cta_n, 2 * mi + wg, ni
 
 
+# A promoting consumer holds two accumulators (the tensor core's and the float32 total): a
+# consumer tile of at most this many elements keeps both at 64 registers a thread each;
+# plan_kernel halves larger tiles.
+PROMOTED_TILE_ELEMS = 64 * 128
+
+
+def _promoted_groups(k_iters: int, every: int, tm: int, tn: int, group: Callable[[Any, int, Any], None]):
+    """The float32 ``[tm, tn]`` product of ``k_iters`` K steps, accumulated with periodic
+    promotion (TransformerEngine's split accumulator) when ``every`` > 0.
+
+    Hopper's FP8 wgmma adds each product group into its accumulator at reduced precision (the
+    addends are aligned to the larger exponent with about 14 bits kept), so an accumulator that
+    has grown drops the low bits of every later addend, and the error grows with K
+    (docs/fp8.md#accumulation). Here every ``every`` K steps run on a fresh tensor-core
+    accumulator, and each group's partial sum is added into a float32 register total.
+    ``group(acc_ref, first, steps)`` issues K steps ``first .. first + steps - 1`` on
+    ``acc_ref`` and waits for them (the tensor cores drain once a group). ``every`` 0: one
+    group of all K steps, no total."""
+    def run(first, steps):
+        def scope(acc_ref):
+            group(acc_ref, first, steps)
+            return acc_ref[...]
+        return pl.run_scoped(scope, plgpu.ACC((tm, tn), jnp.float32))
+
+    if not every or every >= k_iters:
+        return run(0, k_iters)
+    groups, rest = divmod(k_iters, every)
+    total = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), _WG)
+    total = lax.fori_loop(0, groups, lambda g, t: t + run(g * every, every), total)
+    return total + run(groups * every, rest) if rest else total
+
+
 def _simple_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt):
     """One warpgroup per CTA: TMA pipeline, wgmma, then the epilogue (SMEM reused)."""
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     grid_m, grid_n, k_iters = shape.m // tm, shape.n // tn, shape.k // tk
     a_block, b_block = _specs(shape, cfg, tm, tn)
+    every = shape.promote_steps(tk)
 
     def body(a_gmem, b_gmem, *refs):
         load_refs, out_refs = _split_refs(em, refs)
@@ -916,28 +967,30 @@ def _simple_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ld
             lin = info.index[0]
             mi, ni = _tile_order(lin, grid_m, grid_n, cfg)
 
-            def acc_scope(acc_ref):
+            def group(acc_ref, first, steps):  # K steps first .. first + steps - 1, pipelined
                 def step(_, a_smem, b_smem):
                     plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)) if shape.transpose_a else a_smem,
                                 b_smem.transpose((1, 0)) if shape.transpose_b else b_smem)
                     plgpu.wgmma_wait(1)
 
+                a_map = (lambda kk: (first + kk, mi)) if shape.transpose_a else (lambda kk: (mi, first + kk))
+                b_map = (lambda kk: (ni, first + kk)) if shape.transpose_b else (lambda kk: (first + kk, ni))
                 plgpu.emit_pipeline(
                     step,
-                    grid=(k_iters,),
+                    grid=(steps,),
                     in_specs=[
-                        plgpu.BlockSpec(a_block, (lambda kk: (kk, mi)) if shape.transpose_a else (lambda kk: (mi, kk)),
-                                        transforms=_transforms(a_block[1], shape.operand_dtype), delay_release=1),
-                        plgpu.BlockSpec(b_block, (lambda kk: (ni, kk)) if shape.transpose_b else (lambda kk: (kk, ni)),
-                                        transforms=_transforms(b_block[1], shape.operand_dtype), delay_release=1),
+                        plgpu.BlockSpec(a_block, a_map, transforms=_transforms(a_block[1], shape.operand_dtype),
+                                        delay_release=1),
+                        plgpu.BlockSpec(b_block, b_map, transforms=_transforms(b_block[1], shape.operand_dtype),
+                                        delay_release=1),
                     ],
                     max_concurrent_steps=cfg.max_concurrent_steps,
                 )(a_gmem, b_gmem)
                 plgpu.wgmma_wait(0)
-                return acc_ref[...]
 
             with em.scope("mainloop"):
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), jnp.float32))
+                # With promotion, each group is its own pipeline (filled and drained).
+                acc = _promoted_groups(k_iters, every, tm, tn, group)
 
             @functools.partial(pl.run_scoped, **em.scratch_types(ldt))
             def _scope(**scr):
@@ -1223,32 +1276,38 @@ def _ring_producer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, a_gmem, b_
         plgpu.barrier_wait(st.free.at[lax.rem(step, stages)])
 
 
-def _ring_mainloop(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, acc_ref, i, wg, full_base) -> jax.Array:
+def _ring_mainloop(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, i, wg, full_base) -> jax.Array:
     """One consumer's MMAs of CTA tile ``i`` over K: wait for each step's stage (``full``),
     issue its wgmma, and release the previous step's stage once that step's MMAs are done
     (``wgmma_wait(1)``: one step stays in flight, so the tensor cores do not drain between
     steps); the tile's last stage is released after ``wgmma_wait(0)``. Returns the
-    accumulator. ``full_base``: this consumer's first ``full`` barrier."""
+    accumulated tile (promoted: :func:`_promoted_groups`). ``full_base``: this consumer's
+    first ``full`` barrier."""
     stages = ring.stages
 
-    @pl.loop(0, ring.k_iters)
-    def _k(kk):
-        step = i * ring.k_iters + kk
-        slot = lax.rem(step, stages)
-        with em.scope("full_wait"):
-            plgpu.barrier_wait(st.full.at[full_base + slot])
-        a, b = st.a_smem.at[slot], st.b_smem.at[slot]
-        plgpu.wgmma(acc_ref, *(_consumer_operands(a, b, ring.shape, ring.cfg, wg) if ring.coop
-                               else _as_operands(a, b, ring.shape)))
-        plgpu.wgmma_wait(1)  # step - 1's MMA is done: its stage can be refilled
+    def group(acc_ref, first, steps):
+        @pl.loop(0, steps)
+        def _k(j):
+            kk = first + j
+            step = i * ring.k_iters + kk
+            slot = lax.rem(step, stages)
+            with em.scope("full_wait"):
+                plgpu.barrier_wait(st.full.at[full_base + slot])
+            a, b = st.a_smem.at[slot], st.b_smem.at[slot]
+            plgpu.wgmma(acc_ref, *(_consumer_operands(a, b, ring.shape, ring.cfg, wg) if ring.coop
+                                   else _as_operands(a, b, ring.shape)))
+            plgpu.wgmma_wait(1)  # step - 1's MMA is done: its stage can be refilled
 
-        @pl.when(kk > 0)
-        def _():
-            plgpu.barrier_arrive(st.free.at[lax.rem(step - 1 + stages, stages)])
+            @pl.when(kk > 0)
+            def _():
+                plgpu.barrier_arrive(st.free.at[lax.rem(step - 1 + stages, stages)])
 
-    plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(0)
+
+    tm, tn = ring.cfg.tile_m, ring.cfg.tile_n
+    acc = _promoted_groups(ring.k_iters, ring.shape.promote_steps(ring.cfg.tile_k), tm, tn, group)
     plgpu.barrier_arrive(st.free.at[lax.rem(i * ring.k_iters + ring.k_iters - 1, stages)])
-    return acc_ref[...]
+    return acc
 
 
 def _ring_consumer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, sm, my_tiles, wg, load_refs, out_refs,
@@ -1280,8 +1339,7 @@ def _ring_consumer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, sm, my_til
                     plgpu.barrier_wait(st.mma_turn.at[wg])
 
         with em.scope("mainloop"):
-            acc = pl.run_scoped(lambda acc_ref: _ring_mainloop(ring, em, st, acc_ref, i, wg, full_base),
-                                plgpu.ACC((tm, tn), jnp.float32))
+            acc = _ring_mainloop(ring, em, st, i, wg, full_base)
         if ring.turns:  # the CTA's next tile, if any, is the other consumer's: its turn
             @pl.when(i + 1 < my_tiles)
             def _():

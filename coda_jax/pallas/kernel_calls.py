@@ -36,6 +36,7 @@ class KernelCall:
     transpose_b: bool
     out_dtypes: tuple[tuple[str, Any], ...]
     mnk: tuple[int, int, int]
+    promote_k: int = 0  # FP8 accumulator promotion (coda_jax.lowering.GemmLowering)
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -43,14 +44,14 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
 
 
 def note_call(epilogue: Epilogue, a, b, loads: Mapping[str, Any], transpose_a: bool, transpose_b: bool,
-              out_dtypes: Mapping[str, Any] | None, mnk: tuple[int, int, int]) -> None:
+              out_dtypes: Mapping[str, Any] | None, mnk: tuple[int, int, int], promote_k: int = 0) -> None:
     """Appends the call to every open recorder (a no-op when none is open), once per
     distinct call."""
     if not _RECORDERS:
         return
     call = KernelCall(epilogue, _abstract(a), _abstract(b), tuple((k, _abstract(v)) for k, v in sorted(loads.items())),
                       transpose_a, transpose_b, tuple(sorted((k, jnp.dtype(v)) for k, v in (out_dtypes or {}).items())),
-                      tuple(mnk))
+                      tuple(mnk), promote_k)
     for calls in _RECORDERS:
         if call not in calls:
             calls.append(call)

@@ -86,20 +86,21 @@ def kernel_load_dtype(load: Load, dtype: Any) -> jnp.dtype:
 
 def kernel_shape(epilogue: Epilogue, m: int, n: int, k: int, cfg: TuningConfig, transpose_a: bool,
                  transpose_b: bool, operand_dtype: Any, out_dtypes: Mapping[str, Any] | None,
-                 num_sms: int) -> KernelShape:
+                 num_sms: int, promote_k: int = 0) -> KernelShape:
     """The kernel's static shape for an ``[m, k] @ [k, n]`` GEMM under ``cfg``: sizes padded
     to the CTA tile (and K to ``tile_k``; a fallback kernel divides the tile too), each
     output's dtype (``out_dtypes``, else the epilogue's, else
     :func:`~coda_jax.epilogue.default_out_dtype`: the operands', bf16 for FP8 ones; a quantizing
     output's is always its FP8 dtype, as the reference writes it), ``num_sms`` CTAs in the
-    persistent grid."""
+    persistent grid, ``promote_k`` (FP8 operands; see :class:`coda_jax.lowering.GemmLowering`)."""
     m_quantum, n_quantum = cfg.cta_tile()
     dtypes = tuple((o.name, jnp.dtype(o.dtype if o.quantize is not None
                                       else (out_dtypes or {}).get(o.name, o.dtype) or default_out_dtype(operand_dtype)))
                    for o in epilogue.outputs)
     return KernelShape(m=_round_up(m, m_quantum), n=_round_up(n, n_quantum), k=_round_up(k, cfg.tile_k),
                        m_real=m, n_real=n, transpose_a=transpose_a, transpose_b=transpose_b,
-                       operand_dtype=jnp.dtype(operand_dtype), out_dtypes=dtypes, num_sms=num_sms)
+                       operand_dtype=jnp.dtype(operand_dtype), out_dtypes=dtypes, num_sms=num_sms,
+                       promote_k=promote_k)
 
 
 def _default_device():
@@ -182,19 +183,21 @@ class PallasLowering(KernelLowering):
     def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
                     dims: tuple[int, int, int], *, transpose_a: bool, transpose_b: bool,
                     out_dtypes: Mapping[str, Any] | None,
-                    out_splits: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+                    out_splits: dict[str, tuple[int, ...]], promote_k: int = 0) -> dict[str, Any]:
         """See :class:`coda_jax.lowering.GemmLowering`. A split output is written as one array
         per part where :func:`~coda_jax.pallas.gemm_epilogue.split_outputs_fit` (N a multiple
         of the tile, part boundaries multiples of the epilogue's chunk width: 64 columns
         always fit, and in pair mode multiples of the pair width), else written whole and
         sliced by XLA (a quantizing output always). FP8 operands run the heuristic configuration
         of 16-bit ones with ``tile_k`` doubled (:meth:`default_config`); a ``config`` given to
-        the lowering is used as given."""
+        the lowering is used as given. ``promote_k``: the mainloop promotes the FP8 accumulator
+        every ``promote_k`` K elements (rounded down to the K step, at least one), on a
+        consumer tile halved to :data:`~coda_jax.pallas.gemm_epilogue.PROMOTED_TILE_ELEMS`."""
         m, n, k = dims
         interpret = interpret_enabled()
         if interpret:
             ensure_interpreter_threads()  # warns if the CPU pool is too small (a hang)
-        note_call(epilogue, a, b, loads, transpose_a, transpose_b, out_dtypes, (m, n, k))
+        note_call(epilogue, a, b, loads, transpose_a, transpose_b, out_dtypes, (m, n, k), promote_k)
         cfg = self.config
         if cfg is None:
             cfg = self.default_config(epilogue, m, n, k, transpose_a, transpose_b, interpret,
@@ -203,7 +206,7 @@ class PallasLowering(KernelLowering):
             raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
                              f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")
         shape = kernel_shape(epilogue, m, n, k, cfg, transpose_a, transpose_b, a.dtype, out_dtypes,
-                             self.grid_sms(_num_sms(interpret)))
+                             self.grid_sms(_num_sms(interpret)), promote_k)
         mp, np_, kp = shape.m, shape.n, shape.k
         a_p, b_p = pad_operands(a, b, mp, np_, kp, transpose_a, transpose_b)
         args = [v.astype(kernel_load_dtype(l, v.dtype))
