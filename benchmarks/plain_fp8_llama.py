@@ -123,7 +123,7 @@ def expected_fp8_gemms(config: LlamaConfig, fuse: bool = True, lm_head: bool = F
 class _DotConfig:
     idiom: str
     margin: int
-    promote: bool = False  # the backward GEMMs at Precision.HIGHEST (no fast accumulation)
+    promote_min_k: int | None = None  # backward GEMMs with K >= this at Precision.HIGHEST (None: none)
 
 
 def _gemm(a: jax.Array, b: jax.Array, a_inv: jax.Array, b_inv: jax.Array, idiom: str, out_dtype,
@@ -166,8 +166,9 @@ def _fp8_dot_bwd(cfg: _DotConfig, res, dy):
     xq_t, wq, sx_inv, sw_inv, hist_x, hist_w, hist_g = res
     sg = scale_from_history(hist_g, E5M2, cfg.margin)
     gq = quantize(dy, sg, E5M2)  # [M, N], and its transpose [N, M] in the same pass
-    dx = _gemm(gq, wq, 1.0 / sg, sw_inv, cfg.idiom, dy.dtype, cfg.promote)  # [M, N] . [K, N] -> [M, K]
-    dw = _gemm(xq_t, gq.T, sx_inv, 1.0 / sg, cfg.idiom, dy.dtype, cfg.promote)  # [K, M] . [N, M] -> [K, N]
+    promote = lambda k: cfg.promote_min_k is not None and k >= cfg.promote_min_k  # noqa: E731
+    dx = _gemm(gq, wq, 1.0 / sg, sw_inv, cfg.idiom, dy.dtype, promote(gq.shape[1]))  # [M, N] . [K, N] -> [M, K]
+    dw = _gemm(xq_t, gq.T, sx_inv, 1.0 / sg, cfg.idiom, dy.dtype, promote(gq.shape[0]))  # [K, M] . [N, M] -> [K, N]
     hist_g = next_history(hist_g, jnp.max(jnp.abs(dy)).astype(jnp.float32))
     # The "gradient" of the recipe state is its next value (coda_jax.fp8).
     return dx, dw, jnp.stack([hist_x, hist_w, hist_g])
@@ -177,14 +178,15 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
 def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT_IDIOM, margin: int = 0,
-            promote: bool = False) -> jax.Array:
+            promote_min_k: int | None = None) -> jax.Array:
     """``x [M, K] @ w [K, N]`` in FP8 with delayed per-tensor scaling: e4m3 ``x`` and ``w``
     forward, e5m2 output gradient backward, each GEMM accumulated in float32 and written in
     ``x.dtype``. ``meta [3, history]`` float32: the amax histories of ``x``, ``w`` and the
     output gradient; its gradient is the three next histories (the amaxes of this call's
     tensors first). ``x`` and ``w`` share a dtype (the compute dtype: the gradients come
-    back in it). ``promote``: the backward GEMMs without fast accumulation (``Precision.HIGHEST``:
-    cuBLASLt's own float32 promotion), as ``Fp8Recipe.promote_k`` asks of CodaLlama's."""
+    back in it). ``promote_min_k``: the backward GEMMs with K at least this run without fast
+    accumulation (``Precision.HIGHEST``: cuBLASLt's own float32 promotion), as
+    ``Fp8Recipe.promote_k`` / ``promote_min_k`` ask of CodaLlama's (None: none)."""
     if idiom not in IDIOMS:
         raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
@@ -193,7 +195,7 @@ def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT
         raise TypeError(f"x and w must share the compute dtype, got {x.dtype} and {w.dtype}")
     if meta.ndim != 2 or meta.shape[0] != 3:
         raise ValueError(f"meta must be [3, history] (x, w, gradient), got {tuple(meta.shape)}")
-    return _fp8_dot(_DotConfig(idiom, int(margin), bool(promote)), x, w, meta)
+    return _fp8_dot(_DotConfig(idiom, int(margin), promote_min_k), x, w, meta)
 
 
 class PlainFp8LlamaBlock(PlainLlamaBlock):
@@ -205,7 +207,8 @@ class PlainFp8LlamaBlock(PlainLlamaBlock):
         if idiom not in IDIOMS:
             raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
         recipe = c.fp8 or Fp8Recipe()
-        self.fuse, self.idiom, self.margin, self.promote = bool(fuse), idiom, recipe.margin, recipe.promote_k > 0
+        self.fuse, self.idiom, self.margin = bool(fuse), idiom, recipe.margin
+        self.promote_min_k = recipe.promote_min_k if recipe.promote_k else None
         self.projections = FUSED_PROJECTIONS if fuse else SEPARATE_PROJECTIONS
         for name in self.projections:
             setattr(self, f"fp8_{name}", Fp8Meta(jnp.zeros((3, recipe.history), jnp.float32)))
@@ -213,7 +216,7 @@ class PlainFp8LlamaBlock(PlainLlamaBlock):
     def _dense(self, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
         # fp8_dot looked up at call time (the tests record its calls).
         return fp8_dot(x, w, getattr(self, f"fp8_{name}")[...], idiom=self.idiom, margin=self.margin,
-                       promote=self.promote)
+                       promote_min_k=self.promote_min_k)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """``x [B, S, d]`` (compute dtype) -> ``[B, S, d]``."""
@@ -271,7 +274,8 @@ class PlainFp8Llama(PlainLlama):
             return super()._head(h, w_vocab)
         b, s, d = h.shape
         y = fp8_dot(reshape_tokens(h, (b * s, d)), w_vocab.T, self.fp8_lm_head[...], idiom=self.idiom,
-                    margin=self.config.fp8.margin, promote=self.config.fp8.promote_k > 0)
+                    margin=self.config.fp8.margin,
+                    promote_min_k=self.config.fp8.promote_min_k if self.config.fp8.promote_k else None)
         return reshape_tokens(y, (b, s, y.shape[-1]))
 
     def _make_block(self, c: LlamaConfig, rngs: nnx.Rngs) -> PlainFp8LlamaBlock:

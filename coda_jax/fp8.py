@@ -67,13 +67,18 @@ class Fp8Recipe:
         logits are the tensor FP8 rounding hurts most (docs/fp8.md#lm-head). The
         vocab-parallel head (a ``"tensor"`` or ``"fsdp"`` axis that splits the vocabulary)
         runs in FP8 too, its amaxes reduced over the mesh.
-      promote_k: the backward GEMMs (dgrad and wgrad, the LM head's too) add their FP8
-        accumulator into a float32 total every ``promote_k`` K elements, as TransformerEngine's
-        split accumulator does: Hopper's FP8 MMA keeps about 14 bits of its running sum, so the
-        error of an unpromoted product grows with K (the wgrads' K is the token count, the
-        head's dgrad K is the vocabulary; measured in docs/fp8.md#accumulation). A multiple of
-        128 (the kernels' FP8 K step); ``0``: no promotion (the whole K in the tensor core, as
-        the forward GEMMs always run). The CuTeDSL mainloop does not promote (logged).
+      promote_k: the long-K backward GEMMs (dgrad and wgrad with ``K >= promote_min_k``, the LM
+        head's too) add their FP8 accumulator into a float32 total every ``promote_k`` K
+        elements, as TransformerEngine's split accumulator does: Hopper's FP8 MMA keeps about 14
+        bits of its running sum, so the error of an unpromoted product grows with K (the
+        wgrads' K is the token count, the head's dgrad K is the vocabulary; measured in
+        docs/fp8.md#accumulation). A multiple of 128 (the kernels' FP8 K step); ``0``: no
+        promotion (the whole K in the tensor core, as the forward GEMMs always run). The
+        CuTeDSL mainloop does not promote (logged).
+      promote_min_k: the shortest K that is promoted (default 8192: the wgrads of 8192 tokens,
+        the gate/up dgrad and the head's dgrad; the dgrads with K = d or the QKV width accumulate
+        in the tensor core, where the error is below the e5m2 gradient's own rounding and
+        promotion costs the fused kernels most: docs/fp8.md#accumulation).
 
     Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its
     softmax and both of its GEMMs) and the norms stay in the compute dtype, and the LM head
@@ -86,6 +91,7 @@ class Fp8Recipe:
     scaling: str = "delayed"
     lm_head: bool = False
     promote_k: int = 512
+    promote_min_k: int = 8192
 
     def __post_init__(self):
         if not isinstance(self.history, int) or self.history < 1:
@@ -102,6 +108,12 @@ class Fp8Recipe:
                 or self.promote_k % 128):
             raise ValueError(f"Fp8Recipe.promote_k must be 0 or a positive multiple of 128 (K elements between "
                              f"float32 promotions of the backward GEMMs' accumulators), got {self.promote_k!r}")
+        if not isinstance(self.promote_min_k, int) or isinstance(self.promote_min_k, bool) or self.promote_min_k < 0:
+            raise ValueError(f"Fp8Recipe.promote_min_k must be a non-negative int, got {self.promote_min_k!r}")
+
+    def promotion(self, k: int) -> int:
+        """The ``promote_k`` a backward GEMM of contraction size ``k`` runs with (0: none)."""
+        return self.promote_k if k >= self.promote_min_k else 0
 
 
 class Fp8Meta(nnx.Variable):

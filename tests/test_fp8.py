@@ -28,7 +28,8 @@ import coda_jax as cj
 from coda_jax import epilogue as E
 from coda_jax import programs, training
 from coda_jax.backend import lowering_for
-from coda_jax.fp8 import E4M3, E5M2, Fp8Meta, Fp8Recipe, next_history, quantize, quantize_tensor, scale_from_history
+from coda_jax.fp8 import (E4M3, E5M2, Fp8Meta, Fp8Recipe, Fp8Tensor, next_history, quantize, quantize_tensor,
+                          scale_from_history)
 from coda_jax.layers import CodaLlama, LlamaConfig
 from coda_jax.ops.fp8_gemm import fp8_gemm
 from coda_jax.ops.fp8_llama_block import TENSORS, BlockShape, Fp8Carry, fp8_llama_block
@@ -750,3 +751,34 @@ def test_fp8_nonfinite_step(policy):
             changed = [k for k in float_keys if not same[k]]
             assert any("fp8_meta" in k for k in changed) and any("w_qkv" in k for k in changed), changed
             assert not all(np.all(np.isfinite(v)) for k, v in flat_a.items() if k in float_keys)
+
+
+def test_backward_gemms_promote_from_promote_min_k():
+    # Fp8Recipe(promote_k, promote_min_k): a backward GEMM promotes where its K (a's columns)
+    # reaches promote_min_k; the lowering is handed promote_k or 0.
+    from coda_jax.ops.fp8_gemm import backward_gemm
+
+    seen = []
+
+    class Recorder:
+        name = "recorder"
+
+        def gemm(self, epilogue, a, b, loads, **kw):
+            seen.append((a.shape[1], kw["promote_k"]))
+            return {}
+
+    gemm = backward_gemm(512, 8192)
+    for k in (2048, 8192, 16384):
+        a = Fp8Tensor(jnp.ones((64, k), E4M3), None, jnp.float32(1))
+        b = Fp8Tensor(None, jnp.ones((32, k), E4M3), jnp.float32(1))
+        gemm(Recorder(), programs.IDENTITY, a, b, {})
+    assert seen == [(2048, 0), (8192, 512), (16384, 512)]
+    assert Fp8Recipe().promotion(8191) == 0 and Fp8Recipe().promotion(8192) == 512
+    assert Fp8Recipe(promote_k=0).promotion(1 << 20) == 0
+
+
+@pytest.mark.parametrize("kw", [dict(promote_k=100), dict(promote_k=-128), dict(promote_k=True),
+                                dict(promote_min_k=-1)])
+def test_fp8_recipe_checks_promotion(kw):
+    with pytest.raises(ValueError, match="Fp8Recipe.promote"):
+        Fp8Recipe(**kw)

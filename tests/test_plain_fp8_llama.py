@@ -280,7 +280,14 @@ def test_train_step_bench_lm_head_setting():
 
     assert tsb.parse_run("plain_fp8:lm_head=true").model_args == {"lm_head": True}
     assert tsb.parse_run("pallas:fp8=true,lm_head=true").model_args == {"fp8": "delayed", "lm_head": True}
-    with pytest.raises(ValueError, match="lm_head=true is a setting of FP8 runs"):
+    with pytest.raises(ValueError, match="lm_head is a setting of FP8 runs"):
         tsb.parse_run("pallas:lm_head=true")
     with pytest.raises(ValueError, match="lm_head must be true or false"):
         tsb.parse_run("plain_fp8:lm_head=perhaps")
+    # Fp8Recipe.promote_k, for both models.
+    assert tsb.parse_run("plain_fp8:promote_k=0").model_args == {"promote_k": 0}
+    assert tsb.parse_run("pallas:fp8=true,promote_k=0").model_args == {"fp8": "delayed", "promote_k": 0}
+    with pytest.raises(ValueError, match="promote_k is a setting of FP8 runs"):
+        tsb.parse_run("pallas:promote_k=0")
+    with pytest.raises(ValueError, match="promote_k must be an integer"):
+        tsb.parse_run("plain_fp8:promote_k=some")

@@ -157,7 +157,8 @@ class CodaLlamaBlock(nnx.Module):
         carry_out = "none" if next_norm is None else ("fp8" if self.fp8_carry_out else "norm")
         shape = Fp8BlockShape(b, s, c.num_heads, c.num_kv_heads, hd, float(c.rms_norm_eps),
                               float(c.qk_norm_eps) if c.qk_norm else None, c.attention_implementation,
-                              c.fp8.margin, carry_out, c.fp8.scaling, c.fp8.promote_k)
+                              c.fp8.margin, carry_out, c.fp8.scaling, c.fp8.promote_k,
+                              c.fp8.promote_min_k)
         lowering = xla_backend_lowering() if tensor_parallel else lowering_for(FP8_LLAMA_BLOCK, self.backend)
 
         def block(x, params, aux, meta, carry, next_norm):

@@ -38,7 +38,7 @@ from coda_jax.backend import lowering_for
 from coda_jax.fp8 import E4M3, E5M2, Fp8Recipe, Fp8Tensor, next_history, quantize_tensor, scale_from_history
 from coda_jax.lowering import GemmLowering
 from coda_jax.ops.epilogue_pass import epilogue_pass
-from coda_jax.ops.fp8_gemm import fp8_gemm, quantizing_run
+from coda_jax.ops.fp8_gemm import backward_gemm, fp8_gemm, quantizing_run
 from coda_jax.ops.fp8_llama_block import Fp8Carry
 from coda_jax.ops.linear_cross_entropy import (VOCAB_CHUNK, check_args, final_norm_backward, grad_loads,
                                                prepared_targets, reduce_losses, resolve_logits_dtype,
@@ -66,7 +66,8 @@ class _Static:
     w_dtype: jnp.dtype  # w's, the dtype of its gradient
     vocab_axis: str | None = None
     amax_axes: tuple[str, ...] = ()  # inside a shard_map: the axes an amax is reduced over
-    promote_k: int = 0  # Fp8Recipe.promote_k: the dgrad's and wgrad's float32 promotion interval
+    promote_k: int = 0  # Fp8Recipe.promote_k / promote_min_k: the dgrad's and wgrad's float32 promotion
+    promote_min_k: int = 0
 
 
 def _global_amax(st: _Static, amax: jax.Array) -> jax.Array:
@@ -127,9 +128,9 @@ def _row_losses_bwd(st, res, dloss):
     loads["gscale"] = loads["gscale"] * rstd
     if st.save:
         dq, zdz = _grads_from_logits(st, meta, amax, logits, targets, loads)
-        pk = st.promote_k
-        g_h = fp8_gemm(st.lowering, programs.IDENTITY, dq, wq, {}, out_dtypes={"out": jnp.float32}, promote_k=pk)["out"]
-        dw = fp8_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype}, promote_k=pk)["out"]
+        bw_gemm = backward_gemm(st.promote_k, st.promote_min_k)
+        g_h = bw_gemm(st.lowering, programs.IDENTITY, dq, wq, {}, out_dtypes={"out": jnp.float32})["out"]
+        dw = bw_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype})["out"]
     else:
         g_h, zdz, dw = _grads_by_recompute(st, meta, amax, h, wq, targets, rstd, loads)
     # g' = rstd * g_h and zdz' = rstd * zdz: the final norm's backward takes the unscaled ones.
@@ -177,10 +178,9 @@ def _grads_by_recompute(st: _Static, meta, amax: dict, h: Fp8Tensor, wq: Fp8Tens
         zdz = zdz + jnp.sum(outs["zdz"], axis=0)
         dq, a = _quantize(st, meta, "dlogits", outs["dlogits"])
         amaxes.append(a)
-        g_h = fp8_gemm(st.lowering, programs.ACCUMULATE, dq, w_c, {"prev": g_h}, out_dtypes={"out": jnp.float32},
-                       promote_k=st.promote_k)["out"]
-        dw_chunks.append(fp8_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype},
-                                  promote_k=st.promote_k)["out"])
+        bw_gemm = backward_gemm(st.promote_k, st.promote_min_k)
+        g_h = bw_gemm(st.lowering, programs.ACCUMULATE, dq, w_c, {"prev": g_h}, out_dtypes={"out": jnp.float32})["out"]
+        dw_chunks.append(bw_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype})["out"])
     amax["dlogits"] = jnp.max(jnp.stack(amaxes))
     dw = jnp.concatenate(dw_chunks, axis=0) if len(dw_chunks) > 1 else dw_chunks[0]
     return g_h, zdz, dw
@@ -243,7 +243,8 @@ def fp8_linear_cross_entropy(
     t = prepared_targets(targets, ignore_index, vocab_shard(w_vocab, vocab_axis)[1])
     save = resolve_save_logits(save_logits, m, w_vocab.shape[0], logits_dtype)
     st = _Static(lowering, float(eps), float(z_loss), save, jnp.dtype(logits_dtype), recipe.margin, recipe.scaling,
-                 jnp.dtype(w_vocab.dtype), vocab_axis, amax_axes, recipe.promote_k)
+                 jnp.dtype(w_vocab.dtype), vocab_axis, amax_axes, recipe.promote_k,
+                 recipe.promote_min_k)
     h = sumsq = None
     if carry is not None:
         h = jax.tree.map(jax.lax.stop_gradient, carry.h)

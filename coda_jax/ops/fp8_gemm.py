@@ -35,6 +35,17 @@ def fp8_gemm(lowering: GemmLowering, epilogue: E.Epilogue, a: Fp8Tensor, b: Fp8T
                          {**loads, "acc_scale": a.scale_inv * b.scale_inv}, transpose_b=True, **kw)
 
 
+def backward_gemm(promote_k: int, promote_min_k: int) -> Callable[..., dict[str, Any]]:
+    """:func:`fp8_gemm` for a backward GEMM under ``Fp8Recipe(promote_k, promote_min_k)``: its
+    accumulator promoted every ``promote_k`` K elements where its K (``a``'s columns) is at
+    least ``promote_min_k``, in the tensor core's accumulator otherwise."""
+    def gemm(lowering: GemmLowering, epilogue: E.Epilogue, a: Fp8Tensor, b: Fp8Tensor,
+             loads: Mapping[str, jax.Array], **kw: Any) -> dict[str, Any]:
+        return fp8_gemm(lowering, epilogue, a, b, loads, promote_k=promote_k if a.shape[1] >= promote_min_k else 0,
+                        **kw)
+    return gemm
+
+
 def quantizing_run(run: Callable[[E.Epilogue, dict, dict], dict], program: E.Epilogue, loads: Mapping[str, Any],
                    out: str, dtype: Any, *, scale: jax.Array | None = None,
                    quantize: Callable[[jax.Array], tuple[Fp8Tensor, jax.Array]] | None = None

@@ -31,7 +31,6 @@ scale of its own amax (:func:`_quantizing`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +42,7 @@ from coda_jax.fp8 import E4M3, E5M2, Fp8Tensor, next_history, quantize_tensor, s
 from coda_jax.lowering import GemmLowering
 from coda_jax.ops.attention import causal_attention
 from coda_jax.ops.epilogue_pass import epilogue_pass
-from coda_jax.ops.fp8_gemm import fp8_gemm, quantizing_run
+from coda_jax.ops.fp8_gemm import backward_gemm, fp8_gemm, quantizing_run
 from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
 from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
 from coda_jax.sharding import reshape_tokens
@@ -78,7 +77,8 @@ class BlockShape:
     margin: int
     carry_out: str  # "fp8" (the next block reads it), "norm" (a compute-dtype NormCarry), "none"
     scaling: str = "delayed"  # Fp8Recipe.scaling: "delayed" or "current"
-    promote_k: int = 0  # Fp8Recipe.promote_k: the backward GEMMs' float32 promotion interval
+    promote_k: int = 0  # Fp8Recipe.promote_k / promote_min_k: the backward GEMMs' float32 promotion
+    promote_min_k: int = 0
 
 
 def _dtype(name: str):
@@ -164,8 +164,8 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
 
 
 def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
-    # Every dgrad and wgrad promotes its FP8 accumulator (st.promote_k; 0: none).
-    bw_gemm = functools.partial(fp8_gemm, promote_k=st.promote_k)
+    # The long-K dgrads and wgrads promote their FP8 accumulators (Fp8Recipe.promote_k).
+    bw_gemm = backward_gemm(st.promote_k, st.promote_min_k)
     m, d = saved["x"].shape
     dt, hd = dx2.dtype, st.head_dim
     amax = dict(saved["amax"])
