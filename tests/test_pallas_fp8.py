@@ -231,6 +231,9 @@ def test_promoted_accumulation(config, promote_k):
     _compare(E.dequantized(programs.IDENTITY), 200, 136, 700, config=config, out_dtypes={"out": F32},
              promote_k=promote_k)
     _compare(AMAX_PROBE, 200, 136, 700, config=config, promote_k=promote_k, seed=1)
+    # A column sum (the norm backward's dgamma): as summand tiles in the warp-specialized kernels.
+    _compare(E.dequantized(programs.rms_dgrad(True, True)), 200, 136, 700, config=config, promote_k=promote_k,
+             out_dtypes={"dx": BF16}, seed=2)
 
 
 def test_promoting_plan_halves_the_consumer_tile_and_runs_the_ring():

@@ -757,7 +757,9 @@ def plan_epilogue(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     then fit in SMEM. ``shape`` serves both (a column sum's partials and its summand tile
     are float32 alike)."""
     planned = plan_kernel(epi, shape, cfg, load_dtypes)
-    if planned.warp_specialized or not (cfg.warp_specialized and cfg.col_sum_tiles):
+    # A promoting kernel takes the summand tiles too: the single-warpgroup kernel promotes by
+    # restarting its pipeline each group.
+    if planned.warp_specialized or not (cfg.warp_specialized and (cfg.col_sum_tiles or shape.promote_k)):
         return epi, planned
     tiled = col_sums_as_tiles(epi)
     if tiled is epi:
