@@ -12,8 +12,10 @@ Per K and input distribution, ``a [M, K]`` and ``b [N, K]`` are random e4m3 tens
 inputs are FP8 values, so every product is exact and only the accumulation can err). The
 reference is their product in float64 on the host. Rows:
 
-* ``bf16_f32acc``: the same values as bfloat16 (exact: e4m3 fits in bf16), XLA's bf16 GEMM with a
-  float32 output: what float32 accumulation gives;
+* ``bf16_f32acc``: the same values as bfloat16 (exact: e4m3 fits in bf16), a bf16 dot with a
+  float32 output: float32 accumulation where XLA runs it as a bf16 GEMM (on a GPU XLA rewrites a
+  dot of FP8 values converted to bf16 into its FP8 GEMM at some sizes: then this row equals
+  ``xla_fp8``'s, as at K >= 8192 in run 335);
 * ``xla_fp8``: XLA's FP8 GEMM (cuBLASLt on a GPU), float32 output: the plain JAX FP8 baseline's;
 * ``xla_fp8_highest``: the same at ``Precision.HIGHEST`` (what the ``xla`` backend runs for a
   promoting GEMM);
