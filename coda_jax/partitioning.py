@@ -194,8 +194,9 @@ class PartitionedLowering:
              transpose_a: bool = False, transpose_b: bool = False,
              out_dtypes: Mapping[str, Any] | None = None,
              out_splits: Mapping[str, tuple[int, ...]] | None = None, promote_k: int = 0) -> dict[str, Any]:
-        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=out_splits,
-                  promote_k=promote_k)
+        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=out_splits)
+        if promote_k:  # only when asked: a lowering written before promote_k existed runs the rest
+            kw["promote_k"] = promote_k
         # A split output's spec: one per part (the parts are its column ranges: split as it is).
         split_specs = lambda specs: {k: (v,) * len(out_splits[k]) if k in (out_splits or {}) else v  # noqa: E731
                                      for k, v in specs.items()}
@@ -241,8 +242,7 @@ class PartitionedLowering:
             partial = {name: partial_sum_dtype(dt) for name, dt in dtypes.items()}
 
             def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis
-                outs = inner.gemm(epilogue, a, b, l, transpose_a=True, transpose_b=transpose_b,
-                                  out_dtypes=partial, out_splits=out_splits, promote_k=promote_k)
+                outs = inner.gemm(epilogue, a, b, l, **{**kw, "transpose_a": True, "out_dtypes": partial})
                 return jax.tree.map(lambda v: v[None], outs)
 
             in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),

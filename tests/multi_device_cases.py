@@ -56,8 +56,10 @@ class OpaqueKernel:
     name = "pallas"
     plain_gemm = None
 
-    def gemm(self, epilogue, a, b, loads, *, transpose_a=False, transpose_b=False, out_dtypes=None, out_splits=None):
-        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=out_splits)
+    def gemm(self, epilogue, a, b, loads, *, transpose_a=False, transpose_b=False, out_dtypes=None, out_splits=None,
+             promote_k=0):
+        kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=out_splits,
+                  promote_k=promote_k)
         out = REFERENCE.gemm(epilogue, a, b, loads, **kw)
         if epilogue is programs.IDENTITY:
             return out

@@ -41,8 +41,9 @@ def backward_gemm(promote_k: int, promote_min_k: int) -> Callable[..., dict[str,
     least ``promote_min_k``, in the tensor core's accumulator otherwise."""
     def gemm(lowering: GemmLowering, epilogue: E.Epilogue, a: Fp8Tensor, b: Fp8Tensor,
              loads: Mapping[str, jax.Array], **kw: Any) -> dict[str, Any]:
-        return fp8_gemm(lowering, epilogue, a, b, loads, promote_k=promote_k if a.shape[1] >= promote_min_k else 0,
-                        **kw)
+        if promote_k and a.shape[1] >= promote_min_k:  # else not passed: any GemmLowering runs it
+            kw["promote_k"] = promote_k
+        return fp8_gemm(lowering, epilogue, a, b, loads, **kw)
     return gemm
 
 
