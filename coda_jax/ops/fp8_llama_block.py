@@ -21,6 +21,10 @@ passes remain for the attention output ``o`` (cuDNN's), the block's output gradi
 ``h`` (the embedding's), and the weights (once per step). Attention, RoPE, the norms and the
 residual stream stay in the compute dtype.
 
+The backward GEMMs with a long K (``Fp8Recipe.promote_min_k``: the wgrads over the tokens, the
+gate/up dgrad) promote their FP8 accumulators to float32 every ``Fp8Recipe.promote_k`` K elements
+(:func:`coda_jax.ops.fp8_gemm.backward_gemm`; docs/fp8.md#accumulation).
+
 Recipe state: ``meta [len(TENSORS), history]`` float32, one amax history per quantized tensor
 (:data:`TENSORS`); the op's gradient for ``meta`` is its next value (:mod:`coda_jax.fp8`).
 Under current scaling (``BlockShape.scaling``) no scale is known before its tensor exists: each
