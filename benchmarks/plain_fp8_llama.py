@@ -68,7 +68,7 @@ from flax import nnx
 from jax import lax
 
 from benchmarks.plain_llama import PlainLlama, PlainLlamaBlock, _use, rms_norm, rope
-from coda_jax.fp8 import E4M3, E5M2, Fp8Meta, Fp8Recipe, next_history, quantize, scale_from_history
+from coda_jax.fp8 import E4M3, E5M2, Fp8Meta, Fp8Recipe, next_history, promotion, quantize, scale_from_history
 from coda_jax.layers import LlamaConfig
 from coda_jax.ops.attention import causal_attention
 from coda_jax.sharding import reshape_tokens
@@ -123,7 +123,8 @@ def expected_fp8_gemms(config: LlamaConfig, fuse: bool = True, lm_head: bool = F
 class _DotConfig:
     idiom: str
     margin: int
-    promote_min_k: int | None = None  # backward GEMMs with K >= this at Precision.HIGHEST (None: none)
+    promote_k: int = 0  # Fp8Recipe.promote_k / promote_min_k: which backward GEMMs run at Precision.HIGHEST
+    promote_min_k: int = 0
 
 
 def _gemm(a: jax.Array, b: jax.Array, a_inv: jax.Array, b_inv: jax.Array, idiom: str, out_dtype,
@@ -166,7 +167,7 @@ def _fp8_dot_bwd(cfg: _DotConfig, res, dy):
     xq_t, wq, sx_inv, sw_inv, hist_x, hist_w, hist_g = res
     sg = scale_from_history(hist_g, E5M2, cfg.margin)
     gq = quantize(dy, sg, E5M2)  # [M, N], and its transpose [N, M] in the same pass
-    promote = lambda k: cfg.promote_min_k is not None and k >= cfg.promote_min_k  # noqa: E731
+    promote = lambda k: promotion(k, cfg.promote_k, cfg.promote_min_k) > 0  # noqa: E731
     dx = _gemm(gq, wq, 1.0 / sg, sw_inv, cfg.idiom, dy.dtype, promote(gq.shape[1]))  # [M, N] . [K, N] -> [M, K]
     dw = _gemm(xq_t, gq.T, sx_inv, 1.0 / sg, cfg.idiom, dy.dtype, promote(gq.shape[0]))  # [K, M] . [N, M] -> [K, N]
     hist_g = next_history(hist_g, jnp.max(jnp.abs(dy)).astype(jnp.float32))
@@ -178,15 +179,15 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
 def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT_IDIOM, margin: int = 0,
-            promote_min_k: int | None = None) -> jax.Array:
+            promote: tuple[int, int] = (0, 0)) -> jax.Array:
     """``x [M, K] @ w [K, N]`` in FP8 with delayed per-tensor scaling: e4m3 ``x`` and ``w``
     forward, e5m2 output gradient backward, each GEMM accumulated in float32 and written in
     ``x.dtype``. ``meta [3, history]`` float32: the amax histories of ``x``, ``w`` and the
     output gradient; its gradient is the three next histories (the amaxes of this call's
     tensors first). ``x`` and ``w`` share a dtype (the compute dtype: the gradients come
-    back in it). ``promote_min_k``: the backward GEMMs with K at least this run without fast
-    accumulation (``Precision.HIGHEST``: cuBLASLt's own float32 promotion), as
-    ``Fp8Recipe.promote_k`` / ``promote_min_k`` ask of CodaLlama's (None: none)."""
+    back in it). ``promote``: ``(Fp8Recipe.promote_k, promote_min_k)``; the backward GEMMs that
+    rule promotes (:func:`coda_jax.fp8.promotion`) run without fast accumulation
+    (``Precision.HIGHEST``: cuBLASLt's own float32 promotion), as CodaLlama's promote."""
     if idiom not in IDIOMS:
         raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
@@ -195,7 +196,7 @@ def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT
         raise TypeError(f"x and w must share the compute dtype, got {x.dtype} and {w.dtype}")
     if meta.ndim != 2 or meta.shape[0] != 3:
         raise ValueError(f"meta must be [3, history] (x, w, gradient), got {tuple(meta.shape)}")
-    return _fp8_dot(_DotConfig(idiom, int(margin), promote_min_k), x, w, meta)
+    return _fp8_dot(_DotConfig(idiom, int(margin), *promote), x, w, meta)
 
 
 class PlainFp8LlamaBlock(PlainLlamaBlock):
@@ -208,7 +209,7 @@ class PlainFp8LlamaBlock(PlainLlamaBlock):
             raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
         recipe = c.fp8 or Fp8Recipe()
         self.fuse, self.idiom, self.margin = bool(fuse), idiom, recipe.margin
-        self.promote_min_k = recipe.promote_min_k if recipe.promote_k else None
+        self.promote = (recipe.promote_k, recipe.promote_min_k)
         self.projections = FUSED_PROJECTIONS if fuse else SEPARATE_PROJECTIONS
         for name in self.projections:
             setattr(self, f"fp8_{name}", Fp8Meta(jnp.zeros((3, recipe.history), jnp.float32)))
@@ -216,7 +217,7 @@ class PlainFp8LlamaBlock(PlainLlamaBlock):
     def _dense(self, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
         # fp8_dot looked up at call time (the tests record its calls).
         return fp8_dot(x, w, getattr(self, f"fp8_{name}")[...], idiom=self.idiom, margin=self.margin,
-                       promote_min_k=self.promote_min_k)
+                       promote=self.promote)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """``x [B, S, d]`` (compute dtype) -> ``[B, S, d]``."""
@@ -274,8 +275,7 @@ class PlainFp8Llama(PlainLlama):
             return super()._head(h, w_vocab)
         b, s, d = h.shape
         y = fp8_dot(reshape_tokens(h, (b * s, d)), w_vocab.T, self.fp8_lm_head[...], idiom=self.idiom,
-                    margin=self.config.fp8.margin,
-                    promote_min_k=self.config.fp8.promote_min_k if self.config.fp8.promote_k else None)
+                    margin=self.config.fp8.margin, promote=(self.config.fp8.promote_k, self.config.fp8.promote_min_k))
         return reshape_tokens(y, (b, s, y.shape[-1]))
 
     def _make_block(self, c: LlamaConfig, rngs: nnx.Rngs) -> PlainFp8LlamaBlock:

@@ -113,7 +113,13 @@ class Fp8Recipe:
 
     def promotion(self, k: int) -> int:
         """The ``promote_k`` a backward GEMM of contraction size ``k`` runs with (0: none)."""
-        return self.promote_k if k >= self.promote_min_k else 0
+        return promotion(k, self.promote_k, self.promote_min_k)
+
+
+def promotion(k: int, promote_k: int, promote_min_k: int) -> int:
+    """The promotion interval of a backward GEMM of contraction size ``k`` under
+    ``Fp8Recipe(promote_k, promote_min_k)``: ``promote_k`` from ``promote_min_k`` on, else 0."""
+    return promote_k if k >= promote_min_k else 0
 
 
 class Fp8Meta(nnx.Variable):

@@ -170,6 +170,7 @@ def _grads_by_recompute(st: _Static, meta, amax: dict, h: Fp8Tensor, wq: Fp8Tens
     g_h = jnp.zeros((m, d), jnp.float32)
     zdz = jnp.zeros((m,), jnp.float32)
     dw_chunks, amaxes = [], []
+    bw_gemm = backward_gemm(st.promote_k, st.promote_min_k)
     for c0 in range(0, v, VOCAB_CHUNK):
         c1 = min(v, c0 + VOCAB_CHUNK)
         w_c = Fp8Tensor(wq.data[c0:c1], wq.data_t[:, c0:c1], wq.scale_inv)
@@ -178,7 +179,6 @@ def _grads_by_recompute(st: _Static, meta, amax: dict, h: Fp8Tensor, wq: Fp8Tens
         zdz = zdz + jnp.sum(outs["zdz"], axis=0)
         dq, a = _quantize(st, meta, "dlogits", outs["dlogits"])
         amaxes.append(a)
-        bw_gemm = backward_gemm(st.promote_k, st.promote_min_k)
         g_h = bw_gemm(st.lowering, programs.ACCUMULATE, dq, w_c, {"prev": g_h}, out_dtypes={"out": jnp.float32})["out"]
         dw_chunks.append(bw_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype})["out"])
     amax["dlogits"] = jnp.max(jnp.stack(amaxes))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import epilogue as E
-from coda_jax.fp8 import Fp8Tensor
+from coda_jax.fp8 import Fp8Tensor, promotion
 from coda_jax.lowering import GemmLowering
 
 
@@ -41,8 +41,9 @@ def backward_gemm(promote_k: int, promote_min_k: int) -> Callable[..., dict[str,
     least ``promote_min_k``, in the tensor core's accumulator otherwise."""
     def gemm(lowering: GemmLowering, epilogue: E.Epilogue, a: Fp8Tensor, b: Fp8Tensor,
              loads: Mapping[str, jax.Array], **kw: Any) -> dict[str, Any]:
-        if promote_k and a.shape[1] >= promote_min_k:  # else not passed: any GemmLowering runs it
-            kw["promote_k"] = promote_k
+        pk = promotion(a.shape[1], promote_k, promote_min_k)
+        if pk:  # else not passed: any GemmLowering runs it
+            kw["promote_k"] = pk
         return fp8_gemm(lowering, epilogue, a, b, loads, **kw)
     return gemm
 
