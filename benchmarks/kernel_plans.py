@@ -51,7 +51,8 @@ def variant_config(name: str, call, num_sms: int = H100_SMS):
     if name in ("heuristic", "table"):
         m, n, k = call.mnk
         return table_or_heuristic_config(call.epilogue, m, n, k, call.transpose_a, call.transpose_b,
-                                         H100_KIND if name == "table" else None, num_sms)
+                                         H100_KIND if name == "table" else None, num_sms,
+                                         promote_k=call.promote_k)
     return at.candidate_configs(call, [name]).get(name)
 
 

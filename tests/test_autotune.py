@@ -61,6 +61,33 @@ def test_lookup_takes_the_nearest_entry_within_a_factor_of_two():
     assert e.config == dataclasses.replace(CONFIG_TABLE["default"], grid_minor_dim="m")
 
 
+def test_promoted_gemms_take_only_entries_measured_promoted(table_file):
+    """A promoting FP8 GEMM runs another plan (halved consumer tiles): an entry measured
+    unpromoted does not serve it, nor a promoted entry an unpromoted GEMM or one promoted at
+    another interval."""
+    t = T.parse_table(_table([_entry(grid_minor_dim="m"), _entry(grid_tile_width=8) | {"promote_k": 512}]), "t")
+    assert t.lookup("rms_rope", "nn", 8192, 3072, 2048).config.grid_minor_dim == "m"
+    assert t.lookup("rms_rope", "nn", 8192, 3072, 2048, promote_k=512).config.grid_tile_width == 8
+    assert t.lookup("rms_rope", "nn", 8192, 3072, 2048, promote_k=128) is None
+    table_file(_table([_entry(grid_minor_dim="m")]))
+    args = ("rms_rope", 8192, 3072, 2048, False, False, H100, 132)
+    assert T.tuned_config(*args).grid_minor_dim == "m" and T.tuned_config(*args, promote_k=512) is None
+    with pytest.raises(ValueError, match="entry 0: promote_k must be a non-negative int"):
+        T.parse_table(_table([_entry() | {"promote_k": -128}]), "t")
+
+
+def test_promoted_rows_keep_their_interval_through_the_table(tmp_path):
+    row = _row(1.0, band8=0.8) | {"promote_k": 512}
+    entry = at.best_entry(row)
+    assert entry["promote_k"] == 512 and at.row_key(entry) == at.row_key(row) != at.row_key(_row(1.0))
+    assert "promote_k" not in at.best_entry(_row(1.0, band8=0.8))  # unpromoted entries as before
+    p = tmp_path / "t.json"
+    at.write_table(at.table_from_rows([_row(1.0, band8=0.8)], H100, 132), p, merge=False)
+    at.write_table(at.table_from_rows([row], H100, 132), p)  # the same GEMM promoted: a second entry
+    got = T.parse_table(json.loads(p.read_text()), "t")
+    assert sorted(e.promote_k for e in got.entries) == [0, 512]
+
+
 @pytest.mark.parametrize("data,match", [
     ({"entries": {}}, "'entries' list"),
     ({"device_kinds": "H100", "num_sms": 132, "entries": []}, "device_kinds"),
@@ -205,6 +232,20 @@ def test_fp8_calls_get_candidates_with_the_fp8_k_step():
     assert got and set(got) == {n for n, c in bf16.items() if c.tile_k >= 64}
     assert all(got[n].tile_k == 2 * bf16[n].tile_k for n in got)
     assert "k32" in bf16 and "k32" not in got
+
+
+def test_promoted_candidates_only_for_promoting_calls():
+    fp8 = jnp.float8_e4m3fn
+    call = at.KernelCall(E.dequantized(programs.IDENTITY), jax.ShapeDtypeStruct((1024, 8192), fp8),
+                         jax.ShapeDtypeStruct((1024, 8192), fp8), (("acc_scale", jax.ShapeDtypeStruct((), jnp.float32)),),
+                         False, True, (), (1024, 1024, 8192), promote_k=512)
+    got = at.candidate_configs(call, ["promoted"])
+    assert set(got) == set(at.PROMOTED_CANDIDATES) and got["k128"].tile_k == 256  # FP8: the K step doubled
+    assert at.candidate_configs(dataclasses.replace(call, promote_k=0), ["promoted"]) == {}
+    # What runs: the consumer tile halved to two accumulators' registers, the ring's mainloop.
+    planned = at.planned_config(call, got["k128"])
+    assert planned.tile_m * planned.tile_n <= 64 * 128 and planned.tile_k == 256 and planned.delay_release == 1
+    assert at.planned_config(dataclasses.replace(call, promote_k=0), got["k128"]).tile_m == 128
 
 
 def test_combined_compares_a_quantizing_outputs_copy_and_amax():
@@ -418,7 +459,7 @@ def test_autotune_measures_each_gemms_incumbent_beside_the_sweep(monkeypatch):
     monkeypatch.setattr(at, "tune_call", fake_tune)
     table = {"entries": [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8, "candidate": "pingpong"},
                          {"program": "residual_rms", "layout": "nn", "m": 16, "n": 8, "k": 8, "candidate": "heuristic"}]}
-    assert at.incumbents(table) == {("residual_rms", "nn", 8, 8, 8): "pingpong"}
+    assert at.incumbents(table) == {("residual_rms", "nn", 8, 8, 8, 0): "pingpong"}
     out = at.autotune(lambda: None, names=["slots3"], log=lambda s: None, incumbent=at.incumbents(table),
                       skip_programs=("rms_lse",))
     assert measured == [((8, 8, 8), ["pingpong", "slots3"]), ((16, 8, 8), ["slots3"])]
@@ -458,15 +499,20 @@ def test_sustained_timer_heats_before_timing(monkeypatch):
     assert events == [("timed", 3)] or events == ["call", ("timed", 3)]
 
 
-def test_planned_config_is_what_the_lowering_builds(monkeypatch):
+@pytest.mark.parametrize("spec,names", [
+    ("1b-1:8:1024", ["default", "one_out_slot", "direct_loads_one_out_slot"]),
+    # in FP8: the promoted backward GEMMs (K >= 8192) plan halved tiles
+    ("1b-1:8:1024:fp8", ["default", "pingpong", "k128", "pingpong_k128"]),
+])
+def test_planned_config_is_what_the_lowering_builds(monkeypatch, spec, names):
     """:func:`autotune.planned_config` (no GPU, no operands) plans every kernel call of a
     one-layer 1B step as :class:`PallasLowering` does when it builds the call, for the
-    default configuration and two that free SMEM."""
+    default configuration and two that free SMEM (in FP8: promoted calls too)."""
     from benchmarks.tune import model_step
     from coda_jax.pallas import lowering as pl_lowering
 
     monkeypatch.setenv("CODA_JAX_PALLAS_INTERPRET", "1")
-    fn, args = model_step("1b-1:8:1024")
+    fn, args = model_step(spec)
     calls = at.kernel_calls(fn, *args)
     assert len(calls) >= 8
     built = []
@@ -478,14 +524,19 @@ def test_planned_config_is_what_the_lowering_builds(monkeypatch):
         return epi, cfg
 
     monkeypatch.setattr(pl_lowering, "plan_epilogue", spy)
-    checked = 0
+    checked = promoted = 0
     for call in calls:
-        for name, cfg in at.candidate_configs(call, ["default", "one_out_slot", "direct_loads_one_out_slot"]).items():
+        promote = {"promote_k": call.promote_k} if call.promote_k else {}
+        for name, cfg in at.candidate_configs(call, names).items():
             low = lowering.PallasLowering(cfg)
             built.clear()
             jax.eval_shape(lambda a, b, l: low.gemm(call.epilogue, a, b, l, transpose_a=call.transpose_a,
-                                                    transpose_b=call.transpose_b, out_dtypes=dict(call.out_dtypes)),
+                                                    transpose_b=call.transpose_b, out_dtypes=dict(call.out_dtypes),
+                                                    **promote),
                            call.a, call.b, dict(call.loads))
             assert built == [at.planned_config(call, cfg)], (call.epilogue.name, call.mnk, name)
             checked += 1
-    assert checked >= 3 * len(calls) - 3
+            promoted += bool(call.promote_k)
+    fp8 = spec.endswith(":fp8")  # an unpromoted FP8 call runs "default" and "pingpong" alone
+    assert checked >= (2 if fp8 else 3) * len(calls) - 3
+    assert promoted >= (20 if fp8 else 0)

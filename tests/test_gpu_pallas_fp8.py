@@ -126,7 +126,10 @@ def test_ce_grad_pass_on_gpu(config):
 
 
 _PROMOTING = {"lowering_default": None, "cooperative": CONFIGS["cooperative"], "pingpong": CONFIGS["pingpong"],
-              "single": for_fp8_operands(CONFIG_TABLE["small"])}
+              "single": for_fp8_operands(CONFIG_TABLE["small"]),
+              # the autotuner's K steps of 256 for promoting GEMMs (autotune.PROMOTED_CANDIDATES)
+              "cooperative_k256": dataclasses.replace(CONFIGS["cooperative"], tile_k=256),
+              "pingpong_k256": dataclasses.replace(CONFIGS["pingpong"], tile_k=256)}
 
 
 @pytest.mark.parametrize("config", _PROMOTING, ids=list(_PROMOTING))

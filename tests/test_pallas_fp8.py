@@ -224,8 +224,12 @@ def test_fp8_operands_row_scale(dtypes, config):
 
 
 # Promotion: K = 700 pads to 6 steps of 128; every 4 steps leaves a group of 2, every step
-# makes 6 groups of 1. The kernel's sums differ from the reference's only by order.
-@pytest.mark.parametrize("config", [SMALL8, WS8, PINGPONG8], ids=["single", "cooperative", "pingpong"])
+# makes 6 groups of 1. The kernel's sums differ from the reference's only by order. K steps of
+# 256 (the autotuner's "k128" candidates for promoting GEMMs): 3 steps, groups of 2 and 1;
+# promote_k=128 is rounded up to one step of 256.
+@pytest.mark.parametrize("config", [SMALL8, WS8, PINGPONG8, dataclasses.replace(WS8, tile_k=256),
+                                    dataclasses.replace(PINGPONG8, tile_k=256)],
+                         ids=["single", "cooperative", "pingpong", "cooperative_k256", "pingpong_k256"])
 @pytest.mark.parametrize("promote_k", [128, 512])
 def test_promoted_accumulation(config, promote_k):
     _compare(E.dequantized(programs.IDENTITY), 200, 136, 700, config=config, out_dtypes={"out": F32},
@@ -263,7 +267,8 @@ def test_promote_k_is_checked(bad):
                                                           promote_k=bad)
 
 
-@pytest.mark.parametrize("config", [SMALL8, WS8, PINGPONG8], ids=["single", "cooperative", "pingpong"])
+@pytest.mark.parametrize("config", [SMALL8, WS8, PINGPONG8, dataclasses.replace(WS8, tile_k=256)],
+                         ids=["single", "cooperative", "pingpong", "cooperative_k256"])
 @pytest.mark.parametrize("k", [1024, 1152])
 def test_promoting_kernel_lowers_for_cuda(config, k):
     """Mosaic GPU's code generation accepts the promoting mainloops: a fresh accumulator a

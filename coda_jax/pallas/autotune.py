@@ -161,16 +161,36 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                       cluster_dimension=None, pingpong_turns=True,
                                                       max_concurrent_steps=6),
 }
+# For FP8 GEMMs whose accumulator is promoted (Fp8Recipe.promote_k; offered to those calls
+# only). plan_kernel halves their consumer tiles to 64 x 128 (two accumulators a thread), so
+# a K step holds half the MMAs of an unpromoted one against the same barrier waits and
+# releases: a K step of twice the bytes (tile_k 128, 256 FP8 elements) restores the ratio;
+# the halved stages leave room for deeper rings; ping-pong consumers, each on its own tile,
+# can run MMAs while the other drains its accumulator into the float32 total.
+PROMOTED_CANDIDATES: dict[str, TuningConfig] = {
+    "k128": dataclasses.replace(_D, tile_k=128),
+    "k128_no_cluster": dataclasses.replace(_D, tile_k=128, cluster_dimension=None),
+    "ring_deep": dataclasses.replace(_D, delay_release=1, max_concurrent_steps=6),
+    "ring_deep_no_cluster": dataclasses.replace(_D, delay_release=1, max_concurrent_steps=6, cluster_dimension=None),
+    "pingpong_k128": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, tile_k=128),
+    "pingpong_minor_m_k128": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, tile_k=128,
+                                                 grid_minor_dim="m"),
+    "pingpong_deeper": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, max_concurrent_steps=8),
+    "pingpong_turns_deeper": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                 pingpong_turns=True, max_concurrent_steps=8),
+}
 
 
 def known_candidates() -> dict[str, TuningConfig]:
-    """Every candidate by name: :data:`CANDIDATES` and :data:`EXTENDED_CANDIDATES`."""
-    return {**CANDIDATES, **EXTENDED_CANDIDATES}
+    """Every candidate by name: :data:`CANDIDATES`, :data:`EXTENDED_CANDIDATES` and
+    :data:`PROMOTED_CANDIDATES`."""
+    return {**CANDIDATES, **EXTENDED_CANDIDATES, **PROMOTED_CANDIDATES}
 
 
 def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[str, TuningConfig]:
     """The named candidates (default: :data:`CANDIDATES`; ``"extended"``:
-    :data:`EXTENDED_CANDIDATES`; ``"all"``: both) that can run ``call``: those whose tile
+    :data:`EXTENDED_CANDIDATES`; ``"promoted"``: :data:`PROMOTED_CANDIDATES`, for promoting
+    calls only; ``"all"``: every one) that can run ``call``: those whose tile
     holds the epilogue's pair block and whose K step suits the call's layout. The heuristic's own configuration is timed separately.
 
     A call on FP8 operands gets each candidate with its K step doubled
@@ -181,12 +201,14 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
     fp8 = call.a.dtype in FP8_DTYPES
     pw = epi.pair_width if epi.pair_block is not None else None
     known = known_candidates()
-    groups = {"extended": list(EXTENDED_CANDIDATES), "all": list(known)}
+    groups = {"extended": list(EXTENDED_CANDIDATES), "promoted": list(PROMOTED_CANDIDATES), "all": list(known)}
     chosen = [x for name in (names or list(CANDIDATES)) for x in groups.get(name, [name])]
     out = {}
     for name in dict.fromkeys(chosen):
         if name not in known:
-            raise ValueError(f"unknown candidate {name!r}; known: {sorted(known)}, 'extended', 'all'")
+            raise ValueError(f"unknown candidate {name!r}; known: {sorted(known)}, 'extended', 'promoted', 'all'")
+        if name in PROMOTED_CANDIDATES and not call.promote_k:
+            continue
         cfg = known[name]
         if fp8:
             if cfg.tile_k < 64:
@@ -207,7 +229,7 @@ def planned_config(call: KernelCall, cfg: TuningConfig, num_sms: int = 132) -> T
     single-warpgroup fallback), on a GPU of ``num_sms`` SMs (132: the H100). No GPU needed."""
     m, n, k = call.mnk
     shape = kernel_shape(call.epilogue, m, n, k, cfg, call.transpose_a, call.transpose_b, call.a.dtype,
-                         dict(call.out_dtypes), num_sms)
+                         dict(call.out_dtypes), num_sms, call.promote_k)
     loads = dict(call.loads)
     load_dtypes = tuple((l.name, kernel_load_dtype(l, loads[l.name].dtype)) for l in call.epilogue.loads)
     return plan_epilogue(call.epilogue, shape, cfg, load_dtypes)[1]
@@ -336,7 +358,7 @@ def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20,
     m, n, k = call.mnk
     a, b, loads = random_arguments(call)
     row = {"program": call.epilogue.name, "layout": layout_name(call.transpose_a, call.transpose_b),
-           "m": m, "n": n, "k": k, "results": {}}
+           "m": m, "n": n, "k": k, **({"promote_k": call.promote_k} if call.promote_k else {}), "results": {}}
     with tables_disabled():
         run, timed = _runner(call, None)
         refs = jax.block_until_ready(run(a, b, loads))
@@ -352,7 +374,8 @@ def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20,
         except Exception as e:  # noqa: BLE001  (SMEM overflow, a lowering failure: record and go on)
             row["results"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         r = row["results"][name]
-        log(f"TUNE {row['program']:18s} {row['layout']} {m}x{n}x{k} {name:18s} "
+        promoted = f" promote_k={call.promote_k}" if call.promote_k else ""
+        log(f"TUNE {row['program']:18s} {row['layout']} {m}x{n}x{k}{promoted} {name:18s} "
             + (f"{r['ms']:.4f} ms (heuristic {row['heuristic_ms']:.4f})" if "ms" in r else r["error"][:120]))
     return row
 
@@ -362,6 +385,7 @@ def best_entry(row: dict[str, Any], min_gain: float = 0.02) -> dict[str, Any]:
     by more than ``min_gain`` (a fraction); else an entry with ``"config": null`` (the
     heuristic stays for this GEMM, and no neighbouring entry is borrowed for it)."""
     entry = {"program": row["program"], "layout": row["layout"], "m": row["m"], "n": row["n"], "k": row["k"],
+             **({"promote_k": row["promote_k"]} if row.get("promote_k") else {}),
              "config": None, "candidate": "heuristic", "ms": round(row["heuristic_ms"], 5),
              "heuristic_ms": round(row["heuristic_ms"], 5)}
     timed = {k: v for k, v in row["results"].items() if "ms" in v}
@@ -387,12 +411,13 @@ def kernel_calls(fn: Callable, *args) -> list[KernelCall]:
 
 
 def row_key(row: dict[str, Any]) -> tuple:
-    """(program, layout, m, n, k) of a measurement row or table entry."""
-    return row["program"], row["layout"], row["m"], row["n"], row["k"]
+    """(program, layout, m, n, k, promote_k) of a measurement row or table entry (``promote_k``
+    absent: 0, an unpromoted GEMM)."""
+    return row["program"], row["layout"], row["m"], row["n"], row["k"], row.get("promote_k", 0)
 
 
 def incumbents(table: dict[str, Any] | None) -> dict[tuple, str]:
-    """{(program, layout, m, n, k): candidate name} of a table's entries won by a candidate
+    """{(program, layout, m, n, k, promote_k): candidate name} of a table's entries won by a candidate
     (not the heuristic): pass it to :func:`autotune` so that a sweep of other candidates
     measures each GEMM's current winner beside them, in the same process."""
     known = known_candidates()
@@ -429,7 +454,7 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     log(f"TUNE {len(calls)} distinct kernel calls")
     t0, tuned, left = time.perf_counter(), [], len(calls)
     for call in calls:
-        key = (call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk)
+        key = (call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk, call.promote_k)
         row = done.get(key)
         extra = [incumbent[key]] if key in incumbent else []
         wanted = list(candidate_configs(call, list(names or CANDIDATES) + extra))

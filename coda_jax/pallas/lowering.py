@@ -58,16 +58,18 @@ def _num_sms(interpret: bool) -> int:
 
 
 def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
-                              device_kind: str | None, num_sms: int, *, fp8_operands: bool = False) -> TuningConfig:
+                              device_kind: str | None, num_sms: int, *, fp8_operands: bool = False,
+                              promote_k: int = 0) -> TuningConfig:
     """The configuration of an ``[m, k] @ [k, n]`` GEMM running ``epilogue`` on a GPU of
     ``device_kind`` with ``num_sms`` SMs: the tuned table's entry
     (:func:`coda_jax.pallas.tuned.tuned_config`; ``device_kind`` None: no table), else the
     heuristics (the shape class's entry with the program's changes, half-width tiles where
     they fill the persistent grid's waves better: :func:`fit_waves`), for FP8 operands with
     the K step doubled (:func:`~coda_jax.pallas.tuning.for_fp8_operands`; a table entry is
-    taken as measured)."""
+    taken as measured). ``promote_k``: the FP8 accumulator's promotion interval; only entries
+    measured with it apply."""
     pw = epilogue.pair_width if epilogue.pair_block is not None else None
-    tuned = (tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, device_kind, num_sms, pw)
+    tuned = (tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, device_kind, num_sms, pw, promote_k)
              if device_kind else None)
     if tuned:
         return tuned
@@ -148,7 +150,7 @@ class PallasLowering(KernelLowering):
 
     @staticmethod
     def default_config(epilogue: Epilogue, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
-                       interpret: bool, *, fp8_operands: bool = False) -> TuningConfig:
+                       interpret: bool, *, fp8_operands: bool = False, promote_k: int = 0) -> TuningConfig:
         """The configuration of a GEMM when none was given: the measured one for this GPU
         (:func:`coda_jax.pallas.tuned.tuned_config`), else the heuristics (the shape-class
         table, the ping-pong programs, the wave fit; with ``fp8_operands``, ``tile_k``
@@ -160,7 +162,7 @@ class PallasLowering(KernelLowering):
         dev = _default_device()
         kind = dev.device_kind if dev.platform == "gpu" else None
         return table_or_heuristic_config(epilogue, m, n, k, transpose_a, transpose_b, kind, _num_sms(False),
-                                         fp8_operands=fp8_operands)
+                                         fp8_operands=fp8_operands, promote_k=promote_k)
 
     def fp8_rule(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, transpose_a: bool,
                  transpose_b: bool) -> str | None:
@@ -201,7 +203,7 @@ class PallasLowering(KernelLowering):
         cfg = self.config
         if cfg is None:
             cfg = self.default_config(epilogue, m, n, k, transpose_a, transpose_b, interpret,
-                                      fp8_operands=a.dtype in FP8_DTYPES)
+                                      fp8_operands=a.dtype in FP8_DTYPES, promote_k=promote_k)
         if epilogue.pair_block is not None and cfg.tile_n % epilogue.pair_width:
             raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
                              f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")

@@ -17,7 +17,10 @@ heuristic configuration's, and writes the winners as a table (JSON)::
 ``layout`` is ``"n"``/``"t"`` for A then B (``"tn"``: the wgrad's transposed A). ``config``
 holds the :class:`TuningConfig` fields that differ from ``CONFIG_TABLE["default"]``, or is
 ``null`` where no candidate beat the heuristics' choice (the GEMM keeps it, and borrows no
-neighbouring entry).
+neighbouring entry). ``promote_k`` (absent: 0) marks an FP8 GEMM measured with its accumulator
+promoted every that many K elements (:class:`coda_jax.lowering.GemmLowering`): the promoting
+kernel runs another plan (halved consumer tiles, the ring's mainloop), so its entries serve
+only GEMMs promoted alike, and an unpromoted entry never serves a promoted GEMM.
 
 Lookup (:func:`tuned_config`): the tables shipped with the package, one per GPU kind
 (``tuned_<gpu>.json``, :func:`table_file_name`: ``tuned_h100.json``, ``tuned_h200.json``), or
@@ -27,7 +30,7 @@ measured with (wave quantization depends on it); the first shipped table that ap
 used. The H200 has the H100's SMs and more memory bandwidth, and its own table: the
 winners differ where an epilogue's traffic matters. An entry matches a GEMM of the same
 program and layout whose (m, n, k) are each within a factor of 2 of the entry's; the
-nearest (in log distance) wins. Otherwise the heuristics decide.
+nearest (in log distance) wins; the promotion interval must match exactly. Otherwise the heuristics decide.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class TunedEntry:
     n: int
     k: int
     config: TuningConfig | None  # None: measured, and the heuristics' choice won
+    promote_k: int = 0  # the FP8 accumulator's promotion interval it was measured with (0: none)
 
     def distance(self, m: int, n: int, k: int) -> float | None:
         """Log distance to an ``(m, n, k)`` GEMM, or None if a dimension is off by more
@@ -82,10 +86,10 @@ class TunedTable:
     def applies_to(self, device_kind: str, num_sms: int) -> bool:
         return device_kind in self.device_kinds and num_sms == self.num_sms
 
-    def lookup(self, program: str, layout: str, m: int, n: int, k: int) -> TunedEntry | None:
+    def lookup(self, program: str, layout: str, m: int, n: int, k: int, promote_k: int = 0) -> TunedEntry | None:
         best, best_d = None, None
         for e in self.entries:
-            if e.program != program or e.layout != layout:
+            if e.program != program or e.layout != layout or e.promote_k != promote_k:
                 continue
             d = e.distance(m, n, k)
             if d is not None and (best_d is None or d < best_d):
@@ -128,11 +132,16 @@ def parse_table(data: dict, source: str) -> TunedTable:
             dims = [int(e[d]) for d in ("m", "n", "k")]
             program, fields = str(e["program"]), e["config"]
             fields = None if fields is None else dict(fields)
+            promote_k = e.get("promote_k", 0)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{where}: needs program, layout, m, n, k and config ({err})") from err
         if layout not in ("nn", "nt", "tn", "tt") or min(dims) < 1:
             raise ValueError(f"{where}: layout must be nn/nt/tn/tt and m, n, k positive, got {layout!r} {dims}")
-        entries.append(TunedEntry(program, layout, *dims, None if fields is None else config_from_fields(fields, where)))
+        if not isinstance(promote_k, int) or isinstance(promote_k, bool) or promote_k < 0:
+            raise ValueError(f"{where}: promote_k must be a non-negative int (K elements between FP8 accumulator "
+                             f"promotions; absent: 0), got {promote_k!r}")
+        entries.append(TunedEntry(program, layout, *dims, None if fields is None else config_from_fields(fields, where),
+                                  promote_k))
     return TunedTable(tuple(kinds), data["num_sms"], tuple(entries))
 
 
@@ -191,15 +200,17 @@ def table_for(device_kind: str, num_sms: int) -> TunedTable | None:
 
 
 def tuned_config(program: str, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
-                 device_kind: str, num_sms: int, pair_width: int | None = None) -> TuningConfig | None:
+                 device_kind: str, num_sms: int, pair_width: int | None = None,
+                 promote_k: int = 0) -> TuningConfig | None:
     """The measured configuration for this GEMM on this GPU, or None (the heuristics decide).
 
-    An entry whose tile cannot hold the epilogue's pair block (``pair_width``) is skipped.
+    An entry whose tile cannot hold the epilogue's pair block (``pair_width``) is skipped;
+    ``promote_k``: the GEMM's FP8 promotion interval, which an entry must have been measured with.
     """
     table = table_for(device_kind, num_sms)
     if table is None:
         return None
-    entry = table.lookup(program, layout_name(transpose_a, transpose_b), m, n, k)
+    entry = table.lookup(program, layout_name(transpose_a, transpose_b), m, n, k, promote_k)
     if entry is None or entry.config is None or (pair_width is not None and entry.config.tile_n % pair_width):
         return None
     return entry.config
