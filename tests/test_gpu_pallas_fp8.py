@@ -75,12 +75,13 @@ def test_swiglu_q8_programs_on_gpu():
     _run(E.dequantized(programs.rms_dgrad_q8(True)), 2048, 2048, 1024, out_dtypes=None, seed=28)
 
 
-@pytest.mark.parametrize("epi,layout,cfg", _shipped_fp8_configs(),
+@pytest.mark.parametrize("epi,layout,cfg,promote_k", _shipped_fp8_configs(),
                          ids=lambda x: getattr(x, "name", None) or (x if isinstance(x, str) else None))
-def test_shipped_fp8_tuned_configs_on_gpu(epi, layout, cfg):
-    # Each FP8 configuration of the shipped tables, compiled, on its program (ragged M and N).
+def test_shipped_fp8_tuned_configs_on_gpu(epi, layout, cfg, promote_k):
+    # Each FP8 configuration of the shipped tables, compiled, on its program (ragged M and N),
+    # promoted as it was measured (K = 2560: five groups of 512).
     out = {o.name: BF16 for o in epi.outputs if o.kind is OutputKind.TILE and o.quantize is None}
-    _run(epi, 2000, 2944, 1024, config=cfg, out_dtypes=out, seed=31)
+    _run(epi, 2000, 2944, 2560 if promote_k else 1024, config=cfg, out_dtypes=out, seed=31, promote_k=promote_k)
 
 
 @pytest.mark.parametrize("config", [*CONFIGS, "single_warpgroup_sum"])

@@ -507,8 +507,9 @@ def test_unscaled_outputs_of_fp8_operands_default_to_bf16():
 
 
 def _shipped_fp8_configs():
-    """(program, layout, config) of each distinct FP8 configuration in the shipped tuned tables
-    (programs on FP8 operands: :func:`coda_jax.epilogue.dequantized`'s ``<name>_fp8``)."""
+    """(program, layout, config, promote_k) of each distinct FP8 configuration in the shipped
+    tuned tables (programs on FP8 operands: :func:`coda_jax.epilogue.dequantized`'s
+    ``<name>_fp8``; ``promote_k``: the promotion interval an entry was measured with)."""
     from coda_jax.pallas.tuned import SHIPPED_TABLES, load_table
     from test_pallas_kernels import CASES
 
@@ -520,19 +521,21 @@ def _shipped_fp8_configs():
         if e.config is not None and e.program.endswith("_fp8"):
             epi = next((E.dequantized(i) for i in inner if i.name == e.program.removesuffix("_fp8")), None)
             assert epi is not None, f"tuned table entry for unknown FP8 program {e.program!r}"
-            assert e.config.tile_k == 128, f"{e.program}: an FP8 entry holds the K step it was measured with"
-            seen.setdefault((e.program, e.config), (epi, e.layout, e.config))
+            assert e.config.tile_k in (128, 256), f"{e.program}: an FP8 entry holds the K step it was measured with"
+            seen.setdefault((e.program, e.config, e.promote_k), (epi, e.layout, e.config, e.promote_k))
     return list(seen.values())
 
 
-@pytest.mark.parametrize("epi,layout,cfg", _shipped_fp8_configs(),
+@pytest.mark.parametrize("epi,layout,cfg,promote_k", _shipped_fp8_configs(),
                          ids=lambda x: getattr(x, "name", None) or (x if isinstance(x, str) else None))
-def test_shipped_fp8_tuned_configs(epi, layout, cfg):
+def test_shipped_fp8_tuned_configs(epi, layout, cfg, promote_k):
     # Each FP8 configuration of the shipped tables on the program it was tuned for, FP8 operands,
-    # ragged M and N (tests/test_gpu_pallas_fp8.py runs the kernels compiled).
+    # ragged M and N, promoted as measured (then over K steps that make more than one group;
+    # tests/test_gpu_pallas_fp8.py runs the kernels compiled).
     assert layout == "nt"
     out = {o.name: BF16 for o in epi.outputs if o.kind is OutputKind.TILE and o.quantize is None}
-    _compare(epi, 200, 384, 256, config=cfg, out_dtypes=out, seed=30)
+    _compare(epi, 200, 384, 3 * max(cfg.tile_k, promote_k) if promote_k else 256, config=cfg, out_dtypes=out,
+             seed=30, promote_k=promote_k)
 
 
 def _check_pass(epi, m, n, loads, out, scale, config, before_kernel):
