@@ -16,6 +16,7 @@ import pytest
 from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.epilogue import OutputKind
+from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
 from op_cases import poison_allocator
 from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs,
@@ -78,10 +79,16 @@ def test_swiglu_q8_programs_on_gpu():
 @pytest.mark.parametrize("epi,layout,cfg,promote_k", _shipped_fp8_configs(),
                          ids=lambda x: getattr(x, "name", None) or (x if isinstance(x, str) else None))
 def test_shipped_fp8_tuned_configs_on_gpu(epi, layout, cfg, promote_k):
-    # Each FP8 configuration of the shipped tables, compiled, on its program (ragged M and N),
-    # promoted as it was measured (K = 2560: five groups of 512).
+    # Each FP8 configuration of the shipped tables, compiled, on its program (ragged M and N).
+    # A promoted entry runs promoted (K = 2560: five groups of 512) against the default
+    # configuration promoted alike, whose groups run the same MMAs in the same order: the same
+    # accumulator bits, so the FP8 codes match. (XLA's reference at HIGHEST promotes every 128:
+    # its codes differ after rms_dgrad's cancellation; test_promoted_accumulation_on_gpu checks
+    # promotion against exact math.)
     out = {o.name: BF16 for o in epi.outputs if o.kind is OutputKind.TILE and o.quantize is None}
-    _run(epi, 2000, 2944, 2560 if promote_k else 1024, config=cfg, out_dtypes=out, seed=31, promote_k=promote_k)
+    ref = PallasLowering(for_fp8_operands(CONFIG_TABLE["default"]), plain_gemm="kernel") if promote_k else None
+    _run(epi, 2000, 2944, 2560 if promote_k else 1024, config=cfg, out_dtypes=out, seed=31, promote_k=promote_k,
+         reference=ref)
 
 
 @pytest.mark.parametrize("config", [*CONFIGS, "single_warpgroup_sum"])

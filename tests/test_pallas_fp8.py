@@ -168,8 +168,9 @@ def _check_fp8(name, got, want, scale) -> None:
 
 
 def _compare(epi, m, n, k, *, transpose_a=False, transpose_b=True, dtypes=(E4M3, E4M3), config=None,
-             out_dtypes=None, seed=0, promote_k=0):
-    """``epi`` on the Pallas kernel (interpreted) vs :data:`REFERENCE` on the same inputs."""
+             out_dtypes=None, seed=0, promote_k=0, reference=None):
+    """``epi`` on the Pallas kernel (interpreted) vs :data:`REFERENCE` on the same inputs (or vs
+    the lowering ``reference``, with the scales still set from :data:`REFERENCE`'s amax)."""
     a, b = _operands(m, n, k, transpose_a, transpose_b, dtypes, seed)
     loads = _fp8_loads(epi, m, n, seed)
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, promote_k=promote_k)
@@ -178,6 +179,8 @@ def _compare(epi, m, n, k, *, transpose_a=False, transpose_b=True, dtypes=(E4M3,
         return lowering.gemm(epi, a, b, loads, **kw)
 
     want = _set_scales(epi, run, loads)
+    if reference is not None:
+        want = jax.jit(lambda a, b, l: reference.gemm(epi, a, b, l, **kw))(a, b, loads)
     low = PallasLowering(config, plain_gemm="kernel")
     got = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, **kw))(a, b, loads)
     assert set(got) == set(want) == set(epi.result_names()), (sorted(got), sorted(want))
