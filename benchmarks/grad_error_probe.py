@@ -1,6 +1,7 @@
 """Each backend's error in one training step, per gradient, against float32 math.
 
     python -m benchmarks.grad_error_probe --backends xla,pallas,cutedsl --layers 4 --out probe.json
+    python -m benchmarks.grad_error_probe --backends xla:fp8,pallas:fp8,pallas --layers 2
 
 Builds ``CodaLlama`` (``--preset``, ``--layers``; seed 0, so every backend gets the same
 parameters) and takes the first training batch of ``examples/train_llama.py``. The
@@ -9,7 +10,9 @@ reference is the same model in float32 on the ``xla`` backend with XLA's attenti
 preset's compute dtype (bf16). The probe prints, per parameter kind (``w_qkv``, ``w_o``,
 ``w_gu``, ``w_down``, the two block norms (each averaged over the blocks), ``embed``,
 ``final_norm``, ``lm_head``), the relative error ``||g - g_ref|| / ||g_ref||`` of every
-backend and the ratio of each to the first backend's error.
+backend, the ratio of each to the first backend's error, and each later backend's distance
+from the first's gradients. ``<backend>:fp8``: the model in FP8 (``Fp8Recipe()``), its
+histories filled by one step's amaxes before the measured step.
 
 Why: a backend can pass every op test (error under 1e-2 against XLA) and still round
 differently somewhere, which shows in training as a different sensitivity of the loss
@@ -36,8 +39,22 @@ def gradient_kind(path: str) -> str:
 
 
 def step_gradients(model, tokens, targets) -> tuple[float, dict[str, np.ndarray]]:
-    """Loss and every parameter gradient (float32 NumPy arrays) of one step."""
+    """Loss and every parameter gradient (float32 NumPy arrays) of one step. A model in FP8
+    (delayed scaling) first takes one step's amaxes into its histories (as the train step does,
+    :func:`coda_jax.training.make_steps`), so that the measured step runs on scales from real
+    amaxes, not the initial ones."""
     from flax import nnx
+
+    from coda_jax.fp8 import Fp8Meta
+
+    if jax.tree.leaves(nnx.state(model, Fp8Meta)):
+        @nnx.jit
+        def histories(model, tokens, targets):
+            wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
+            _, grads = nnx.value_and_grad(lambda m: m.loss(tokens, targets), argnums=wrt)(model)
+            return grads.filter(Fp8Meta)
+
+        nnx.update(model, histories(model, tokens, targets))
 
     @nnx.jit
     def step(model, tokens, targets):
@@ -62,6 +79,7 @@ def probe(args) -> dict:
     from flax import nnx
 
     from benchmarks.first_step import config_and_first_batch
+    from coda_jax.fp8 import Fp8Recipe
     from coda_jax.layers import CodaLlama
 
     cfg, inputs, targets = config_and_first_batch(args.preset, args.layers, args.batch, args.seq)
@@ -73,19 +91,27 @@ def probe(args) -> dict:
         ref_loss, ref = step_gradients(CodaLlama(ref_cfg, rngs=nnx.Rngs(0), backend="xla"), inputs, targets)
     result = {"preset": args.preset, "layers": cfg.num_layers, "dtype": jnp.dtype(cfg.dtype).name,
               "reference_loss": ref_loss, "backends": {}}
-    for backend in args.backends:
-        loss, grads = step_gradients(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend), inputs, targets)
-        result["backends"][backend] = {"loss": loss, "loss_abs_err": abs(loss - ref_loss),
-                                       "grad_rel_err": errors(grads, ref)}
+    first = None
+    for run in args.backends:
+        backend, _, recipe = run.partition(":")
+        run_cfg = cfg.replace(fp8=Fp8Recipe()) if recipe == "fp8" else cfg
+        loss, grads = step_gradients(CodaLlama(run_cfg, rngs=nnx.Rngs(0), backend=backend), inputs, targets)
+        result["backends"][run] = {"loss": loss, "loss_abs_err": abs(loss - ref_loss),
+                                   "grad_rel_err": errors(grads, ref)}
+        if first is None:  # the first run's gradients: each later run's distance from it
+            first = grads
+        else:
+            result["backends"][run]["grad_rel_err_vs_first"] = errors(grads, first)
         del grads
     return result
 
 
 def table(result: dict) -> str:
-    """Markdown: per gradient kind, each backend's error and its ratio to the first's."""
+    """Markdown: per gradient kind, each backend's error and its ratio to the first's, and
+    each later backend's distance from the first's gradients."""
     backends = list(result["backends"])
     first = backends[0]
-    cols = backends + [f"{b} / {first}" for b in backends[1:]]
+    cols = backends + [f"{b} / {first}" for b in backends[1:]] + [f"{b} vs {first}" for b in backends[1:]]
     lines = ["| gradient | " + " | ".join(cols) + " |", "|---" * (1 + len(cols)) + "|"]
     rows = [("loss (abs err)", {b: result["backends"][b]["loss_abs_err"] for b in backends})]
     rows += [(k, {b: result["backends"][b]["grad_rel_err"][k] for b in backends})
@@ -93,6 +119,8 @@ def table(result: dict) -> str:
     for name, errs in rows:
         cells = [f"{errs[b]:.3e}" for b in backends]
         cells += [f"{errs[b] / errs[first]:.3f}" if errs[first] else "-" for b in backends[1:]]
+        vs = [result["backends"][b].get("grad_rel_err_vs_first", {}).get(name) for b in backends[1:]]
+        cells += [f"{v:.3e}" if v is not None else "-" for v in vs]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -109,9 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--out", type=Path, default=None, help="write the errors here (JSON)")
     args = p.parse_args(argv)
-    unknown = [b for b in args.backends if b not in ("xla", "pallas", "cutedsl")]
+    unknown = [b for b in args.backends if b.removesuffix(":fp8") not in ("xla", "pallas", "cutedsl")]
     if not args.backends or unknown:
-        p.error(f"--backends must name xla, pallas or cutedsl, got {args.backends}")
+        p.error(f"--backends must name xla, pallas or cutedsl, each optionally in FP8 (pallas:fp8), "
+                f"got {args.backends}")
     return args
 
 
