@@ -164,9 +164,11 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
 # For FP8 GEMMs whose accumulator is promoted (Fp8Recipe.promote_k; offered to those calls
 # only). plan_kernel halves their consumer tiles to 64 x 128 (two accumulators a thread), so
 # a K step holds half the MMAs of an unpromoted one against the same barrier waits and
-# releases: a K step of twice the bytes (tile_k 128, 256 FP8 elements) restores the ratio;
-# the halved stages leave room for deeper rings; ping-pong consumers, each on its own tile,
-# can run MMAs while the other drains its accumulator into the float32 total.
+# releases. Candidates: K steps of twice the bytes (tile_k 128, 256 FP8 elements: half the
+# waits, but stages twice as large, so fewer fit); deeper rings of the halved stages (the
+# cooperative ring won every promoted GEMM of the 1B and 8B-width steps, docs/fp8.md#accumulation);
+# ping-pong consumers, each on its own tile, one running MMAs while the other drains its
+# accumulator into the float32 total.
 PROMOTED_CANDIDATES: dict[str, TuningConfig] = {
     "k128": dataclasses.replace(_D, tile_k=128),
     "k128_no_cluster": dataclasses.replace(_D, tile_k=128, cluster_dimension=None),
