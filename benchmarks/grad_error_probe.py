@@ -1,7 +1,7 @@
 """Each backend's error in one training step, per gradient, against float32 math.
 
     python -m benchmarks.grad_error_probe --backends xla,pallas,cutedsl --layers 4 --out probe.json
-    python -m benchmarks.grad_error_probe --backends xla:fp8,pallas:fp8,pallas --layers 2
+    python -m benchmarks.grad_error_probe --backends xla:fp8,pallas:fp8,plain_fp8,pallas --layers 2
 
 Builds ``CodaLlama`` (``--preset``, ``--layers``; seed 0, so every backend gets the same
 parameters) and takes the first training batch of ``examples/train_llama.py``. The
@@ -12,7 +12,10 @@ preset's compute dtype (bf16). The probe prints, per parameter kind (``w_qkv``, 
 ``final_norm``, ``lm_head``), the relative error ``||g - g_ref|| / ||g_ref||`` of every
 backend, the ratio of each to the first backend's error, and each later backend's distance
 from the first's gradients. ``<backend>:fp8``: the model in FP8 (``Fp8Recipe()``), its
-histories filled by one step's amaxes before the measured step.
+histories filled by one step's amaxes before the measured step. ``plain`` and ``plain_fp8``:
+the plain JAX Llama in the compute dtype and the plain FP8 baseline
+(``benchmarks/plain_fp8_llama.py``) with the same weights, their gradients mapped to
+CodaLlama's names.
 
 Why: a backend can pass every op test (error under 1e-2 against XLA) and still round
 differently somewhere, which shows in training as a different sensitivity of the loss
@@ -30,6 +33,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+# Runs of the plain JAX Llama (benchmarks/plain_llama.py, benchmarks/plain_fp8_llama.py).
+PLAIN_RUNS = ("plain", "plain_fp8")
 
 
 def gradient_kind(path: str) -> str:
@@ -66,6 +73,21 @@ def step_gradients(model, tokens, targets) -> tuple[float, dict[str, np.ndarray]
     return float(loss), flat
 
 
+def as_coda_gradients(grads: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
+    """The plain Llama's gradients (``benchmarks/plain_llama.py``: ``wq``, ``wk``, ``wv``, ``wo``,
+    ``w_gate``, ``w_up`` per block) under CodaLlama's names and layouts (``w_qkv``, ``w_o``, the
+    block-interleaved ``w_gu``), as :meth:`PlainLlama.from_coda` maps the weights the other way."""
+    from coda_jax.ops.swiglu_layout import interleave_gate_up
+
+    out = {k: v for k, v in grads.items() if not re.fullmatch(r"blocks/\d+/(wq|wk|wv|wo|w_gate|w_up)", k)}
+    for i in range(config.num_layers):
+        b = f"blocks/{i}/"
+        out[b + "w_qkv"] = np.concatenate([grads[b + "wq"], grads[b + "wk"], grads[b + "wv"]], axis=1)
+        out[b + "w_o"] = grads[b + "wo"]
+        out[b + "w_gu"] = np.asarray(interleave_gate_up(grads[b + "w_gate"], grads[b + "w_up"]))
+    return out
+
+
 def errors(grads: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, float]:
     """Per gradient kind: ``||g - g_ref|| / ||g_ref||`` averaged over the blocks."""
     per_kind: dict[str, list[float]] = {}
@@ -94,8 +116,17 @@ def probe(args) -> dict:
     first = None
     for run in args.backends:
         backend, _, recipe = run.partition(":")
-        run_cfg = cfg.replace(fp8=Fp8Recipe()) if recipe == "fp8" else cfg
-        loss, grads = step_gradients(CodaLlama(run_cfg, rngs=nnx.Rngs(0), backend=backend), inputs, targets)
+        if backend in PLAIN_RUNS:  # the plain JAX Llama (bf16 or FP8) with CodaLlama's weights
+            from benchmarks.plain_fp8_llama import PlainFp8Llama
+            from benchmarks.plain_llama import PlainLlama
+
+            plain = (PlainFp8Llama if backend == "plain_fp8" else PlainLlama).from_coda(
+                CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla"))
+            loss, grads = step_gradients(plain, inputs, targets)
+            grads = as_coda_gradients(grads, cfg)
+        else:
+            run_cfg = cfg.replace(fp8=Fp8Recipe()) if recipe == "fp8" else cfg
+            loss, grads = step_gradients(CodaLlama(run_cfg, rngs=nnx.Rngs(0), backend=backend), inputs, targets)
         result["backends"][run] = {"loss": loss, "loss_abs_err": abs(loss - ref_loss),
                                    "grad_rel_err": errors(grads, ref)}
         if first is None:  # the first run's gradients: each later run's distance from it
@@ -137,10 +168,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--out", type=Path, default=None, help="write the errors here (JSON)")
     args = p.parse_args(argv)
-    unknown = [b for b in args.backends if b.removesuffix(":fp8") not in ("xla", "pallas", "cutedsl")]
+    unknown = [b for b in args.backends if b.removesuffix(":fp8") not in ("xla", "pallas", "cutedsl")
+               and b not in PLAIN_RUNS]
     if not args.backends or unknown:
-        p.error(f"--backends must name xla, pallas or cutedsl, each optionally in FP8 (pallas:fp8), "
-                f"got {args.backends}")
+        p.error(f"--backends must name xla, pallas or cutedsl, each optionally in FP8 (pallas:fp8), or "
+                f"{' or '.join(PLAIN_RUNS)}, got {args.backends}")
     return args
 
 

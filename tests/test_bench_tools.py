@@ -280,6 +280,13 @@ def test_grad_error_probe_measures_the_bf16_rounding_of_a_training_step(capsys):
     assert fp8["grad_rel_err_vs_first"].keys() == fp8["grad_rel_err"].keys()
     with pytest.raises(SystemExit):
         grad_error_probe.parse_args(["--backends", "xla:fp16"])
+    # The plain Llama's gradients under CodaLlama's names: in float32 the same as CodaLlama's up
+    # to summation order; the plain FP8 baseline off by FP8's rounding.
+    runs = grad_error_probe.probe(grad_error_probe.parse_args(
+        common[:-1] + ["xla,plain,plain_fp8", "--dtype", "float32"]))["backends"]
+    assert runs["plain"]["grad_rel_err_vs_first"].keys() == e32.keys()
+    assert all(v < 1e-4 for v in runs["plain"]["grad_rel_err_vs_first"].values()), runs["plain"]
+    assert all(2e-2 < v < 0.5 for v in runs["plain_fp8"]["grad_rel_err"].values()), runs["plain_fp8"]
 
 
 
