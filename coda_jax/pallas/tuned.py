@@ -43,6 +43,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from coda_jax.lowering import check_promote_k
 from coda_jax.options import PallasOptions, current_options, options
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 
@@ -137,9 +138,10 @@ def parse_table(data: dict, source: str) -> TunedTable:
             raise ValueError(f"{where}: needs program, layout, m, n, k and config ({err})") from err
         if layout not in ("nn", "nt", "tn", "tt") or min(dims) < 1:
             raise ValueError(f"{where}: layout must be nn/nt/tn/tt and m, n, k positive, got {layout!r} {dims}")
-        if not isinstance(promote_k, int) or isinstance(promote_k, bool) or promote_k < 0:
-            raise ValueError(f"{where}: promote_k must be a non-negative int (K elements between FP8 accumulator "
-                             f"promotions; absent: 0), got {promote_k!r}")
+        try:
+            check_promote_k(promote_k)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
         entries.append(TunedEntry(program, layout, *dims, None if fields is None else config_from_fields(fields, where),
                                   promote_k))
     return TunedTable(tuple(kinds), data["num_sms"], tuple(entries))
