@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_tests.sh [pytest arguments...]
 # Switches (environment):
 #   GPU_TESTS         test files (default: tests/test_gpu_pallas.py, tests/test_gpu_cutedsl.py where
-#                     the CuTeDSL wheel was carried, tests/test_gpu_multi.py); the GPU shape fuzz is
+#                     the CuTeDSL wheel was carried, tests/test_gpu_multi.py and
+#                     tests/test_gpu_multi_process.py); the GPU shape fuzz is
 #                     GPU_TESTS=tests/test_gpu_shape_fuzz.py (its FUZZ_SEED, FUZZ_OPS, FUZZ_MODELS,
 #                     FUZZ_BACKENDS; CODA_JAX_TESTS_ROUTING=default for the library's routing rules)
 #   GPU_TESTS_K       a pytest -k expression (it may contain spaces)
@@ -23,10 +24,13 @@ if [ -z "${GPU_TEST_WORKERS+x}" ]; then
 fi
 xdist=(); test_env=()
 # Each worker allocates on demand: the GPU is shared (the tests are bound by lowering on the CPU).
-[ "$GPU_TEST_WORKERS" != 0 ] && xdist=(-n "$GPU_TEST_WORKERS") && test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
+# --dist loadgroup: the tests of one xdist_group run on one worker (tests/test_gpu_multi_process.py's
+# share their training runs); the others are spread one by one, as with the default.
+[ "$GPU_TEST_WORKERS" != 0 ] && xdist=(-n "$GPU_TEST_WORKERS" --dist loadgroup) \
+  && test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
 if [ -z "${GPU_TESTS:-}" ]; then
   GPU_TESTS="tests/test_gpu_pallas.py"; [[ $BACKENDS == *cutedsl* ]] && GPU_TESTS="$GPU_TESTS tests/test_gpu_cutedsl.py"
-  GPU_TESTS="$GPU_TESTS tests/test_gpu_multi.py"  # skips itself on a machine with one GPU
+  GPU_TESTS="$GPU_TESTS tests/test_gpu_multi.py tests/test_gpu_multi_process.py"  # skip themselves on one GPU
 fi
 echo "== GPU tests ($BACKENDS): $GPU_TESTS ==" | tee "$OUT/tests.log"
 # shellcheck disable=SC2086  # GPU_TESTS is split on spaces

@@ -4,7 +4,8 @@ Loss and every gradient of one bf16 training step on a data-parallel, an FSDP an
 tensor-parallel mesh over all local GPUs equal the same step on one GPU (the same model,
 unsharded). The CPU suite checks the same rules on 8 fake devices with a stand-in kernel
 (``tests/multi_device_cases.py``); this runs the real kernels, cuDNN attention and NCCL.
-Skipped with fewer than 2 GPUs.
+An FP8 CodaLlama's step (loss, gradients and the new amax histories) on a data-parallel and
+an FSDP mesh equals one GPU's too. Skipped with fewer than 2 GPUs.
 """
 
 import importlib.util
@@ -108,3 +109,108 @@ def test_model_step_with_features_split_matches_one_gpu(backend, axis):
     mesh = _mesh_over_all_gpus(axis)
     with fsdp_split_as("features"):
         _check_step_on_mesh(backend, mesh, f"{axis}={jax.device_count()}, features split", tokens_per_device=1024)
+
+
+def _check_fp8_step_on_mesh(backend: str, mesh, label: str, tokens_per_device: int, cfg=None) -> None:
+    """One training step of an FP8 CodaLlama (``LlamaConfig(fp8=Fp8Recipe())``, bf16, the shape of
+    :func:`_check_step_on_mesh` unless ``cfg`` is given) on ``mesh`` against the same step on one
+    GPU: the loss, every gradient and the new amax histories (the ``Fp8Meta`` "gradients"). As
+    tests/multi_device_cases.py's case_model_fp8, the histories are first calibrated by one
+    step on one GPU, so the compared step quantizes with the scales of a real step (not scale 1).
+    Prints ``FP8MESH ...`` lines with the measured errors (pytest -s)."""
+    from flax import nnx
+
+    from coda_jax.fp8 import Fp8Meta, Fp8Recipe
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.ops.fp8_llama_block import TENSORS
+    from coda_jax.sharding import batch_sharding, shard_state
+
+    n = mesh.size
+    if cfg is None:
+        cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=1024, intermediate_size=2816 // 64 // n * 64 * n,
+                               num_layers=2, num_heads=8 * n, num_kv_heads=2 * n, head_dim=64, dtype=jnp.bfloat16,
+                               fp8=Fp8Recipe())
+    one = jax.devices()[0]
+    model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)  # on the default device: ``one``
+    tokens = jax.random.randint(jax.random.key(1), (2 * n, tokens_per_device // 2 + 1), 0, cfg.vocab_size)
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
+
+    def grads(m, t):
+        return nnx.value_and_grad(lambda mm: mm.loss(t[:, :-1], t[:, 1:]), argnums=wrt)(m)
+
+    _, g = nnx.jit(grads)(model, jax.device_put(tokens, one))  # calibrate: the amaxes of a real step
+    nnx.update(model, g.filter(Fp8Meta))
+    gdef, state = nnx.split(model)
+    step = jax.jit(lambda st, t: grads(nnx.merge(gdef, st), t))
+    want = jax.device_get(step(jax.device_put(state, one), jax.device_put(tokens, one)))
+    with jax.set_mesh(mesh):
+        got = jax.device_get(step(shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh))))
+
+    loss_err = abs(float(got[0]) - float(want[0])) / abs(float(want[0]))
+    grad_errs = {jax.tree_util.keystr(path): _rel(a, b) for (path, a), b in
+                 zip(jax.tree_util.tree_leaves_with_path(got[1].filter(nnx.Param)),
+                     jax.tree.leaves(want[1].filter(nnx.Param)))}
+    worst = max(grad_errs, key=lambda k: np.nan_to_num(grad_errs[k], nan=np.inf))
+    print(f"FP8MESH {backend} {label} loss_err={loss_err:.3g} max_grad_err={grad_errs[worst]:.3g} ({worst})")
+
+    # The new histories: [this step's amax, the calibration's, 0, ...], one row per quantized
+    # tensor of a block (coda_jax.ops.fp8_llama_block.TENSORS). Each amax is a max over the whole
+    # tensor (every shard's max, reduced over the mesh), so a mesh records one GPU's amax of the
+    # same values. A weight's values are the same on every mesh (the state is), and a max does not
+    # depend on the order it is taken in: its amax must be exactly one GPU's, in every block. An
+    # activation's values differ by bf16 rounding (GEMMs of other shapes, another summation
+    # order) and, from the first block's FP8 outputs on, by the e4m3 roundings that moves (a
+    # value crossing a rounding boundary moves by a whole 1/8 step): the max element moves by a
+    # few bf16 steps (the xla backend on two H200s, data=2 and fsdp=2: the first block's SwiGLU
+    # output amax off by 1.15 %, 2.3 bf16 steps; the second block's attention output by 1.3 %),
+    # rel err < 3e-2. A gradient's amax comes from values that differ as much as the
+    # gradients do (below): the gradients' bound (a small bf16 model on 2 CPU devices, fsdp=2,
+    # xla backend: the first block's dz_qkv amax off by 3.3 %, its attn_norm gradient by 14 %).
+    amax_errs = {"activation": (0.0, "all equal"), "gradient": (0.0, "all equal")}
+    wrong = []
+    metas = list(zip(jax.tree_util.tree_leaves_with_path(got[1].filter(Fp8Meta)),
+                     jax.tree.leaves(want[1].filter(Fp8Meta))))
+    assert len(metas) == cfg.num_layers, [jax.tree_util.keystr(p) for (p, _), _ in metas]
+    for (path, a), b in metas:
+        a, b = np.asarray(a), np.asarray(b)
+        where = f"{backend} {label}: {jax.tree_util.keystr(path)}"
+        assert a.shape == b.shape == (len(TENSORS), cfg.fp8.history), (where, a.shape, b.shape)
+        np.testing.assert_array_equal(a[:, 1:], b[:, 1:], err_msg=f"{where}: the calibration's amaxes, shifted")
+        amaxes = dict(zip(TENSORS, b[:, 0]))
+        assert all(amaxes[k] > 0 for k in TENSORS if k.startswith(("w_", "d"))), f"{where}: one GPU's {amaxes}"
+        for name, x, y in zip(TENSORS, a[:, 0], b[:, 0]):
+            # y == 0: an amax another tensor's row records (a block's input is the previous
+            # block's h_out) or a tensor left in bf16 (the last block's output for the bf16 head)
+            if name.startswith("w_") or y == 0:
+                if x != y:
+                    wrong.append(f"{where}: {name}'s amax {x!r}, one GPU's {y!r} (must be equal)")
+                continue
+            kind = "gradient" if name.startswith("d") else "activation"
+            e = abs(float(x) - float(y)) / float(y)
+            if not e <= amax_errs[kind][0]:
+                amax_errs[kind] = (e, f"{jax.tree_util.keystr(path)} {name}")
+            if not (np.isfinite(e) and e < (3e-2 if kind == "activation" else 0.25)):
+                wrong.append(f"{where}: {kind} {name}'s amax {x!r}, one GPU's {y!r} (rel err {e:.3g})")
+    print(f"FP8MESH-AMAX {backend} {label} max_activation_amax_err={amax_errs['activation'][0]:.3g} "
+          f"({amax_errs['activation'][1]}) max_gradient_amax_err={amax_errs['gradient'][0]:.3g} "
+          f"({amax_errs['gradient'][1]})")
+    assert not wrong, "\n".join(wrong)
+
+    # The forward's values differ only by bf16 rounding and the e4m3 roundings that moves; the
+    # loss averages them over every token.
+    assert np.isfinite(float(got[0])) and loss_err < 1e-2, f"{backend} {label}: loss {got[0]} vs {want[0]}"
+    # bf16 with FP8: a value that another summation order moves by a bf16 step crosses an e5m2
+    # boundary (25 % steps) often enough that the first block's gradients differ by ~10 % (the
+    # errors compound through the backward; tests/multi_device_cases.py's case_model_fp8): a
+    # loose bound, as that case's. A missing or doubled shard's gradient is off by 50 % or more.
+    for k, e in grad_errs.items():
+        assert np.isfinite(e) and e < 0.25, f"{backend} {label}: {k} rel err {e:.3g}"
+
+
+# FP8 (the xla backend's FP8 GEMMs through XLA, the Pallas backend's FP8 kernels): data parallel
+# and FSDP over all GPUs. The CuTeDSL backend is left out.
+@pytest.mark.parametrize("axis", ["data", "fsdp"])
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_fp8_model_step_on_gpus_matches_one_gpu(backend, axis):
+    mesh = _mesh_over_all_gpus(axis)
+    _check_fp8_step_on_mesh(backend, mesh, f"{axis}={jax.device_count()}", tokens_per_device=1024)
