@@ -184,7 +184,13 @@ def _row_specs(epi: Epilogue, tok) -> tuple[dict[str, P], dict[str, P]]:
 
 
 class PartitionedLowering:
-    """A backend's :class:`GemmLowering`, partitioned over the context mesh."""
+    """A backend's :class:`GemmLowering`, partitioned over the context mesh.
+
+    Its :meth:`gemm` also takes ``contracts_tokens`` (callers check :attr:`splits_tokens`
+    first): the FP8 wgrads read both operands K-major (``a [M, K]``, ``b [N, K]``), so their
+    tokens are ``K``, the second dimension of each, and nothing in the shapes says so."""
+
+    splits_tokens = True
 
     def __init__(self, inner: GemmLowering):
         self.inner = inner
@@ -193,7 +199,15 @@ class PartitionedLowering:
     def gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array], *,
              transpose_a: bool = False, transpose_b: bool = False,
              out_dtypes: Mapping[str, Any] | None = None,
-             out_splits: Mapping[str, tuple[int, ...]] | None = None, promote_k: int = 0) -> dict[str, Any]:
+             out_splits: Mapping[str, tuple[int, ...]] | None = None, promote_k: int = 0,
+             contracts_tokens: bool = False) -> dict[str, Any]:
+        """The inner lowering's ``gemm`` under the context mesh. ``contracts_tokens``: ``a
+        [M, K]`` and ``b [N, K]`` (``transpose_b``) contract the tokens (``K``), as a wgrad's
+        K-major FP8 operands do; otherwise the tokens are ``a``'s rows (``a [M, K]``) or, with
+        ``transpose_a``, its contracted rows (``a [K, M]``)."""
+        if contracts_tokens and (transpose_a or not transpose_b):
+            raise ValueError("contracts_tokens: a [M, K] and b [N, K] (transpose_b=True, transpose_a=False), got "
+                             f"transpose_a={transpose_a}, transpose_b={transpose_b}")
         kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtypes=out_dtypes, out_splits=out_splits)
         if promote_k:  # only when asked: a lowering written before promote_k existed runs the rest
             kw["promote_k"] = promote_k
@@ -205,8 +219,9 @@ class PartitionedLowering:
         if not axes:
             return self.inner.gemm(epilogue, a, b, loads, **kw)
         shards = token_shards(mesh)
-        inner = self._lowering_at(axes, shards, a.shape[0])  # tokens are a's first dimension in both layouts
-        if _few_fsdp_tokens(axes, shards, a.shape[0]):
+        tokens = a.shape[1] if contracts_tokens else a.shape[0]  # else a's first dimension in both layouts
+        inner = self._lowering_at(axes, shards, tokens)
+        if _few_fsdp_tokens(axes, shards, tokens):
             # FSDP with few tokens a device: every GEMM as XLA ops (a kernel backend's fused
             # programs on the `xla` backend's lowering), left to the partitioner, which gathers
             # the activations and leaves each weight shard in place (fsdp_xla_tokens_below).
@@ -221,13 +236,13 @@ class PartitionedLowering:
             # tokens itself, as fast as plain JAX's step.
             return inner.gemm(epilogue, a, b, loads, **kw)
         tok = axes if len(axes) > 1 else axes[0]
-        if a.shape[0] % shards:
+        if tokens % shards:
             _warn_once(f"ragged:{epilogue.name}",
-                       f"coda-jax: {a.shape[0]} tokens do not split evenly over mesh axes {axes} "
+                       f"coda-jax: {tokens} tokens do not split evenly over mesh axes {axes} "
                        f"({shards} shards): epilogue {epilogue.name!r} runs unpartitioned (operands gathered)")
             return inner.gemm(epilogue, a, b, loads, **kw)
         loads = dict(loads)
-        if not transpose_a:
+        if not transpose_a and not contracts_tokens:
             load_specs, out_specs = _row_specs(epilogue, tok)
             out_specs = split_specs(out_specs)
             body = lambda a, b, l: inner.gemm(epilogue, a, b, l, **kw)  # noqa: E731
@@ -242,11 +257,13 @@ class PartitionedLowering:
             partial = {name: partial_sum_dtype(dt) for name, dt in dtypes.items()}
 
             def body(a, b, l):  # this shard's partial sums, stacked along a new leading shard axis
-                outs = inner.gemm(epilogue, a, b, l, **{**kw, "transpose_a": True, "out_dtypes": partial})
+                outs = inner.gemm(epilogue, a, b, l, **{**kw, "out_dtypes": partial})
                 return jax.tree.map(lambda v: v[None], outs)
 
-            in_specs = (P(tok, None), P(None, tok) if transpose_b else P(tok, None),
-                        {name: P() for name in loads})
+            # the tokens: a [K, M]'s rows (transpose_a) or a [M, K]'s columns (contracts_tokens);
+            # b [K, N]'s rows or b [N, K]'s columns (transpose_b)
+            in_specs = (P(None, tok) if contracts_tokens else P(tok, None),
+                        P(None, tok) if transpose_b else P(tok, None), {name: P() for name in loads})
             out_specs = split_specs({o.name: P(tok, None, None) for o in epilogue.outputs})
             partials = shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
             # The sum over shards is left to XLA (an all-reduce, or a reduce-scatter where the

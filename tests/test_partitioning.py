@@ -32,6 +32,8 @@ GROUPS = {
     "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_2x4_explicit"],
     # FP8 (LlamaConfig(fp8=...)): loss, gradients and amax histories against one device.
     "model_fp8": ["model_fp8_xla_8_auto", "model_fp8_xla_2x4_explicit", "model_fp8_pallas_2x4_auto"],
+    # Data parallel FP8 wgrads contract each device's tokens: no gathered FP8 operands.
+    "fp8_wgrads": ["fp8_wgrads_auto", "fp8_wgrads_explicit"],
     # FP8 under a tensor axis (the partitioner splits the FP8 block by the weights' tensor splits).
     "model_fp8_tensor": ["model_fp8_xla_2x2x2_auto", "model_fp8_xla_1x2x4_explicit",
                          "model_fp8_pallas_2x1x4_explicit"],
@@ -67,6 +69,8 @@ def test_on_eight_devices(group):
         want = {"ops_dp_auto": "ops_data_parallel_auto", "ops_dp_explicit": "ops_data_parallel_explicit",
                 "cutedsl_lowers": "cutedsl_lowers_under_mesh", "step_bench": "step_bench_on_meshes",
                 "kernel_cache_auto": "kernel_cache_under_mesh_auto",
+                "fp8_wgrads_auto": "fp8_wgrads_split_by_tokens_auto",
+                "fp8_wgrads_explicit": "fp8_wgrads_split_by_tokens_explicit",
                 "kernel_cache_explicit": "kernel_cache_under_mesh_explicit"}.get(case, case)
         assert f"OK {want}" in out, out
 

@@ -130,7 +130,8 @@ def _row_losses_bwd(st, res, dloss):
         dq, zdz = _grads_from_logits(st, meta, amax, logits, targets, loads)
         bw_gemm = backward_gemm(st.promote_k, st.promote_min_k)
         g_h = bw_gemm(st.lowering, programs.IDENTITY, dq, wq, {}, out_dtypes={"out": jnp.float32})["out"]
-        dw = bw_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype})["out"]
+        dw = bw_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype},
+                     contracts_tokens=True)["out"]
     else:
         g_h, zdz, dw = _grads_by_recompute(st, meta, amax, h, wq, targets, rstd, loads)
     # g' = rstd * g_h and zdz' = rstd * zdz: the final norm's backward takes the unscaled ones.
@@ -180,7 +181,8 @@ def _grads_by_recompute(st: _Static, meta, amax: dict, h: Fp8Tensor, wq: Fp8Tens
         dq, a = _quantize(st, meta, "dlogits", outs["dlogits"])
         amaxes.append(a)
         g_h = bw_gemm(st.lowering, programs.ACCUMULATE, dq, w_c, {"prev": g_h}, out_dtypes={"out": jnp.float32})["out"]
-        dw_chunks.append(bw_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype})["out"])
+        dw_chunks.append(bw_gemm(st.lowering, programs.IDENTITY, dq.T, h, {}, out_dtypes={"out": st.w_dtype},
+                                 contracts_tokens=True)["out"])
     amax["dlogits"] = jnp.max(jnp.stack(amaxes))
     dw = jnp.concatenate(dw_chunks, axis=0) if len(dw_chunks) > 1 else dw_chunks[0]
     return g_h, zdz, dw

@@ -22,12 +22,17 @@ from coda_jax.lowering import GemmLowering
 
 
 def fp8_gemm(lowering: GemmLowering, epilogue: E.Epilogue, a: Fp8Tensor, b: Fp8Tensor,
-             loads: Mapping[str, jax.Array], **kw: Any) -> dict[str, Any]:
+             loads: Mapping[str, jax.Array], *, contracts_tokens: bool = False, **kw: Any) -> dict[str, Any]:
     """``epilogue`` on ``a @ b`` (``a`` ``[M, K]``, ``b`` ``[K, N]`` as matrices; use ``.T`` for
     a transposed operand): the GEMM reads ``a.data`` ``[M, K]`` and ``b.data_t`` ``[N, K]``,
     and the body sees the float32 accumulator times ``a.scale_inv * b.scale_inv``
     (:func:`coda_jax.epilogue.dequantized`). ``kw``: ``out_dtypes`` / ``out_splits`` / ``promote_k`` as in
-    :meth:`coda_jax.lowering.GemmLowering.gemm`."""
+    :meth:`coda_jax.lowering.GemmLowering.gemm`. ``contracts_tokens``: ``K`` is the tokens (a
+    wgrad ``x^T @ dy``): under a mesh that splits the tokens each device then contracts its own
+    (:class:`coda_jax.partitioning.PartitionedLowering`), where the shapes alone would have
+    its rows taken for the tokens and the other operand gathered."""
+    if contracts_tokens and getattr(lowering, "splits_tokens", False):
+        kw["contracts_tokens"] = True
     if a.data is None or b.data_t is None:
         raise ValueError(f"fp8_gemm: operand copy missing (a needs its row-major copy, b its transposed one) "
                          f"for epilogue {epilogue.name!r}")

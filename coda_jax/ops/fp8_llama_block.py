@@ -179,7 +179,8 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
     sd, dz = _quantizing(st, meta, amax, "dz_gu",
                          lambda p, l, od: bw_gemm(lw, p, g2, saved["w_down"].T, l, out_dtypes=od or None),
                          programs.SWIGLU_DGRAD_Q8, {"z": saved["z"], "rstd": saved["rstd1"]}, "dz", dt)
-    dw_down = bw_gemm(lw, programs.IDENTITY, saved["y_t"].T, g2, {}, out_dtypes={"out": f32})["out"]
+    dw_down = bw_gemm(lw, programs.IDENTITY, saved["y_t"].T, g2, {}, out_dtypes={"out": f32},
+                      contracts_tokens=True)["out"]
     zdz = jnp.sum(sd["zdz"], axis=0)
     r1 = saved["rstd1"]
     nb_loads = {"x": saved["x1"], "xcoef": r1 * r1 * zdz / d, "gamma": params["mlp_norm"], "dres": dx2}
@@ -192,10 +193,12 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
         dx1q, amax["dx1"] = _quantize(meta, "dx1", nb["dx"], st)
     dx1 = nb["dx"]
     dmlp_norm = jnp.sum(nb["dgamma"], axis=0)
-    dw_gu = bw_gemm(lw, programs.IDENTITY, saved["h1_t"].T, dz, {}, out_dtypes={"out": f32})["out"]
+    dw_gu = bw_gemm(lw, programs.IDENTITY, saved["h1_t"].T, dz, {}, out_dtypes={"out": f32},
+                    contracts_tokens=True)["out"]
     # O projection and attention.
     do = bw_gemm(lw, programs.IDENTITY, dx1q, saved["w_o"].T, {}, out_dtypes={"out": dt})["out"]
-    dw_o = bw_gemm(lw, programs.IDENTITY, saved["o_t"].T, dx1q, {}, out_dtypes={"out": f32})["out"]
+    dw_o = bw_gemm(lw, programs.IDENTITY, saved["o_t"].T, dx1q, {}, out_dtypes={"out": f32},
+                   contracts_tokens=True)["out"]
     b, s, nh = st.batch, st.seq, st.num_heads
     dq, dk, dv = saved["attn_vjp"](reshape_tokens(do, (b, s, nh, hd)))
     variant = RopeVariant(hd // 2, st.qk_norm_eps, tuple(t.shape[1] for t in saved["qkv"]))
@@ -220,7 +223,8 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
                    {"x": saved["x"], "xcoef": r0 * r0 * zdz0 / d, "gamma": params["attn_norm"], "dres": dx1},
                    out_dtypes={"dx": dt})
     dattn_norm = jnp.sum(nb0["dgamma"], axis=0)
-    dw_qkv = bw_gemm(lw, programs.IDENTITY, saved["h_t"].T, dzq, {}, out_dtypes={"out": f32})["out"]
+    dw_qkv = bw_gemm(lw, programs.IDENTITY, saved["h_t"].T, dzq, {}, out_dtypes={"out": f32},
+                     contracts_tokens=True)["out"]
     grads = {"attn_norm": dattn_norm, "w_qkv": dw_qkv, "w_o": dw_o, "mlp_norm": dmlp_norm, "w_gu": dw_gu,
              "w_down": dw_down}
     grads = {k: v.astype(params[k].dtype) for k, v in grads.items()}
