@@ -543,17 +543,26 @@ def case_fp8_wgrads_split_by_tokens(mode: str) -> None:
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
 
+    def grads(st, t):
+        return nnx.value_and_grad(lambda m: m.loss(t[:, :-1], t[:, 1:]), argnums=wrt)(nnx.merge(gdef, st))
+
     def compiled_hlo() -> str:  # a new jit each time: traced again, under the flag as it is now
-        step = jax.jit(lambda st, t: nnx.value_and_grad(lambda m: m.loss(t[:, :-1], t[:, 1:]), argnums=wrt)(
-            nnx.merge(gdef, st)))
         with jax.set_mesh(mesh):
-            return step.lower(shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh))).compile().as_text()
+            return jax.jit(lambda st, t: grads(st, t)).lower(shard_state(state, mesh),
+                                        jax.device_put(tokens, batch_sharding(mesh))).compile().as_text()
 
     def moved(hlo: str) -> list[str]:  # activation-sized all-gathers ([512, 64] or larger) and any all-to-all
         return _all_gathers(hlo, 512 * 64) + [ln.strip()[:160] for ln in hlo.splitlines() if " all-to-all" in ln]
 
     got = moved(compiled_hlo())
     assert not got, f"{mode}: the FP8 data-parallel step moves activations between devices:\n" + "\n".join(got)
+    # The wgrads' partial sums cross devices in the compute dtype (bf16), as plain JAX FP8's and
+    # the bf16 block's do: not in float32 (twice the bytes).
+    with jax.set_mesh(mesh):
+        avals = _stacked_partials(jax.make_jaxpr(grads)(shard_state(state, mesh),
+                                                        jax.device_put(tokens, batch_sharding(mesh))).jaxpr, 8)
+    weight_sized = sorted({(str(a.dtype), a.shape[1:]) for a in avals if a.shape[1] * a.shape[2] >= 64 * 64})
+    assert len(weight_sized) == 4 and {d for d, _ in weight_sized} == {"bfloat16"}, weight_sized
     if mode == "explicit":
         print(f"OK fp8_wgrads_split_by_tokens_{mode}")
         return

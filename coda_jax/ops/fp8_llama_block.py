@@ -179,7 +179,7 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
     sd, dz = _quantizing(st, meta, amax, "dz_gu",
                          lambda p, l, od: bw_gemm(lw, p, g2, saved["w_down"].T, l, out_dtypes=od or None),
                          programs.SWIGLU_DGRAD_Q8, {"z": saved["z"], "rstd": saved["rstd1"]}, "dz", dt)
-    dw_down = bw_gemm(lw, programs.IDENTITY, saved["y_t"].T, g2, {}, out_dtypes={"out": f32},
+    dw_down = bw_gemm(lw, programs.IDENTITY, saved["y_t"].T, g2, {}, out_dtypes={"out": dt},
                       contracts_tokens=True)["out"]
     zdz = jnp.sum(sd["zdz"], axis=0)
     r1 = saved["rstd1"]
@@ -193,11 +193,11 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
         dx1q, amax["dx1"] = _quantize(meta, "dx1", nb["dx"], st)
     dx1 = nb["dx"]
     dmlp_norm = jnp.sum(nb["dgamma"], axis=0)
-    dw_gu = bw_gemm(lw, programs.IDENTITY, saved["h1_t"].T, dz, {}, out_dtypes={"out": f32},
+    dw_gu = bw_gemm(lw, programs.IDENTITY, saved["h1_t"].T, dz, {}, out_dtypes={"out": dt},
                     contracts_tokens=True)["out"]
     # O projection and attention.
     do = bw_gemm(lw, programs.IDENTITY, dx1q, saved["w_o"].T, {}, out_dtypes={"out": dt})["out"]
-    dw_o = bw_gemm(lw, programs.IDENTITY, saved["o_t"].T, dx1q, {}, out_dtypes={"out": f32},
+    dw_o = bw_gemm(lw, programs.IDENTITY, saved["o_t"].T, dx1q, {}, out_dtypes={"out": dt},
                    contracts_tokens=True)["out"]
     b, s, nh = st.batch, st.seq, st.num_heads
     dq, dk, dv = saved["attn_vjp"](reshape_tokens(do, (b, s, nh, hd)))
@@ -223,10 +223,13 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
                    {"x": saved["x"], "xcoef": r0 * r0 * zdz0 / d, "gamma": params["attn_norm"], "dres": dx1},
                    out_dtypes={"dx": dt})
     dattn_norm = jnp.sum(nb0["dgamma"], axis=0)
-    dw_qkv = bw_gemm(lw, programs.IDENTITY, saved["h_t"].T, dzq, {}, out_dtypes={"out": f32},
+    dw_qkv = bw_gemm(lw, programs.IDENTITY, saved["h_t"].T, dzq, {}, out_dtypes={"out": dt},
                      contracts_tokens=True)["out"]
     grads = {"attn_norm": dattn_norm, "w_qkv": dw_qkv, "w_o": dw_o, "mlp_norm": dmlp_norm, "w_gu": dw_gu,
              "w_down": dw_down}
+    # The wgrads come out in the compute dtype, as the bf16 block's and plain JAX FP8's do: under
+    # data parallel their partial sums cross devices in it (coda_jax.partitioning: half the
+    # bytes of float32), and the cast to the parameters' dtype follows the sum.
     grads = {k: v.astype(params[k].dtype) for k, v in grads.items()}
     new_meta = jnp.stack([next_history(meta[i], amax[name]) if name in amax else jnp.zeros_like(meta[i])
                           for i, name in enumerate(TENSORS)])
