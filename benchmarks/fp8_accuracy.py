@@ -11,7 +11,9 @@ step (:func:`coda_jax.training.make_steps`). Runs: ``plain`` (the plain JAX Llam
 (:class:`benchmarks.plain_fp8_llama.PlainFp8Llama`), ``<backend>`` (CodaLlama in bf16) and
 ``<backend>:fp8`` (``LlamaConfig(fp8=Fp8Recipe())``), ``<backend>:fp8-current`` (current scaling),
 ``<backend>:fp8-head`` (the LM head in FP8 too), ``plain_fp8:fp8-head`` (the plain FP8 baseline's
-head in FP8).
+head in FP8), and two ablations of the plain FP8 baseline: ``plain_fp8:forward`` (only the
+projections' forward GEMMs in FP8, the backward as bf16's) and ``plain_fp8:backward`` (only
+their dgrad and wgrad in FP8).
 The first run is the reference: per run, the relative difference of the training loss averaged
 over windows of 25 steps (the largest after the first 50 steps, and the last), and the
 validation loss after the last step.
@@ -56,16 +58,20 @@ STDLIB_SKIP = frozenset({"test", "tests", "site-packages", "dist-packages", "idl
 RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current"), "fp8-head": Fp8Recipe(lm_head=True)}
 
 
+PLAIN_FP8_ABLATIONS = ("forward", "backward")  # plain_fp8:<which GEMMs run in FP8> (PlainFp8Llama's quantized)
+
+
 def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
     name, _, flag = run.partition(":")
-    if flag not in ("", *RECIPES):
+    if name not in ("plain", "plain_fp8") and flag not in ("", *RECIPES):
         raise ValueError(f"run {run!r}: the settings are {', '.join(':' + r for r in RECIPES)}")
     if name in ("plain", "plain_fp8"):
-        if flag and (name, flag) != ("plain_fp8", "fp8-head"):
-            raise ValueError(f"run {run!r}: plain takes no setting, plain_fp8 only :fp8-head")
+        if flag and not (name == "plain_fp8" and flag in ("fp8-head", *PLAIN_FP8_ABLATIONS)):
+            raise ValueError(f"run {run!r}: plain takes no setting, plain_fp8 :fp8-head, :forward or :backward")
         if name == "plain":
             return PlainLlama.from_coda(reference)
-        return PlainFp8Llama.from_coda(reference, lm_head=flag == "fp8-head")
+        return PlainFp8Llama.from_coda(reference, lm_head=flag == "fp8-head",
+                                       quantized=flag if flag in PLAIN_FP8_ABLATIONS else "both")
     model = CodaLlama(cfg.replace(fp8=RECIPES[flag]) if flag else cfg, rngs=nnx.Rngs(0), backend=name)
     nnx.update(model, nnx.state(reference, nnx.Param))
     return model

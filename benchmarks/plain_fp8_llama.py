@@ -119,12 +119,19 @@ def expected_fp8_gemms(config: LlamaConfig, fuse: bool = True, lm_head: bool = F
     return 3 * (config.num_layers * len(FUSED_PROJECTIONS if fuse else SEPARATE_PROJECTIONS) + bool(lm_head))
 
 
+# Which GEMMs of an fp8_dot run in FP8 (an accuracy ablation, benchmarks/fp8_accuracy.py): all
+# three, the forward only (the backward as bf16's, on the unquantized input and weight), or the
+# backward only (the forward as bf16's; the backward as FP8's).
+QUANTIZED = ("both", "forward", "backward")
+
+
 @dataclasses.dataclass(frozen=True)
 class _DotConfig:
     idiom: str
     margin: int
     promote_k: int = 0  # Fp8Recipe.promote_k / promote_min_k: which backward GEMMs run at Precision.HIGHEST
     promote_min_k: int = 0
+    quantized: str = "both"  # QUANTIZED
 
 
 def _gemm(a: jax.Array, b: jax.Array, a_inv: jax.Array, b_inv: jax.Array, idiom: str, out_dtype,
@@ -156,15 +163,26 @@ def _fp8_dot_fwd(cfg: _DotConfig, x, w, meta):
     sw = scale_from_history(meta[W], E4M3, cfg.margin)
     xq = quantize(x, sx, E4M3)  # [M, K]: the forward's A
     wq = quantize(w, sw, E4M3)  # [K, N]: the dgrad's B (contracted over N)
-    y = _gemm(xq, wq.T, 1.0 / sx, 1.0 / sw, cfg.idiom, x.dtype)  # B = [N, K], the transposed copy
+    if cfg.quantized == "backward":
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    else:
+        y = _gemm(xq, wq.T, 1.0 / sx, 1.0 / sw, cfg.idiom, x.dtype)  # B = [N, K], the transposed copy
     hist_x = next_history(meta[X], jnp.max(jnp.abs(x)).astype(jnp.float32))
     hist_w = next_history(meta[W], jnp.max(jnp.abs(w)).astype(jnp.float32))
+    if cfg.quantized == "forward":  # the backward reads the unquantized input and weight
+        return y, (x.T, w, None, None, hist_x, hist_w, meta[G])
     # Saved: the input's FP8 copy transposed ([K, M], the wgrad's A), the weight's [K, N].
     return y, (xq.T, wq, 1.0 / sx, 1.0 / sw, hist_x, hist_w, meta[G])
 
 
 def _fp8_dot_bwd(cfg: _DotConfig, res, dy):
     xq_t, wq, sx_inv, sw_inv, hist_x, hist_w, hist_g = res
+    if cfg.quantized == "forward":  # bf16's backward: xq_t and wq hold x^T and w
+        f32 = jnp.float32
+        dx = jnp.dot(dy, wq.T, preferred_element_type=f32).astype(dy.dtype)
+        dw = jnp.dot(xq_t, dy, preferred_element_type=f32).astype(dy.dtype)
+        hist_g = next_history(hist_g, jnp.max(jnp.abs(dy)).astype(f32))
+        return dx, dw, jnp.stack([hist_x, hist_w, hist_g])
     sg = scale_from_history(hist_g, E5M2, cfg.margin)
     gq = quantize(dy, sg, E5M2)  # [M, N], and its transpose [N, M] in the same pass
     promote = lambda k: promotion(k, cfg.promote_k, cfg.promote_min_k) > 0  # noqa: E731
@@ -179,7 +197,7 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
 def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT_IDIOM, margin: int = 0,
-            promote: tuple[int, int] = (0, 0)) -> jax.Array:
+            promote: tuple[int, int] = (0, 0), quantized: str = "both") -> jax.Array:
     """``x [M, K] @ w [K, N]`` in FP8 with delayed per-tensor scaling: e4m3 ``x`` and ``w``
     forward, e5m2 output gradient backward, each GEMM accumulated in float32 and written in
     ``x.dtype``. ``meta [3, history]`` float32: the amax histories of ``x``, ``w`` and the
@@ -187,7 +205,10 @@ def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT
     tensors first). ``x`` and ``w`` share a dtype (the compute dtype: the gradients come
     back in it). ``promote``: ``(Fp8Recipe.promote_k, promote_min_k)``; the backward GEMMs that
     rule promotes (:func:`coda_jax.fp8.promotion`) run without fast accumulation
-    (``Precision.HIGHEST``: cuBLASLt's own float32 promotion), as CodaLlama's promote."""
+    (``Precision.HIGHEST``: cuBLASLt's own float32 promotion), as CodaLlama's promote.
+    ``quantized`` (an accuracy ablation, :data:`QUANTIZED`): ``"forward"`` runs only the forward
+    GEMM in FP8 and the backward on the unquantized ``x`` and ``w`` in the compute dtype;
+    ``"backward"`` the reverse. The amax histories are kept either way."""
     if idiom not in IDIOMS:
         raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
@@ -196,19 +217,25 @@ def fp8_dot(x: jax.Array, w: jax.Array, meta: jax.Array, *, idiom: str = DEFAULT
         raise TypeError(f"x and w must share the compute dtype, got {x.dtype} and {w.dtype}")
     if meta.ndim != 2 or meta.shape[0] != 3:
         raise ValueError(f"meta must be [3, history] (x, w, gradient), got {tuple(meta.shape)}")
-    return _fp8_dot(_DotConfig(idiom, int(margin), *promote), x, w, meta)
+    if quantized not in QUANTIZED:
+        raise ValueError(f"quantized must be one of {QUANTIZED}, got {quantized!r}")
+    return _fp8_dot(_DotConfig(idiom, int(margin), *promote, quantized), x, w, meta)
 
 
 class PlainFp8LlamaBlock(PlainLlamaBlock):
     """:class:`plain_llama.PlainLlamaBlock` with its projections in FP8 (:func:`fp8_dot`); one
-    ``fp8_<projection>`` :class:`coda_jax.fp8.Fp8Meta` ``[3, history]`` per projection."""
+    ``fp8_<projection>`` :class:`coda_jax.fp8.Fp8Meta` ``[3, history]`` per projection;
+    ``quantized``: :func:`fp8_dot`'s."""
 
-    def __init__(self, c: LlamaConfig, *, rngs: nnx.Rngs, fuse: bool = True, idiom: str = DEFAULT_IDIOM):
+    def __init__(self, c: LlamaConfig, *, rngs: nnx.Rngs, fuse: bool = True, idiom: str = DEFAULT_IDIOM,
+                 quantized: str = "both"):
         super().__init__(c, rngs=rngs)
         if idiom not in IDIOMS:
             raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
         recipe = c.fp8 or Fp8Recipe()
-        self.fuse, self.idiom, self.margin = bool(fuse), idiom, recipe.margin
+        if quantized not in QUANTIZED:
+            raise ValueError(f"quantized must be one of {QUANTIZED}, got {quantized!r}")
+        self.fuse, self.idiom, self.margin, self.quantized = bool(fuse), idiom, recipe.margin, quantized
         self.promote = (recipe.promote_k, recipe.promote_min_k)
         self.projections = FUSED_PROJECTIONS if fuse else SEPARATE_PROJECTIONS
         for name in self.projections:
@@ -217,7 +244,7 @@ class PlainFp8LlamaBlock(PlainLlamaBlock):
     def _dense(self, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
         # fp8_dot looked up at call time (the tests record its calls).
         return fp8_dot(x, w, getattr(self, f"fp8_{name}")[...], idiom=self.idiom, margin=self.margin,
-                       promote=self.promote)
+                       promote=self.promote, quantized=self.quantized)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """``x [B, S, d]`` (compute dtype) -> ``[B, S, d]``."""
@@ -254,13 +281,16 @@ class PlainFp8Llama(PlainLlama):
     and gate/up as one GEMM each; ``idiom``: how the FP8 GEMMs are written for XLA
     (:data:`IDIOMS`); ``lm_head``: the LM head in FP8 too (default: ``config.fp8.lm_head``);
     ``promote_k``: the recipe's (default ``config.fp8.promote_k``); above 0 the backward GEMMs run
-    without fast accumulation (:func:`fp8_dot`'s ``promote``)."""
+    without fast accumulation (:func:`fp8_dot`'s ``promote``); ``quantized``: which GEMMs of the
+    block projections run in FP8 (:func:`fp8_dot`'s; an accuracy ablation, default all)."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, fuse: bool = True, idiom: str = DEFAULT_IDIOM,
-                 lm_head: bool | None = None, promote_k: int | None = None):
+                 lm_head: bool | None = None, promote_k: int | None = None, quantized: str = "both"):
         if idiom not in IDIOMS:
             raise ValueError(f"idiom must be one of {IDIOMS}, got {idiom!r}")
-        self.fuse, self.idiom = bool(fuse), idiom
+        if quantized not in QUANTIZED:
+            raise ValueError(f"quantized must be one of {QUANTIZED}, got {quantized!r}")
+        self.fuse, self.idiom, self.quantized = bool(fuse), idiom, quantized
         recipe = config.fp8 or Fp8Recipe()
         if lm_head is not None:
             recipe = dataclasses.replace(recipe, lm_head=bool(lm_head))
@@ -279,8 +309,10 @@ class PlainFp8Llama(PlainLlama):
         return reshape_tokens(y, (b, s, y.shape[-1]))
 
     def _make_block(self, c: LlamaConfig, rngs: nnx.Rngs) -> PlainFp8LlamaBlock:
-        return PlainFp8LlamaBlock(c, rngs=rngs, fuse=self.fuse, idiom=self.idiom)
+        return PlainFp8LlamaBlock(c, rngs=rngs, fuse=self.fuse, idiom=self.idiom, quantized=self.quantized)
 
     def expected_fp8_gemms(self) -> int:
-        """FP8 GEMM calls a train step of this model should compile to (:func:`expected_fp8_gemms`)."""
-        return expected_fp8_gemms(self.config, self.fuse, self.config.fp8.lm_head)
+        """FP8 GEMM calls a train step of this model should compile to (:func:`expected_fp8_gemms`;
+        with ``quantized`` not ``"both"``, the block projections' one or two FP8 GEMMs of three)."""
+        blocks = expected_fp8_gemms(self.config, self.fuse) // 3 * {"both": 3, "forward": 1, "backward": 2}[self.quantized]
+        return blocks + 3 * bool(self.config.fp8.lm_head)

@@ -1027,6 +1027,16 @@ def test_fp8_accuracy_over_seeds_and_recipes(capsys):
     assert fa.RECIPES["fp8-current"].scaling == "current" and fa.RECIPES["fp8"].scaling == "delayed"
     with pytest.raises(ValueError, match=":fp8-current"):
         fa._model("xla:fp16", None, None)
+    with pytest.raises(ValueError, match=":fp8-current"):  # the plain FP8 ablations are the baseline's only
+        fa._model("xla:forward", None, None)
+    from flax import nnx
+
+    from coda_jax.layers import CodaLlama, LlamaConfig
+    cfg = LlamaConfig.tiny(vocab_size=64, num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           num_kv_heads=1, head_dim=16)
+    ref = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla")
+    assert [fa._model(f"plain_fp8:{q}", cfg, ref).quantized for q in ("forward", "backward")] == ["forward", "backward"]
+    assert fa._model("plain_fp8", cfg, ref).quantized == "both"
     rows = fa.main(["--steps", "2", "--batch", "2", "--seq", "16", "--layers", "1", "--runs", "xla,xla:fp8-current",
                     "--seeds", "0,1", "--lr", "1e-3"])
     printed = capsys.readouterr().out

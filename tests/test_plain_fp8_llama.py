@@ -93,6 +93,46 @@ def test_fp8_dot_idioms_agree_and_refuse_bad_arguments():
         fp8_dot(x, w.astype(jnp.float32), meta)
 
 
+def test_fp8_dot_ablations_quantize_only_the_forward_or_only_the_backward():
+    """``quantized="forward"``: the forward of ``"both"``, the backward of the plain bf16 dot;
+    ``"backward"``: the reverse. Both keep the three amax histories."""
+    ks = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(ks[0], (64, 96), jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (96, 80), jnp.float32) * 0.1).astype(jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (64, 80), jnp.bfloat16)
+    meta = jnp.asarray([[4.0, 3.0], [0.5, 0.4], [4.0, 4.0]])
+
+    def run(f):
+        y, vjp = jax.vjp(f, x, w, meta)
+        return (y, *vjp(dy))
+
+    def plain(x, w, meta):  # bf16's dot, its meta gradient zero
+        return (jnp.dot(x, w, preferred_element_type=jnp.float32) + 0.0 * jnp.sum(meta)).astype(x.dtype)
+
+    both, fwd, bwd, bf16 = (run(jax.jit(f)) for f in (
+        fp8_dot, functools.partial(fp8_dot, quantized="forward"), functools.partial(fp8_dot, quantized="backward"),
+        plain))
+    assert FP8_FLOOR < rel_err(both[0], bf16[0]) < E4M3_BOUND  # the forward is FP8 in "both"
+    np.testing.assert_array_equal(np.asarray(fwd[0], np.float32), np.asarray(both[0], np.float32))
+    assert rel_err(bwd[0], bf16[0]) < 1e-2  # bf16's forward
+    for i in (1, 2):  # dx, dw
+        assert FP8_FLOOR < rel_err(both[i], bf16[i]) < E5M2_BOUND
+        assert rel_err(fwd[i], bf16[i]) < 1e-2  # bf16's backward
+        np.testing.assert_array_equal(np.asarray(bwd[i], np.float32), np.asarray(both[i], np.float32))
+    for got in (fwd[3], bwd[3]):  # the next histories: this call's amaxes first, as "both" writes them
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(both[3]))
+    with pytest.raises(ValueError, match="quantized"):
+        fp8_dot(x, w, meta, quantized="weights")
+
+
+def test_plain_fp8_ablations_count_their_fp8_gemms():
+    for quantized, per_projection in (("both", 3), ("forward", 1), ("backward", 2)):
+        m = PlainFp8Llama(CFG, rngs=nnx.Rngs(0), quantized=quantized)
+        assert m.expected_fp8_gemms() == per_projection * CFG.num_layers * len(FUSED_PROJECTIONS)
+    with pytest.raises(ValueError, match="quantized"):
+        PlainFp8Llama(CFG, rngs=nnx.Rngs(0), quantized="none")
+
+
 def _recording_fp8_dot(monkeypatch):
     """``plain_fp8_llama.fp8_dot`` replaced by one that records, per call (in call order),
     the amax of its input and weight and of its output's gradient (debug callbacks: they run
