@@ -15,7 +15,8 @@ shardings derived from the epilogue declaration:
   partials, one row per M-tile) from every shard are concatenated along ``P``, so the op's
   ``sum(axis=0)`` adds the shards' partials: nothing is reduced across devices inside the call.
 * **Tokens are contracted** (``transpose_a``: ``a [K, M]`` with ``K`` = tokens, the wgrad
-  GEMMs): each shard's accumulator is a partial sum over its tokens. An epilogue declared
+  GEMMs; or ``contracts_tokens``: ``a [M, K]`` and ``b [N, K]``, the FP8 wgrads' K-major
+  operands): each shard's accumulator is a partial sum over its tokens. An epilogue declared
   ``linear`` (its outputs are linear in ``acc``: ``body(acc1 + acc2) = body(acc1) +
   body(acc2)``, e.g. ``dW = gamma * acc``) runs on the partial accumulator; the shards'
   outputs leave the ``shard_map`` stacked along a shard axis and are summed outside it, so
