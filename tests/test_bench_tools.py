@@ -892,7 +892,8 @@ def test_gpu_tests_script_adds_cutedsl_when_carried_and_exits_with_pytests_statu
     for f in ("gpu_tests.sh", "gpu_common.sh"):
         shutil.copy(ROOT / "benchmarks" / f, repo / "benchmarks" / f)
     (repo / "tests").mkdir()
-    for name, body in (("pallas", "assert True"), ("cutedsl", "assert False"), ("multi", "assert True")):
+    for name, body in (("pallas", "assert True"), ("cutedsl", "assert False"), ("multi", "assert True"),
+                       ("multi_process", "assert True")):
         (repo / "tests" / f"test_gpu_{name}.py").write_text(
             f"import pytest\n\n\n@pytest.mark.gpu\ndef test_{name}_case():\n    {body}\n")
     (repo / ".whl").mkdir()
@@ -912,6 +913,7 @@ def test_gpu_tests_script_adds_cutedsl_when_carried_and_exits_with_pytests_statu
     assert (tmp_path / "site" / "nvidia_cutlass_dsl" / "dsl_packages" / "marker.txt").exists()
     log = (out / "tests_full.log").read_text()
     assert "test_pallas_case PASSED" in log and "test_cutedsl_case FAILED" in log and "test_multi_case PASSED" in log
+    assert "test_multi_process_case PASSED" in log
     assert "xla,pallas,cutedsl" in (out / "tests.log").read_text() and "NVIDIA Stub GPU" in (out / "gpu.txt").read_text()
     env.update(GPU_TESTS="tests/test_gpu_pallas.py", GPU_TESTS_K="no_such_test")
     run = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_tests.sh")], env=env, cwd=tmp_path,
