@@ -169,7 +169,8 @@ def main(argv=None) -> list[dict]:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "fp8_accuracy.json").write_text(
-            json.dumps({"seeds": seeds, "lr": lr, "corpus": args.corpus, "train_tokens": len(train_tokens), "rows": rows, "per_seed": per_seed, "runs": results}))
+            json.dumps({"seeds": seeds, "lr": lr, "corpus": args.corpus, "train_tokens": len(train_tokens),
+                        "rows": rows, "per_seed": per_seed, "runs": results}))
     return rows
 
 

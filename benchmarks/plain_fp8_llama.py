@@ -113,10 +113,13 @@ def gemm_call_targets(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-def expected_fp8_gemms(config: LlamaConfig, fuse: bool = True, lm_head: bool = False) -> int:
+def expected_fp8_gemms(config: LlamaConfig, fuse: bool = True, lm_head: bool = False, quantized: str = "both") -> int:
     """FP8 GEMMs of one train step of :class:`PlainFp8Llama`: forward, dgrad and wgrad of each
-    projection (4 a layer fused, 7 not), and of the LM head with ``lm_head``."""
-    return 3 * (config.num_layers * len(FUSED_PROJECTIONS if fuse else SEPARATE_PROJECTIONS) + bool(lm_head))
+    projection (4 a layer fused, 7 not; with ``quantized`` (:data:`QUANTIZED`) the forward or the
+    two backward GEMMs only), and the LM head's three with ``lm_head``."""
+    per_projection = {"both": 3, "forward": 1, "backward": 2}[quantized]
+    projections = config.num_layers * len(FUSED_PROJECTIONS if fuse else SEPARATE_PROJECTIONS)
+    return per_projection * projections + 3 * bool(lm_head)
 
 
 # Which GEMMs of an fp8_dot run in FP8 (an accuracy ablation, benchmarks/fp8_accuracy.py): all
@@ -312,7 +315,5 @@ class PlainFp8Llama(PlainLlama):
         return PlainFp8LlamaBlock(c, rngs=rngs, fuse=self.fuse, idiom=self.idiom, quantized=self.quantized)
 
     def expected_fp8_gemms(self) -> int:
-        """FP8 GEMM calls a train step of this model should compile to (:func:`expected_fp8_gemms`;
-        with ``quantized`` not ``"both"``, the block projections' one or two FP8 GEMMs of three)."""
-        blocks = expected_fp8_gemms(self.config, self.fuse) // 3 * {"both": 3, "forward": 1, "backward": 2}[self.quantized]
-        return blocks + 3 * bool(self.config.fp8.lm_head)
+        """FP8 GEMM calls a train step of this model should compile to (:func:`expected_fp8_gemms`)."""
+        return expected_fp8_gemms(self.config, self.fuse, self.config.fp8.lm_head, self.quantized)

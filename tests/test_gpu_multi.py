@@ -30,18 +30,26 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def _config(n: int, **kw):
+    """The 2-layer bf16 CodaLlama these tests step, its heads and MLP features divisible by
+    ``n`` GPUs; ``kw``: more config fields (``fp8=...``)."""
+    from coda_jax.layers import LlamaConfig
+
+    return LlamaConfig.tiny(vocab_size=32000, hidden_size=1024, intermediate_size=2816 // 64 // n * 64 * n,
+                            num_layers=2, num_heads=8 * n, num_kv_heads=2 * n, head_dim=64, dtype=jnp.bfloat16, **kw)
+
+
 def _check_step_on_mesh(backend: str, mesh, label: str, tokens_per_device: int) -> None:
     """One bf16 training step of a 2-layer CodaLlama on ``mesh`` (loss and every gradient)
     against the same step on one GPU; ``2 * n`` sequences hold ``tokens_per_device`` tokens
     a GPU."""
     from flax import nnx
 
-    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.layers import CodaLlama
     from coda_jax.sharding import batch_sharding, shard_state
 
     n = jax.device_count()
-    cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=1024, intermediate_size=2816 // 64 // n * 64 * n,
-                           num_layers=2, num_heads=8 * n, num_kv_heads=2 * n, head_dim=64, dtype=jnp.bfloat16)
+    cfg = _config(n)
     gdef, state = nnx.split(CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend))
     tokens = jax.random.randint(jax.random.key(1), (2 * n, tokens_per_device // 2 + 1), 0, cfg.vocab_size)
     step = jax.jit(jax.value_and_grad(lambda st, t: nnx.merge(gdef, st).loss(t[:, :-1], t[:, 1:])))
@@ -111,9 +119,9 @@ def test_model_step_with_features_split_matches_one_gpu(backend, axis):
         _check_step_on_mesh(backend, mesh, f"{axis}={jax.device_count()}, features split", tokens_per_device=1024)
 
 
-def _check_fp8_step_on_mesh(backend: str, mesh, label: str, tokens_per_device: int, cfg=None) -> None:
+def _check_fp8_step_on_mesh(backend: str, mesh, label: str, tokens_per_device: int) -> None:
     """One training step of an FP8 CodaLlama (``LlamaConfig(fp8=Fp8Recipe())``, bf16, the shape of
-    :func:`_check_step_on_mesh` unless ``cfg`` is given) on ``mesh`` against the same step on one
+    :func:`_check_step_on_mesh`) on ``mesh`` against the same step on one
     GPU: the loss, every gradient and the new amax histories (the ``Fp8Meta`` "gradients"). As
     tests/multi_device_cases.py's case_model_fp8, the histories are first calibrated by one
     step on one GPU, so the compared step quantizes with the scales of a real step (not scale 1).
@@ -121,15 +129,12 @@ def _check_fp8_step_on_mesh(backend: str, mesh, label: str, tokens_per_device: i
     from flax import nnx
 
     from coda_jax.fp8 import Fp8Meta, Fp8Recipe
-    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.layers import CodaLlama
     from coda_jax.ops.fp8_llama_block import TENSORS
     from coda_jax.sharding import batch_sharding, shard_state
 
     n = mesh.size
-    if cfg is None:
-        cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=1024, intermediate_size=2816 // 64 // n * 64 * n,
-                               num_layers=2, num_heads=8 * n, num_kv_heads=2 * n, head_dim=64, dtype=jnp.bfloat16,
-                               fp8=Fp8Recipe())
+    cfg = _config(n, fp8=Fp8Recipe())
     one = jax.devices()[0]
     model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)  # on the default device: ``one``
     tokens = jax.random.randint(jax.random.key(1), (2 * n, tokens_per_device // 2 + 1), 0, cfg.vocab_size)
