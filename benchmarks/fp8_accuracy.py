@@ -13,7 +13,9 @@ step (:func:`coda_jax.training.make_steps`). Runs: ``plain`` (the plain JAX Llam
 ``<backend>:fp8-head`` (the LM head in FP8 too), ``plain_fp8:fp8-head`` (the plain FP8 baseline's
 head in FP8), and two ablations of the plain FP8 baseline: ``plain_fp8:forward`` (only the
 projections' forward GEMMs in FP8, the backward as bf16's) and ``plain_fp8:backward`` (only
-their dgrad and wgrad in FP8).
+their dgrad and wgrad in FP8). ``plain:f32`` and ``<backend>:f32`` compute in float32 (the
+parameters are float32 in every run): the ground truth against which a bf16 or FP8 run's
+distance says which of two runs that differ is the outlier.
 The first run is the reference: per run, the relative difference of the training loss averaged
 over windows of 25 steps (the largest after the first 50 steps, and the last), and the
 validation loss after the last step.
@@ -58,21 +60,35 @@ STDLIB_SKIP = frozenset({"test", "tests", "site-packages", "dist-packages", "idl
 RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current"), "fp8-head": Fp8Recipe(lm_head=True)}
 
 
+F32 = "f32"  # <run>:f32, float32 compute
 PLAIN_FP8_ABLATIONS = ("forward", "backward")  # plain_fp8:<which GEMMs run in FP8> (PlainFp8Llama's quantized)
 
 
 def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
     name, _, flag = run.partition(":")
-    if name not in ("plain", "plain_fp8") and flag not in ("", *RECIPES):
-        raise ValueError(f"run {run!r}: the settings are {', '.join(':' + r for r in RECIPES)}")
+    if name not in ("plain", "plain_fp8") and flag not in ("", F32, *RECIPES):
+        raise ValueError(f"run {run!r}: the settings are {', '.join(':' + r for r in (F32, *RECIPES))}")
     if name in ("plain", "plain_fp8"):
-        if flag and not (name == "plain_fp8" and flag in ("fp8-head", *PLAIN_FP8_ABLATIONS)):
-            raise ValueError(f"run {run!r}: plain takes no setting, plain_fp8 :fp8-head, :forward or :backward")
+        if flag and not (name == "plain" and flag == F32) and not (
+                name == "plain_fp8" and flag in ("fp8-head", *PLAIN_FP8_ABLATIONS)):
+            raise ValueError(f"run {run!r}: plain takes :f32, plain_fp8 :fp8-head, :forward or :backward")
         if name == "plain":
-            return PlainLlama.from_coda(reference)
+            return PlainLlama.from_coda(_in_float32(reference) if flag == F32 else reference)
         return PlainFp8Llama.from_coda(reference, lm_head=flag == "fp8-head",
                                        quantized=flag if flag in PLAIN_FP8_ABLATIONS else "both")
-    model = CodaLlama(cfg.replace(fp8=RECIPES[flag]) if flag else cfg, rngs=nnx.Rngs(0), backend=name)
+    if flag == F32:
+        cfg = cfg.replace(dtype=jnp.float32)
+    elif flag:
+        cfg = cfg.replace(fp8=RECIPES[flag])
+    model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
+    nnx.update(model, nnx.state(reference, nnx.Param))
+    return model
+
+
+def _in_float32(reference: CodaLlama) -> CodaLlama:
+    """``reference``'s weights in a CodaLlama that computes in float32 (``from_coda`` takes the
+    config, its compute dtype included, from the model it copies)."""
+    model = CodaLlama(reference.config.replace(dtype=jnp.float32), rngs=nnx.Rngs(0), backend="xla")
     nnx.update(model, nnx.state(reference, nnx.Param))
     return model
 

@@ -189,21 +189,48 @@ def cast_for_use(var, dtype=None, whole: bool = True) -> jax.Array:
 
     The cast comes before the gather (a 16-bit copy moves half the bytes). Under an Auto
     mesh the partitioner places the gather, and it gathered the float32 parameter and cast
-    after. So the cast copy is pinned to the parameter's own split (its logical axis names,
-    :data:`LOGICAL_AXIS_RULES`), and the gather has to follow the cast."""
+    after. So the cast copy is pinned to the parameter's own split (:func:`param_split`), and
+    the gather has to follow the cast."""
     keep = gathered if whole else (lambda a: a)
     v = var[...]
     if dtype is None or v.dtype == dtype:
         return keep(v)
     c = v.astype(dtype)
+    split = param_split(var)
+    if split is not None:
+        c = jax.lax.with_sharding_constraint(c, split)
+    return keep(c)
+
+
+def param_split(var) -> P | None:
+    """Where parameter ``var`` (an ``nnx.Variable``) lies on the context mesh under Auto axis
+    types: the ``PartitionSpec`` of its logical axis names (:data:`LOGICAL_AXIS_RULES`), to pin
+    a copy derived from it (a cast, a quantized copy) to the same split. None without an Auto
+    mesh (under Explicit axes an array's type carries its split), inside a ``shard_map``, or
+    for a parameter stored whole."""
     mesh = context_mesh()
     names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
-    if mesh is not None and names and not mesh.are_all_axes_explicit and not getattr(mesh, "manual_axes", ()):
-        rules = dict(axis_rules(mesh))
-        spec = _spec_in_force(c.shape, [rules.get(n) for n in names], mesh)
-        if any(spec):
-            c = jax.lax.with_sharding_constraint(c, spec)
-    return keep(c)
+    if mesh is None or not names or mesh.are_all_axes_explicit or getattr(mesh, "manual_axes", ()):
+        return None
+    spec = _spec_in_force(var[...].shape, [dict(axis_rules(mesh)).get(n) for n in names], mesh)
+    return spec if any(spec) else None
+
+
+def gathered_from_split(x: jax.Array, split: P | None) -> jax.Array:
+    """``x``, computed elementwise from a parameter that lies on ``split`` (:func:`param_split`),
+    whole on every device, gathered as ``x``: under an Auto mesh pinned to ``split`` first, so
+    that the partitioner moves ``x`` (a cast or quantized copy: fewer bytes) and not the
+    parameter it came from; under an Explicit mesh :func:`gathered`."""
+    if split is None:
+        return gathered(x)
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, split), P())
+
+
+def placed_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """``x`` placed as ``ref`` under an Explicit mesh (e.g. the gradient of a parameter that
+    arrived on its split, computed whole); elsewhere ``x`` unchanged (the partitioner places it)."""
+    sh = explicit_sharding(ref)
+    return x if sh is None else jax.sharding.reshard(x, sh.spec)
 
 
 def _leaf_name(path) -> str | None:

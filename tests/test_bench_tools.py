@@ -1031,6 +1031,7 @@ def test_fp8_accuracy_over_seeds_and_recipes(capsys):
         fa._model("xla:fp16", None, None)
     with pytest.raises(ValueError, match=":fp8-current"):  # the plain FP8 ablations are the baseline's only
         fa._model("xla:forward", None, None)
+    import jax.numpy as jnp
     from flax import nnx
 
     from coda_jax.layers import CodaLlama, LlamaConfig
@@ -1039,6 +1040,14 @@ def test_fp8_accuracy_over_seeds_and_recipes(capsys):
     ref = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla")
     assert [fa._model(f"plain_fp8:{q}", cfg, ref).quantized for q in ("forward", "backward")] == ["forward", "backward"]
     assert fa._model("plain_fp8", cfg, ref).quantized == "both"
+    # :f32, the float32-compute ground truth, for plain and a backend; the weights stay the reference's
+    for run in ("plain:f32", "xla:f32"):
+        m = fa._model(run, cfg, ref)
+        assert m.config.dtype == jnp.float32 and m.embed[...].dtype == jnp.float32
+        assert bool(jnp.array_equal(m.embed[...], ref.embed[...]))
+    assert fa._model("plain", cfg, ref).config.dtype == cfg.dtype
+    with pytest.raises(ValueError, match=":f32"):
+        fa._model("plain_fp8:f32", None, None)
     rows = fa.main(["--steps", "2", "--batch", "2", "--seq", "16", "--layers", "1", "--runs", "xla,xla:fp8-current",
                     "--seeds", "0,1", "--lr", "1e-3"])
     printed = capsys.readouterr().out

@@ -32,8 +32,9 @@ GROUPS = {
     "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_2x4_explicit"],
     # FP8 (LlamaConfig(fp8=...)): loss, gradients and amax histories against one device.
     "model_fp8": ["model_fp8_xla_8_auto", "model_fp8_xla_2x4_explicit", "model_fp8_pallas_2x4_auto"],
-    # Data parallel FP8 wgrads contract each device's tokens: no gathered FP8 operands.
-    "fp8_wgrads": ["fp8_wgrads_auto", "fp8_wgrads_explicit"],
+    # Data parallel FP8 wgrads contract each device's tokens: no gathered FP8 operands; under
+    # FSDP the block weights are gathered as their e4m3 copies, not as float32 parameters.
+    "fp8_wgrads": ["fp8_wgrads_auto", "fp8_wgrads_explicit", "fp8_fsdp_gathers_auto", "fp8_fsdp_gathers_explicit"],
     # FP8 under a tensor axis (the partitioner splits the FP8 block by the weights' tensor splits).
     "model_fp8_tensor": ["model_fp8_xla_2x2x2_auto", "model_fp8_xla_1x2x4_explicit",
                          "model_fp8_pallas_2x1x4_explicit"],
@@ -71,6 +72,8 @@ def test_on_eight_devices(group):
                 "kernel_cache_auto": "kernel_cache_under_mesh_auto",
                 "fp8_wgrads_auto": "fp8_wgrads_split_by_tokens_auto",
                 "fp8_wgrads_explicit": "fp8_wgrads_split_by_tokens_explicit",
+                "fp8_fsdp_gathers_auto": "fp8_fsdp_weight_gathers_auto",
+                "fp8_fsdp_gathers_explicit": "fp8_fsdp_weight_gathers_explicit",
                 "kernel_cache_explicit": "kernel_cache_under_mesh_explicit"}.get(case, case)
         assert f"OK {want}" in out, out
 

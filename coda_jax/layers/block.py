@@ -23,7 +23,7 @@ from coda_jax.ops.swiglu_mlp import swiglu_mlp
 from coda_jax.ops.rope_frequencies import rope_inv_freq
 from coda_jax.reference import xla_backend_lowering
 from coda_jax.mesh_axes import context_mesh, token_axes
-from coda_jax.sharding import cast_for_use, logical_param, reshape_tokens
+from coda_jax.sharding import cast_for_use, logical_param, param_split, reshape_tokens
 
 
 def _normal(rngs: nnx.Rngs, shape, std, dtype):
@@ -145,8 +145,13 @@ class CodaLlamaBlock(nnx.Module):
         if carry is not None and not isinstance(carry, Fp8Carry):
             carry = None  # a compute-dtype carry (not from an FP8 block): h is quantized from x
         w = self._param
-        params = {name: w(name, whole=not tensor_parallel)
+        weights = ("w_qkv", "w_o", "w_gu", "w_down")
+        # The weights stay on their stored splits: the op quantizes each where it lies and
+        # gathers its FP8 copy (under FSDP one byte an element crosses devices, not four);
+        # under a tensor axis they stay split for XLA's partitioner.
+        params = {name: w(name, whole=not tensor_parallel and name not in weights)
                   for name in ("attn_norm", "w_qkv", "w_o", "mlp_norm", "w_gu", "w_down")}
+        splits = None if tensor_parallel else tuple((n, param_split(getattr(self, n))) for n in weights)
         pos = reshape_tokens(positions, (m,))
         cos, sin = rope_tables(pos, w("inv_freq"))
         aux = {"cos": cos, "sin": sin, "rot": rope_rotated_columns(c.num_heads, c.num_kv_heads, hd // 2)}
@@ -158,7 +163,7 @@ class CodaLlamaBlock(nnx.Module):
         shape = Fp8BlockShape(b, s, c.num_heads, c.num_kv_heads, hd, float(c.rms_norm_eps),
                               float(c.qk_norm_eps) if c.qk_norm else None, c.attention_implementation,
                               c.fp8.margin, carry_out, c.fp8.scaling, c.fp8.promote_k,
-                              c.fp8.promote_min_k)
+                              c.fp8.promote_min_k, splits)
         lowering = xla_backend_lowering() if tensor_parallel else lowering_for(FP8_LLAMA_BLOCK, self.backend)
 
         def block(x, params, aux, meta, carry, next_norm):

@@ -49,7 +49,7 @@ from coda_jax.ops.epilogue_pass import epilogue_pass
 from coda_jax.ops.fp8_gemm import backward_gemm, fp8_gemm, quantizing_run
 from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
 from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
-from coda_jax.sharding import reshape_tokens
+from coda_jax.sharding import gathered_from_split, placed_like, reshape_tokens
 
 # The quantized tensors of one block, in the order of the rows of its ``meta``.
 TENSORS = ("h_in", "w_qkv", "o", "w_o", "h1", "w_gu", "y", "w_down", "h_out", "dz_qkv", "dx1", "dz_gu", "dx2")
@@ -83,6 +83,11 @@ class BlockShape:
     scaling: str = "delayed"  # Fp8Recipe.scaling: "delayed" or "current"
     promote_k: int = 0  # Fp8Recipe.promote_k / promote_min_k: the backward GEMMs' float32 promotion
     promote_min_k: int = 0
+    # None: the weights arrive as the GEMMs use them (whole, or on their tensor splits for XLA's
+    # partitioner) and are quantized there. Else ((name, PartitionSpec or None), ...) per weight:
+    # they arrive on their stored (FSDP) splits, each device quantizes its own part, and the
+    # e4m3 copy is gathered (_quantize_weight).
+    weight_splits: tuple | None = None
 
 
 def _dtype(name: str):
@@ -97,6 +102,19 @@ def _quantize(meta: jax.Array, name: str, x: jax.Array, st: BlockShape, **kw) ->
     """A standalone quantizing pass of tensor ``name``: its delayed scale, or its current one."""
     history = None if st.scaling == "current" else meta[_ROW[name]]
     return quantize_tensor(x, history, _dtype(name), st.margin, **kw)
+
+
+def _quantize_weight(meta: jax.Array, name: str, w: jax.Array, st: BlockShape) -> tuple[Fp8Tensor, jax.Array]:
+    """Weight ``name``'s FP8 copies (``[K, N]`` and its ``[N, K]`` transpose) and amax. With
+    ``st.weight_splits`` ``w`` arrives on its stored split (FSDP): each device quantizes its own
+    rows (the amax a max over the mesh) and the e4m3 copy is gathered, one byte an element where
+    the float32 parameter took four; the transposed copy is made after the gather, where
+    gathering it would gather along its minor dimension."""
+    if st.weight_splits is None:
+        return _quantize(meta, name, w, st)
+    t, amax = _quantize(meta, name, w, st, transpose=False)
+    data = gathered_from_split(t.data, dict(st.weight_splits)[name])
+    return Fp8Tensor(data, data.T, t.scale_inv), amax
 
 
 def _quantizing(st: BlockShape, meta: jax.Array, amax: dict, name: str, run, program: E.Epilogue, loads: dict,
@@ -124,7 +142,7 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
     else:
         h, sumsq = carry.h, carry.sumsq
     rstd = rstd_from_partials(sumsq, d, st.eps)
-    w_qkv, amax["w_qkv"] = _quantize(meta, "w_qkv", params["w_qkv"], st)
+    w_qkv, amax["w_qkv"] = _quantize_weight(meta, "w_qkv", params["w_qkv"], st)
     variant = RopeVariant(hd // 2, st.qk_norm_eps, (nh * hd, nkv * hd, nkv * hd))
     qkv_out = fp8_gemm(lw, variant.program(True), h, w_qkv, {"rstd": rstd, **variant.loads(aux)},
                        out_dtypes={"qkv": dt, **({"z": dt} if st.qk_norm_eps is not None else {})},
@@ -135,16 +153,16 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
                           reshape_tokens(q, (b, s, nh, hd)), reshape_tokens(k, (b, s, nkv, hd)),
                           reshape_tokens(v, (b, s, nkv, hd)))
     o, amax["o"] = _quantize(meta, "o", reshape_tokens(o, (m, nh * hd)), st)
-    w_o, amax["w_o"] = _quantize(meta, "w_o", params["w_o"], st)
+    w_o, amax["w_o"] = _quantize_weight(meta, "w_o", params["w_o"], st)
     r1, h1 = _quantizing(st, meta, amax, "h1",
                          lambda p, l, od: fp8_gemm(lw, p, o, w_o, l, out_dtypes={"x": dt, **od}),
                          programs.RESIDUAL_RMS_Q8, {"residual": x, "gamma": params["mlp_norm"]}, "h", dt)
     x1, sumsq1 = r1["x"], r1["sumsq"]
     rstd1 = rstd_from_partials(sumsq1, d, st.eps)
-    w_gu, amax["w_gu"] = _quantize(meta, "w_gu", params["w_gu"], st)
+    w_gu, amax["w_gu"] = _quantize_weight(meta, "w_gu", params["w_gu"], st)
     g, y = _quantizing(st, meta, amax, "y", lambda p, l, od: fp8_gemm(lw, p, h1, w_gu, l, out_dtypes={"z": dt, **od}),
                        programs.rms_swiglu_q8(True), {"rstd": rstd1}, "y", dt)
-    w_down, amax["w_down"] = _quantize(meta, "w_down", params["w_down"], st)
+    w_down, amax["w_down"] = _quantize_weight(meta, "w_down", params["w_down"], st)
     if st.carry_out == "fp8":
         r2, h_out = _quantizing(st, meta, amax, "h_out",
                                 lambda p, l, od: fp8_gemm(lw, p, y, w_down, l, out_dtypes={"x": dt, **od}),
@@ -230,7 +248,8 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
     # The wgrads come out in the compute dtype, as the bf16 block's and plain JAX FP8's do: under
     # data parallel their partial sums cross devices in it (coda_jax.partitioning: half the
     # bytes of float32), and the cast to the parameters' dtype follows the sum.
-    grads = {k: v.astype(params[k].dtype) for k, v in grads.items()}
+    # A weight that arrived on its FSDP split (BlockShape.weight_splits) gets its gradient there.
+    grads = {k: placed_like(v.astype(params[k].dtype), params[k]) for k, v in grads.items()}
     new_meta = jnp.stack([next_history(meta[i], amax[name]) if name in amax else jnp.zeros_like(meta[i])
                           for i, name in enumerate(TENSORS)])
     return nb0["dx"], grads, daux, new_meta
