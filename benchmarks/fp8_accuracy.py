@@ -13,8 +13,8 @@ step (:func:`coda_jax.training.make_steps`). Runs: ``plain`` (the plain JAX Llam
 ``<backend>:fp8-head`` (the LM head in FP8 too), ``plain_fp8:fp8-head`` (the plain FP8 baseline's
 head in FP8), and two ablations of the plain FP8 baseline: ``plain_fp8:forward`` (only the
 projections' forward GEMMs in FP8, the backward as bf16's) and ``plain_fp8:backward`` (only
-their dgrad and wgrad in FP8). ``plain:f32`` and ``<backend>:f32`` compute in float32 (the
-parameters are float32 in every run): the ground truth against which a bf16 or FP8 run's
+their dgrad and wgrad in FP8). ``plain:f32`` and ``<backend>:f32`` compute in float32, their GEMMs at
+``Precision.HIGHEST`` (not a GPU's TF32; the parameters are float32 in every run): the ground truth against which a bf16 or FP8 run's
 distance says which of two runs that differ is the outlier.
 The first run is the reference: per run, the relative difference of the training loss averaged
 over windows of 25 steps (the largest after the first 50 steps, and the last), and the
@@ -116,11 +116,13 @@ def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: in
     state = jax.tree.map(jnp.copy, nnx.state((model, opt)))  # the step donates it; the reference keeps its own
     del model, opt
     losses, t0 = [], time.perf_counter()
-    for i, (x, y) in zip(range(steps), data()):
-        state, loss = step(state, jnp.asarray(x), jnp.asarray(y))
-        losses.append(loss)
-    losses = [float(v) for v in jax.device_get(losses)]
-    val_loss = float(eval_step(state, *(jnp.asarray(v) for v in val)))
+    # A float32 run is the ground truth: its GEMMs at float32 precision, not TF32 (a GPU's default).
+    with jax.default_matmul_precision("highest" if run.endswith(":" + F32) else None):
+        for i, (x, y) in zip(range(steps), data()):
+            state, loss = step(state, jnp.asarray(x), jnp.asarray(y))
+            losses.append(loss)
+        losses = [float(v) for v in jax.device_get(losses)]
+        val_loss = float(eval_step(state, *(jnp.asarray(v) for v in val)))
     return {"run": run, "losses": losses, "val_loss": val_loss, "wall_s": time.perf_counter() - t0}
 
 

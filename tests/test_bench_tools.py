@@ -1048,10 +1048,10 @@ def test_fp8_accuracy_over_seeds_and_recipes(capsys):
     assert fa._model("plain", cfg, ref).config.dtype == cfg.dtype
     with pytest.raises(ValueError, match=":f32"):
         fa._model("plain_fp8:f32", None, None)
-    rows = fa.main(["--steps", "2", "--batch", "2", "--seq", "16", "--layers", "1", "--runs", "xla,xla:fp8-current",
+    rows = fa.main(["--steps", "2", "--batch", "2", "--seq", "16", "--layers", "1", "--runs", "xla,xla:fp8-current,xla:f32",
                     "--seeds", "0,1", "--lr", "1e-3"])
     printed = capsys.readouterr().out
-    assert [r["run"] for r in rows] == ["xla", "xla:fp8-current"] and rows[0]["val_rel"] == 0.0
+    assert [r["run"] for r in rows] == ["xla", "xla:fp8-current", "xla:f32"] and rows[0]["val_rel"] == 0.0
     assert "seed 1" in printed and "the largest difference over seeds 0,1" in printed and "lr 0.001" in printed
 
 
