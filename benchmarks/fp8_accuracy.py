@@ -13,9 +13,11 @@ step (:func:`coda_jax.training.make_steps`). Runs: ``plain`` (the plain JAX Llam
 ``<backend>:fp8-head`` (the LM head in FP8 too), ``plain_fp8:fp8-head`` (the plain FP8 baseline's
 head in FP8), and two ablations of the plain FP8 baseline: ``plain_fp8:forward`` (only the
 projections' forward GEMMs in FP8, the backward as bf16's) and ``plain_fp8:backward`` (only
-their dgrad and wgrad in FP8). ``plain:f32`` and ``<backend>:f32`` compute in float32, their GEMMs at
-``Precision.HIGHEST`` (not a GPU's TF32; the parameters are float32 in every run): the ground truth against which a bf16 or FP8 run's
-distance says which of two runs that differ is the outlier.
+their dgrad and wgrad in FP8). ``plain:f32`` and ``<backend>:f32`` compute in float32 (the parameters are
+float32 in every run), their GEMMs at ``--f32-precision`` (default ``float32``, exact float32
+products; a GPU's default is TF32, ``tensorfloat32``, several times faster): the ground truth
+against which a bf16 or FP8 run's distance says which of two runs that differ is the outlier,
+and two float32 implementations' distance the spread that the setting itself gives.
 The first run is the reference: per run, the relative difference of the training loss averaged
 over windows of 25 steps (the largest after the first 50 steps, and the last), and the
 validation loss after the last step.
@@ -109,15 +111,16 @@ def windows(losses: list[float]) -> list[float]:
     return [float(np.mean(losses[i:i + WINDOW])) for i in range(0, len(losses), WINDOW)]
 
 
-def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: int, lr: float, warmup: int) -> dict:
+def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: int, lr: float, warmup: int,
+          f32_precision: str = "float32") -> dict:
     model = _model(run, cfg, reference)
     opt = nnx.Optimizer(model, training.adamw_cosine(lr, warmup, steps), wrt=nnx.Param)
     step, eval_step, _ = training.make_steps(model, opt)
     state = jax.tree.map(jnp.copy, nnx.state((model, opt)))  # the step donates it; the reference keeps its own
     del model, opt
     losses, t0 = [], time.perf_counter()
-    # A float32 run is the ground truth: its GEMMs at float32 precision, not TF32 (a GPU's default).
-    with jax.default_matmul_precision("highest" if run.endswith(":" + F32) else None):
+    # A float32 run's GEMMs at f32_precision (a GPU's default for float32 is TF32).
+    with jax.default_matmul_precision(f32_precision if run.endswith(":" + F32) else None):
         for i, (x, y) in zip(range(steps), data()):
             state, loss = step(state, jnp.asarray(x), jnp.asarray(y))
             losses.append(loss)
@@ -153,6 +156,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seeds", default="0", help="comma-separated seeds: the weights and the batches' order")
     p.add_argument("--corpus", default="example", choices=["example", "python-stdlib"],
                    help="the example's two novels, or the interpreter's standard library sources")
+    p.add_argument("--f32-precision", default="float32", choices=["float32", "tensorfloat32"],
+                   help="the GEMM precision of the :f32 runs (float32: exact products; tensorfloat32: a GPU's TF32)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     seeds = [int(v) for v in args.seeds.split(",")]
@@ -175,7 +180,8 @@ def main(argv=None) -> list[dict]:
         data = lambda seed=seed: td.batches(train_tokens, args.batch, args.seq, seed=seed)  # noqa: E731
         results.append([])
         for run in args.runs.split(","):
-            results[-1].append(train(run, cfg, reference, data, val, args.steps, lr, warmup))
+            results[-1].append(train(run, cfg, reference, data, val, args.steps, lr, warmup,
+                                       args.f32_precision))
             r = results[-1][-1]
             print(f"seed {seed} {run}: last loss {r['losses'][-1]:.4f}, val {r['val_loss']:.4f} ({r['wall_s']:.0f} s)",
                   flush=True)
