@@ -190,7 +190,9 @@ def test_fp8_carry_is_the_quantized_h():
     for save in (True, False):
         own = _op(save)(x, gamma, w, meta, t)
         got = _op(save, carry=carry)(x, gamma, w, meta, t)
-        assert float(got[0]) == float(own[0])
+        # The carry's sum of squares is reduced outside the op, the op's own inside it: the
+        # losses may differ in their last float32 bit.
+        assert abs(float(got[0]) - float(own[0])) <= 1e-6 * abs(float(own[0]))
         for u, v in zip(got[1][:3], own[1][:3]):
             assert rel_err(u, v) < 1e-6
         np.testing.assert_array_equal(got[1][3][H], meta[H])  # the h row: untouched
