@@ -307,6 +307,30 @@ def test_quantizing_smem_plan():
         assert pick(q8) == pick(plain) == 256
 
 
+@pytest.mark.parametrize("inner", [P.IDENTITY, P.rms_dgrad_q8(True)], ids=lambda e: e.name)
+def test_promoted_fp8_gemms_lower(inner, monkeypatch):
+    """``promote_k`` on FP8 operands: the kernel adds its accumulator into a float32 total
+    every ``promote_k / 128`` K-tiles, on the cooperative schedule's narrow tile whatever the
+    tuning asks (the total doubles the accumulator's registers), and lowers; 16-bit operands
+    are never promoted; a ``promote_k`` that is not a multiple of the K-tile is refused."""
+    from coda_jax.ffi import kernel as K
+    from coda_jax.ffi.tuning import CuteDslTuning
+
+    plans = _spy(monkeypatch)
+    epi = E.dequantized(inner)
+    m, n, k = 200, 300, 1100  # 9 K-tiles: two groups of 4 and one of 1
+    a, b, loads = _abstract(epi, m, n, k)
+    for tuning in (CuteDslTuning(schedule="pingpong"), CuteDslTuning(tile_n=256)):
+        low = _kernel(tuning)
+        f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi),  # noqa: E731
+                                     promote_k=512)
+        assert "CuteDSL" in _lower(f, a, b, loads)
+    assert {(p.promote_every, p.tile_n, p.pingpong) for p in plans} == {(4, 128, False)}
+    assert K.promotion_tiles(128, 1) == 1 and K.promotion_tiles(512, 2) == 0 and K.promotion_tiles(0, 1) == 0
+    with pytest.raises(ValueError, match="promote_k=100 must be a positive multiple"):
+        K.promotion_tiles(100, 1)
+
+
 def _spill_runs():
     """``[(name, lower)]``: every FP8 program on FP8 operands at an 8192^3 GEMM, automatic and
     (where it runs) ping-pong (:func:`cutedsl_spills.kernel_spill_lines` runs them)."""
@@ -323,8 +347,15 @@ def _spill_runs():
         f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi))  # noqa: E731
         return lambda: jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
 
+    def promoted(epi):  # the long-K backward GEMMs' float32 promotion: a second accumulator
+        low = CuteDslLowering(CuteDslTuning(), plain_gemm="kernel", fp8_kernel=True)
+        f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi),  # noqa: E731
+                                     promote_k=512)
+        return lambda: jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
+
     runs = [(E.dequantized(e), s) for e in _Q8_PROGRAMS for s in ("auto", "pingpong") if s == "auto" or chunked_epilogue(e)]
-    return [(f"{epi.name}-{s}", lower(epi, s)) for epi, s in runs]
+    return ([(f"{epi.name}-{s}", lower(epi, s)) for epi, s in runs]
+            + [(f"{e.name}-promoted", promoted(E.dequantized(e))) for e in (P.IDENTITY, P.rms_dgrad_q8(True))])
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit) on PATH")
@@ -403,9 +434,11 @@ def _with_scales(epi, run_ref, loads):
     return loads
 
 
-def _compare_fp8(inner, m, n, k, seed=0, da=E4M3, db=E4M3, tuning=None, operands="fp8", edit_loads=None):
+def _compare_fp8(inner, m, n, k, seed=0, da=E4M3, db=E4M3, tuning=None, operands="fp8", edit_loads=None,
+                 promote_k=0):
     """The kernel against the reference on the same fresh random inputs (FP8 operands through
-    ``E.dequantized(inner)``, or bf16 operands through ``inner``): every result."""
+    ``E.dequantized(inner)``, or bf16 operands through ``inner``): every result. ``promote_k``:
+    the kernel's promoted accumulation (the reference then runs at ``Precision.HIGHEST``)."""
     epi = E.dequantized(inner) if operands == "fp8" else inner
     if operands == "fp8":
         a, b, s = _fp8_operands(m, n, k, seed, da, db)
@@ -415,7 +448,7 @@ def _compare_fp8(inner, m, n, k, seed=0, da=E4M3, db=E4M3, tuning=None, operands
         a = (jax.random.normal(ka, (m, k)) / k ** 0.25).astype(BF)
         b = (jax.random.normal(kb, (n, k)) / k ** 0.25).astype(BF)
         loads = _gpu_loads(inner, m, n, seed)
-    kw = dict(transpose_b=True, out_dtypes=_plain_dtypes(epi))
+    kw = dict(transpose_b=True, out_dtypes=_plain_dtypes(epi), promote_k=promote_k)
     if epi.quantizes:
         loads = _with_scales(epi, lambda l: REFERENCE.gemm(epi, a, b, l, **kw), loads)
     if edit_loads is not None:
@@ -519,6 +552,37 @@ def test_q8_amax_keeps_nan_on_gpu():
     amax = np.asarray(got["h_amax"])
     assert np.isnan(amax).sum() == 1 and np.isnan(np.max(amax))
     assert np.isnan(np.asarray(got["h"][300, 700], F32)) and np.isnan(np.asarray(got["h_t"][700, 300], F32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [32768, 32768 + 640], ids=["whole_groups", "ragged_last_group"])
+def test_promoted_accumulation_on_gpu(k):
+    """Promotion every 512 (4 K-tiles) against the tensor core's own FP8 accumulation on
+    all-positive e4m3 inputs (every product adds: the worst case for an accumulator that drops
+    its addends' low bits), against the exact (float64) product: ten times closer and within
+    1e-2, the Pallas kernel's bound (``test_gpu_pallas_fp8.py``); K a whole number of groups,
+    and not (the last group's 5 K-tiles: its partial sum added after the loop)."""
+    from benchmarks.fp8_accumulation import errors, exact_product, fp8_inputs
+
+    a8, b8 = fp8_inputs(256, 384, k, "positive", seed=5)
+    ref = exact_product(a8, b8)
+    epi = E.dequantized(P.IDENTITY)
+    one = {"acc_scale": jnp.ones((), F32)}
+
+    def product(pk):
+        return jax.jit(lambda a, b: _kernel().gemm(epi, a, b, one, transpose_b=True, out_dtypes={"out": F32},
+                                                   promote_k=pk)["out"])(a8, b8)
+
+    plain, promoted = errors(product(0), ref)["rel"], errors(product(512), ref)["rel"]
+    assert promoted < 1e-2 and promoted < plain / 10, (plain, promoted)
+
+
+@pytest.mark.gpu
+def test_promoted_fused_program_on_gpu():
+    """A fused long-K backward program (the gate/up dgrad with the norm backward: dx, its e5m2
+    copies and amax, dgamma) promoted every 512, ragged K of 21 K-tiles (five groups and one
+    K-tile), against the reference at HIGHEST."""
+    _compare_fp8(P.rms_dgrad_q8(True), 1000, 900, 2600, seed=20, promote_k=512)
 
 
 def test_the_default_lowering_hands_fp8_gemms_to_xla_until_the_path_is_measured():

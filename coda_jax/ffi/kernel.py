@@ -144,6 +144,10 @@ class KernelPlan:
     group_m: int = GROUP_M  # tile rows per raster group (:func:`_tile_of`)
     pingpong: bool = False  # the ping-pong schedule (:func:`pingpong_ok`)
     b_dtype: Any = None  # b's dtype where it differs from a's (FP8: e4m3 x e5m2)
+    # K-tiles between promotions of the tensor cores' accumulator into a float32 register
+    # total (Fp8Recipe.promote_k / tile_k; 0: none). Cooperative 128-wide tiles only: the
+    # total doubles the accumulator's registers (:func:`promotion_tiles`).
+    promote_every: int = 0
 
     @property
     def operand_dtypes(self) -> tuple[Any, Any]:
@@ -165,6 +169,20 @@ class KernelPlan:
         """CTAs of the persistent grid."""
         grid_m, grid_n = self.grid
         return min(grid_m * grid_n, self.sms)
+
+
+def promotion_tiles(promote_k: int, itemsize: int) -> int:
+    """K-tiles between two promotions of the FP8 accumulator for ``promote_k`` (K elements;
+    0: none). Hopper's FP8 wgmma keeps about 14 bits of its running sum, so a long-K GEMM adds
+    the tensor cores' partial sum into a float32 register total every ``promote_k`` elements
+    and restarts it (TransformerEngine's split accumulator, docs/fp8.md#accumulation).
+    16-bit operands accumulate at float32 precision: never promoted."""
+    if not promote_k or itemsize != 1:
+        return 0
+    tk = tile_k(itemsize)
+    if promote_k < 0 or promote_k % tk:
+        raise ValueError(f"promote_k={promote_k} must be a positive multiple of the CuTeDSL FP8 K-tile ({tk})")
+    return promote_k // tk
 
 
 def register_layout_ok(epi: Epilogue) -> bool:
@@ -1376,6 +1394,9 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
             frag_a = mma.make_fragment_A(wg_mma.partition_A(s_a))
             frag_b = mma.make_fragment_B(wg_mma.partition_B(s_b))
             acc = cute.make_rmem_tensor(wg_mma.partition_shape_C((tm, tn)), cutlass.Float32)
+            every = plan.promote_every
+            if cutlass.const_expr(every > 0):
+                total = cute.make_rmem_tensor(wg_mma.partition_shape_C((tm, tn)), cutlass.Float32)
             k_blocks = cute.size(frag_a, mode=[2])
             if cutlass.const_expr(pingpong):
                 # Warpgroup 1 starts at the CTA's second tile: its ring position skips the
@@ -1459,6 +1480,9 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                 # K-tile 0 is peeled: it starts the accumulation (ACCUMULATE=False on its first
                 # wgmma), so the flag is a compile-time fact and never a loop-carried value.
                 mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                if cutlass.const_expr(every > 0):
+                    for i in range(count):
+                        total[i] = cutlass.Float32(0.0)
                 ring.consumer_wait(consume)
                 cute.nvgpu.warpgroup.fence()
                 for kb in cutlass.range_constexpr(k_blocks):
@@ -1467,6 +1491,11 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.commit_group()
                 consume.advance()
+                if cutlass.const_expr(every == 1):  # a group of one K-tile: promote K-tile 0 too
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    for i in range(count):
+                        total[i] = acc[i]
+                        acc[i] = cutlass.Float32(0.0)
                 for kt in cutlass.range(1, k_tiles, 1, unroll=1):
                     ring.consumer_wait(consume)
                     cute.nvgpu.warpgroup.fence()
@@ -1479,6 +1508,14 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     cute.nvgpu.warpgroup.wait_group(1)
                     ring.consumer_release(release)
                     release.advance()
+                    if cutlass.const_expr(every > 0):
+                        # Promotion: every `every` K-tiles the tensor cores' partial sum goes
+                        # into the float32 total and the accumulator restarts from zero.
+                        if (kt + 1) % every == 0:
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            for i in range(count):
+                                total[i] = total[i] + acc[i]
+                                acc[i] = cutlass.Float32(0.0)
                 if cutlass.const_expr(pingpong):
                     # The other warpgroup may start its next tile's mainloop (if there is one),
                     # then both skip each other's tile in the ring.
@@ -1500,7 +1537,10 @@ def build_launcher(epi: Epilogue, traced: TracedBody, plan: KernelPlan):
                     if tidx == 0:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                     ep.sync()
-                acc_vals = [acc[i] for i in range(count)]
+                if cutlass.const_expr(every > 0):  # the last group's partial sum (zero after a whole group)
+                    acc_vals = [total[i] + acc[i] for i in range(count)]
+                else:
+                    acc_vals = [acc[i] for i in range(count)]
                 ep.run(acc_vals, loads, outs)
                 if cutlass.const_expr(whole_tile_stores):
                     whole = []

@@ -26,7 +26,6 @@ regeneration on cache hits), so a training step does not recompile.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +36,6 @@ from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind, defaul
 from coda_jax.ffi.interpret import check_lowerable, trace_body
 from coda_jax.ffi.tuning import CuteDslTuning
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
-from coda_jax.log import log_once
 from coda_jax.lowering import gpu_sm_count, split_columns, with_latency_hint
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
@@ -151,17 +149,15 @@ class CuteDslLowering(KernelLowering):
                     out_dtypes: Mapping[str, Any] | None,
                     out_splits: dict[str, tuple[int, ...]], promote_k: int = 0) -> dict[str, Any]:
         """See :class:`coda_jax.lowering.GemmLowering`. ``out_splits``: the kernel writes one
-        array per output and XLA slices it into the parts. ``promote_k`` is not implemented in
-        this mainloop (documented fallback, logged once per program): its FP8 GEMMs accumulate
-        the whole K in the tensor core (docs/fp8.md#accumulation)."""
-        if promote_k:
-            log_once(("cutedsl_promote_k", epilogue.name), logging.WARNING,
-                     "coda_jax: the CuTeDSL FP8 mainloop does not promote its accumulator (promote_k=%d asked "
-                     "for %r): the whole K accumulates in the tensor core", promote_k, epilogue.name)
+        array per output and XLA slices it into the parts. ``promote_k`` (FP8 operands): the
+        accumulator is added into a float32 register total every ``promote_k`` K elements
+        (:func:`coda_jax.ffi.kernel.promotion_tiles`), on the cooperative schedule's narrow
+        tile (the total doubles the accumulator's registers)."""
         # The optional cutlass package, and the kernel module that needs it: imported on use.
         from cutlass.jax import TensorSpec
 
-        from coda_jax.ffi.kernel import KernelPlan, choose_schedule, choose_tile_n, plan_smem
+        from coda_jax.ffi.kernel import (KernelPlan, choose_schedule, choose_tile_n, narrow_tile_n, plan_smem,
+                                         promotion_tiles)
 
         m, n, k = dims
         tuning = self.tuning
@@ -179,8 +175,12 @@ class CuteDslLowering(KernelLowering):
         op_dt, b_dt = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
         itemsize = op_dt.itemsize
         sms = self.grid_sms(gpu_sm_count())
-        pingpong = choose_schedule(epilogue, tuning.schedule)
-        tn = 128 if pingpong else choose_tile_n(epilogue, m, n, itemsize, dtypes, sms, tuning.tile_n)
+        every = promotion_tiles(promote_k, itemsize)
+        pingpong = not every and choose_schedule(epilogue, tuning.schedule)
+        if every:  # two 128 x 128 accumulators a consumer thread pair: the narrow tile
+            tn = narrow_tile_n(epilogue)
+        else:
+            tn = 128 if pingpong else choose_tile_n(epilogue, m, n, itemsize, dtypes, sms, tuning.tile_n)
         mp, np_, kp = _round_up(m, TILE_M), _round_up(n, tn), _round_up(k, _tile_k(itemsize))
         a_p, b_p = pad_operands(a, b, mp, np_, kp, transpose_a, transpose_b)
         args = [_kernel_load(epilogue, l, v) for l, v in zip(epilogue.loads, pad_loads(epilogue, loads, m, n, mp, np_))]
@@ -190,7 +190,7 @@ class CuteDslLowering(KernelLowering):
         plan = KernelPlan(m=mp, n=np_, k=kp, m_real=m, n_real=n, tile_n=tn, stages=stages,
                           sms=sms, stage_outputs=stage_outputs, transpose_a=transpose_a, transpose_b=transpose_b,
                           operand_dtype=op_dt, load_dtypes=load_dtypes, out_dtypes=dtypes,
-                          pingpong=pingpong, b_dtype=None if b_dt == op_dt else b_dt,
+                          pingpong=pingpong, b_dtype=None if b_dt == op_dt else b_dt, promote_every=every,
                           **({"group_m": tuning.group_m} if tuning.group_m else {}))
         launch = _build(epilogue, plan)
         out_types = []  # one per result (Epilogue.result_names)
