@@ -16,7 +16,9 @@ bf16 GEMM, silently); ``backend[:option=value,...]`` is ``CodaLlama`` on that ba
 options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
 with :func:`coda_jax.options.options`, and ``fp8=true`` for ``LlamaConfig(fp8=Fp8Recipe())``
 (``fp8=current``: ``Fp8Recipe(scaling="current")``; with ``lm_head=true``: ``Fp8Recipe(lm_head=True)``;
-``promote_k=N``: ``Fp8Recipe(promote_k=N)``, also a ``plain_fp8`` setting), whose
+``promote_k=N``: ``Fp8Recipe(promote_k=N)``, also a ``plain_fp8`` setting; ``cutedsl:fp8=true,
+fp8_kernel=true``: the CuTeDSL kernel's own FP8 path, where by default that backend hands its
+FP8 GEMMs to XLA), whose
 FP8 GEMM calls are checked as ``plain_fp8``'s; e.g. ``pallas:cross_entropy.save_logits=false``: the
 cross-entropy recomputes its logits; ``pallas:routing.xla_output_below=0,routing.plain_gemm=kernel``:
 every GEMM on the kernel). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
@@ -198,6 +200,11 @@ def parse_run(spec: str) -> RunSpec:
     for key in ("lm_head", "promote_k"):
         if key in items:
             raise ValueError(f"run {spec!r}: {key} is a setting of FP8 runs (plain_fp8, or fp8=true)")
+    if "fp8_kernel" in items:  # CuteDslLowering(fp8_kernel=True): the CuTeDSL kernel's own FP8 path
+        if model != "cutedsl":
+            raise ValueError(f"run {spec!r}: fp8_kernel is a setting of cutedsl runs")
+        if _flag(spec, "fp8_kernel", items.pop("fp8_kernel")):
+            model_args["fp8_kernel"] = True
     try:
         pgle_runs = (int(pgle.get("JAX_PGLE_PROFILING_RUNS", "3"))
                      if pgle.get("JAX_ENABLE_PGLE", "").lower() in PGLE_ON else 0)
@@ -246,9 +253,20 @@ def run_context(run: RunSpec, mesh, tokens: int = 0, block_weights_per_width: in
     that ``examples/train_llama.py --fsdp-split auto`` picks for ``tokens`` a step (unless
     the option ``mesh.fsdp_split`` is set, by the run or the process)."""
     with options(**run.options), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()), \
-            pgle(run.pgle_runs), \
+            pgle(run.pgle_runs), _lowering(run), \
             partitioning.fsdp_split_as(partitioning.auto_fsdp_split(mesh, tokens, block_weights_per_width)):
         yield
+
+
+def _lowering(run: RunSpec):
+    """The lowering a run asks for: ``cutedsl:fp8_kernel=true`` runs the CuTeDSL kernel's FP8
+    path (``CuteDslLowering(fp8_kernel=True)``; by default the backend hands FP8 GEMMs to XLA)."""
+    if not run.model_args.get("fp8_kernel"):
+        return contextlib.nullcontext()
+    from coda_jax.backend import use_lowering
+    from coda_jax.ffi.lowering import CuteDslLowering
+
+    return use_lowering(CuteDslLowering(fp8_kernel=True))
 
 
 # The shape is a tuple for multi-output fusions (the optimizer's update of p, m and v).

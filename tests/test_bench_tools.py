@@ -365,6 +365,9 @@ def test_train_step_bench_run_specs():
     assert tsb.parse_run("pallas:fp8=true").model_args == {"fp8": "delayed"}
     assert tsb.parse_run("pallas:fp8=current").model_args == {"fp8": "current"}
     assert tsb.parse_run("pallas:fp8=false").model_args == {}
+    assert tsb.parse_run("cutedsl:fp8=true,fp8_kernel=true").model_args == {"fp8": "delayed", "fp8_kernel": True}
+    with pytest.raises(ValueError, match="fp8_kernel is a setting of cutedsl runs"):
+        tsb.parse_run("pallas:fp8=true,fp8_kernel=true")
     with pytest.raises(ValueError, match="fp8 must be true .delayed scaling., current or false"):
         tsb.parse_run("pallas:fp8=maybe")
     with pytest.raises(ValueError, match="plain, xla, pallas or cutedsl"):
