@@ -605,3 +605,32 @@ def test_unscaled_outputs_of_fp8_operands_default_to_bf16():
     want = jax.eval_shape(lambda a, b, l: REFERENCE.gemm(epi, a, b, l, transpose_b=True), a, b, loads)
     assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
     assert got["dx"].dtype == BF
+
+
+def test_fp8_model_step_lowers_on_the_fp8_kernel(monkeypatch):
+    """A whole FP8 CodaLlama's loss and gradients on ``backend="cutedsl"`` under
+    ``CuteDslLowering(fp8_kernel=True)`` (what ``train_step_bench``'s ``cutedsl:fp8_kernel=true``
+    runs) lower for CUDA with the block's fused FP8 programs on the kernel, the long-K backward
+    GEMMs promoted (``Fp8Recipe(promote_min_k=256)``: the wgrads over 256 tokens)."""
+    from flax import nnx
+
+    from coda_jax.backend import use_lowering
+    from coda_jax.fp8 import Fp8Meta, Fp8Recipe
+    from coda_jax.layers import CodaLlama, LlamaConfig
+
+    plans = _spy(monkeypatch)
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2,
+                           num_kv_heads=1, head_dim=64, dtype=BF, fp8=Fp8Recipe(promote_min_k=256))
+    model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="cutedsl")
+    tokens = jnp.zeros((2, 129), jnp.int32)  # 256 tokens
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
+    with use_lowering(_kernel()):
+        txt = _lower(lambda m, t: nnx.value_and_grad(lambda mm: mm.loss(t[:, :-1], t[:, 1:]), argnums=wrt)(m),
+                     model, tokens)
+    assert "CuteDSL" in txt
+    fp8 = [p for p in plans if p.operand_dtypes[0] in (E4M3, E5M2)]
+    # forward: QKV, O, gate/up, down; backward: down dgrad, gate/up dgrad, O, QKV dgrads; four wgrads
+    # the block's 12 FP8 GEMMs; promoted (every 512 / 128 K-tiles): the four wgrads (K = 256
+    # tokens) and the gate/up dgrad (K = 2f = 512)
+    assert len(fp8) == 12, [(p.m, p.n, p.k) for p in fp8]
+    assert sorted(p.promote_every for p in fp8) == [0] * 7 + [4] * 5, [(p.m, p.n, p.k, p.promote_every) for p in fp8]
