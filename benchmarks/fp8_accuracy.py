@@ -18,7 +18,8 @@ float32 in every run), their GEMMs at ``--f32-precision`` (default ``float32``, 
 products; a GPU's default is TF32, ``tensorfloat32``, several times faster): the ground truth
 against which a bf16 or FP8 run's distance says which of two runs that differ is the outlier,
 and two float32 implementations' distance the spread that the setting itself gives.
-The first run is the reference: per run, the relative difference of the training loss averaged
+The JSON (``--out``) is written after every run (``rows`` stays null until the last), so a
+call stopped by a time limit keeps the runs it ended. The first run is the reference: per run, the relative difference of the training loss averaged
 over windows of 25 steps (the largest after the first 50 steps, and the last), and the
 validation loss after the last step.
 
@@ -175,6 +176,14 @@ def main(argv=None) -> list[dict]:
              f"{args.batch} x {args.seq}, lr {lr:g}, corpus {args.corpus} ({len(train_tokens)} training tokens, "
              f"each seen ~{passes:.1f} times)")
     per_seed, results = [], []
+
+    def write(rows=None):  # after every run: a call stopped by its time limit keeps the runs it ended
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "fp8_accuracy.json").write_text(
+                json.dumps({"seeds": seeds, "lr": lr, "corpus": args.corpus, "train_tokens": len(train_tokens),
+                            "rows": rows, "per_seed": per_seed, "runs": results}))
+
     for seed in seeds:
         reference = CodaLlama(cfg, rngs=nnx.Rngs(seed), backend="xla")
         data = lambda seed=seed: td.batches(train_tokens, args.batch, args.seq, seed=seed)  # noqa: E731
@@ -185,16 +194,13 @@ def main(argv=None) -> list[dict]:
             r = results[-1][-1]
             print(f"seed {seed} {run}: last loss {r['losses'][-1]:.4f}, val {r['val_loss']:.4f} ({r['wall_s']:.0f} s)",
                   flush=True)
+            write()
         per_seed.append(compare(results[-1]))
         print_table(per_seed[-1], f"{title}, seed {seed}")
     rows = per_seed[0] if len(seeds) == 1 else worst_over_seeds(per_seed)
     if len(seeds) > 1:
         print_table(rows, f"{title}, the largest difference over seeds {args.seeds}")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "fp8_accuracy.json").write_text(
-            json.dumps({"seeds": seeds, "lr": lr, "corpus": args.corpus, "train_tokens": len(train_tokens),
-                        "rows": rows, "per_seed": per_seed, "runs": results}))
+    write(rows)
     return rows
 
 

@@ -1015,7 +1015,7 @@ def test_fp8_accuracy_compares_window_means_against_the_first_run():
     assert abs(rows[1]["val_rel"] - 0.1) < 1e-9 and rows[1]["nonfinite_steps"] == 0
 
 
-def test_fp8_accuracy_over_seeds_and_recipes(capsys):
+def test_fp8_accuracy_over_seeds_and_recipes(capsys, tmp_path, monkeypatch):
     """--seeds: per run the largest difference over the seeds (losses averaged); runs take
     ':fp8' or ':fp8-current' (current scaling); a tiny run of two seeds end to end."""
     from benchmarks import fp8_accuracy as fa
@@ -1052,9 +1052,21 @@ def test_fp8_accuracy_over_seeds_and_recipes(capsys):
     with pytest.raises(ValueError, match=":f32"):
         fa._model("plain_fp8:f32", None, None)
     rows = fa.main(["--steps", "2", "--batch", "2", "--seq", "16", "--layers", "1", "--runs", "xla,xla:fp8-current,xla:f32",
-                    "--seeds", "0,1", "--lr", "1e-3"])
+                    "--seeds", "0,1", "--lr", "1e-3", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert [r["run"] for r in rows] == ["xla", "xla:fp8-current", "xla:f32"] and rows[0]["val_rel"] == 0.0
+    saved = json.loads((tmp_path / "fp8_accuracy.json").read_text())
+    assert [[r["run"] for r in s] for s in saved["runs"]] == [["xla", "xla:fp8-current", "xla:f32"]] * 2
+    assert saved["rows"] == rows
+    # A call stopped in its third run keeps the two it ended (the JSON is written after each run).
+    real, calls = fa.train, []
+    monkeypatch.setattr(fa, "train", lambda *a, **k: (calls.append(1), real(*a, **k))[1] if len(calls) < 2
+                        else (_ for _ in ()).throw(TimeoutError("stopped")))
+    with pytest.raises(TimeoutError):
+        fa.main(["--steps", "2", "--batch", "2", "--seq", "16", "--layers", "1", "--runs", "xla,xla:f32,plain",
+                 "--out", str(tmp_path / "stopped")])
+    stopped = json.loads((tmp_path / "stopped" / "fp8_accuracy.json").read_text())
+    assert [r["run"] for r in stopped["runs"][0]] == ["xla", "xla:f32"] and stopped["rows"] is None
     assert "seed 1" in printed and "the largest difference over seeds 0,1" in printed and "lr 0.001" in printed
 
 
