@@ -18,7 +18,8 @@ quantization run as an epilogue pass of their own (:func:`coda_jax.ops.epilogue_
 with QK-norm, one XLA pass does its backward and the quantization. Standalone XLA quantizing
 passes remain for the attention output ``o`` (cuDNN's), the block's output gradient ``dx2``
 (it arrives from the next block as the cotangent of a compute-dtype array), the first block's
-``h`` (the embedding's), and the weights (once per step). Attention, RoPE, the norms and the
+``h`` (the embedding's), and the weights (once per step; under FSDP each device quantizes its
+own rows and the e4m3 copy is gathered, :func:`_quantize_weight`). Attention, RoPE, the norms and the
 residual stream stay in the compute dtype.
 
 The backward GEMMs with a long K (``Fp8Recipe.promote_min_k``: the wgrads over the tokens, the
@@ -298,7 +299,8 @@ def fp8_llama_block(lowering: GemmLowering, shape: BlockShape, x: jax.Array, par
       x: ``[M, d]`` residual stream (``M = batch * seq``), compute dtype.
       params: ``attn_norm [d]``, ``w_qkv [d, (H + 2 KV) hd]``, ``w_o [H hd, d]``, ``mlp_norm [d]``,
         ``w_gu [d, 2f]`` (block-interleaved), ``w_down [f, d]``: the stored parameters (any
-        float dtype; quantized from it, gradients returned in it).
+        float dtype; quantized from it, gradients returned in it and, with
+        ``shape.weight_splits``, on the weights' own splits).
       aux: RoPE tables and columns (:func:`coda_jax.ops.rms_norm_matmul_rope.rope_tables`,
         ``rot``, and ``qk_w`` with QK-norm), as :class:`RopeVariant` reads them.
       meta: ``[len(TENSORS), history]`` float32 amax histories.
