@@ -226,13 +226,6 @@ def gathered_from_split(x: jax.Array, split: P | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, split), P())
 
 
-def placed_like(x: jax.Array, ref: jax.Array) -> jax.Array:
-    """``x`` placed as ``ref`` under an Explicit mesh (e.g. the gradient of a parameter that
-    arrived on its split, computed whole); elsewhere ``x`` unchanged (the partitioner places it)."""
-    sh = explicit_sharding(ref)
-    return x if sh is None else jax.sharding.reshard(x, sh.spec)
-
-
 def _leaf_name(path) -> str | None:
     """The last name in a pytree path (``[...]['w_gu'].value`` -> ``"w_gu"``)."""
     for key in reversed(path):

@@ -342,20 +342,16 @@ def _spill_runs():
     a = jax.ShapeDtypeStruct((m, k), E4M3)
     b = jax.ShapeDtypeStruct((n, k), E4M3)
 
-    def lower(epi, schedule):
+    def lower(epi, schedule, promote_k=0):
         low = CuteDslLowering(CuteDslTuning(schedule=schedule), plain_gemm="kernel", fp8_kernel=True)
-        f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi))  # noqa: E731
-        return lambda: jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
-
-    def promoted(epi):  # the long-K backward GEMMs' float32 promotion: a second accumulator
-        low = CuteDslLowering(CuteDslTuning(), plain_gemm="kernel", fp8_kernel=True)
         f = lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=_plain_dtypes(epi),  # noqa: E731
-                                     promote_k=512)
+                                     promote_k=promote_k)
         return lambda: jax.jit(f).trace(a, b, abstract_loads(epi, m, n)).lower(lowering_platforms=("cuda",))
 
     runs = [(E.dequantized(e), s) for e in _Q8_PROGRAMS for s in ("auto", "pingpong") if s == "auto" or chunked_epilogue(e)]
+    # and the long-K backward GEMMs' float32 promotion (a second accumulator's registers)
     return ([(f"{epi.name}-{s}", lower(epi, s)) for epi, s in runs]
-            + [(f"{e.name}-promoted", promoted(E.dequantized(e))) for e in (P.IDENTITY, P.rms_dgrad_q8(True))])
+            + [(f"{e.name}-promoted", lower(E.dequantized(e), "auto", 512)) for e in (P.IDENTITY, P.rms_dgrad_q8(True))])
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit) on PATH")

@@ -50,7 +50,7 @@ from coda_jax.ops.epilogue_pass import epilogue_pass
 from coda_jax.ops.fp8_gemm import backward_gemm, fp8_gemm, quantizing_run
 from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
 from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
-from coda_jax.sharding import gathered_from_split, placed_like, reshape_tokens
+from coda_jax.sharding import gathered_from_split, reshape_tokens, typed_like
 
 # The quantized tensors of one block, in the order of the rows of its ``meta``.
 TENSORS = ("h_in", "w_qkv", "o", "w_o", "h1", "w_gu", "y", "w_down", "h_out", "dz_qkv", "dx1", "dz_gu", "dx2")
@@ -250,7 +250,7 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
     # data parallel their partial sums cross devices in it (coda_jax.partitioning: half the
     # bytes of float32), and the cast to the parameters' dtype follows the sum.
     # A weight that arrived on its FSDP split (BlockShape.weight_splits) gets its gradient there.
-    grads = {k: placed_like(v.astype(params[k].dtype), params[k]) for k, v in grads.items()}
+    grads = {k: typed_like(v.astype(params[k].dtype), params[k]) for k, v in grads.items()}
     new_meta = jnp.stack([next_history(meta[i], amax[name]) if name in amax else jnp.zeros_like(meta[i])
                           for i, name in enumerate(TENSORS)])
     return nb0["dx"], grads, daux, new_meta
