@@ -76,7 +76,8 @@ def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
                 name == "plain_fp8" and flag in ("fp8-head", *PLAIN_FP8_ABLATIONS)):
             raise ValueError(f"run {run!r}: plain takes :f32, plain_fp8 :fp8-head, :forward or :backward")
         if name == "plain":
-            return PlainLlama.from_coda(_in_float32(reference) if flag == F32 else reference)
+            # from_coda takes the config (its compute dtype too) from the model it copies
+            return PlainLlama.from_coda(_model(f"xla:{F32}", cfg, reference) if flag == F32 else reference)
         return PlainFp8Llama.from_coda(reference, lm_head=flag == "fp8-head",
                                        quantized=flag if flag in PLAIN_FP8_ABLATIONS else "both")
     if flag == F32:
@@ -84,14 +85,6 @@ def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
     elif flag:
         cfg = cfg.replace(fp8=RECIPES[flag])
     model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
-    nnx.update(model, nnx.state(reference, nnx.Param))
-    return model
-
-
-def _in_float32(reference: CodaLlama) -> CodaLlama:
-    """``reference``'s weights in a CodaLlama that computes in float32 (``from_coda`` takes the
-    config, its compute dtype included, from the model it copies)."""
-    model = CodaLlama(reference.config.replace(dtype=jnp.float32), rngs=nnx.Rngs(0), backend="xla")
     nnx.update(model, nnx.state(reference, nnx.Param))
     return model
 
