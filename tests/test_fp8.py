@@ -622,6 +622,88 @@ def test_current_scaling_block_chain(qk_norm):
     assert float(got["c1"].h.scale_inv) == 1.0 / float(scale_from_history(now1[ROW["h_out"]], E4M3))
 
 
+def test_grad_carry_brings_the_output_gradient_back_in_e5m2(monkeypatch):
+    """``BlockShape.grad_carry``: block 2's QKV dgrad writes block 1's output gradient in e5m2
+    (both layouts, and its amax) and returns it through the FP8 carry's cotangent, so block 1
+    runs no quantizing pass of its own for it. Against the same chain without it (block 1
+    quantizes the compute-dtype cotangent): the same loss and forward; the delivered bits are
+    block 1's own quantization of that cotangent but for rare double-rounding flips (the
+    epilogue quantizes the float32 value, the pass its bf16 rounding); gradients and histories
+    as close as those flips allow."""
+    c = _block_setup(False, key=3)
+    b, s, nh, nkv, hd = c["dims"]
+    m, d = c["x"].shape
+    lw = lowering_for(FP8_LLAMA_BLOCK, "xla")
+    st2 = BlockShape(b, s, nh, nkv, hd, 1e-5, None, None, 0, "norm")
+    shapes = {on: BlockShape(b, s, nh, nkv, hd, 1e-5, None, None, 0, "fp8", grad_carry=on) for on in (False, True)}
+    x, p1, p2, aux1, aux2, final, r = (c[k] for k in ("x", "p1", "p2", "aux1", "aux2", "final", "r"))
+
+    def chain(st1, meta1, meta2):  # end to end, as a model's jax.grad differentiates it
+        (out1, c1), vjp1 = jax.vjp(lambda x, p, mt: fp8_llama_block(lw, st1, x, p, aux1, mt, next_norm=p2["attn_norm"]),
+                                   x, p1, meta1)
+        (out2, _), vjp2 = jax.vjp(lambda x1, cr, p, mt: fp8_llama_block(lw, st2, x1, p, aux2, mt, carry=cr,
+                                                                         next_norm=final), out1, c1, p2, meta2)
+        zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
+        dout1, dc1, dp2, dmeta2 = vjp2((r.astype(out2.dtype), zeros(_)))
+        dx, dp1, dmeta1 = vjp1((dout1, dc1))
+        return dict(loss=jnp.sum(out2 * r), c1=c1, dout1=dout1, dc1=dc1, dx=dx, dp1=dp1, dp2=dp2, dmeta1=dmeta1,
+                    dmeta2=dmeta2)
+
+    zeros = jnp.zeros((len(TENSORS), 4), f32)
+    g0 = jax.jit(functools.partial(chain, shapes[False]))(zeros, zeros)
+    meta1, meta2 = _histories(g0["dmeta1"][:, 0], 4, 11), _histories(g0["dmeta2"][:, 0], 4, 12)
+    quantized = []  # the tensors quantized by standalone passes while tracing
+    import coda_jax.ops.fp8_llama_block as blk_mod
+    real = blk_mod._quantize
+    monkeypatch.setattr(blk_mod, "_quantize", lambda meta, name, *a, **k: quantized.append(name) or
+                        real(meta, name, *a, **k))
+    got = {}
+    for on in (False, True):
+        quantized.clear()
+        got[on] = jax.jit(functools.partial(chain, shapes[on]))(meta1, meta2)
+        # dx2 quantized by block 2 alone (its output feeds the final norm), or by both blocks
+        assert quantized.count("dx2") == (1 if on else 2), (on, quantized)
+    off, on = got[False], got[True]
+    assert off["c1"].grad_scale is None  # a cache: its cotangent is zero
+    assert all(not np.any(np.asarray(t, f32)) for t in jax.tree.leaves(off["dc1"]))
+    s_dx2 = scale_from_history(meta1[ROW["dx2"]], E5M2, 0)
+    assert float(on["c1"].grad_scale) == float(s_dx2)
+    np.testing.assert_array_equal(np.asarray(on["loss"]), np.asarray(off["loss"]))
+    np.testing.assert_array_equal(_bits(on["c1"].h.data), _bits(off["c1"].h.data))
+    np.testing.assert_array_equal(np.asarray(on["dout1"]), np.asarray(off["dout1"]))
+    # What block 2 delivered: e5m2 bits of dout1 at block 1's dx2 scale, both layouts, its amax.
+    delivered = jax.lax.bitcast_convert_type(on["dc1"].h.data, E5M2)
+    assert on["dc1"].h.data.dtype == E4M3  # the bytes travel as the e4m3 copy's cotangent
+    own = quantize(off["dout1"].astype(f32), s_dx2, E5M2)
+    flips = np.mean(_bits(delivered) != _bits(own))
+    assert flips < 1e-2, flips
+    np.testing.assert_array_equal(_bits(jax.lax.bitcast_convert_type(on["dc1"].h.data_t, E5M2)), _bits(delivered).T)
+    amax = float(jnp.max(jnp.abs(off["dout1"].astype(f32))))
+    np.testing.assert_allclose(float(on["dc1"].grad_scale), amax, rtol=2 ** -8)
+    # Block 1's gradients and histories: as its own pass would give them, but for those flips.
+    for path, a in jax.tree_util.tree_leaves_with_path({"dx": on["dx"], "dp1": on["dp1"], "dp2": on["dp2"]}):
+        want = functools.reduce(lambda t, k: t[k.key], path, {"dx": off["dx"], "dp1": off["dp1"], "dp2": off["dp2"]})
+        assert rel_err(a, want) < 1e-2, (jax.tree_util.keystr(path), rel_err(a, want))
+    np.testing.assert_array_equal(np.asarray(on["dmeta2"]), np.asarray(off["dmeta2"]))
+    for name in TENSORS:
+        i = ROW[name]
+        if name == "dx2":
+            np.testing.assert_array_equal(on["dmeta1"][i, 1:], off["dmeta1"][i, 1:])
+            np.testing.assert_allclose(on["dmeta1"][i, 0], off["dmeta1"][i, 0], rtol=2 ** -8)
+        else:
+            np.testing.assert_allclose(on["dmeta1"][i], off["dmeta1"][i], rtol=1e-6, err_msg=name)
+
+
+def test_grad_carry_needs_an_fp8_carry():
+    c = _block_setup(False)
+    b, s, nh, nkv, hd = c["dims"]
+    st = BlockShape(b, s, nh, nkv, hd, 1e-5, None, None, 0, "norm", grad_carry=True)
+    meta = jnp.zeros((len(TENSORS), 4), f32)
+    with pytest.raises(ValueError, match="grad_carry needs carry_out='fp8'"):
+        fp8_llama_block(lowering_for(FP8_LLAMA_BLOCK, "xla"), st, c["x"], c["p1"], c["aux1"], meta,
+                        next_norm=c["final"])
+
+
 def test_recipe_scaling_is_checked():
     assert Fp8Recipe(scaling="current").scaling == "current"
     with pytest.raises(ValueError, match="Fp8Recipe.scaling must be one of"):

@@ -83,6 +83,11 @@ class CodaLlamaBlock(nnx.Module):
         # fp8_carry_out: whether the carry this block writes is read by another FP8 block (the
         # model's last block writes a compute-dtype carry for the LM head).
         self.fp8_carry_out = True
+        # fp8_grad_carry: whether the block reading that carry is the only reader of this block's
+        # output, so that it may return the output's gradient in e5m2 through the carry
+        # (Fp8BlockShape.grad_carry). Set by CodaLlama, which owns the loop; a block in another
+        # model keeps False (its output's gradient may have other terms).
+        self.fp8_grad_carry = False
         if c.fp8 is not None:
             self.fp8_meta = Fp8Meta(jnp.zeros((len(FP8_TENSORS), c.fp8.history), jnp.float32))
 
@@ -163,7 +168,7 @@ class CodaLlamaBlock(nnx.Module):
         shape = Fp8BlockShape(b, s, c.num_heads, c.num_kv_heads, hd, float(c.rms_norm_eps),
                               float(c.qk_norm_eps) if c.qk_norm else None, c.attention_implementation,
                               c.fp8.margin, carry_out, c.fp8.scaling, c.fp8.promote_k,
-                              c.fp8.promote_min_k, splits)
+                              c.fp8.promote_min_k, splits, grad_carry=self.fp8_grad_carry and carry_out == "fp8")
         lowering = xla_backend_lowering() if tensor_parallel else lowering_for(FP8_LLAMA_BLOCK, self.backend)
 
         def block(x, params, aux, meta, carry, next_norm):
@@ -173,17 +178,18 @@ class CodaLlamaBlock(nnx.Module):
         if tensor_parallel and not mesh.are_all_axes_auto:
             # Explicit shardings would make each FP8 dot of differently split operands a type
             # error: the block is partitioned as under an Auto mesh, its results placed back.
-            block = jax.sharding.auto_axes(block, out_sharding=_fp8_out_specs(shape.carry_out, mesh))
+            block = jax.sharding.auto_axes(block, out_sharding=_fp8_out_specs(shape, mesh))
         out, carry_out = block(reshape_tokens(x, (m, d)).astype(c.dtype), params, aux, self.fp8_meta[...], carry,
                                next_norm)
         return reshape_tokens(out, (b, s, d)), carry_out
 
 
-def _fp8_out_specs(carry_out: str, mesh) -> tuple:
+def _fp8_out_specs(shape: Fp8BlockShape, mesh) -> tuple:
     """The shardings of the FP8 block's ``(x_out, carry)`` on ``mesh``: rows split over the
     token axes (``[M, d]`` by rows, ``[d, M]`` copies and ``[P, M]`` partials by columns)."""
     axes = token_axes(mesh)
     tok = axes if len(axes) > 1 else (axes[0] if axes else None)
     rows, cols = P(tok, None), P(None, tok)
-    carry = {"fp8": Fp8Carry(Fp8Tensor(rows, cols, P()), cols), "norm": NormCarry(rows, cols), "none": None}
-    return rows, carry[carry_out]
+    fp8 = Fp8Carry(Fp8Tensor(rows, cols, P()), cols, P() if shape.grad_from_carry else None)
+    carry = {"fp8": fp8, "norm": NormCarry(rows, cols), "none": None}
+    return rows, carry[shape.carry_out]

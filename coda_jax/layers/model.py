@@ -59,6 +59,10 @@ class CodaLlama(nnx.Module):
         if c.num_layers:
             # The final norm / LM head reads a compute-dtype carry, or with an FP8 head the FP8 one.
             self.blocks[-1].fp8_carry_out = self._fp8_head
+            # Each block's output is read by the next block alone: its gradient comes back in
+            # e5m2 through the FP8 carry (not from the head, which reads its carry as a cache).
+            for block in self.blocks[:-1]:
+                block.fp8_grad_carry = True
         if self._fp8_head:  # the amax histories of the FP8 LM head (coda_jax.ops.fp8_cross_entropy)
             self.fp8_head_meta = Fp8Meta(jnp.zeros((len(HEAD_TENSORS), c.fp8.history), jnp.float32))
         self.final_norm = logical_param(jnp.ones((c.hidden_size,), c.param_dtype), ("norm",))

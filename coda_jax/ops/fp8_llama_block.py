@@ -11,16 +11,23 @@ both layouts and its amax, while the tile is on chip:
                down GEMM     x2 = x1 + y @ W_down      writes the next block's h  (e4m3, + h^T)
     backward   down dgrad    dz' = SwiGLU'(dx2 @ W_down^T) * rstd1              (e5m2, + dz'^T)
                gate/up dgrad dx1 = dx2 + RMSNorm'(dz' @ W_gu^T)                (bf16 and e5m2, + ^T)
+               QKV dgrad     dx = dx1 + RMSNorm'(dz_qkv' @ W_qkv^T)            (bf16; under grad_carry
+                                                                                also e5m2, + ^T)
 
 The QKV gradient comes from no GEMM (attention's backward): its RoPE transpose and
 quantization run as an epilogue pass of their own (:func:`coda_jax.ops.epilogue_pass.epilogue_pass`,
 :func:`coda_jax.programs.rope_grad_q8`), which writes both layouts and the amax from registers;
-with QK-norm, one XLA pass does its backward and the quantization. Standalone XLA quantizing
-passes remain for the attention output ``o`` (cuDNN's), the block's output gradient ``dx2``
-(it arrives from the next block as the cotangent of a compute-dtype array), the first block's
-``h`` (the embedding's), and the weights (once per step; under FSDP each device quantizes its
-own rows and the e4m3 copy is gathered, :func:`_quantize_weight`). Attention, RoPE, the norms and the
-residual stream stay in the compute dtype.
+with QK-norm, one XLA pass does its backward and the quantization.
+
+The block's output gradient ``dx2`` is the next block's input gradient, which that block's
+QKV dgrad writes. Under ``BlockShape.grad_carry`` (CodaLlama's blocks but the last) the
+carry asks for it at this block's scale (:attr:`Fp8Carry.grad_scale`) and the next block's
+epilogue writes it in e5m2, both layouts and its amax, returned as the carry's cotangent.
+Standalone XLA quantizing passes remain for the attention output ``o`` (cuDNN's), ``dx2``
+without ``grad_carry`` (the last block's comes from the LM head), the first block's ``h``
+(the embedding's), and the weights (once per step; under FSDP each device quantizes its own
+rows and the e4m3 copy is gathered, :func:`_quantize_weight`). Attention, RoPE, the norms
+and the residual stream stay in the compute dtype.
 
 The backward GEMMs with a long K (``Fp8Recipe.promote_min_k``: the wgrads over the tokens, the
 gate/up dgrad) promote their FP8 accumulators to float32 every ``Fp8Recipe.promote_k`` K elements
@@ -61,10 +68,16 @@ _GRADS = ("dz_qkv", "dx1", "dz_gu", "dx2")  # e5m2; the others e4m3
 class Fp8Carry(NamedTuple):
     """The norm carry between FP8 blocks: ``h = x * gamma`` as an e4m3 :class:`Fp8Tensor`
     (``[M, d]`` and its ``[d, M]`` copy, written by the previous block's down GEMM) and the
-    float32 partial sums of squares ``[P, M]``."""
+    float32 partial sums of squares ``[P, M]``.
+
+    ``grad_scale`` (float32 scalar, or None): the e5m2 scale that the writing block asks for
+    the gradient of its output ``x`` (``BlockShape.grad_carry``). The reading block then
+    writes that gradient in e5m2, both layouts, in its QKV dgrad's epilogue and returns it,
+    with its amax, as the carry's cotangent (:func:`_carry_cotangent`)."""
 
     h: Fp8Tensor
     sumsq: jax.Array
+    grad_scale: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +102,15 @@ class BlockShape:
     # they arrive on their stored (FSDP) splits, each device quantizes its own part, and the
     # e4m3 copy is gathered (_quantize_weight).
     weight_splits: tuple | None = None
+    # The output's gradient comes back quantized through the carry's cotangent: the block that
+    # reads the carry is the only reader of x_out (CodaLlama's loop; see Fp8Carry.grad_scale).
+    # Needs carry_out == "fp8"; under current scaling (no scale before the tensor) it does nothing.
+    grad_carry: bool = False
+
+    @property
+    def grad_from_carry(self) -> bool:
+        """Whether ``x_out``'s gradient arrives in e5m2 through the carry's cotangent."""
+        return self.grad_carry and self.carry_out == "fp8" and self.scaling == "delayed"
 
 
 def _dtype(name: str):
@@ -168,7 +190,8 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
         r2, h_out = _quantizing(st, meta, amax, "h_out",
                                 lambda p, l, od: fp8_gemm(lw, p, y, w_down, l, out_dtypes={"x": dt, **od}),
                                 programs.RESIDUAL_RMS_Q8, {"residual": x1, "gamma": next_norm}, "h", dt)
-        carry_out = Fp8Carry(h_out, r2["sumsq"])
+        # Under grad_carry the next block writes x_out's gradient at this block's "dx2" scale.
+        carry_out = Fp8Carry(h_out, r2["sumsq"], _scale(meta, "dx2", st.margin) if st.grad_from_carry else None)
     elif st.carry_out == "norm":
         r2 = fp8_gemm(lw, programs.RESIDUAL_RMS, y, w_down, {"residual": x1, "gamma": next_norm},
                       out_dtypes={"x": dt, "h": dt})
@@ -182,19 +205,24 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
                  y_t=Fp8Tensor(None, y.data_t, y.scale_inv), z=g["z"],
                  w_qkv=Fp8Tensor(w_qkv.data, None, w_qkv.scale_inv), w_o=Fp8Tensor(w_o.data, None, w_o.scale_inv),
                  w_gu=Fp8Tensor(w_gu.data, None, w_gu.scale_inv),
-                 w_down=Fp8Tensor(w_down.data, None, w_down.scale_inv), amax=amax)
+                 w_down=Fp8Tensor(w_down.data, None, w_down.scale_inv), amax=amax,
+                 dx_scale=None if carry is None else carry.grad_scale)
     return (r2["x"], carry_out), saved
 
 
-def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
+def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2, dx2_q=None):
+    """The block's gradients. ``dx2_q``: ``(Fp8Tensor, amax)`` of ``dx2`` in e5m2 where the next
+    block wrote it (``st.grad_from_carry``). Returns ``(dx, grads, daux, new_meta, dx_q)``:
+    ``dx_q`` the same for ``dx`` where the previous block asked for it (``saved["dx_scale"]``),
+    else None."""
     # The long-K dgrads and wgrads promote their FP8 accumulators (Fp8Recipe.promote_k).
     bw_gemm = backward_gemm(st.promote_k, st.promote_min_k)
     m, d = saved["x"].shape
     dt, hd = dx2.dtype, st.head_dim
     amax = dict(saved["amax"])
     f32 = jnp.float32
-    # MLP: dx2 in e5m2 (standalone: it arrives as the next block's cotangent).
-    g2, amax["dx2"] = _quantize(meta, "dx2", dx2, st)
+    # MLP: dx2 in e5m2, written by the next block's QKV dgrad, or here by a standalone pass.
+    g2, amax["dx2"] = dx2_q if dx2_q is not None else _quantize(meta, "dx2", dx2, st)
     sd, dz = _quantizing(st, meta, amax, "dz_gu",
                          lambda p, l, od: bw_gemm(lw, p, g2, saved["w_down"].T, l, out_dtypes=od or None),
                          programs.SWIGLU_DGRAD_Q8, {"z": saved["z"], "rstd": saved["rstd1"]}, "dz", dt)
@@ -238,9 +266,15 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
         # RoPE and QK-norm backward in one XLA pass that also quantizes rstd * dz.
         dz_qkv, zdz0, daux = variant.backward((saved["qkv"], saved["z_qk"]), dqkv, aux)
         dzq, amax["dz_qkv"] = _quantize(meta, "dz_qkv", dz_qkv * r0[:, None], st)
-    nb0 = bw_gemm(lw, programs.rms_dgrad(True, True), dzq, saved["w_qkv"].T,
-                   {"x": saved["x"], "xcoef": r0 * r0 * zdz0 / d, "gamma": params["attn_norm"], "dres": dx1},
-                   out_dtypes={"dx": dt})
+    nb0_loads = {"x": saved["x"], "xcoef": r0 * r0 * zdz0 / d, "gamma": params["attn_norm"], "dres": dx1}
+    dx_q = None
+    if saved["dx_scale"] is None:
+        nb0 = bw_gemm(lw, programs.rms_dgrad(True, True), dzq, saved["w_qkv"].T, nb0_loads, out_dtypes={"dx": dt})
+    else:  # the previous block reads dx in e5m2: both layouts and the amax from this epilogue
+        nb0, dxq, dx_amax = quantizing_run(
+            lambda p, l, od: bw_gemm(lw, p, dzq, saved["w_qkv"].T, l, out_dtypes={"dx": dt, **od}),
+            programs.rms_dgrad_q8(True), nb0_loads, "dxq", dt, scale=saved["dx_scale"])
+        dx_q = (dxq, dx_amax)
     dattn_norm = jnp.sum(nb0["dgamma"], axis=0)
     dw_qkv = bw_gemm(lw, programs.IDENTITY, saved["h_t"].T, dzq, {}, out_dtypes={"out": dt},
                      contracts_tokens=True)["out"]
@@ -253,7 +287,7 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2):
     grads = {k: typed_like(v.astype(params[k].dtype), params[k]) for k, v in grads.items()}
     new_meta = jnp.stack([next_history(meta[i], amax[name]) if name in amax else jnp.zeros_like(meta[i])
                           for i, name in enumerate(TENSORS)])
-    return nb0["dx"], grads, daux, new_meta
+    return nb0["dx"], grads, daux, new_meta, dx_q
 
 
 @jax.custom_vjp
@@ -268,13 +302,36 @@ def _block_fwd(lw_st, x, params, next_norm, carry, aux, meta):
     return out, (lw_st, saved, params, aux, meta, next_norm, carry)
 
 
+def _carry_cotangent(carry: Fp8Carry, dx_q: tuple[Fp8Tensor, jax.Array] | None) -> Fp8Carry:
+    """The cotangent returned for ``carry``: zeros (the carry is a cache of ``x``), or under
+    ``grad_carry`` the quantized gradient of ``x`` in its slots. Its e5m2 copies travel as
+    the e4m3 ``h`` copies' cotangents (a bitcast: the same bytes, never added to anything,
+    as the carry has this one reader) and its amax as ``grad_scale``'s."""
+    zeros = jax.tree.map(jnp.zeros_like, carry)
+    if dx_q is None:
+        return zeros
+    dxq, dx_amax = dx_q
+    as_e4m3 = lambda a: jax.lax.bitcast_convert_type(a, E4M3)  # noqa: E731
+    return Fp8Carry(Fp8Tensor(as_e4m3(dxq.data), as_e4m3(dxq.data_t), zeros.h.scale_inv), zeros.sumsq, dx_amax)
+
+
+def _gradient_from_carry(st: BlockShape, meta: jax.Array, dcarry: Fp8Carry) -> tuple[Fp8Tensor, jax.Array]:
+    """``x_out``'s gradient in e5m2 and its amax, from the cotangent of the carry this block
+    wrote (:func:`_carry_cotangent` of the next block); its scale is this block's "dx2" one."""
+    as_e5m2 = lambda a: jax.lax.bitcast_convert_type(a, E5M2)  # noqa: E731
+    scale_inv = 1.0 / _scale(meta, "dx2", st.margin)
+    return Fp8Tensor(as_e5m2(dcarry.h.data), as_e5m2(dcarry.h.data_t), scale_inv), dcarry.grad_scale
+
+
 def _block_bwd(res, cot):
     lw_st, saved, params, aux, meta, next_norm, carry = res
     lw, st = lw_st.value
-    dx2, _ = cot  # the carry is a cache: no gradient flows through it
-    dx, grads, daux, new_meta = _backward(lw, st, saved, params, aux, meta, dx2)
+    dx2, dcarry = cot  # the carry is a cache of x_out: its cotangent holds data only under grad_carry
+    dx2_q = _gradient_from_carry(st, meta, dcarry) if st.grad_from_carry else None
+    dx, grads, daux, new_meta, dx_q = _backward(lw, st, saved, params, aux, meta, dx2, dx2_q)
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
-    return (None, dx, grads, zeros(next_norm), zeros(carry), daux, new_meta)
+    dcarry_in = None if carry is None else _carry_cotangent(carry, dx_q)
+    return (None, dx, grads, zeros(next_norm), dcarry_in, daux, new_meta)
 
 
 _block.defvjp(_block_fwd, _block_bwd)
@@ -316,6 +373,11 @@ def fp8_llama_block(lowering: GemmLowering, shape: BlockShape, x: jax.Array, par
         raise ValueError(f"meta must be [{len(TENSORS)}, history] amax histories, got {tuple(meta.shape)}")
     if (next_norm is None) != (shape.carry_out == "none"):
         raise ValueError(f"next_norm is required exactly when carry_out != 'none' (carry_out={shape.carry_out!r})")
-    if carry is not None:
+    if shape.grad_carry and shape.carry_out != "fp8":
+        raise ValueError(f"shape.grad_carry needs carry_out='fp8' (the gradient comes back through the "
+                         f"FP8 carry), got carry_out={shape.carry_out!r}")
+    if carry is not None and carry.grad_scale is None:
+        # A cache of x: no gradient flows through it. (With a grad_scale its cotangent brings
+        # back x's gradient in e5m2 to the block that wrote it.)
         carry = Fp8Carry(jax.tree.map(jax.lax.stop_gradient, carry.h), jax.lax.stop_gradient(carry.sumsq))
     return _block(_Static((lowering, shape)), x, params, next_norm, carry, aux, meta)
