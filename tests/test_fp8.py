@@ -694,6 +694,30 @@ def test_grad_carry_brings_the_output_gradient_back_in_e5m2(monkeypatch):
             np.testing.assert_allclose(on["dmeta1"][i], off["dmeta1"][i], rtol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_codallama_brings_block_output_gradients_back_through_the_carry(monkeypatch, scaling):
+    """CodaLlama sets ``fp8_grad_carry`` on every block but the last: under delayed scaling only
+    the last block's output gradient (the LM head's) is quantized by a standalone pass, and
+    the recorded amaxes of the others are those of their gradients. Current scaling keeps
+    every block's pass (no scale exists before the tensor)."""
+    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2,
+                           num_kv_heads=1, head_dim=32, fp8=Fp8Recipe(history=4, scaling=scaling))
+    model = CodaLlama(cfg, rngs=nnx.Rngs(0))
+    assert [blk.fp8_grad_carry for blk in model.blocks] == [True, True, False]
+    quantized = []
+    import coda_jax.ops.fp8_llama_block as blk_mod
+    real = blk_mod._quantize
+    monkeypatch.setattr(blk_mod, "_quantize", lambda meta, name, *a, **k: quantized.append(name) or
+                        real(meta, name, *a, **k))
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab_size)
+    _, g = nnx.value_and_grad(lambda mm: mm.loss(tokens[:, :-1], tokens[:, 1:]),
+                              argnums=nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta)))(model)
+    assert quantized.count("dx2") == (1 if scaling == "delayed" else 3), quantized
+    for i in range(3):  # each block's dx2 row records a positive, finite amax
+        amax = float(g.blocks[i].fp8_meta[...][ROW["dx2"], 0])
+        assert np.isfinite(amax) and amax > 0, (i, amax)
+
+
 def test_grad_carry_needs_an_fp8_carry():
     c = _block_setup(False)
     b, s, nh, nkv, hd = c["dims"]
