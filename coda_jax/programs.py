@@ -411,6 +411,28 @@ def rms_dgrad_q8(with_dgamma: bool) -> E.Epilogue:
                       outputs=outputs, body=body)
 
 
+_FP8_NAMES = {"e4m3": _E4M3, "e5m2": _E5M2}
+
+
+@E.program_factory
+def quantize_q8(fp8: str) -> E.Epilogue:
+    """A standalone quantizing pass as an epilogue (run by
+    :func:`coda_jax.ops.epilogue_pass.epilogue_pass`: the accumulator is zero and ignored):
+    the tile load ``x`` ``[M, N]`` written as ``q`` in ``fp8`` (``"e4m3"`` or ``"e5m2"``) at
+    the scale ``q_scale``, with its transposed copy and amax. For the tensors of an FP8 block
+    that no GEMM of ours produces (cuDNN's attention output): XLA's fusion of the same cast
+    writes the transposed copy through its own transpose, where the kernel stages it in SMEM
+    and stores it with TMA."""
+    if fp8 not in _FP8_NAMES:
+        raise ValueError(f"quantize_q8: fp8 must be one of {sorted(_FP8_NAMES)}, got {fp8!r}")
+
+    def body(acc, ctx, x, q_scale):
+        return {"q": x}
+
+    return E.Epilogue(name=f"quantize_{fp8}", loads=(E.tile("x"), E.scalar("q_scale")),
+                      outputs=(E.fp8_out("q", _FP8_NAMES[fp8], scale="q_scale", transpose=True),), body=body)
+
+
 @E.program_factory
 def rope_grad_q8(half_head: int) -> E.Epilogue:
     """The QKV gradient of an FP8 block: ``dz = rstd * R^T dqkv`` in e5m2 with its transposed

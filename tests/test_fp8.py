@@ -622,6 +622,17 @@ def test_current_scaling_block_chain(qk_norm):
     assert float(got["c1"].h.scale_inv) == 1.0 / float(scale_from_history(now1[ROW["h_out"]], E4M3))
 
 
+def _record_quantizing_passes(monkeypatch) -> list[str]:
+    """The names of the tensors that the FP8 block quantizes by a pass of their own (where no
+    GEMM epilogue writes them), recorded while tracing."""
+    import coda_jax.ops.fp8_llama_block as blk_mod
+
+    names, real = [], blk_mod._quantize_pass
+    monkeypatch.setattr(blk_mod, "_quantize_pass", lambda lw, st, meta, name, x: names.append(name) or
+                        real(lw, st, meta, name, x))
+    return names
+
+
 def test_grad_carry_brings_the_output_gradient_back_in_e5m2(monkeypatch):
     """``BlockShape.grad_carry``: block 2's QKV dgrad writes block 1's output gradient in e5m2
     (both layouts, and its amax) and returns it through the FP8 carry's cotangent, so block 1
@@ -652,11 +663,7 @@ def test_grad_carry_brings_the_output_gradient_back_in_e5m2(monkeypatch):
     zeros = jnp.zeros((len(TENSORS), 4), f32)
     g0 = jax.jit(functools.partial(chain, shapes[False]))(zeros, zeros)
     meta1, meta2 = _histories(g0["dmeta1"][:, 0], 4, 11), _histories(g0["dmeta2"][:, 0], 4, 12)
-    quantized = []  # the tensors quantized by standalone passes while tracing
-    import coda_jax.ops.fp8_llama_block as blk_mod
-    real = blk_mod._quantize
-    monkeypatch.setattr(blk_mod, "_quantize", lambda meta, name, *a, **k: quantized.append(name) or
-                        real(meta, name, *a, **k))
+    quantized = _record_quantizing_passes(monkeypatch)  # the tensors quantized by passes while tracing
     got = {}
     for on in (False, True):
         quantized.clear()
@@ -694,28 +701,32 @@ def test_grad_carry_brings_the_output_gradient_back_in_e5m2(monkeypatch):
             np.testing.assert_allclose(on["dmeta1"][i], off["dmeta1"][i], rtol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("scaling", ["delayed", "current"])
-def test_codallama_brings_block_output_gradients_back_through_the_carry(monkeypatch, scaling):
-    """CodaLlama sets ``fp8_grad_carry`` on every block but the last: under delayed scaling only
-    the last block's output gradient (the LM head's) is quantized by a standalone pass, and
-    the recorded amaxes of the others are those of their gradients. Current scaling keeps
-    every block's pass (no scale exists before the tensor)."""
-    cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2,
-                           num_kv_heads=1, head_dim=32, fp8=Fp8Recipe(history=4, scaling=scaling))
-    model = CodaLlama(cfg, rngs=nnx.Rngs(0))
-    assert [blk.fp8_grad_carry for blk in model.blocks] == [True, True, False]
-    quantized = []
-    import coda_jax.ops.fp8_llama_block as blk_mod
-    real = blk_mod._quantize
-    monkeypatch.setattr(blk_mod, "_quantize", lambda meta, name, *a, **k: quantized.append(name) or
-                        real(meta, name, *a, **k))
-    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab_size)
-    _, g = nnx.value_and_grad(lambda mm: mm.loss(tokens[:, :-1], tokens[:, 1:]),
-                              argnums=nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta)))(model)
+@pytest.mark.parametrize("scaling,remat", [("delayed", "none"), ("delayed", "block"), ("current", "none")])
+def test_codallama_brings_block_output_gradients_back_through_the_carry(monkeypatch, scaling, remat):
+    """CodaLlama's loop calls every block but the last with ``grad_through_carry``: under delayed
+    scaling only the last block's output gradient (the LM head's) is quantized by a standalone
+    pass, and each block's dx2 row records an amax; with the blocks rematerialized too (the
+    gradients equal those without remat). Current scaling keeps every block's pass (no scale
+    exists before the tensor)."""
+    def cfg(remat):
+        return LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2,
+                                num_kv_heads=1, head_dim=32, remat=remat, fp8=Fp8Recipe(history=4, scaling=scaling))
+    quantized = _record_quantizing_passes(monkeypatch)  # the tensors quantized by passes while tracing
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 256)
+    grads = lambda model: nnx.value_and_grad(  # noqa: E731
+        lambda mm: mm.loss(tokens[:, :-1], tokens[:, 1:]), argnums=nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta)))(model)
+    model = CodaLlama(cfg(remat), rngs=nnx.Rngs(0))
+    assert model._remat_blocks() == (remat == "block")
+    loss, g = grads(model)
     assert quantized.count("dx2") == (1 if scaling == "delayed" else 3), quantized
     for i in range(3):  # each block's dx2 row records a positive, finite amax
         amax = float(g.blocks[i].fp8_meta[...][ROW["dx2"], 0])
         assert np.isfinite(amax) and amax > 0, (i, amax)
+    if remat == "block":
+        loss0, g0 = grads(CodaLlama(cfg("none"), rngs=nnx.Rngs(0)))
+        np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(np.asarray(a, f32), np.asarray(b, f32), rtol=1e-5, atol=1e-6)
 
 
 def test_grad_carry_needs_an_fp8_carry():

@@ -20,7 +20,8 @@ from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
 from op_cases import poison_allocator
 from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs,
-                             check_ce_grad_pass, check_fp8_lm_head, check_rope_grad_pass, shipped_pass_configs,
+                             check_ce_grad_pass, check_fp8_lm_head, check_quantize_pass, check_rope_grad_pass,
+                             shipped_pass_configs,
                              shipped_rope_grad_configs)
 
 pytestmark = pytest.mark.gpu
@@ -113,6 +114,18 @@ def test_rope_grad_pass_on_gpu(config):
     # The FP8 block's QKV gradient pass at 1B shapes (32 Q, 8 K, 8 V heads of 64; ragged M).
     check_rope_grad_pass(_ROPE_GRAD[config], 8000, 32, 8, 32, 40,
                          before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))
+
+
+_QUANTIZE = {"lowering_default": None, "cooperative": CONFIGS["cooperative"], "pingpong": CONFIGS["pingpong"],
+             **{f"shipped_{fp8}{i}": c for fp8 in ("e4m3", "e5m2")
+                for i, c in enumerate(shipped_pass_configs(f"quantize_{fp8}"))}}
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("config", _QUANTIZE, ids=list(_QUANTIZE))
+def test_quantize_pass_on_gpu(config, fp8):
+    # The attention output's pass at 1B shapes (ragged M), and the last block's gradient's.
+    check_quantize_pass(_QUANTIZE[config], fp8, 8000, 2048, 42, before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))
 
 
 @pytest.mark.parametrize("save", [True, False], ids=["saved_logits", "recompute"])

@@ -457,6 +457,21 @@ def test_rope_grad_pass_lowers_for_cuda(config):
     assert "mosaic_gpu" in txt
 
 
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+def test_quantize_pass_lowers_for_cuda(fp8):
+    """The standalone quantizing pass at 1B shapes (``[8192, 2048]`` bf16) passes Mosaic GPU's
+    code generation on the heuristic's configuration."""
+    from coda_jax.ops.epilogue_pass import epilogue_pass
+
+    m, n = 8192, 2048
+    loads = {"x": jax.ShapeDtypeStruct((m, n), BF16), "q_scale": jax.ShapeDtypeStruct((), F32)}
+    low = PallasLowering(None, plain_gemm="pallas")
+    with interpret_mode(False):
+        txt = jax.jit(lambda l: epilogue_pass(low, programs.quantize_q8(fp8), m, n, l)).trace(loads).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
+
+
 @pytest.mark.parametrize("logits_dtype", [F32, BF16])
 def test_ce_grad_pass_lowers_for_cuda(logits_dtype):
     """The FP8 LM head's gradient pass over the saved logits at 1B shapes (``[8192, 128256]``
@@ -543,14 +558,15 @@ def test_shipped_fp8_tuned_configs(epi, layout, cfg, promote_k):
 
 def _check_pass(epi, m, n, loads, out, scale, config, before_kernel):
     """Epilogue pass ``epi`` (:func:`coda_jax.ops.epilogue_pass.epilogue_pass`) on the Pallas
-    kernel under ``config`` against the reference: its e5m2 output ``out``, the copy and amax,
+    kernel under ``config`` against the reference: its FP8 output ``out``, the copy and amax,
     with the scale load ``scale`` set from the reference's amax so that some values saturate.
     Returns ``(got, want)``."""
     from coda_jax.ops.epilogue_pass import epilogue_pass
 
     loads = dict(loads, **{scale: jnp.float32(1.0)})
     want = epilogue_pass(REFERENCE, epi, m, n, loads)
-    loads[scale] = jnp.float32(1.25 * float(jnp.finfo(E5M2).max) / float(jnp.max(want[f"{out}_amax"])))
+    fmax = float(jnp.finfo(epi.output(out).dtype).max)
+    loads[scale] = jnp.float32(1.25 * fmax / float(jnp.max(want[f"{out}_amax"])))
     want = epilogue_pass(REFERENCE, epi, m, n, loads)
     before_kernel(m, n)
     low = PallasLowering(config, plain_gemm="kernel")
@@ -572,6 +588,14 @@ def check_rope_grad_pass(config, m, heads, kv, half, seed, before_kernel=lambda 
     loads = rope_grad_inputs(m, heads, kv, half, seed)
     _check_pass(programs.rope_grad_q8(half), m, loads["dqkv"].shape[1], loads, "dz", "dz_scale", config,
                 before_kernel)
+
+
+def check_quantize_pass(config, fp8, m, n, seed, before_kernel=lambda m, n: None):
+    """A standalone quantizing pass (:func:`programs.quantize_q8`: a bf16 tile load written in
+    FP8 with its copy and amax) on the Pallas kernel under ``config`` against the reference
+    (:func:`_check_pass`)."""
+    x = (jax.random.normal(jax.random.key(seed), (m, n), F32) * 3.0).astype(BF16)
+    _check_pass(programs.quantize_q8(fp8), m, n, {"x": x}, "q", "q_scale", config, before_kernel)
 
 
 def shipped_pass_configs(program: str) -> list[TuningConfig]:
@@ -620,6 +644,18 @@ _ROPE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG
 def test_rope_grad_pass(config):
     # Ragged M (200 rows), 4 Q, 1 K and 1 V heads of 64; the test configurations, then the tuned ones.
     check_rope_grad_pass(config, 200, 4, 1, 32, 12)
+
+
+@pytest.mark.parametrize("fp8,config", [("e4m3", SMALL), ("e5m2", WS_N), ("e4m3", PINGPONG)],
+                         ids=["e4m3_single", "e5m2_cooperative", "e4m3_pingpong"])
+def test_quantize_pass(fp8, config):
+    # Ragged M and N (200 x 320): the attention output's and the last block's gradient's pass.
+    check_quantize_pass(config, fp8, 200, 320, 14)
+
+
+def test_quantize_pass_checks_its_dtype():
+    with pytest.raises(ValueError, match="fp8 must be one of"):
+        programs.quantize_q8("e3m4")
 
 
 @pytest.mark.parametrize("name", UNQUANTIZED)

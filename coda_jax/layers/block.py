@@ -56,6 +56,14 @@ class CodaLlamaBlock(nnx.Module):
     ``attn_norm`` or the final norm): with it, the last GEMM's epilogue writes the next
     carry, so no standalone norm pass runs between blocks.
 
+    ``grad_through_carry=True`` is the caller's promise that the block reading ``carry_out``
+    is the only reader of ``x_out`` (a plain chain of blocks, as :class:`CodaLlama`'s loop).
+    In FP8 with delayed scaling that block then writes ``x_out``'s gradient in e5m2 in its
+    QKV dgrad's epilogue and returns it through the carry, where this block would otherwise
+    quantize it in a pass of its own. A gradient reaching ``x_out`` from another reader
+    would be missed in the FP8 GEMMs, so leave it False unless the chain is plain. Ignored
+    without FP8.
+
     Under a context mesh with a ``"tensor"`` axis (``jax.set_mesh``), the block runs tensor
     parallel (:mod:`coda_jax.layers.tensor_parallel`): heads and MLP features split over the
     axis, and the carry is not used (``carry_out`` is ``None``).
@@ -83,11 +91,6 @@ class CodaLlamaBlock(nnx.Module):
         # fp8_carry_out: whether the carry this block writes is read by another FP8 block (the
         # model's last block writes a compute-dtype carry for the LM head).
         self.fp8_carry_out = True
-        # fp8_grad_carry: whether the block reading that carry is the only reader of this block's
-        # output, so that it may return the output's gradient in e5m2 through the carry
-        # (Fp8BlockShape.grad_carry). Set by CodaLlama, which owns the loop; a block in another
-        # model keeps False (its output's gradient may have other terms).
-        self.fp8_grad_carry = False
         if c.fp8 is not None:
             self.fp8_meta = Fp8Meta(jnp.zeros((len(FP8_TENSORS), c.fp8.history), jnp.float32))
 
@@ -103,6 +106,8 @@ class CodaLlamaBlock(nnx.Module):
         positions: jax.Array | None = None,
         carry: NormCarry | None = None,
         next_norm: jax.Array | None = None,
+        *,
+        grad_through_carry: bool = False,
     ) -> tuple[jax.Array, NormCarry | None]:
         c = self.config
         b, s, d = x.shape
@@ -112,7 +117,7 @@ class CodaLlamaBlock(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         tensor_parallel = tensor_parallel_size(context_mesh()) > 1
         if c.fp8 is not None:
-            return self._fp8_call(x, positions, carry, next_norm, tensor_parallel)
+            return self._fp8_call(x, positions, carry, next_norm, tensor_parallel, grad_through_carry)
         if tensor_parallel:  # Megatron TP: coda_jax/layers/tensor_parallel.py
             return tensor_parallel_block(self, x, positions), None
         dt = c.dtype
@@ -135,7 +140,8 @@ class CodaLlamaBlock(nnx.Module):
                                  next_norm, carry=carry1, eps=c.rms_norm_eps, backend=self.backend)
         return reshape_tokens(out, (b, s, d)), carry2
 
-    def _fp8_call(self, x, positions, carry, next_norm, tensor_parallel: bool = False):
+    def _fp8_call(self, x, positions, carry, next_norm, tensor_parallel: bool = False,
+                  grad_through_carry: bool = False):
         """The block in FP8 (:func:`coda_jax.ops.fp8_llama_block.fp8_llama_block`).
 
         Under a ``"tensor"`` mesh axis the weights stay on their stored splits (``w_gu`` by
@@ -168,7 +174,7 @@ class CodaLlamaBlock(nnx.Module):
         shape = Fp8BlockShape(b, s, c.num_heads, c.num_kv_heads, hd, float(c.rms_norm_eps),
                               float(c.qk_norm_eps) if c.qk_norm else None, c.attention_implementation,
                               c.fp8.margin, carry_out, c.fp8.scaling, c.fp8.promote_k,
-                              c.fp8.promote_min_k, splits, grad_carry=self.fp8_grad_carry and carry_out == "fp8")
+                              c.fp8.promote_min_k, splits, grad_carry=grad_through_carry and carry_out == "fp8")
         lowering = xla_backend_lowering() if tensor_parallel else lowering_for(FP8_LLAMA_BLOCK, self.backend)
 
         def block(x, params, aux, meta, carry, next_norm):

@@ -28,13 +28,13 @@ from coda_jax.pallas.interpret import interpret_enabled
 from coda_jax.sharding import cast_for_use, gathered, logical_param, reshape_tokens
 
 
-def _run_block(block: CodaLlamaBlock, x, positions, carry, next_norm):
-    return block(x, positions, carry=carry, next_norm=next_norm)
+def _run_block(block: CodaLlamaBlock, x, positions, carry, next_norm, grad_through_carry: bool):
+    return block(x, positions, carry=carry, next_norm=next_norm, grad_through_carry=grad_through_carry)
 
 
 # LlamaConfig.remat == "block": the backward runs the block's forward again from its input
 # and norm carry (the only values saved across it) instead of reading saved activations.
-_run_block_remat = nnx.remat(_run_block)
+_run_block_remat = nnx.remat(_run_block, static_argnums=(5,))
 
 
 class CodaLlama(nnx.Module):
@@ -59,10 +59,6 @@ class CodaLlama(nnx.Module):
         if c.num_layers:
             # The final norm / LM head reads a compute-dtype carry, or with an FP8 head the FP8 one.
             self.blocks[-1].fp8_carry_out = self._fp8_head
-            # Each block's output is read by the next block alone: its gradient comes back in
-            # e5m2 through the FP8 carry (not from the head, which reads its carry as a cache).
-            for block in self.blocks[:-1]:
-                block.fp8_grad_carry = True
         if self._fp8_head:  # the amax histories of the FP8 LM head (coda_jax.ops.fp8_cross_entropy)
             self.fp8_head_meta = Fp8Meta(jnp.zeros((len(HEAD_TENSORS), c.fp8.history), jnp.float32))
         self.final_norm = logical_param(jnp.ones((c.hidden_size,), c.param_dtype), ("norm",))
@@ -132,7 +128,9 @@ class CodaLlama(nnx.Module):
         run = _run_block_remat if self._remat_blocks() else _run_block
         for i, block in enumerate(self.blocks):
             next_norm = gathered(self.blocks[i + 1].attn_norm[...]) if i + 1 < n else gathered(self.final_norm[...])
-            x, carry = run(block, x, positions, carry, next_norm)
+            # Each block's output is read by the next block alone: in FP8 its gradient comes back
+            # through the carry (the last block's from the head, which reads its carry as a cache).
+            x, carry = run(block, x, positions, carry, next_norm, i + 1 < n)
         return reshape_tokens(x, (b * s, c.hidden_size)), carry
 
     def _remat_blocks(self) -> bool:

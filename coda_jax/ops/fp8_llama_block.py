@@ -23,11 +23,13 @@ The block's output gradient ``dx2`` is the next block's input gradient, which th
 QKV dgrad writes. Under ``BlockShape.grad_carry`` (CodaLlama's blocks but the last) the
 carry asks for it at this block's scale (:attr:`Fp8Carry.grad_scale`) and the next block's
 epilogue writes it in e5m2, both layouts and its amax, returned as the carry's cotangent.
-Standalone XLA quantizing passes remain for the attention output ``o`` (cuDNN's), ``dx2``
-without ``grad_carry`` (the last block's comes from the LM head), the first block's ``h``
-(the embedding's), and the weights (once per step; under FSDP each device quantizes its own
-rows and the e4m3 copy is gathered, :func:`_quantize_weight`). Attention, RoPE, the norms
-and the residual stream stay in the compute dtype.
+The attention output ``o`` (cuDNN's) and ``dx2`` without ``grad_carry`` (the last block's
+comes from the LM head) are quantized by epilogue passes of their own
+(:func:`coda_jax.programs.quantize_q8`, :func:`_quantize_pass`). Standalone XLA quantizing
+passes remain for the first block's ``h`` (the embedding's), the weights (once per step;
+under FSDP each device quantizes its own rows and the e4m3 copy is gathered,
+:func:`_quantize_weight`) and, under current scaling, every tensor no GEMM produces.
+Attention, RoPE, the norms and the residual stream stay in the compute dtype.
 
 The backward GEMMs with a long K (``Fp8Recipe.promote_min_k``: the wgrads over the tokens, the
 gate/up dgrad) promote their FP8 accumulators to float32 every ``Fp8Recipe.promote_k`` K elements
@@ -127,6 +129,22 @@ def _quantize(meta: jax.Array, name: str, x: jax.Array, st: BlockShape, **kw) ->
     return quantize_tensor(x, history, _dtype(name), st.margin, **kw)
 
 
+def _quantize_pass(lw: GemmLowering, st: BlockShape, meta: jax.Array, name: str, x: jax.Array
+                   ) -> tuple[Fp8Tensor, jax.Array]:
+    """Activation or gradient ``name`` ``[M, N]``, produced by no GEMM of ours, quantized in
+    both layouts with its amax: under delayed scaling as an epilogue pass
+    (:func:`coda_jax.programs.quantize_q8`: on a kernel backend the transposed copy leaves
+    through the kernel's SMEM staging), under current scaling by :func:`_quantize` (the amax
+    must exist before the cast)."""
+    if st.scaling == "current":
+        return _quantize(meta, name, x, st)
+    m, n = x.shape
+    _, t, amax = quantizing_run(lambda p, l, od: epilogue_pass(lw, p, m, n, l, out_dtypes=od or None),
+                                programs.quantize_q8("e5m2" if name in _GRADS else "e4m3"), {"x": x}, "q",
+                                x.dtype, scale=_scale(meta, name, st.margin))
+    return t, amax
+
+
 def _quantize_weight(meta: jax.Array, name: str, w: jax.Array, st: BlockShape) -> tuple[Fp8Tensor, jax.Array]:
     """Weight ``name``'s FP8 copies (``[K, N]`` and its ``[N, K]`` transpose) and amax. With
     ``st.weight_splits`` ``w`` arrives on its stored split (FSDP): each device quantizes its own
@@ -175,7 +193,7 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
     o, attn_vjp = jax.vjp(lambda q, k, v: causal_attention(q, k, v, st.attention),
                           reshape_tokens(q, (b, s, nh, hd)), reshape_tokens(k, (b, s, nkv, hd)),
                           reshape_tokens(v, (b, s, nkv, hd)))
-    o, amax["o"] = _quantize(meta, "o", reshape_tokens(o, (m, nh * hd)), st)
+    o, amax["o"] = _quantize_pass(lw, st, meta, "o", reshape_tokens(o, (m, nh * hd)))
     w_o, amax["w_o"] = _quantize_weight(meta, "w_o", params["w_o"], st)
     r1, h1 = _quantizing(st, meta, amax, "h1",
                          lambda p, l, od: fp8_gemm(lw, p, o, w_o, l, out_dtypes={"x": dt, **od}),
@@ -222,7 +240,7 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2, d
     amax = dict(saved["amax"])
     f32 = jnp.float32
     # MLP: dx2 in e5m2, written by the next block's QKV dgrad, or here by a standalone pass.
-    g2, amax["dx2"] = dx2_q if dx2_q is not None else _quantize(meta, "dx2", dx2, st)
+    g2, amax["dx2"] = dx2_q if dx2_q is not None else _quantize_pass(lw, st, meta, "dx2", dx2)
     sd, dz = _quantizing(st, meta, amax, "dz_gu",
                          lambda p, l, od: bw_gemm(lw, p, g2, saved["w_down"].T, l, out_dtypes=od or None),
                          programs.SWIGLU_DGRAD_Q8, {"z": saved["z"], "rstd": saved["rstd1"]}, "dz", dt)
