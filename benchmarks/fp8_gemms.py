@@ -25,8 +25,12 @@ training step (the calls its Pallas kernels get, with their programs, shapes and
 cuBLASLt's bare FP8 GEMM of the same shape and layout (``a [M, K] @ b[N, K]^T`` -> bf16): the
 issue's "each FP8 fused GEMM within 10 % of cuBLASLt's FP8 GEMM". Per call and backend: the
 fused GEMM's time (``xla``: cuBLASLt's GEMM and the epilogue as XLA passes), and its ratio to
-the bare GEMM. Times are CUPTI kernel time on a GPU (:func:`coda_jax.pallas.autotune.kernel_ms`:
-the sum of the call's kernels), wall-clock medians elsewhere.
+the bare GEMM. Then the step's quantizing *epilogue passes* (programs over a zero accumulator,
+:mod:`coda_jax.ops.epilogue_pass`: the attention output, the QKV gradient, ...), each per
+backend against ``xla``, the same math as XLA fusions (the zero operands made inside the jitted
+function, so XLA folds the GEMM away). Times are CUPTI kernel time on a GPU
+(:func:`coda_jax.pallas.autotune.kernel_ms`: the sum of the call's kernels), wall-clock
+medians elsewhere.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from benchmarks.bench import interleaved_median_ms, median_ms, rel
 from coda_jax import programs
 from coda_jax.backend import lowering_for
 from coda_jax.fp8 import E4M3, Fp8Tensor, quantize
+from coda_jax.ops.epilogue_pass import K_STEP, epilogue_pass
 from coda_jax.ops.fp8_gemm import fp8_gemm
 from coda_jax.ops.names import FP8_LLAMA_BLOCK
 
@@ -125,8 +130,16 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
     on_gpu = jax.devices()[0].platform == "gpu"
     timer = at.kernel_ms if on_gpu else median_ms
     fn, args = model_step(spec if spec.endswith((":fp8", ":fp8-head")) else spec + ":fp8")
-    calls = [c for c in at.kernel_calls(fn, *args) if c.a.dtype in FP8_DTYPES]
+    every = at.kernel_calls(fn, *args)
+    calls = [c for c in every if c.a.dtype in FP8_DTYPES]
     rows = []
+
+    def emit(row):
+        rows.append(row)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "fp8_block_gemms.json").write_text(json.dumps(rows, indent=1))
+
     for call in calls:
         if call.transpose_a or not call.transpose_b:
             raise ValueError(f"{call.epilogue.name}: an FP8 call with a non-K-major operand")
@@ -143,13 +156,32 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
             f = jax.jit(lambda a, b, l, lw=lw: lw.gemm(call.epilogue, a, b, l, **kw))
             row["ms"][name] = timer(f, a, b, loads, iters=iters)
             row["vs_bare"][name] = row["ms"][name] / row["bare_cublaslt_ms"]
-        rows.append(row)
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "fp8_block_gemms.json").write_text(json.dumps(rows, indent=1))
+        emit(row)
         print(f"BLOCK {label:48s} cuBLASLt bare {row['bare_cublaslt_ms']:.4f} ms  " + "  ".join(
             f"{nm} {row['ms'][nm]:.4f} ms ({row['vs_bare'][nm]:.2f}x bare)" for nm in backends), flush=True)
+    for call in pass_calls(every):
+        _, _, loads = at.random_arguments(call)
+        m, n, _ = call.mnk
+        row = {"call": f"{call.epilogue.name} pass {m}x{n}", "pass": True, "ms": {}, "vs_xla": {}}
+        for name in dict.fromkeys(["xla", *backends]):
+            with cj.options(backend=name, routing=dict(xla_output_below=0)):
+                lw = lowering_for(FP8_LLAMA_BLOCK, name)
+            f = jax.jit(lambda l, lw=lw: epilogue_pass(lw, call.epilogue, m, n, l,
+                                                       out_dtypes=dict(call.out_dtypes) or None))
+            row["ms"][name] = timer(f, loads, iters=iters)
+        row["vs_xla"] = {nm: row["ms"][nm] / row["ms"]["xla"] for nm in row["ms"]}
+        emit(row)
+        print(f"PASS  {row['call']:48s} " + "  ".join(
+            f"{nm} {row['ms'][nm]:.4f} ms ({row['vs_xla'][nm]:.2f}x xla)" for nm in row["ms"]), flush=True)
     return rows
+
+
+def pass_calls(calls: list) -> list:
+    """The epilogue passes among a step's kernel calls: quantizing programs over one K step of
+    bf16 operands (:data:`coda_jax.ops.epilogue_pass.K_STEP`; no GEMM of the FP8 step has so
+    short a K)."""
+    return [c for c in calls if c.mnk[2] == K_STEP and c.a.dtype == jnp.bfloat16
+            and any(o.quantize for o in c.epilogue.outputs)]
 
 
 def main(argv=None) -> list[dict]:

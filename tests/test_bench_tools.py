@@ -1080,6 +1080,12 @@ def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch, t
     monkeypatch.setattr(fp8_gemms, "median_ms", lambda f, *a, iters: (jax.block_until_ready(f(*a)), 2.0)[1])
     with interpret_mode():
         rows = fp8_gemms.block_gemms("1b-1:1:128", ["xla"], iters=1, out=tmp_path)
-    assert rows and all(r["call"].split()[0].endswith("_fp8") for r in rows)
-    assert all(r["vs_bare"]["xla"] == 1.0 and r["bare_cublaslt_ms"] == 2.0 for r in rows)
+    gemms = [r for r in rows if not r.get("pass")]
+    assert gemms and all(r["call"].split()[0].endswith("_fp8") for r in gemms)
+    assert all(r["vs_bare"]["xla"] == 1.0 and r["bare_cublaslt_ms"] == 2.0 for r in gemms)
+    # then the step's quantizing passes: the attention output (e4m3), the last block's output
+    # gradient (e5m2) and the QKV gradient (e5m2), each against its XLA form
+    passes = sorted(r["call"].split()[0] for r in rows if r.get("pass"))
+    assert passes == ["quantize_e4m3", "quantize_e5m2", "rope_grad_q8"], passes
+    assert all(r["vs_xla"] == {"xla": 1.0} for r in rows if r.get("pass"))
     assert json.loads((tmp_path / "fp8_block_gemms.json").read_text()) == rows
