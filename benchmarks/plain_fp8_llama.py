@@ -73,7 +73,7 @@ from coda_jax.layers import LlamaConfig
 from coda_jax.ops.attention import causal_attention
 from coda_jax.sharding import reshape_tokens
 
-__all__ = ["IDIOMS", "DEFAULT_IDIOM", "FP8_GEMM_TARGET", "fp8_dot", "fp8_gemm_calls", "expected_fp8_gemms",
+__all__ = ["IDIOMS", "DEFAULT_IDIOM", "FP8_GEMM_TARGET", "fp8_dot", "fp8_gemm_calls", "fp8_gemm_kinds", "expected_fp8_gemms",
            "PlainFp8LlamaBlock", "PlainFp8Llama"]
 
 # How the scaled FP8 GEMM is written for XLA (module docstring).
@@ -101,6 +101,59 @@ def fp8_gemm_calls(hlo_text: str) -> list[str]:
         if m and m.group(1) == FP8_GEMM_TARGET:
             out.append(line.split(", backend_config=")[0].strip())
     return out
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?(%[\w.\-]+) \(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = (.+?) ([\w\-]+)\((.*?)\)(.*)$")
+_NAME = re.compile(r"%[\w.\-]+")
+_CALLS = re.compile(r"calls=(%[\w.\-]+)")
+_FUSION_KIND = re.compile(r'"kind":"([^"]+)"')
+
+
+def _computations(hlo_text: str) -> dict[str, list[tuple[str, str, str, list[str], str]]]:
+    """Compiled HLO text as ``{computation: [(name, type, opcode, operand names, rest)]}``
+    (operand types, where printed, are ignored: they are looked up by name)."""
+    comps: dict = {"": []}  # "": lines outside any computation (an excerpt)
+    current = comps[""]
+    for line in hlo_text.splitlines():
+        if (m := _COMPUTATION.match(line)) is not None:
+            current = comps.setdefault(m.group(1), [])
+        elif line.strip() == "}":
+            current = comps[""]
+        elif (m := _INSTRUCTION.match(line)) is not None:
+            operands = _NAME.findall(m.group(4))
+            current.append((m.group(1), m.group(2), m.group(3), operands, m.group(5)))
+    return comps
+
+
+def fp8_gemm_kinds(hlo_text: str) -> dict[str, int]:
+    """The GEMMs of compiled HLO text that read FP8 operands, by how XLA runs them:
+    ``"cublaslt"`` (:data:`FP8_GEMM_TARGET` custom calls), or a fusion's kind (``"__triton_gemm"``,
+    ``"__cudnn$fusion"``, ...) whose fused computation holds a ``dot`` of two FP8 operands.
+    A dot that XLA turned into a 16-bit GEMM (its FP8 operands converted first) counts in none."""
+    comps = _computations(hlo_text)
+    types = {c: {name: ty for name, ty, *_ in ins} for c, ins in comps.items()}
+
+    def fp8_dot_in(comp: str, seen: frozenset = frozenset()) -> bool:
+        for name, _, op, operands, rest in comps.get(comp, []):
+            if op == "dot" and len(operands) >= 2 and all(types[comp].get(o, "").startswith("f8") for o in operands[:2]):
+                return True
+            if (callee := _CALLS.search(rest)) and callee.group(1) not in seen and fp8_dot_in(callee.group(1), seen | {comp}):
+                return True
+        return False
+
+    kinds: dict[str, int] = {}
+    for comp, ins in comps.items():
+        for _, _, op, _, rest in ins:
+            kind = None
+            if op == "custom-call" and (t := _TARGET.search(rest)) and t.group(1) == FP8_GEMM_TARGET:
+                kind = "cublaslt"
+            elif op == "fusion" and (callee := _CALLS.search(rest)) and fp8_dot_in(callee.group(1)):
+                k = _FUSION_KIND.search(rest)
+                kind = k.group(1) if k else re.search(r"kind=(\w+)", rest).group(1)
+            if kind is not None:
+                kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
 
 
 def gemm_call_targets(hlo_text: str) -> dict[str, int]:

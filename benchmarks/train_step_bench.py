@@ -12,7 +12,8 @@ written, ``fuse=true|false``, Q/K/V and gate/up as one GEMM each, and ``lm_head=
 head's GEMMs in FP8 too; on a GPU its row records
 how many FP8 GEMM calls the compiled step holds against how many it should,
 ``fp8_gemm_calls`` / ``fp8_gemm_calls_expected``: XLA runs an FP8 dot it cannot rewrite as a
-bf16 GEMM, silently); ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
+bf16 GEMM, silently; ``fp8_gemm_kinds`` counts the FP8 GEMMs by how XLA runs them, cuBLASLt's
+calls and fusions (Triton's, cuDNN's) over FP8 operands); ``backend[:option=value,...]`` is ``CodaLlama`` on that backend with those coda-jax
 options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
 with :func:`coda_jax.options.options`, and ``fp8=true`` for ``LlamaConfig(fp8=Fp8Recipe())``
 (``fp8=current``: ``Fp8Recipe(scaling="current")``; with ``lm_head=true``: ``Fp8Recipe(lm_head=True)``;
@@ -61,7 +62,7 @@ from flax import nnx
 
 from benchmarks.gpu_clock import ClockSampler
 from benchmarks.hlo_schedule import collective_windows, window_summary
-from benchmarks.plain_fp8_llama import IDIOMS, PlainFp8Llama, fp8_gemm_calls, gemm_call_targets
+from benchmarks.plain_fp8_llama import IDIOMS, PlainFp8Llama, fp8_gemm_calls, fp8_gemm_kinds, gemm_call_targets
 from benchmarks.plain_llama import PlainLlama, shard_plain_state
 from coda_jax import partitioning, training
 from coda_jax.fp8 import Fp8Recipe
@@ -449,10 +450,14 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         fp8_row["fp8_gemm_calls_expected"] = fp8_expected
     if fp8_check:
         found = len(fp8_gemm_calls(hlo))
-        fp8_row.update(fp8_gemm_calls=found, cublas_calls=gemm_call_targets(hlo))
+        kinds = fp8_gemm_kinds(hlo)  # cuBLASLt's calls and the fusions (Triton, cuDNN) over FP8 operands
+        fp8_row.update(fp8_gemm_calls=found, fp8_gemm_kinds=kinds, cublas_calls=gemm_call_targets(hlo))
+        on_fp8 = sum(kinds.values())
+        verdict = ("" if found == fp8_expected else
+                   f" -- {on_fp8 - found} more as fusions over FP8 operands {kinds}" if on_fp8 == fp8_expected else
+                   f" -- MISMATCH: {fp8_expected - on_fp8} FP8 dots run on 16-bit operands (FP8 GEMMs by kind: {kinds})")
         print(f"FP8 {spec}: {found} FP8 GEMM calls (__cublas$lt$matmul$f8) in the compiled step, {fp8_expected} "
-              f"expected{'' if found == fp8_expected else ' -- MISMATCH: XLA ran FP8 dots some other way (16-bit GEMMs?)'}; "
-              f"cuBLAS calls by target: {fp8_row['cublas_calls']}", flush=True)
+              f"expected{verdict}; cuBLAS calls by target: {fp8_row['cublas_calls']}", flush=True)
     if hlo_out is not None:
         write_hlo(hlo, hlo_out / f"hlo_{file_name(spec)}.txt.gz")
     gather_lines = activation_gathers(hlo, *inputs.shape) if mesh is not None else []
@@ -545,7 +550,9 @@ def table(rows: list[dict], title: str) -> str:
     fp8 = [r for r in rows if "fp8_gemm_calls" in r]
     if fp8:  # the HLO check of the FP8 runs (on a GPU)
         lines += ["", "FP8 GEMM calls (`__cublas$lt$matmul$f8`) found / expected: " + ", ".join(
-            f"{r['run']} {r['fp8_gemm_calls']} / {r['fp8_gemm_calls_expected']}" for r in fp8)]
+            f"{r['run']} {r['fp8_gemm_calls']} / {r['fp8_gemm_calls_expected']}"
+            + (f" (FP8 GEMMs by kind: {r['fp8_gemm_kinds']})" if r.get("fp8_gemm_kinds", {}).keys() - {"cublaslt"} else "")
+            for r in fp8)]
     return "\n".join(lines)
 
 

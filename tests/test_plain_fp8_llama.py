@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax import lax
 
 import benchmarks.plain_fp8_llama as pf8
 from benchmarks.plain_fp8_llama import (FUSED_PROJECTIONS, PlainFp8Llama, expected_fp8_gemms, fp8_dot, fp8_gemm_calls,
-                                        gemm_call_targets)
+                                        fp8_gemm_kinds, gemm_call_targets)
 from benchmarks.plain_llama import PlainLlama
 from coda_jax import training
-from coda_jax.fp8 import Fp8Meta
+from coda_jax.fp8 import E4M3, Fp8Meta
 from coda_jax.layers import CodaLlama, LlamaConfig
 from conftest import rel_err
 
@@ -251,6 +252,47 @@ _HLO = """
   %cublas-lt-matmul.5 = (bf16[2048,2048]{1,0}, s8[33554432]{0}) custom-call(f8e5m2[2048,3072]{1,0} %fusion.f8, f8e4m3fn[2048,3072]{1,0} %w), custom_call_target="__cublas$lt$matmul$f8", backend_config={}
   %custom-call.6 = f32[8] custom-call(f32[8] %e), custom_call_target="__cublas$lt$matmul$f8_probe"
 """
+
+
+_FUSED_HLO = """
+%triton_gemm_computation (param_0: f8e4m3fn[2048,2048], param_1: f8e5m2[512,2048]) -> bf16[2048,512] {
+  %param_0 = f8e4m3fn[2048,2048]{1,0} parameter(0)
+  %param_1 = f8e5m2[512,2048]{1,0} parameter(1)
+  ROOT %dot.7 = bf16[2048,512]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+%fallback_computation (param_0.1: f8e4m3fn[64,32], param_1.1: bf16[16,32]) -> bf16[64,16] {
+  %param_0.1 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %param_1.1 = bf16[16,32]{1,0} parameter(1)
+  %convert.1 = bf16[64,32]{1,0} convert(%param_0.1)
+  ROOT %dot.8 = bf16[64,16]{1,0} dot(%convert.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+%quantize_computation (param_0.2: bf16[64,32]) -> f8e4m3fn[64,32] {
+  %param_0.2 = bf16[64,32]{1,0} parameter(0)
+  ROOT %convert.2 = f8e4m3fn[64,32]{1,0} convert(%param_0.2)
+}
+ENTRY %main (a: f8e4m3fn[2048,2048], b: f8e5m2[512,2048], c: bf16[64,32], d: bf16[16,32]) -> bf16[2048,512] {
+  %a = f8e4m3fn[2048,2048]{1,0} parameter(0)
+  %b = f8e5m2[512,2048]{1,0} parameter(1)
+  %c = bf16[64,32]{1,0} parameter(2)
+  %d = bf16[16,32]{1,0} parameter(3)
+  %cublas-lt-matmul.1 = (bf16[2048,512]{1,0}, s8[33554432]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"alpha_real":1}}
+  %gemm_fusion.2 = bf16[2048,512]{1,0} fusion(%a, %b), kind=kCustom, calls=%triton_gemm_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"64"}}}
+  %q = f8e4m3fn[64,32]{1,0} fusion(%c), kind=kLoop, calls=%quantize_computation
+  %gemm_fusion.3 = bf16[64,16]{1,0} fusion(%q, %d), kind=kCustom, calls=%fallback_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %add = bf16[2048,512]{1,0} add(%cublas-lt-matmul.1, %gemm_fusion.2)
+}
+"""
+
+
+def test_fp8_gemm_kinds_counts_fused_fp8_gemms():
+    # cuBLASLt's FP8 call and a Triton GEMM fusion over two FP8 operands count; a dot whose FP8
+    # operand is converted to bf16 first (XLA's 16-bit fallback) and the quantizing fusion do not.
+    assert fp8_gemm_kinds(_FUSED_HLO) == {"cublaslt": 1, "__triton_gemm": 1}
+    assert fp8_gemm_kinds(_HLO) == {"cublaslt": 2}
+    f = jax.jit(lambda a, b: lax.dot_general(a.astype(E4M3), b.astype(E4M3), (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.bfloat16))
+    # on the CPU, XLA runs the FP8 dot as a bf16 one: no FP8 GEMM
+    assert fp8_gemm_kinds(f.lower(jnp.ones((64, 32)), jnp.ones((16, 32))).compile().as_text()) == {}
 
 
 def test_fp8_gemm_calls_finds_the_cublaslt_fp8_calls():
