@@ -746,6 +746,11 @@ def test_choose_config_schedule():
     assert not dgrad.pingpong and dgrad.cluster_dimension is None  # cooperative, no CTA pair
     assert choose_config(*big, "residual_rms") == CONFIG_TABLE["default"]
     assert not choose_config(64, 64, 64, "rms_rope").warp_specialized  # the small table entry stays
+    # an epilogue pass (one K step of 64) over a large output: ping-pong in bands along M
+    for name in ("quantize_e4m3", "rope_grad_q8", None):
+        cfg = choose_config(8192, 2048, 64, name)
+        assert cfg.pingpong and cfg.grid_minor_dim == "m" and cfg.cluster_dimension is None, name
+    assert not choose_config(200, 320, 64, "quantize_e4m3").warp_specialized  # a small one stays small
     pp = dataclasses.replace(CONFIG_TABLE["default"], **_PINGPONG)
     assert pp.pingpong and fit_waves(pp, 2048, 3072, 132) is pp  # a ping-pong tile is not narrowed
     with pytest.raises(ValueError, match="delay_release must be 0 or 1"):

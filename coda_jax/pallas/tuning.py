@@ -227,11 +227,23 @@ PROGRAM_CONFIGS: dict[str, dict] = {
 }
 
 
+# An epilogue pass (coda_jax.ops.epilogue_pass: the program over one K step of zero operands,
+# K = 64) is all epilogue: its traffic is the whole cost. On a large output, ping-pong over
+# bands of tiles along M overlaps one consumer's loads and stores with the other's; every
+# pass the autotuner has measured (the QKV gradient's, the FP8 LM head's; docs/performance.md)
+# won with it, well ahead of the small single-warpgroup configuration.
+PASS_MAX_K = 64
+PASS_CONFIG = {**_PINGPONG, "grid_minor_dim": "m"}
+
+
 def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningConfig:
     """The heuristic configuration for an ``[m, k] @ [k, n]`` GEMM running epilogue ``program``:
     the shape class's table entry, with :data:`PROGRAM_CONFIGS`'s changes for that program
-    (warp-specialized entries only).
+    (warp-specialized entries only); an epilogue pass over a large output (``k <=``
+    :data:`PASS_MAX_K`) on the ping-pong kernel (:data:`PASS_CONFIG`).
     """
+    if k <= PASS_MAX_K and m * n >= (1 << 22):
+        return dataclasses.replace(CONFIG_TABLE["default"], **PASS_CONFIG)
     cfg = CONFIG_TABLE["small"] if m * n < (1 << 22) or k < 256 else CONFIG_TABLE["default"]
     if not cfg.warp_specialized:
         return cfg
