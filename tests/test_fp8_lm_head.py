@@ -205,6 +205,10 @@ def test_fp8_head_argument_rules():
         fp8_linear_cross_entropy(x, gamma, w, t, jnp.zeros((4, 2)), recipe=Fp8Recipe())
     with pytest.raises(TypeError, match="carry must be an Fp8Carry"):
         fp8_linear_cross_entropy(x, gamma, w, t, jnp.zeros((3, 2)), recipe=Fp8Recipe(), carry=(x, x))
+    hq, _ = quantize_tensor(x * gamma, None, E4M3)
+    asking = Fp8Carry(hq, jnp.sum(x * x, axis=1)[None], jnp.float32(1.0))  # written under grad_through_carry
+    with pytest.raises(ValueError, match="grad_through_carry=False"):
+        fp8_linear_cross_entropy(x, gamma, w, t, jnp.zeros((3, 2)), recipe=Fp8Recipe(), carry=asking)
     with pytest.raises(ValueError, match="w_vocab must be"):
         fp8_linear_cross_entropy(x, gamma, w.T, t, jnp.zeros((3, 2)), recipe=Fp8Recipe())
     with pytest.raises(ValueError, match="Fp8Recipe.lm_head must be a bool"):

@@ -237,6 +237,10 @@ def fp8_linear_cross_entropy(
         if carry.h.shape != (m, d) or carry.h.data_t is None:
             raise ValueError(f"carry.h must be an Fp8Tensor of shape {(m, d)} with its transposed copy, "
                              f"got shape {carry.h.shape}")
+        if carry.grad_scale is not None:  # its writer would take a zero gradient for its output
+            raise ValueError("carry asks for its block's output gradient through the carry (the block ran with "
+                             "grad_through_carry=True), which the LM head does not return: run the last block "
+                             "with grad_through_carry=False")
     amax_axes = tuple(amax_axes)
     if vocab_axis is not None and vocab_axis not in amax_axes:
         raise ValueError(f"amax_axes must include vocab_axis {vocab_axis!r} (the shard_map's axes), got {amax_axes}")
