@@ -635,45 +635,16 @@ def test_fp8_model_step_lowers_on_the_fp8_kernel(monkeypatch):
 
 @pytest.mark.gpu
 def test_fp8_model_step_on_the_fp8_kernel_on_gpu():
-    """One FP8 step (loss, gradients, new amax histories) of a 2-layer model on the CuTeDSL
-    kernel's FP8 path against the ``xla`` backend's (cuBLASLt FP8 GEMMs, XLA epilogues), the
-    same weights, tokens and calibrated scales, the long-K backward GEMMs promoted on both
-    (``promote_min_k=1024``: the wgrads over 2048 tokens). The bounds are the mesh test's
-    (``test_gpu_multi.py``): bf16 values that another backend rounds differently cross e5m2
-    boundaries (25 % steps), so gradients get 0.25; the weights' amaxes must be equal."""
-    from flax import nnx
-
+    """One FP8 step of a 2-layer model on the CuTeDSL kernel's FP8 path against the ``xla``
+    backend's (cuBLASLt FP8 GEMMs, XLA epilogues): :func:`test_fp8.fp8_model_step_against_xla`,
+    the long-K backward GEMMs promoted on both (``promote_min_k=1024``: the wgrads over 2048
+    tokens)."""
     from coda_jax.backend import use_lowering
-    from coda_jax.fp8 import Fp8Meta, Fp8Recipe
-    from coda_jax.layers import CodaLlama, LlamaConfig
+    from coda_jax.fp8 import Fp8Recipe
+    from coda_jax.layers import LlamaConfig
+    from test_fp8 import fp8_model_step_against_xla
 
     cfg = LlamaConfig.tiny(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
                            num_kv_heads=2, head_dim=64, dtype=BF, fp8=Fp8Recipe(promote_min_k=1024))
     tokens = jax.random.randint(jax.random.key(3), (4, 513), 0, cfg.vocab_size)
-    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
-
-    def step(backend, state):
-        m = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
-        nnx.update(m, state)
-        return nnx.jit(lambda m, t: nnx.value_and_grad(lambda mm: mm.loss(t[:, :-1], t[:, 1:]), argnums=wrt)(m))(
-            m, tokens)
-
-    state = nnx.state(CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla"))
-    _, g = step("xla", state)  # calibrate: the scales of a real step
-    state = nnx.merge_state(state, g.filter(Fp8Meta))
-    want = step("xla", state)
-    with use_lowering(_kernel()):
-        got = step("cutedsl", state)
-    assert abs(float(got[0]) - float(want[0])) < 1e-2 * abs(float(want[0])), (got[0], want[0])
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1].filter(nnx.Param)),
-                            jax.tree.leaves(want[1].filter(nnx.Param))):
-        assert rel_err(a, b) < 0.25, (jax.tree_util.keystr(path), rel_err(a, b))
-    from coda_jax.ops.fp8_llama_block import TENSORS
-    for a, b in zip(jax.tree.leaves(got[1].filter(Fp8Meta)), jax.tree.leaves(want[1].filter(Fp8Meta))):
-        a, b = np.asarray(a), np.asarray(b)
-        for name, x, y in zip(TENSORS, a[:, 0], b[:, 0]):
-            if name.startswith("w_"):
-                assert x == y, (name, x, y)
-            elif y > 0:
-                bound = 3e-2 if not name.startswith("d") else 0.25
-                assert abs(x - y) <= bound * y, (name, x, y)
+    fp8_model_step_against_xla("cutedsl", cfg, tokens, lambda: use_lowering(_kernel()))

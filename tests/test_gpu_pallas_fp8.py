@@ -11,8 +11,10 @@ output sizes are allocated and freed first), so an unwritten element fails the f
 
 import dataclasses
 
+import jax
 import pytest
 
+import coda_jax as cj
 from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.epilogue import OutputKind
@@ -126,6 +128,22 @@ _QUANTIZE = {"lowering_default": None, "cooperative": CONFIGS["cooperative"], "p
 def test_quantize_pass_on_gpu(config, fp8):
     # The attention output's pass at 1B shapes (ragged M), and the last block's gradient's.
     check_quantize_pass(_QUANTIZE[config], fp8, 8000, 2048, 42, before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))
+
+
+def test_fp8_model_step_on_gpu():
+    # One FP8 step of a 2-layer model, every FP8 GEMM and pass on the Pallas kernels (the tuned
+    # table's or the heuristics' configurations), against the xla backend on the GPU: the
+    # blocks' output gradients written by the QKV dgrads' epilogues and handed back through
+    # the carry, the quantizing passes; test_fp8.fp8_model_step_against_xla's bounds.
+    from coda_jax.fp8 import Fp8Recipe
+    from coda_jax.layers import LlamaConfig
+    from test_fp8 import fp8_model_step_against_xla
+
+    cfg = LlamaConfig.tiny(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
+                           num_kv_heads=2, head_dim=64, dtype=BF16, fp8=Fp8Recipe(promote_min_k=1024))
+    tokens = jax.random.randint(jax.random.key(3), (4, 513), 0, cfg.vocab_size)
+    with cj.options(routing=dict(xla_output_below=0)):  # every GEMM on the kernel
+        fp8_model_step_against_xla("pallas", cfg, tokens)
 
 
 @pytest.mark.parametrize("save", [True, False], ids=["saved_logits", "recompute"])
