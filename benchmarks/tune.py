@@ -19,6 +19,9 @@ bf16 GEMM) and the JAX-shipped Hopper matmul (``hopper_matmul_mgpu``, forward la
 in one process. Prints one ``MAINLOOP`` line per measurement and the best variant per case;
 copy the winner into ``coda_jax/pallas/tuning.py``'s ``CONFIG_TABLE``.
 
+``--untuned-only`` (with ``--model``): only the calls the table merged into has no entry for
+(a new program's or shape's), where a session's device time is short.
+
 ``--heat S`` (with ``--model``): each candidate is called back to back for ``S`` seconds before
 it is timed (:func:`coda_jax.pallas.autotune.sustained_kernel_ms`), at the power-capped SM
 clock of a training step instead of the idle GPU's full clock; ``HEAT`` lines give both
@@ -336,7 +339,8 @@ def model_sweep(args, out: Path):
                           rows=rows, log=log, timer=timer,
                           incumbent=at.incumbents(table) if args.with_incumbents else None,
                           skip_programs=tuple(p for p in args.skip_programs.split(",") if p),
-                          only_programs=tuple(p for p in args.programs.split(",") if p))
+                          only_programs=tuple(p for p in args.programs.split(",") if p),
+                          skip_keys=at.table_keys(table) if args.untuned_only else frozenset())
         if args.heat:
             new["heat_s"] = args.heat
         table = at.merge_tables(table, new)
@@ -370,6 +374,9 @@ def main():
     ap.add_argument("--table", default=None, help="--model: the table to merge into (default: the shipped one "
                     "for this GPU; 'none': start empty)")
     ap.add_argument("--budget", type=float, default=None, help="--model: seconds per model before it stops tuning")
+    ap.add_argument("--untuned-only", action="store_true",
+                    help="--model: tune only the GEMMs the table merged into has no entry for (new programs "
+                         "or shapes, first, where device time is short)")
     ap.add_argument("--with-incumbents", action="store_true",
                     help="--model: also time each GEMM's winner in the table merged into (so a sweep of "
                          "other --variants keeps the best of both)")

@@ -464,6 +464,12 @@ def test_autotune_measures_each_gemms_incumbent_beside_the_sweep(monkeypatch):
                       skip_programs=("rms_lse",))
     assert measured == [((8, 8, 8), ["pingpong", "slots3"]), ((16, 8, 8), ["slots3"])]
     assert [(e["m"], e["candidate"]) for e in out["entries"]] == [(8, "pingpong"), (16, "slots3")]
+    # Only the GEMMs the table has no entry for (its heuristic-kept entry counts as one).
+    measured.clear()
+    assert at.table_keys(table) == {("residual_rms", "nn", 8, 8, 8, 0), ("residual_rms", "nn", 16, 8, 8, 0)}
+    out = at.autotune(lambda: None, names=["slots3"], log=lambda s: None, skip_keys=at.table_keys(table))
+    assert measured == [((32, 8, 8), ["slots3"])]
+    assert [(e["program"], e["m"]) for e in out["entries"]] == [("rms_lse", 32)]
 
 
 def test_sustained_timer_heats_before_timing(monkeypatch):

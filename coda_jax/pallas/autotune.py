@@ -418,6 +418,16 @@ def row_key(row: dict[str, Any]) -> tuple:
     return row["program"], row["layout"], row["m"], row["n"], row["k"], row.get("promote_k", 0)
 
 
+def call_key(call: KernelCall) -> tuple:
+    """The :func:`row_key` of a kernel call's GEMM."""
+    return call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk, call.promote_k
+
+
+def table_keys(table: dict[str, Any] | None) -> frozenset[tuple]:
+    """The :func:`row_key` of every entry of a table (a heuristic-kept one too)."""
+    return frozenset(row_key(e) for e in (table or {}).get("entries", []))
+
+
 def incumbents(table: dict[str, Any] | None) -> dict[tuple, str]:
     """{(program, layout, m, n, k, promote_k): candidate name} of a table's entries won by a candidate
     (not the heuristic): pass it to :func:`autotune` so that a sweep of other candidates
@@ -430,7 +440,7 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
              min_gain: float = 0.02, budget_s: float | None = None, rows: list | None = None,
              log: Callable[[str], None] = print, timer: Callable[..., float] = kernel_ms,
              incumbent: dict[tuple, str] | None = None, skip_programs: tuple[str, ...] = (),
-             only_programs: tuple[str, ...] = ()) -> dict[str, Any]:
+             only_programs: tuple[str, ...] = (), skip_keys: frozenset[tuple] = frozenset()) -> dict[str, Any]:
     """A tuned table (the JSON object of :mod:`coda_jax.pallas.tuned`) for ``fn(*args)``'s
     kernel calls on the current GPU. ``budget_s``: stop starting new calls after that many
     seconds (the table then holds the calls tuned so far). ``rows``: a list that receives
@@ -439,7 +449,9 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     ``incumbent``: {GEMM key: candidate} (:func:`incumbents` of the table in use), each
     measured beside ``names`` for its GEMM, so that the table entry written is the best of
     both. ``skip_programs``: epilogue names whose calls are left out (and out of the table);
-    ``only_programs``: if given, only calls of these epilogues are tuned."""
+    ``only_programs``: if given, only calls of these epilogues are tuned. ``skip_keys``: GEMM keys
+    (:func:`row_key`) not to tune (:func:`table_keys` of the table in use: tune only the calls it
+    has no entry for, where device time is short)."""
     dev = jax.local_devices()[0]
     if dev.platform != "gpu":
         raise RuntimeError(f"autotune times kernels on a GPU; the default device is {dev.platform!r}")
@@ -449,14 +461,14 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
         raise ValueError(f"only_programs: {sorted(unknown)} make no kernel call here; the calls' programs are "
                          f"{sorted({c.epilogue.name for c in all_calls})}")
     calls = [c for c in all_calls if c.epilogue.name not in skip_programs
-             and (not only_programs or c.epilogue.name in only_programs)]
+             and (not only_programs or c.epilogue.name in only_programs) and call_key(c) not in skip_keys]
     incumbent = incumbent or {}
     rows = [] if rows is None else rows
     done = {row_key(r): r for r in rows}
     log(f"TUNE {len(calls)} distinct kernel calls")
     t0, tuned, left = time.perf_counter(), [], len(calls)
     for call in calls:
-        key = (call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk, call.promote_k)
+        key = call_key(call)
         row = done.get(key)
         extra = [incumbent[key]] if key in incumbent else []
         wanted = list(candidate_configs(call, list(names or CANDIDATES) + extra))
