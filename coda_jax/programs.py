@@ -414,6 +414,25 @@ def rms_dgrad_q8(with_dgamma: bool) -> E.Epilogue:
 _FP8_NAMES = {"e4m3": _E4M3, "e5m2": _E5M2}
 
 
+def _rms_input_q8_body(acc, ctx, x, gamma, h_scale):
+    xf = x.astype(jnp.float32)
+    return {"h": xf * gamma, "sumsq": xf * xf}  # h_scale: read by the backend's cast
+
+
+RMS_INPUT_Q8 = E.Epilogue(
+    name="rms_input_q8",
+    loads=(E.tile("x"), E.col("gamma"), E.scalar("h_scale")),
+    outputs=(E.fp8_out("h", _E4M3, scale="h_scale", transpose=True), E.row_sum("sumsq")),
+    body=_rms_input_q8_body,
+)
+"""The first FP8 block's norm input as an epilogue pass (run by
+:func:`coda_jax.ops.epilogue_pass.epilogue_pass`: the accumulator is zero and ignored): the tile
+load ``x`` ``[M, d]`` (the embedding's output, which no GEMM produces) gives ``h = x * gamma``
+in e4m3 with its transposed copy and amax, and the per-tile partial sums of ``x^2`` (the
+norm's statistics; the QKV GEMM applies ``1/rms`` in its epilogue). What
+:data:`RESIDUAL_RMS_Q8` writes for every later block, without the GEMM."""
+
+
 @E.program_factory
 def quantize_q8(fp8: str) -> E.Epilogue:
     """A standalone quantizing pass as an epilogue (run by

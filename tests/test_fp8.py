@@ -790,7 +790,8 @@ def test_fp8_model_step_on_pallas_matches_xla():
 
     fp8_model_step_against_xla("pallas", cfg, tokens, on_the_kernels)
     names = {c.epilogue.name for c in calls}
-    assert {"quantize_e4m3", "quantize_e5m2", "rope_grad_q8"} <= names, names  # o, the last dx2, dqkv
+    # o, the last dx2, dqkv, the first block's h
+    assert {"quantize_e4m3", "quantize_e5m2", "rope_grad_q8", "rms_input_q8"} <= names, names
     # The QKV dgrads (K = the QKV width): block 2's writes block 1's output gradient in e5m2 too,
     # block 1's (the embedding's gradient) does not. (The gate/up dgrads, K = 2f, always do.)
     qkv = cfg.qkv_size

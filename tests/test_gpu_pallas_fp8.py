@@ -22,9 +22,8 @@ from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
 from op_cases import poison_allocator
 from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs,
-                             check_ce_grad_pass, check_fp8_lm_head, check_quantize_pass, check_rope_grad_pass,
-                             shipped_pass_configs,
-                             shipped_rope_grad_configs)
+                             check_ce_grad_pass, check_fp8_lm_head, check_input_norm_pass, check_quantize_pass,
+                             check_rope_grad_pass, shipped_pass_configs, shipped_rope_grad_configs)
 
 pytestmark = pytest.mark.gpu
 
@@ -128,6 +127,13 @@ _QUANTIZE = {"lowering_default": None, "cooperative": CONFIGS["cooperative"], "p
 def test_quantize_pass_on_gpu(config, fp8):
     # The attention output's pass at 1B shapes (ragged M), and the last block's gradient's.
     check_quantize_pass(_QUANTIZE[config], fp8, 8000, 2048, 42, before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))
+
+
+@pytest.mark.parametrize("config", ["lowering_default", "cooperative", "pingpong"])
+def test_input_norm_pass_on_gpu(config):
+    # The first FP8 block's norm input at 1B shapes (ragged M): h = x * gamma in e4m3, sum(x^2).
+    check_input_norm_pass(_QUANTIZE[config], 8000, 2048, 43,
+                          before_kernel=lambda m, n: poison_allocator([(m, n)] * 3))
 
 
 def test_fp8_model_step_on_gpu():

@@ -598,6 +598,28 @@ def check_quantize_pass(config, fp8, m, n, seed, before_kernel=lambda m, n: None
     _check_pass(programs.quantize_q8(fp8), m, n, {"x": x}, "q", "q_scale", config, before_kernel)
 
 
+def check_input_norm_pass(config, m, n, seed, before_kernel=lambda m, n: None):
+    """The first FP8 block's norm input as an epilogue pass (:data:`programs.RMS_INPUT_Q8`: a bf16
+    tile load and a column load, ``h = x * gamma`` in e4m3 with copy and amax, the row sums of
+    ``x^2``) on the Pallas kernel under ``config`` against the reference (:func:`_check_pass`),
+    and the row sums against float64 math of the naive definition."""
+    k = jax.random.split(jax.random.key(seed), 2)
+    x = (jax.random.normal(k[0], (m, n), F32) * 3.0).astype(BF16)
+    gamma = jax.random.uniform(k[1], (n,), F32, 0.5, 1.5)
+    got, _ = _check_pass(programs.RMS_INPUT_Q8, m, n, {"x": x, "gamma": gamma}, "h", "h_scale", config,
+                         before_kernel)
+    # h against the naive definition: x * gamma in float64, scaled as _check_pass scales it, cast.
+    h64 = np.asarray(x, np.float64) * np.asarray(gamma, np.float64)
+    fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    scale = np.float32(1.25 * fmax / np.float32(np.abs(h64).max()))
+    naive = jnp.asarray(np.clip(h64 * np.float64(scale), -fmax, fmax), F32).astype(jnp.float8_e4m3fn)
+    _check_fp8("h (naive)", got["h"], naive, scale)
+    sumsq = np.asarray(jnp.sum(got["sumsq"], axis=0), np.float64)
+    want = np.sum(np.asarray(x, np.float64) ** 2, axis=1)
+    assert np.isfinite(sumsq).all()
+    assert np.linalg.norm(sumsq - want) / np.linalg.norm(want) < 1e-5
+
+
 def shipped_pass_configs(program: str) -> list[TuningConfig]:
     """The distinct configurations of epilogue pass ``program`` (``rope_grad_q8``: the QKV
     gradient; ``ce_grad_q8``: the LM head's) in the shipped tables."""
@@ -651,6 +673,27 @@ def test_rope_grad_pass(config):
 def test_quantize_pass(fp8, config):
     # Ragged M and N (200 x 320): the attention output's and the last block's gradient's pass.
     check_quantize_pass(config, fp8, 200, 320, 14)
+
+
+@pytest.mark.parametrize("config", [SMALL, WS_N, PINGPONG], ids=["single", "cooperative", "pingpong"])
+def test_input_norm_pass(config):
+    # Ragged M and N (200 x 320): the first FP8 block's h of the embedding's output.
+    check_input_norm_pass(config, 200, 320, 15)
+
+
+def test_input_norm_pass_lowers_for_cuda():
+    """The first block's norm-input pass at 1B shapes (``[8192, 2048]`` bf16) passes Mosaic GPU's
+    code generation on the heuristic's configuration."""
+    from coda_jax.ops.epilogue_pass import epilogue_pass
+
+    m, n = 8192, 2048
+    loads = {"x": jax.ShapeDtypeStruct((m, n), BF16), "gamma": jax.ShapeDtypeStruct((n,), F32),
+             "h_scale": jax.ShapeDtypeStruct((), F32)}
+    low = PallasLowering(None, plain_gemm="pallas")
+    with interpret_mode(False):
+        txt = jax.jit(lambda l: epilogue_pass(low, programs.RMS_INPUT_Q8, m, n, l)).trace(loads).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
 
 
 def test_quantize_pass_checks_its_dtype():

@@ -25,8 +25,9 @@ carry asks for it at this block's scale (:attr:`Fp8Carry.grad_scale`) and the ne
 epilogue writes it in e5m2, both layouts and its amax, returned as the carry's cotangent.
 The attention output ``o`` (cuDNN's) and ``dx2`` without ``grad_carry`` (the last block's
 comes from the LM head) are quantized by epilogue passes of their own
-(:func:`coda_jax.programs.quantize_q8`, :func:`_quantize_pass`). Standalone XLA quantizing
-passes remain for the first block's ``h`` (the embedding's), the weights (once per step;
+(:func:`coda_jax.programs.quantize_q8`, :func:`_quantize_pass`), and so is the first block's
+``h`` with its norm statistics (:data:`coda_jax.programs.RMS_INPUT_Q8`, :func:`_input_norm_pass`:
+the embedding's output). Standalone XLA quantizing passes remain for the weights (once per step;
 under FSDP each device quantizes its own rows and the e4m3 copy is gathered,
 :func:`_quantize_weight`) and, under current scaling, every tensor no GEMM produces.
 Attention, RoPE, the norms and the residual stream stay in the compute dtype.
@@ -145,6 +146,24 @@ def _quantize_pass(lw: GemmLowering, st: BlockShape, meta: jax.Array, name: str,
     return t, amax
 
 
+def _input_norm_pass(lw: GemmLowering, st: BlockShape, meta: jax.Array, amax: dict, x: jax.Array,
+                     gamma: jax.Array) -> tuple[Fp8Tensor, jax.Array]:
+    """The first block's ``h = x * gamma`` in e4m3 (both layouts; its amax put in ``amax``) and
+    the partial sums of ``x^2`` per row ``[P, M]``, for ``x`` ``[M, d]`` that no GEMM of ours
+    produces (the embedding's output). Under delayed scaling one epilogue pass
+    (:data:`coda_jax.programs.RMS_INPUT_Q8`), under current scaling XLA (the amax must exist
+    before the cast)."""
+    if st.scaling == "current":
+        xf = x.astype(jnp.float32)
+        h, amax["h_in"] = _quantize(meta, "h_in", xf * gamma.astype(jnp.float32), st)
+        return h, jnp.sum(xf * xf, axis=1)[None]
+    m, d = x.shape
+    outs, h, amax["h_in"] = quantizing_run(lambda p, l, od: epilogue_pass(lw, p, m, d, l, out_dtypes=od or None),
+                                           programs.RMS_INPUT_Q8, {"x": x, "gamma": gamma}, "h", x.dtype,
+                                           scale=_scale(meta, "h_in", st.margin))
+    return h, outs["sumsq"]
+
+
 def _quantize_weight(meta: jax.Array, name: str, w: jax.Array, st: BlockShape) -> tuple[Fp8Tensor, jax.Array]:
     """Weight ``name``'s FP8 copies (``[K, N]`` and its ``[N, K]`` transpose) and amax. With
     ``st.weight_splits`` ``w`` arrives on its stored split (FSDP): each device quantizes its own
@@ -176,10 +195,8 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
     dt = x.dtype
     hd, nh, nkv = st.head_dim, st.num_heads, st.num_kv_heads
     amax = {}
-    if carry is None:  # the first block: h of the embedding's output, one standalone pass
-        xf = x.astype(jnp.float32)
-        sumsq = jnp.sum(xf * xf, axis=1)[None]
-        h, amax["h_in"] = _quantize(meta, "h_in", xf * params["attn_norm"].astype(jnp.float32), st)
+    if carry is None:  # the first block: h of the embedding's output, one pass
+        h, sumsq = _input_norm_pass(lw, st, meta, amax, x, params["attn_norm"])
     else:
         h, sumsq = carry.h, carry.sumsq
     rstd = rstd_from_partials(sumsq, d, st.eps)
