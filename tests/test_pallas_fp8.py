@@ -435,6 +435,18 @@ LOWERED = [
 ]
 
 
+def _check_pass_lowers_for_cuda(epi, m, n, loads, config=None):
+    """Epilogue pass ``epi`` over ``[m, n]`` (``loads``: shape structs) passes Mosaic GPU's code
+    generation under ``config`` (None: the lowering's table or heuristic), compiled, not interpreted."""
+    from coda_jax.ops.epilogue_pass import epilogue_pass
+
+    low = PallasLowering(config, plain_gemm="pallas")
+    with interpret_mode(False):
+        txt = jax.jit(lambda l: epilogue_pass(low, epi, m, n, l)).trace(loads).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
+
+
 @pytest.mark.parametrize("config", [None, dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
                                                                 cluster_dimension=None, swizzle_epilogue=True)],
                          ids=["heuristic", "pingpong_swizzled"])
@@ -442,34 +454,22 @@ def test_rope_grad_pass_lowers_for_cuda(config):
     """The QKV gradient's epilogue pass at 1B shapes (K = one step: the heuristic's small
     single-warpgroup configuration) passes Mosaic GPU's code generation: the pair-mode tile
     load and the e5m2 copy's transposed stores."""
-    from coda_jax.ops.epilogue_pass import epilogue_pass
-
     m, half = 8192, 32
     epi = programs.rope_grad_q8(half)
     n = 48 * 2 * half
     loads = {"dqkv": jax.ShapeDtypeStruct((m, n), BF16), "rstd": jax.ShapeDtypeStruct((m,), F32),
              "cos": jax.ShapeDtypeStruct((m, half), F32), "sin": jax.ShapeDtypeStruct((m, half), F32),
              "rot": jax.ShapeDtypeStruct((n // 2,), F32), "dz_scale": jax.ShapeDtypeStruct((), F32)}
-    low = PallasLowering(config, plain_gemm="pallas")
-    with interpret_mode(False):  # compiled, not interpreted
-        txt = jax.jit(lambda l: epilogue_pass(low, epi, m, n, l)).trace(loads).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in txt
+    _check_pass_lowers_for_cuda(epi, m, n, loads, config)
 
 
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
 def test_quantize_pass_lowers_for_cuda(fp8):
     """The standalone quantizing pass at 1B shapes (``[8192, 2048]`` bf16) passes Mosaic GPU's
     code generation on the heuristic's configuration."""
-    from coda_jax.ops.epilogue_pass import epilogue_pass
-
     m, n = 8192, 2048
     loads = {"x": jax.ShapeDtypeStruct((m, n), BF16), "q_scale": jax.ShapeDtypeStruct((), F32)}
-    low = PallasLowering(None, plain_gemm="pallas")
-    with interpret_mode(False):
-        txt = jax.jit(lambda l: epilogue_pass(low, programs.quantize_q8(fp8), m, n, l)).trace(loads).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in txt
+    _check_pass_lowers_for_cuda(programs.quantize_q8(fp8), m, n, loads)
 
 
 @pytest.mark.parametrize("logits_dtype", [F32, BF16])
@@ -684,16 +684,10 @@ def test_input_norm_pass(config):
 def test_input_norm_pass_lowers_for_cuda():
     """The first block's norm-input pass at 1B shapes (``[8192, 2048]`` bf16) passes Mosaic GPU's
     code generation on the heuristic's configuration."""
-    from coda_jax.ops.epilogue_pass import epilogue_pass
-
     m, n = 8192, 2048
     loads = {"x": jax.ShapeDtypeStruct((m, n), BF16), "gamma": jax.ShapeDtypeStruct((n,), F32),
              "h_scale": jax.ShapeDtypeStruct((), F32)}
-    low = PallasLowering(None, plain_gemm="pallas")
-    with interpret_mode(False):
-        txt = jax.jit(lambda l: epilogue_pass(low, programs.RMS_INPUT_Q8, m, n, l)).trace(loads).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in txt
+    _check_pass_lowers_for_cuda(programs.RMS_INPUT_Q8, m, n, loads)
 
 
 def test_quantize_pass_checks_its_dtype():

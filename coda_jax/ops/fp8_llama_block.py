@@ -130,6 +130,11 @@ def _quantize(meta: jax.Array, name: str, x: jax.Array, st: BlockShape, **kw) ->
     return quantize_tensor(x, history, _dtype(name), st.margin, **kw)
 
 
+def _pass_runner(lw: GemmLowering, m: int, n: int):
+    """``run(program, loads, out_dtypes)`` for :func:`quantizing_run`: an epilogue pass over ``[m, n]``."""
+    return lambda p, l, od: epilogue_pass(lw, p, m, n, l, out_dtypes=od or None)
+
+
 def _quantize_pass(lw: GemmLowering, st: BlockShape, meta: jax.Array, name: str, x: jax.Array
                    ) -> tuple[Fp8Tensor, jax.Array]:
     """Activation or gradient ``name`` ``[M, N]``, produced by no GEMM of ours, quantized in
@@ -140,7 +145,7 @@ def _quantize_pass(lw: GemmLowering, st: BlockShape, meta: jax.Array, name: str,
     if st.scaling == "current":
         return _quantize(meta, name, x, st)
     m, n = x.shape
-    _, t, amax = quantizing_run(lambda p, l, od: epilogue_pass(lw, p, m, n, l, out_dtypes=od or None),
+    _, t, amax = quantizing_run(_pass_runner(lw, m, n),
                                 programs.quantize_q8("e5m2" if name in _GRADS else "e4m3"), {"x": x}, "q",
                                 x.dtype, scale=_scale(meta, name, st.margin))
     return t, amax
@@ -158,7 +163,7 @@ def _input_norm_pass(lw: GemmLowering, st: BlockShape, meta: jax.Array, amax: di
         h, amax["h_in"] = _quantize(meta, "h_in", xf * gamma.astype(jnp.float32), st)
         return h, jnp.sum(xf * xf, axis=1)[None]
     m, d = x.shape
-    outs, h, amax["h_in"] = quantizing_run(lambda p, l, od: epilogue_pass(lw, p, m, d, l, out_dtypes=od or None),
+    outs, h, amax["h_in"] = quantizing_run(_pass_runner(lw, m, d),
                                            programs.RMS_INPUT_Q8, {"x": x, "gamma": gamma}, "h", x.dtype,
                                            scale=_scale(meta, "h_in", st.margin))
     return h, outs["sumsq"]
@@ -293,7 +298,7 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2, d
         zdz0 = sum(jnp.sum(t.astype(f32) * g.astype(f32), axis=1) for t, g in zip(qkv, dqkv))
         n_qkv = sum(t.shape[1] for t in dqkv)
         _, dzq = _quantizing(st, meta, amax, "dz_qkv",
-                             lambda p, l, od: epilogue_pass(lw, p, m, n_qkv, l, out_dtypes=od or None),
+                             _pass_runner(lw, m, n_qkv),
                              programs.rope_grad_q8(hd // 2),
                              {"dqkv": jnp.concatenate(dqkv, axis=1), "rstd": r0, **variant.loads(aux)}, "dz", dt)
         daux = jax.tree.map(jnp.zeros_like, aux)
