@@ -216,9 +216,14 @@ class _EpilogueEmitter:
     """
 
     def __init__(self, epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
-                 load_dtypes: dict[str, Any] | None = None, profiled: frozenset[str] = frozenset()):
+                 load_dtypes: dict[str, Any] | None = None, profiled: frozenset[str] = frozenset(),
+                 saturating_cast: bool = False):
         self.epi, self.shape, self.cfg = epi, shape, cfg
         self.profiled = profiled
+        # The FP8 cast saturates by itself (Mosaic GPU's float32 -> FP8 conversion is
+        # cvt.rn.satfinite: beyond the finite range to +-max, NaN to NaN), so a quantizing
+        # output skips its clip. The interpreter's cast (XLA's convert) does not saturate.
+        self.saturating_cast = saturating_cast
         # Tile loads / tile outputs straight between GMEM and registers (TuningConfig.direct_loads,
         # direct_stores), not staged in SMEM.
         self.direct_loads, self.direct_stores = cfg.direct_loads, cfg.direct_stores
@@ -604,7 +609,7 @@ class _EpilogueEmitter:
         contiguous bytes of the copy's rows), and the chunk's row max of ``|v|`` (padding
         columns masked to 0) into ``row_state``."""
         dt = self.dt[o.name]
-        sat = tuple(_saturated(part, scale, dt) for part in vs)
+        sat = tuple(part * scale if self.saturating_cast else _saturated(part, scale, dt) for part in vs)
         for p, (q, (gc, pw)) in enumerate(zip(sat, self.parts(c0, n0, o.half))):
             val = q.astype(dt)
             if self.direct_stores:
@@ -820,7 +825,8 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
     record the kernel's timeline (:class:`ProfileSettings`; ignored in interpret mode).
     """
     profile = None if interpret else profile
-    emitter = _EpilogueEmitter(epi, shape, cfg, dict(load_dtypes), profile.scopes if profile else frozenset())
+    emitter = _EpilogueEmitter(epi, shape, cfg, dict(load_dtypes), profile.scopes if profile else frozenset(),
+                               saturating_cast=not interpret)
     ldt = dict(load_dtypes)
     ws = cfg.warp_specialized
     if cfg.pingpong or (ws and cfg.delay_release):
