@@ -310,7 +310,9 @@ class Epilogue:
         raise KeyError(name)
 
     def validate_loads(self, loads: Mapping[str, jax.Array], m: int, n: int) -> None:
-        """Checks that ``loads`` matches the declaration for an ``[m, n]`` accumulator."""
+        """Checks that ``loads`` matches the declaration for an ``[m, n]`` accumulator. A tile
+        load may be given as a tuple of its column parts (``[m, w_i]`` arrays of one dtype,
+        in order; :func:`coda_jax.lowering.join_columns`)."""
         missing = set(self.load_names()) - set(loads)
         extra = set(loads) - set(self.load_names())
         if missing or extra:
@@ -320,6 +322,16 @@ class Epilogue:
         for l in self.loads:
             v = loads[l.name]
             nl = self.width(n, l.half)
+            if isinstance(v, (tuple, list)):  # a tile load given as its column parts
+                if l.kind is not LoadKind.TILE or not v or any(getattr(p, "ndim", None) != 2 for p in v) \
+                        or any(p.shape[0] != m or p.shape[1] < 1 for p in v) \
+                        or sum(p.shape[1] for p in v) != nl or len({jnp.dtype(p.dtype) for p in v}) != 1:
+                    raise ValueError(
+                        f"epilogue {self.name!r}: load {l.name!r} given as parts must be a tile load and a non-empty "
+                        f"tuple of [{m}, w_i] arrays of one dtype whose widths sum to {nl}, got "
+                        f"{[(tuple(getattr(p, 'shape', ())), str(getattr(p, 'dtype', type(p).__name__))) for p in v]}"
+                        f" for a {l.kind.value} load")
+                continue
             want = {LoadKind.ROW: (m,), LoadKind.COL: (nl,), LoadKind.SCALAR: (), LoadKind.TILE: (m, nl),
                     LoadKind.ROW_BLOCK: (m, self.pair_block)}[l.kind]
             if tuple(v.shape) != want:

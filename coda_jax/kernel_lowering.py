@@ -52,10 +52,19 @@ def pad_operands(a: jax.Array, b: jax.Array, mp: int, np_: int, kp: int, transpo
 def pad_loads(epilogue: Epilogue, loads: Mapping[str, jax.Array], m: int, n: int, mp: int,
               np_: int) -> list[jax.Array]:
     """The epilogue's loads in declaration order, zero-padded to the padded GEMM: rows to
-    ``mp``, columns to ``np_`` (half of it for half-width loads); scalars as given."""
+    ``mp``, columns to ``np_`` (half of it for half-width loads); scalars as given. A tile
+    load given as column parts (a tuple) stays one: each part's rows padded (its columns
+    cannot be: N must then be unpadded)."""
     out = []
     for load in epilogue.loads:
-        v = jnp.asarray(loads[load.name])
+        v = loads[load.name]
+        if isinstance(v, (tuple, list)):
+            if epilogue.width(np_, load.half) != epilogue.width(n, load.half):
+                raise ValueError(f"load {load.name!r} in column parts needs N unpadded (N={n}, padded {np_}); "
+                                 "join the parts first (coda_jax.lowering.join_columns)")
+            out.append(tuple(_pad2(jnp.asarray(p), mp, p.shape[1]) for p in v))
+            continue
+        v = jnp.asarray(v)
         if load.kind is LoadKind.ROW:
             v = jnp.pad(v, (0, mp - m))
         elif load.kind is LoadKind.ROW_BLOCK:

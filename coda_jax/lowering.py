@@ -43,7 +43,10 @@ class GemmLowering(Protocol):
     Arguments:
       a: ``[M, K]`` (``[K, M]`` if ``transpose_a``), bf16/f16/f32.
       b: ``[K, N]`` (``[N, K]`` if ``transpose_b``), same dtype as ``a``.
-      loads: arrays named as in ``epilogue.loads``.
+      loads: arrays named as in ``epilogue.loads``. A tile load may be a tuple of its
+        column parts (``[M, w_i]`` arrays, in order), e.g. attention's dq, dk, dv as one
+        ``[M, N]`` load: a kernel may read the parts where they are (the Pallas kernel does
+        where its loads allow), otherwise the backend joins them (:func:`join_columns`).
       out_dtypes: per-output storage dtypes overriding the declaration.
       promote_k: FP8 operands: add the tensor core's accumulator into a float32 total every
         ``promote_k`` K elements (TransformerEngine's split accumulator, for long-K backward
@@ -116,6 +119,18 @@ def split_columns(outs: Mapping[str, Any], splits: Mapping[str, tuple[int, ...]]
         starts = [sum(widths[:i]) for i in range(len(widths))]
         res[name] = tuple(outs[name][:, s:s + w] for s, w in zip(starts, widths))
     return res
+
+
+def load_parts(loads: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``{load: column widths}`` of the loads given as column parts (tuples of ``[M, w_i]``)."""
+    return {k: tuple(int(p.shape[1]) for p in v) for k, v in loads.items() if isinstance(v, (tuple, list))}
+
+
+def join_columns(loads: Mapping[str, Any], keep: Mapping[str, Any] = ()) -> dict[str, Any]:
+    """``loads`` with each load given as column parts concatenated into one array, except
+    those named in ``keep`` (what a kernel reads as parts)."""
+    return {k: jnp.concatenate(v, axis=1) if isinstance(v, (tuple, list)) and k not in keep else v
+            for k, v in loads.items()}
 
 
 def gemm_dims(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> tuple[int, int, int]:

@@ -243,9 +243,13 @@ class PartitionedLowering:
                        f"({shards} shards): epilogue {epilogue.name!r} runs unpartitioned (operands gathered)")
             return inner.gemm(epilogue, a, b, loads, **kw)
         loads = dict(loads)
+        # A load given as column parts: one spec per part (each split as the whole load is).
+        part_specs = lambda specs: {k: (v,) * len(loads[k]) if isinstance(loads[k], (tuple, list)) else v  # noqa: E731
+                                    for k, v in specs.items()}
+        loads = {k: tuple(v) if isinstance(v, list) else v for k, v in loads.items()}
         if not transpose_a and not contracts_tokens:
             load_specs, out_specs = _row_specs(epilogue, tok)
-            out_specs = split_specs(out_specs)
+            load_specs, out_specs = part_specs(load_specs), split_specs(out_specs)
             body = lambda a, b, l: inner.gemm(epilogue, a, b, l, **kw)  # noqa: E731
             in_specs = (P(tok, None), P(None, None), load_specs)
         else:
@@ -264,7 +268,7 @@ class PartitionedLowering:
             # the tokens: a [K, M]'s rows (transpose_a) or a [M, K]'s columns (contracts_tokens);
             # b [K, N]'s rows or b [N, K]'s columns (transpose_b)
             in_specs = (P(None, tok) if contracts_tokens else P(tok, None),
-                        P(None, tok) if transpose_b else P(tok, None), {name: P() for name in loads})
+                        P(None, tok) if transpose_b else P(tok, None), part_specs({name: P() for name in loads}))
             out_specs = split_specs({o.name: P(tok, None, None) for o in epilogue.outputs})
             partials = shard_map_over(mesh, body, in_specs, out_specs, a, b, loads)
             # The sum over shards is left to XLA (an all-reduce, or a reduce-scatter where the

@@ -455,28 +455,35 @@ def quantize_q8(fp8: str) -> E.Epilogue:
 @E.program_factory
 def rope_grad_q8(half_head: int) -> E.Epilogue:
     """The QKV gradient of an FP8 block: ``dz = rstd * R^T dqkv`` in e5m2 with its transposed
-    copy and amax, where ``dqkv`` ``[M, N]`` (the attention backward's dq, dk, dv side by side)
-    is a tile load and no GEMM contributes (run by :func:`coda_jax.ops.epilogue_pass.epilogue_pass`:
+    copy and amax, and the QKV norm's row term ``zdz = sum(qkv * dqkv)`` per row, where
+    ``dqkv`` ``[M, N]`` (the attention backward's dq, dk, dv) and ``qkv`` (the attention's
+    inputs, RoPE applied) are tile loads, each may be given as its column parts (dq, dk, dv
+    as they are), and no GEMM contributes (run by :func:`coda_jax.ops.epilogue_pass.epilogue_pass`:
     the accumulator is zero and ignored).
 
     Pair mode with ``pair_block = head_dim / 2``: per head, the rotation's transpose
     ``du_lo = d_lo c + d_hi s``, ``du_hi = d_hi c - d_lo s`` (Q/K heads; V heads, ``rot = 0``,
     pass unrotated), the loads of :func:`rms_rope` (``cos``/``sin`` row blocks ``[M, hd/2]``,
-    ``rot`` per pair column) and ``rstd`` (row), the forward's ``1/rms``. One pass writes
-    both FP8 layouts the QKV dgrad and wgrad read and the amax: where XLA, given this math on
-    the attention backward's outputs, wrote the float32 gradient transposed first."""
+    ``rot`` per pair column) and ``rstd`` (row), the forward's ``1/rms``. The rotation is
+    orthogonal, so ``sum(qkv * dqkv)`` over a row equals the same sum before RoPE (``z . du``
+    of :func:`rms_dgrad`'s row term). One pass writes both FP8 layouts the QKV dgrad and wgrad
+    read, the amax and the row term: where XLA, given this math on the attention backward's
+    outputs, wrote the float32 gradient transposed first, and joined dq, dk, dv and reduced
+    the row term in passes of their own."""
 
-    def body(acc, ctx, dqkv, rstd, cos, sin, rot, dz_scale):
-        d_lo, d_hi = dqkv
+    def body(acc, ctx, dqkv, qkv, rstd, cos, sin, rot, dz_scale):
+        d_lo, d_hi = (d.astype(jnp.float32) for d in dqkv)
+        z_lo, z_hi = (z.astype(jnp.float32) for z in qkv)
         on = rot > 0
         c, s = jnp.where(on, cos, 1.0), jnp.where(on, sin, 0.0)
-        return {"dz": ((d_lo * c + d_hi * s) * rstd, (d_hi * c - d_lo * s) * rstd)}
+        return {"dz": ((d_lo * c + d_hi * s) * rstd, (d_hi * c - d_lo * s) * rstd),
+                "zdz": z_lo * d_lo + z_hi * d_hi}
 
     return E.Epilogue(
         name="rope_grad_q8",
-        loads=(E.tile("dqkv"), E.row("rstd"), E.row_block("cos"), E.row_block("sin"), E.col("rot", half=True),
-               E.scalar("dz_scale")),
-        outputs=(E.fp8_out("dz", _E5M2, scale="dz_scale", transpose=True),),
+        loads=(E.tile("dqkv"), E.tile("qkv"), E.row("rstd"), E.row_block("cos"), E.row_block("sin"),
+               E.col("rot", half=True), E.scalar("dz_scale")),
+        outputs=(E.fp8_out("dz", _E5M2, scale="dz_scale", transpose=True), E.row_sum("zdz")),
         body=body,
         pair_block=half_head,
     )

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, Output, OutputKind, default_out_dtype, saturate_cast
-from coda_jax.lowering import check_out_splits, check_promote_k, split_columns
+from coda_jax.lowering import check_out_splits, check_promote_k, join_columns, split_columns
 from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.options import current_options
 
@@ -223,6 +223,7 @@ class ReferenceLowering:
         m = a.shape[1] if transpose_a else a.shape[0]
         n = b.shape[0] if transpose_b else b.shape[1]
         epilogue.validate_loads(loads, m, n)
+        loads = join_columns(loads)  # XLA fuses the concatenation into the body's fusion
         splits = check_out_splits(epilogue, out_splits, n)
         if splits:  # XLA fuses the slices into whatever reads the parts
             return split_columns(self.gemm(epilogue, a, b, loads, transpose_a=transpose_a, transpose_b=transpose_b,

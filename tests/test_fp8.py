@@ -212,14 +212,20 @@ def test_swiglu_dgrad_q8_is_swiglu_dgrad_then_quantized():
     assert rel_err(dz, rstd[:, None] * dzb.reshape(m, -1)) < 1e-5
 
 
-def rope_grad_inputs(m, heads, kv_heads, half, seed):
-    """Random ``dqkv`` ``[m, (heads + 2 kv_heads) * 2 half]`` (bf16) and the pass's loads."""
-    n = (heads + 2 * kv_heads) * 2 * half
+def rope_grad_inputs(m, heads, kv_heads, half, seed, parts=False):
+    """Random ``dqkv`` and ``qkv`` ``[m, (heads + 2 kv_heads) * 2 half]`` (bf16) and the pass's
+    other loads; with ``parts`` the two tile loads as their Q, K, V column parts (as the block
+    passes them)."""
+    widths = (heads * 2 * half, kv_heads * 2 * half, kv_heads * 2 * half)
+    n = sum(widths)
     dqkv = _rand(seed, (m, n)).astype(jnp.bfloat16)
+    qkv = _rand(seed + 2, (m, n)).astype(jnp.bfloat16)
+    if parts:
+        dqkv, qkv = ((x[:, :widths[0]], x[:, widths[0]:n - widths[2]], x[:, n - widths[2]:]) for x in (dqkv, qkv))
     cos, sin = rope_tables(jnp.arange(m) % 97, rope_inv_freq(2 * half, 10000.0))
     rstd = 0.5 + jax.random.uniform(jax.random.key(seed + 1), (m,), f32)
-    loads = {"dqkv": dqkv, "rstd": rstd, "cos": cos, "sin": sin, "rot": rope_rotated_columns(heads, kv_heads, half),
-             "dz_scale": jnp.float32(8.0)}
+    loads = {"dqkv": dqkv, "qkv": qkv, "rstd": rstd, "cos": cos, "sin": sin,
+             "rot": rope_rotated_columns(heads, kv_heads, half), "dz_scale": jnp.float32(8.0)}
     return loads
 
 
@@ -242,6 +248,10 @@ def test_rope_grad_q8_is_the_rope_transpose_times_rstd_then_quantized():
     v = slice(2 * half * (heads + kv), None)  # V heads pass unrotated
     np.testing.assert_allclose(np.asarray(want[:, v]), np.asarray(loads["dqkv"][:, v].astype(f32) * loads["rstd"][:, None]),
                                rtol=1e-6)
+    # The norm's row term: sum(qkv * dqkv) per row, against float64 math.
+    zdz = np.sum(np.asarray(loads["qkv"], np.float64) * np.asarray(loads["dqkv"], np.float64), axis=1)
+    got_zdz = np.asarray(jnp.sum(got["zdz"], axis=0), np.float64)
+    assert np.linalg.norm(got_zdz - zdz) / np.linalg.norm(zdz) < 1e-6
 
 
 def test_dequantized_epilogue_equals_the_epilogue_on_dequantized_operands():
@@ -792,6 +802,9 @@ def test_fp8_model_step_on_pallas_matches_xla():
     names = {c.epilogue.name for c in calls}
     # o, the last dx2, dqkv, the first block's h
     assert {"quantize_e4m3", "quantize_e5m2", "rope_grad_q8", "rms_input_q8"} <= names, names
+    # The QKV gradient's pass reads dq, dk, dv and q, k, v as column parts (no joining pass).
+    rope = [dict(c.loads) for c in calls if c.epilogue.name == "rope_grad_q8"]
+    assert rope and all(len(l["dqkv"]) == len(l["qkv"]) == 3 for l in rope), rope
     # The QKV dgrads (K = the QKV width): block 2's writes block 1's output gradient in e5m2 too,
     # block 1's (the embedding's gradient) does not. (The gate/up dgrads, K = 2f, always do.)
     qkv = cfg.qkv_size

@@ -457,7 +457,8 @@ def test_rope_grad_pass_lowers_for_cuda(config):
     m, half = 8192, 32
     epi = programs.rope_grad_q8(half)
     n = 48 * 2 * half
-    loads = {"dqkv": jax.ShapeDtypeStruct((m, n), BF16), "rstd": jax.ShapeDtypeStruct((m,), F32),
+    loads = {"dqkv": jax.ShapeDtypeStruct((m, n), BF16), "qkv": jax.ShapeDtypeStruct((m, n), BF16),
+             "rstd": jax.ShapeDtypeStruct((m,), F32),
              "cos": jax.ShapeDtypeStruct((m, half), F32), "sin": jax.ShapeDtypeStruct((m, half), F32),
              "rot": jax.ShapeDtypeStruct((n // 2,), F32), "dz_scale": jax.ShapeDtypeStruct((), F32)}
     _check_pass_lowers_for_cuda(epi, m, n, loads, config)
@@ -585,9 +586,15 @@ def check_rope_grad_pass(config, m, heads, kv, half, seed, before_kernel=lambda 
     poison there)."""
     from test_fp8 import rope_grad_inputs
 
-    loads = rope_grad_inputs(m, heads, kv, half, seed)
-    _check_pass(programs.rope_grad_q8(half), m, loads["dqkv"].shape[1], loads, "dz", "dz_scale", config,
-                before_kernel)
+    loads = rope_grad_inputs(m, heads, kv, half, seed, parts=True)  # dq, dk, dv (and q, k, v) as the block gives them
+    n = (heads + 2 * kv) * 2 * half
+    got, want = _check_pass(programs.rope_grad_q8(half), m, n, loads, "dz", "dz_scale", config, before_kernel)
+    # The norm's row term, against the reference and against float64 math of sum(qkv * dqkv).
+    assert rel_err(got["zdz"].sum(0), want["zdz"].sum(0)) < 1e-5
+    naive = sum(np.sum(np.asarray(z, np.float64) * np.asarray(d, np.float64), axis=1)
+                for z, d in zip(loads["qkv"], loads["dqkv"]))
+    zdz = np.asarray(jnp.sum(got["zdz"], axis=0), np.float64)
+    assert np.isfinite(zdz).all() and np.linalg.norm(zdz - naive) / np.linalg.norm(naive) < 1e-5
 
 
 def check_quantize_pass(config, fp8, m, n, seed, before_kernel=lambda m, n: None):

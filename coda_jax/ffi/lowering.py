@@ -36,7 +36,7 @@ from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind, defaul
 from coda_jax.ffi.interpret import check_lowerable, trace_body
 from coda_jax.ffi.tuning import CuteDslTuning
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
-from coda_jax.lowering import gpu_sm_count, split_columns, with_latency_hint
+from coda_jax.lowering import gpu_sm_count, join_columns, split_columns, with_latency_hint
 
 # Tile constants mirror coda_jax.ffi.kernel (kept importable without cutlass).
 TILE_M = 128
@@ -162,6 +162,7 @@ class CuteDslLowering(KernelLowering):
         m, n, k = dims
         tuning = self.tuning
         _check_pair_width(epilogue)
+        loads = join_columns(loads)  # loads given as column parts: the kernel reads one array
         # A quantizing output is stored in its own FP8 dtype (as the reference stores it); an
         # unscaled one of FP8 operands in bf16 (default_out_dtype).
         dtypes = tuple((o.name, jnp.dtype(o.dtype) if o.quantize is not None else

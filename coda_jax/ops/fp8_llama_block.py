@@ -16,8 +16,8 @@ both layouts and its amax, while the tile is on chip:
 
 The QKV gradient comes from no GEMM (attention's backward): its RoPE transpose and
 quantization run as an epilogue pass of their own (:func:`coda_jax.ops.epilogue_pass.epilogue_pass`,
-:func:`coda_jax.programs.rope_grad_q8`), which writes both layouts and the amax from registers;
-with QK-norm, one XLA pass does its backward and the quantization.
+:func:`coda_jax.programs.rope_grad_q8`), which reads dq, dk, dv where cuDNN wrote them and
+writes both layouts, the amax and the QKV norm's row term from registers; with QK-norm, one XLA pass does its backward and the quantization.
 
 The block's output gradient ``dx2`` is the next block's input gradient, which that block's
 QKV dgrad writes. Under ``BlockShape.grad_carry`` (CodaLlama's blocks but the last) the
@@ -260,7 +260,6 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2, d
     m, d = saved["x"].shape
     dt, hd = dx2.dtype, st.head_dim
     amax = dict(saved["amax"])
-    f32 = jnp.float32
     # MLP: dx2 in e5m2, written by the next block's QKV dgrad, or here by a standalone pass.
     g2, amax["dx2"] = dx2_q if dx2_q is not None else _quantize_pass(lw, st, meta, "dx2", dx2)
     sd, dz = _quantizing(st, meta, amax, "dz_gu",
@@ -293,14 +292,14 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2, d
     r0 = saved["rstd"]
     if st.qk_norm_eps is None:
         # QKV: the RoPE backward as an epilogue pass that writes rstd * dz in e5m2, both layouts
-        # and the amax; sum(z * dz) over each row (the norm's backward) in an XLA reduction.
-        qkv = saved["qkv"]
-        zdz0 = sum(jnp.sum(t.astype(f32) * g.astype(f32), axis=1) for t, g in zip(qkv, dqkv))
+        # and the amax, and sum(z * dz) over each row (the norm's backward); it reads dq, dk, dv
+        # and q, k, v as the column parts of its two tile loads.
         n_qkv = sum(t.shape[1] for t in dqkv)
-        _, dzq = _quantizing(st, meta, amax, "dz_qkv",
-                             _pass_runner(lw, m, n_qkv),
-                             programs.rope_grad_q8(hd // 2),
-                             {"dqkv": jnp.concatenate(dqkv, axis=1), "rstd": r0, **variant.loads(aux)}, "dz", dt)
+        pq, dzq = _quantizing(st, meta, amax, "dz_qkv",
+                              _pass_runner(lw, m, n_qkv),
+                              programs.rope_grad_q8(hd // 2),
+                              {"dqkv": dqkv, "qkv": tuple(saved["qkv"]), "rstd": r0, **variant.loads(aux)}, "dz", dt)
+        zdz0 = jnp.sum(pq["zdz"], axis=0)
         daux = jax.tree.map(jnp.zeros_like, aux)
     else:
         # RoPE and QK-norm backward in one XLA pass that also quantizes rstd * dz.

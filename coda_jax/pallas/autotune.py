@@ -232,7 +232,7 @@ def planned_config(call: KernelCall, cfg: TuningConfig, num_sms: int = 132) -> T
     m, n, k = call.mnk
     shape = kernel_shape(call.epilogue, m, n, k, cfg, call.transpose_a, call.transpose_b, call.a.dtype,
                          dict(call.out_dtypes), num_sms, call.promote_k)
-    loads = dict(call.loads)
+    loads = {k: v[0] if isinstance(v, tuple) else v for k, v in call.loads}  # column parts: one dtype
     load_dtypes = tuple((l.name, kernel_load_dtype(l, loads[l.name].dtype)) for l in call.epilogue.loads)
     return plan_epilogue(call.epilogue, shape, cfg, load_dtypes)[1]
 
@@ -246,13 +246,16 @@ def random_arguments(call: KernelCall, seed: int = 0) -> tuple[jax.Array, jax.Ar
     ka, kb, kl = jax.random.split(key, 3)
     a = jax.random.normal(ka, call.a.shape, jnp.float32).astype(call.a.dtype)
     b = (jax.random.normal(kb, call.b.shape, jnp.float32) * k ** -0.5).astype(call.b.dtype)
+    def draw(kk, sds):
+        if jnp.issubdtype(sds.dtype, jnp.integer):
+            return jax.random.randint(kk, sds.shape, 0, n, sds.dtype)
+        return jax.random.uniform(kk, sds.shape, jnp.float32, 0.5, 1.5).astype(sds.dtype)
+
     loads = {}
     for i, (name, sds) in enumerate(call.loads):
         kk = jax.random.fold_in(kl, i)
-        if jnp.issubdtype(sds.dtype, jnp.integer):
-            loads[name] = jax.random.randint(kk, sds.shape, 0, n, sds.dtype)
-        else:
-            loads[name] = jax.random.uniform(kk, sds.shape, jnp.float32, 0.5, 1.5).astype(sds.dtype)
+        loads[name] = (tuple(draw(jax.random.fold_in(kk, j), p) for j, p in enumerate(sds)) if isinstance(sds, tuple)
+                       else draw(kk, sds))
     return a, b, loads
 
 

@@ -93,6 +93,9 @@ class KernelShape:
     # Tile outputs written as several arrays, their columns in order: ((name, widths), ...).
     # Every part boundary is a multiple of the chunk width (split_outputs_fit) and N is unpadded.
     out_splits: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # Tile loads read from several arrays, their columns in order: ((name, widths), ...), under
+    # the same rule as out_splits (split_loads_fit).
+    load_splits: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # FP8 accumulation: every ``promote_k`` K elements the tensor core's accumulator is added
     # into a float32 register total and restarted (0: the whole K in the tensor core). See
     # :func:`_promoted_groups`.
@@ -170,6 +173,14 @@ def split_outputs_fit(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
         sum(widths[:i]) % w == 0 for widths in splits.values() for i in range(1, len(widths)))
 
 
+def split_loads_fit(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
+                    splits: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the kernel can read the tile loads in ``splits`` from their column parts: as
+    :func:`split_outputs_fit` (a chunk's load then lies inside one part), with the loads
+    staged by TMA (``direct_loads`` reads them whole)."""
+    return not cfg.direct_loads and split_outputs_fit(epi, shape, cfg, splits)
+
+
 def out_types(epi: Epilogue, shape: KernelShape, cfg: TuningConfig) -> list[jax.ShapeDtypeStruct]:
     """The kernel's outputs in ``epi.outputs`` order; a split tile output is one array per part.
     A quantizing output is followed by its transposed copy ``[W, M]`` (``W`` its width) and
@@ -232,6 +243,9 @@ class _EpilogueEmitter:
         self.chunks = _chunks(epi, self.tn, cfg.epilogue_cols)
         self.dt = dict(shape.out_dtypes)
         self.splits = dict(shape.out_splits)
+        self.load_splits = dict(shape.load_splits)
+        if self.load_splits and self.direct_loads:
+            raise ValueError("tile loads in column parts need staged loads (direct_loads=False): split_loads_fit")
         # Loads that arrive by TMA into SMEM, chunk by chunk (row_block: always columns [0, b)).
         self.tile_loads = [l for l in epi.loads if l.kind in (LoadKind.TILE, LoadKind.ROW_BLOCK)]
         self.tile_outs = [o for o in epi.outputs if o.kind is OutputKind.TILE]
@@ -294,16 +308,22 @@ class _EpilogueEmitter:
         widths = self.splits.get(name)
         if widths is None:
             write(out_refs[name], gc)
-            return
+        else:
+            self._at_part(widths, out_refs[name], gc, write)
+
+    def _at_part(self, widths: tuple[int, ...], refs, gc, fn) -> None:
+        """``fn(ref, column)`` on the part of ``refs`` (column parts of ``widths``) that holds
+        GMEM column ``gc``, at the column relative to it: chosen now for a static ``gc``, else
+        at run time, one branch per part with exactly one taken."""
         start = 0
-        for ref, w in zip(out_refs[name], widths):
+        for ref, w in zip(refs, widths):
             if isinstance(gc, int):
                 if start <= gc < start + w:
-                    write(ref, gc - start)
+                    fn(ref, gc - start)
             else:
                 @pl.when((gc >= start) & (gc < start + w))
                 def _(ref=ref, start=start):
-                    write(ref, pl.multiple_of(gc - start, self._width()))
+                    fn(ref, pl.multiple_of(gc - start, self._width()))
             start += w
 
     def _nparts(self, half: bool) -> int:
@@ -412,9 +432,15 @@ class _EpilogueEmitter:
         load_parts = self._load_parts_list()
         for j, (l, p) in enumerate(load_parts):
             gc, pw = self._load_parts(l, c0, n0)[p]
-            plgpu.copy_gmem_to_smem(load_refs[l.name].at[pl.ds(m0, self.tm), pl.ds(gc, pw)],
-                                    scr["in_" + l.name].at[slot, p],
-                                    scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
+
+            def copy(ref, col, l=l, p=p, j=j, pw=pw):
+                plgpu.copy_gmem_to_smem(ref.at[pl.ds(m0, self.tm), pl.ds(col, pw)], scr["in_" + l.name].at[slot, p],
+                                        scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
+
+            if l.name in self.load_splits:  # from the column part that holds the piece
+                self._at_part(self.load_splits[l.name], load_refs[l.name], gc, copy)
+            else:
+                copy(load_refs[l.name], gc)
 
     def _load_direct(self, ci, m0, n0, load_refs) -> dict[str, tuple]:
         """Chunk ``ci``'s tile / row_block loads, GMEM -> registers in the WGMMA layout (in
@@ -886,11 +912,14 @@ def _tile_order(lin, grid_m: int, grid_n: int, cfg: TuningConfig):
 
 def _split_refs(em: _EpilogueEmitter, refs):
     """``(load refs, output refs)`` by name from the kernel's refs after ``a`` and ``b``; a
-    split output's entry is the tuple of its parts' refs."""
-    epi, splits = em.epi, dict(em.shape.out_splits)
-    n = len(epi.loads)
-    loads = dict(zip([l.name for l in epi.loads], refs[:n]))
-    outs, i = {}, n
+    split output's or load's entry is the tuple of its parts' refs."""
+    epi, splits, load_splits = em.epi, dict(em.shape.out_splits), dict(em.shape.load_splits)
+    loads, i = {}, 0
+    for l in epi.loads:  # a load in column parts: the tuple of its parts' refs
+        k = len(load_splits.get(l.name, (None,)))
+        loads[l.name] = tuple(refs[i:i + k]) if l.name in load_splits else refs[i]
+        i += k
+    outs = {}
     for o in epi.outputs:
         k = len(splits.get(o.name, (None,)))
         outs[o.name] = tuple(refs[i:i + k]) if o.name in splits else refs[i]

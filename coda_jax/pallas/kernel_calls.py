@@ -31,7 +31,7 @@ class KernelCall:
     epilogue: Epilogue
     a: jax.ShapeDtypeStruct
     b: jax.ShapeDtypeStruct
-    loads: tuple[tuple[str, jax.ShapeDtypeStruct], ...]
+    loads: tuple[tuple[str, jax.ShapeDtypeStruct | tuple[jax.ShapeDtypeStruct, ...]], ...]  # parts: a tuple
     transpose_a: bool
     transpose_b: bool
     out_dtypes: tuple[tuple[str, Any], ...]
@@ -39,7 +39,10 @@ class KernelCall:
     promote_k: int = 0  # FP8 accumulator promotion (coda_jax.lowering.GemmLowering)
 
 
-def _abstract(x) -> jax.ShapeDtypeStruct:
+def _abstract(x) -> jax.ShapeDtypeStruct | tuple[jax.ShapeDtypeStruct, ...]:
+    """``x``'s shape and dtype (a load given as column parts: a tuple, one per part)."""
+    if isinstance(x, (tuple, list)):
+        return tuple(_abstract(p) for p in x)
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, Load, LoadKind, default_out_dtype
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
-from coda_jax.lowering import gpu_sm_count, split_columns
-from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, out_types, plan_epilogue, split_outputs_fit,
-                                          tile_grid)
+from coda_jax.lowering import gpu_sm_count, join_columns, load_parts, split_columns
+from coda_jax.pallas.gemm_epilogue import (KernelShape, ProfileSettings, out_types, plan_epilogue, split_loads_fit,
+                                          split_outputs_fit, tile_grid)
 from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enabled
 from coda_jax.pallas.kernel_builder import compiled_kernel
 from coda_jax.pallas.kernel_cache import active_kernel_cache
@@ -190,7 +190,9 @@ class PallasLowering(KernelLowering):
         per part where :func:`~coda_jax.pallas.gemm_epilogue.split_outputs_fit` (N a multiple
         of the tile, part boundaries multiples of the epilogue's chunk width: 64 columns
         always fit, and in pair mode multiples of the pair width), else written whole and
-        sliced by XLA (a quantizing output always). FP8 operands run the heuristic configuration
+        sliced by XLA (a quantizing output always); a load given as column parts is read from
+        its parts under the same rule with staged loads (:func:`~coda_jax.pallas.gemm_epilogue.split_loads_fit`),
+        else joined first. FP8 operands run the heuristic configuration
         of 16-bit ones with ``tile_k`` doubled (:meth:`default_config`); a ``config`` given to
         the lowering is used as given. ``promote_k``: the mainloop promotes the FP8 accumulator
         every ``promote_k`` K elements (rounded down to the K step, at least one), on a
@@ -211,15 +213,25 @@ class PallasLowering(KernelLowering):
                              self.grid_sms(_num_sms(interpret)), promote_k)
         mp, np_, kp = shape.m, shape.n, shape.k
         a_p, b_p = pad_operands(a, b, mp, np_, kp, transpose_a, transpose_b)
-        args = [v.astype(kernel_load_dtype(l, v.dtype))
+        # Loads given as column parts: read where they are if N is unpadded and the plan's
+        # chunks allow (split_loads_fit, below), else joined.
+        parts = load_parts(loads) if np_ == n else {}
+        loads = join_columns(loads, keep=parts)
+        cast = lambda l, v: v.astype(kernel_load_dtype(l, v.dtype))  # noqa: E731
+        args = [tuple(cast(l, p) for p in v) if isinstance(v, tuple) else cast(l, v)
                 for l, v in zip(epilogue.loads, pad_loads(epilogue, loads, m, n, mp, np_))]
-        load_dtypes = tuple((l.name, jnp.dtype(v.dtype)) for l, v in zip(epilogue.loads, args))
+        load_dtypes = tuple((l.name, jnp.dtype((v[0] if isinstance(v, tuple) else v).dtype))
+                            for l, v in zip(epilogue.loads, args))
         # From here on, the epilogue that runs: a column sum may be written as its summand
         # tile, whose [M, N] slice is the contract's [P, N] partials with P = M.
         epilogue, cfg = plan_epilogue(epilogue, shape, cfg, load_dtypes)
         native = out_splits if out_splits and split_outputs_fit(epilogue, shape, cfg, out_splits) else {}
         native = {name: w for name, w in native.items() if epilogue.output(name).quantize is None}
-        shape = dataclasses.replace(shape, out_splits=tuple(native.items()))
+        native_loads = parts if parts and split_loads_fit(epilogue, shape, cfg, parts) else {}
+        args = [jnp.concatenate(v, axis=1) if isinstance(v, tuple) and l.name not in native_loads else v
+                for l, v in zip(epilogue.loads, args)]
+        args = [p for v in args for p in (v if isinstance(v, tuple) else (v,))]
+        shape = dataclasses.replace(shape, out_splits=tuple(native.items()), load_splits=tuple(native_loads.items()))
         shape = tile_grid(shape, cfg, self.tiles_per_cta)  # tiles_per_cta > 0: a grid of tiles, not SMs
         hint = None if interpret else self.latency_hint(mp, np_, kp, (a_p, b_p, *args, *out_types(epilogue, shape, cfg)))
         profile = None if interpret else self.profile
