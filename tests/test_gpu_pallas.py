@@ -50,6 +50,10 @@ CONFIGS = {
     # Ping-pong consumers taking turns on the tensor cores, 6 stages.
     "ws_pingpong_turns_deep": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None,
                                                   pingpong_turns=True, max_concurrent_steps=6),
+    # Staged epilogues synchronized by hand (two barriers a chunk), cooperative and ping-pong.
+    "ws_manual": dataclasses.replace(CONFIG_TABLE["default"], manual_barriers=True),
+    "ws_pingpong_manual": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None,
+                                              manual_barriers=True),
     "ws_pingpong_direct_deep": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
                                                    cluster_dimension=None, direct_loads=True, direct_stores=True, max_concurrent_steps=6),
 }

@@ -34,6 +34,10 @@ CONFIGS = {
     "pingpong": for_fp8_operands(dataclasses.replace(_DEFAULT, schedule="pingpong", cluster_dimension=None)),
     "ring": for_fp8_operands(dataclasses.replace(_DEFAULT, delay_release=1)),
     "direct_stores": for_fp8_operands(dataclasses.replace(_DEFAULT, direct_loads=True, direct_stores=True)),
+    # Staged chunks synchronized by hand (TuningConfig.manual_barriers).
+    "manual": for_fp8_operands(dataclasses.replace(_DEFAULT, manual_barriers=True)),
+    "pingpong_manual": for_fp8_operands(dataclasses.replace(_DEFAULT, schedule="pingpong", cluster_dimension=None,
+                                                            manual_barriers=True)),
     # Swizzled staging, the transposed copy's included.
     "pingpong_swizzled": for_fp8_operands(dataclasses.replace(_DEFAULT, schedule="pingpong", cluster_dimension=None,
                                                               swizzle_epilogue=True)),
@@ -109,7 +113,7 @@ def test_dgamma_beside_a_quantizing_dgrad_on_gpu(config, seed):
 _ROPE_GRAD = {**CONFIGS, **{f"shipped{i}": c for i, c in enumerate(shipped_rope_grad_configs())}}
 
 
-@pytest.mark.parametrize("config", ["lowering_default", "cooperative", "pingpong",
+@pytest.mark.parametrize("config", ["lowering_default", "cooperative", "pingpong", "pingpong_manual",
                                     *(c for c in _ROPE_GRAD if c.startswith("shipped"))])
 def test_rope_grad_pass_on_gpu(config):
     # The FP8 block's QKV gradient pass at 1B shapes (32 Q, 8 K, 8 V heads of 64; ragged M).
@@ -118,6 +122,7 @@ def test_rope_grad_pass_on_gpu(config):
 
 
 _QUANTIZE = {"lowering_default": None, "cooperative": CONFIGS["cooperative"], "pingpong": CONFIGS["pingpong"],
+             "pingpong_manual": CONFIGS["pingpong_manual"],
              **{f"shipped_{fp8}{i}": c for fp8 in ("e4m3", "e5m2")
                 for i, c in enumerate(shipped_pass_configs(f"quantize_{fp8}"))}}
 

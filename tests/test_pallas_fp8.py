@@ -41,7 +41,7 @@ from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.epilogue import FP8_DTYPES, LoadKind, OutputKind
 from coda_jax.pallas import interpret_mode
-from coda_jax.pallas.gemm_epilogue import KernelShape, plan_kernel
+from coda_jax.pallas.gemm_epilogue import KernelShape, _chunks, plan_kernel
 from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, for_fp8_operands
 from coda_jax.reference import REFERENCE, xla_backend_lowering
@@ -55,6 +55,7 @@ SMALL8, WS8, WS_N8, PINGPONG8, RING8 = map(for_fp8_operands, (SMALL, WS, WS_N, P
 DIRECT = dataclasses.replace(PINGPONG, direct_loads=True, direct_stores=True, epilogue_cols=32)
 ONE_SLOT = dataclasses.replace(WS, epilogue_out_slots=1, epilogue_cols=16)
 SWIZZLED = dataclasses.replace(WS_N, swizzle_epilogue=True, epilogue_cols=16)  # 16-byte FP8 rows: row-major
+MANUAL = dataclasses.replace(PINGPONG8, manual_barriers=True)  # staged chunks synchronized by hand
 
 
 @pytest.fixture(autouse=True)
@@ -318,9 +319,9 @@ def test_quantizing_epilogue_fp8_operands():
 
 
 @pytest.mark.parametrize("config", [SMALL8, WS_N8, PINGPONG8, DIRECT, ONE_SLOT, SWIZZLED,
-                                    dataclasses.replace(PINGPONG8, swizzle_epilogue=True)],
+                                    dataclasses.replace(PINGPONG8, swizzle_epilogue=True), MANUAL],
                          ids=["single", "cooperative", "pingpong", "direct_stores", "one_out_slot", "swizzled",
-                              "pingpong_swizzled"])
+                              "pingpong_swizzled", "manual_barriers"])
 def test_amax_and_copy_mask_padding(config):
     # Ragged M and N (200 x 300 on 64- and 128-wide tiles): the padding's 1e4 must reach
     # neither the amax (masked columns, sliced rows) nor the copy (sliced).
@@ -666,6 +667,7 @@ def test_ce_grad_pass(config):
 
 
 _ROPE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG,
+                      "manual_barriers": dataclasses.replace(PINGPONG, manual_barriers=True),
                       **{f"shipped{i}": c for i, c in enumerate(shipped_rope_grad_configs())}}
 
 
@@ -773,3 +775,52 @@ def check_fp8_lm_head(m: int, d: int, v: int, save: bool, monkeypatch) -> None:
         assert bool(jnp.all(jnp.isfinite(a.astype(F32)))), name
         assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))
     np.testing.assert_allclose(got[1][3], want[1][3], rtol=1e-2)
+
+
+def _kernel_barrier_count(monkeypatch, epi, m, n, k, config, out_dtypes=None) -> int:
+    """``bar.sync`` instructions in the Mosaic GPU module of ``epi``'s FP8 kernel under
+    ``config`` (lowered for CUDA on the CPU; the module as Pallas hands it to Mosaic GPU)."""
+    import jax.experimental.mosaic.gpu.core as mgpu_core
+
+    if not hasattr(mgpu_core, "_run_serde_pass"):
+        pytest.skip("this jax's Mosaic GPU has no _run_serde_pass to read the module from")
+    modules = []
+    serde = mgpu_core._run_serde_pass
+
+    def spy(module, *, serialize, **kw):
+        if serialize:
+            modules.append(str(module))
+        return serde(module, serialize=serialize, **kw)
+
+    monkeypatch.setattr(mgpu_core, "_run_serde_pass", spy)
+    a, b = jax.ShapeDtypeStruct((m, k), E5M2), jax.ShapeDtypeStruct((n, k), E4M3)
+    loads = abstract_loads(epi, m, n)
+    loads.update({l.name: jax.ShapeDtypeStruct((), F32) for l in epi.loads if l.kind is LoadKind.SCALAR})
+    low = PallasLowering(config, plain_gemm="kernel")
+    with interpret_mode(False):
+        jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=out_dtypes)).trace(
+            a, b, loads).lower(lowering_platforms=("cuda",))
+    assert len(modules) == 1, len(modules)
+    return modules[0].count("bar.sync")
+
+
+@pytest.mark.parametrize("program", ["swiglu_dgrad_q8", "residual_rms_q8"])
+def test_manual_barriers_leave_two_a_chunk(monkeypatch, program):
+    """TuningConfig.manual_barriers on the ping-pong kernel at 1B shapes: the quantizing SwiGLU
+    backward (8 chunks a consumer tile: 16-column slices of its pair blocks) and the O
+    projection's epilogue lower with at most two warpgroup barriers a chunk and a few a tile,
+    where Pallas's automatic barriers put several times as many."""
+    epi, kw = {"swiglu_dgrad_q8": (E.dequantized(programs.SWIGLU_DGRAD_Q8), {}),
+               "residual_rms_q8": (E.dequantized(programs.RESIDUAL_RMS_Q8), {"x": BF16})}[program]
+    auto = for_fp8_operands(dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None))
+    manual = dataclasses.replace(auto, manual_barriers=True)
+    m, n, k = 8192, 2048, 2048
+    shape = KernelShape(m=m, n=n, k=k, m_real=m, n_real=n, transpose_a=False, transpose_b=True,
+                        operand_dtype=jnp.dtype(E5M2), out_dtypes=tuple((o.name, BF16) for o in epi.outputs),
+                        num_sms=132)
+    load_dtypes = tuple((l.name, jnp.dtype(BF16 if l.kind is LoadKind.TILE else F32)) for l in epi.loads)
+    planned = plan_kernel(epi, shape, manual, load_dtypes)
+    chunks = len(_chunks(epi, planned.tile_n, planned.epilogue_cols))
+    n_auto = _kernel_barrier_count(monkeypatch, epi, m, n, k, auto, kw or None)
+    n_manual = _kernel_barrier_count(monkeypatch, epi, m, n, k, manual, kw or None)
+    assert n_manual <= 2 * chunks + 4 and 3 * n_manual < n_auto, (chunks, n_manual, n_auto)

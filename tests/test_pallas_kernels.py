@@ -189,6 +189,37 @@ def test_one_out_slot(epi, kw):
     _compare(epi, 256, n, 128, config=cfg, seed=23, **kw)
 
 
+@pytest.mark.parametrize("epi,kw", ONE_OUT_SLOT_CASES, ids=[c[0].name for c in ONE_OUT_SLOT_CASES])
+def test_manual_barriers(epi, kw):
+    # manual_barriers on the ping-pong and cooperative kernels (the interpreter checks the
+    # values and the code paths, not the synchronization: the GPU suite and
+    # test_pallas_fp8.py's barrier count do). The column-sum probe keeps the automatic
+    # barriers on the single-warpgroup kernel.
+    n = 256 if epi.pair_block == 64 else 192 if epi.pair_block is None else 128
+    for cfg in (dataclasses.replace(PINGPONG, manual_barriers=True, epilogue_cols=16),
+                dataclasses.replace(WS, manual_barriers=True, epilogue_out_slots=1)):
+        _compare(epi, 200, n, 128, config=cfg, seed=26, **kw)
+
+
+def test_manual_barriers_only_where_safe():
+    # Staged chunks are synchronized by hand on the warp-specialized kernels; in-place staging
+    # (a thread's reads and writes of one slot), column sums (cross-warp reductions) and the
+    # single-warpgroup kernel keep Pallas's automatic barriers.
+    from coda_jax.pallas.gemm_epilogue import _EpilogueEmitter
+
+    def manual(epi, cfg, n=256):
+        shape = KernelShape(m=256, n=n, k=128, m_real=256, n_real=n, transpose_a=False, transpose_b=True,
+                            operand_dtype=jnp.dtype(jnp.bfloat16),
+                            out_dtypes=tuple((o.name, jnp.dtype(jnp.bfloat16)) for o in epi.outputs), num_sms=4)
+        ldt = {l.name: jnp.dtype(jnp.bfloat16) for l in epi.loads}
+        return _EpilogueEmitter(epi, shape, dataclasses.replace(cfg, manual_barriers=True), ldt).manual_barriers
+
+    assert manual(programs.SWIGLU_DGRAD, PINGPONG) and manual(programs.RESIDUAL_RMS, WS)
+    assert not manual(programs.SWIGLU_DGRAD, dataclasses.replace(PINGPONG, epilogue_load_slots=3))  # in place
+    assert not manual(COL_SUM_PROBE, WS) and not manual(programs.RESIDUAL_RMS, SMALL)
+    assert not manual(programs.RESIDUAL_RMS, dataclasses.replace(WS, direct_stores=True))  # no staging to fence
+
+
 def test_one_out_slot_ragged_on_every_schedule():
     for cfg in (dataclasses.replace(WS, epilogue_out_slots=1, epilogue_cols=32),
                 dataclasses.replace(PINGPONG, epilogue_out_slots=1, epilogue_cols=32),

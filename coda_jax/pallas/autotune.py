@@ -147,6 +147,16 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                  epilogue_out_slots=1),
     "pingpong_minor_m_one_out_slot": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                          grid_minor_dim="m", epilogue_out_slots=1),
+    # Staged epilogue chunks synchronized by hand (TuningConfig.manual_barriers): two warpgroup
+    # barriers a chunk instead of Pallas's two around every SMEM store and one before every
+    # TMA load. Timelines of the SwiGLU backward showed its epilogue stalled on CTA barriers a
+    # third of the time (docs/performance.md#kernels); not yet measured.
+    "manual": dataclasses.replace(_D, manual_barriers=True),
+    "pingpong_manual": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, manual_barriers=True),
+    "pingpong_minor_m_manual": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                   grid_minor_dim="m", manual_barriers=True),
+    "pingpong_turns_manual": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                 pingpong_turns=True, manual_barriers=True),
     "n192": dataclasses.replace(_D, tile_n=192),
     "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
     "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),

@@ -276,6 +276,11 @@ class _EpilogueEmitter:
         in_place_ok = self.slots >= 3 and not (self.direct_loads or self.direct_stores)
         self.in_place = self._in_place(dict(shape.out_dtypes), load_dtypes or {}) if in_place_ok else {}
         self.lookahead = self.slots - (2 if self.in_place else 1)
+        # TuningConfig.manual_barriers: the kernel runs without Pallas's automatic barriers and
+        # each staged chunk has two (its store wait's and commit_smem's). A chunk's loads refill
+        # the slot of the chunk before, which every thread read before that chunk's commit.
+        self.manual_barriers = (cfg.manual_barriers and cfg.warp_specialized and not self.direct_stores
+                                and not self.in_place and not self.col_outs and self.chunk_staging)
 
     def scope(self, name: str):
         """A profiler range named ``name`` (:class:`ProfileSettings`) if it is profiled,
@@ -878,7 +883,8 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
             # that several threads share. Direct stores go to GMEM, each thread its own
             # elements; the SMEM left (row partials) is fenced by hand: a wait for the slot's
             # previous TMA store (with its warpgroup barrier) before the write, commit_smem after.
-            unsafe_no_auto_barriers=cfg.direct_stores,
+            # Manual barriers fence the staged chunks the same way (_EpilogueEmitter).
+            unsafe_no_auto_barriers=cfg.direct_stores or emitter.manual_barriers,
             **(dict(profile_space=profile.ranges, profile_dir=profile.directory, profile_bounds_check=True)
                if profile else {})),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs

@@ -99,6 +99,14 @@ class TuningConfig:
       direct_stores: the epilogue's tile outputs go from registers straight to GMEM (vector
         stores), not staged in SMEM and written by TMA. The kernel then runs without Pallas's
         automatic barriers (what SMEM it still writes, row partials, is fenced by hand).
+      manual_barriers: warp-specialized kernels: the epilogue's staged tile outputs and loads
+        are synchronized by hand, not by Pallas's automatic barriers, which put a warpgroup
+        barrier before and after every register -> SMEM store and before every TMA load (about
+        13 a chunk for a quantizing SwiGLU backward, whose four warps they hold in lockstep).
+        By hand a chunk has two: the wait for its staging slot's previous TMA store, and
+        ``commit_smem`` before its own stores (a load refills the slot of the chunk before,
+        which every thread read before that chunk's commit). Not with in-place staging or
+        column sums (cross-warp reductions), which keep the automatic barriers.
       col_sum_tiles: warp-specialized kernel: an epilogue with column sums (the RMSNorm
         backward's ``dgamma``) writes each sum's summands as a float32 tile ``[M, N]``, which
         the caller sums over M (the column-sum contract, with one partial per row), so that
@@ -135,6 +143,7 @@ class TuningConfig:
     pingpong_turns: bool = False
     direct_loads: bool = False
     direct_stores: bool = False
+    manual_barriers: bool = False
     col_sum_tiles: bool = False
     approx_math: bool = False
 
