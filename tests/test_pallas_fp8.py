@@ -777,9 +777,9 @@ def check_fp8_lm_head(m: int, d: int, v: int, save: bool, monkeypatch) -> None:
     np.testing.assert_allclose(got[1][3], want[1][3], rtol=1e-2)
 
 
-def _kernel_barrier_count(monkeypatch, epi, m, n, k, config, out_dtypes=None) -> int:
-    """``bar.sync`` instructions in the Mosaic GPU module of ``epi``'s FP8 kernel under
-    ``config`` (lowered for CUDA on the CPU; the module as Pallas hands it to Mosaic GPU)."""
+def _kernel_module(monkeypatch, epi, m, n, k, config, out_dtypes=None) -> str:
+    """The Mosaic GPU module of ``epi``'s FP8 kernel under ``config`` (lowered for CUDA on the
+    CPU; the module as Pallas hands it to Mosaic GPU), as text."""
     import jax.experimental.mosaic.gpu.core as mgpu_core
 
     if not hasattr(mgpu_core, "_run_serde_pass"):
@@ -801,7 +801,7 @@ def _kernel_barrier_count(monkeypatch, epi, m, n, k, config, out_dtypes=None) ->
         jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=out_dtypes)).trace(
             a, b, loads).lower(lowering_platforms=("cuda",))
     assert len(modules) == 1, len(modules)
-    return modules[0].count("bar.sync")
+    return modules[0]
 
 
 @pytest.mark.parametrize("program", ["swiglu_dgrad_q8", "residual_rms_q8"])
@@ -821,6 +821,23 @@ def test_manual_barriers_leave_two_a_chunk(monkeypatch, program):
     load_dtypes = tuple((l.name, jnp.dtype(BF16 if l.kind is LoadKind.TILE else F32)) for l in epi.loads)
     planned = plan_kernel(epi, shape, manual, load_dtypes)
     chunks = len(_chunks(epi, planned.tile_n, planned.epilogue_cols))
-    n_auto = _kernel_barrier_count(monkeypatch, epi, m, n, k, auto, kw or None)
-    n_manual = _kernel_barrier_count(monkeypatch, epi, m, n, k, manual, kw or None)
+    n_auto = _kernel_module(monkeypatch, epi, m, n, k, auto, kw or None).count("bar.sync")
+    n_manual = _kernel_module(monkeypatch, epi, m, n, k, manual, kw or None).count("bar.sync")
     assert n_manual <= 2 * chunks + 4 and 3 * n_manual < n_auto, (chunks, n_manual, n_auto)
+
+
+def test_fp8_byte_transpose_lowers_for_cuda(monkeypatch):
+    """TuningConfig.fp8_byte_transpose: the quantizing SwiGLU backward's transposed e5m2 copy
+    relaid from the FP8 values (one shuffle and one byte permute per two of a thread's
+    vectors) lowers for CUDA; the float32 relayout's selects and its second FP8 cast are gone.
+    The GPU suite checks the copies' bits (tests/test_gpu_pallas_fp8.py)."""
+    epi = E.dequantized(programs.SWIGLU_DGRAD_Q8)
+    base = for_fp8_operands(dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None))
+    m, n, k = 8192, 2048, 2048
+    f32_relayout = _kernel_module(monkeypatch, epi, m, n, k, base)
+    byte_relayout = _kernel_module(monkeypatch, epi, m, n, k, dataclasses.replace(base, fp8_byte_transpose=True))
+    count = lambda txt, what: txt.count(what)  # noqa: E731
+    assert count(f32_relayout, "prmt.b32") == 0 and count(byte_relayout, "prmt.b32") > 0
+    assert count(byte_relayout, "arith.select") * 4 < count(f32_relayout, "arith.select")
+    # Each e5m2 value is cast once (two layouts of two pair halves: half the pairwise casts).
+    assert 2 * count(byte_relayout, "cvt.rn.satfinite.e5m2x2") == count(f32_relayout, "cvt.rn.satfinite.e5m2x2")

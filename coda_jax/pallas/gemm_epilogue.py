@@ -55,10 +55,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith
 
 from coda_jax.epilogue import Epilogue, LoadKind, Output, OutputKind, body_uses_row_sum
 from coda_jax.pallas.tuning import TuningConfig
@@ -235,6 +240,9 @@ class _EpilogueEmitter:
         # cvt.rn.satfinite: beyond the finite range to +-max, NaN to NaN), so a quantizing
         # output skips its clip. The interpreter's cast (XLA's convert) does not saturate.
         self.saturating_cast = saturating_cast
+        # TuningConfig.fp8_byte_transpose, in compiled kernels (the relayout is Mosaic GPU code
+        # the interpreter does not run).
+        self.byte_transpose = cfg.fp8_byte_transpose and saturating_cast
         # Tile loads / tile outputs straight between GMEM and registers (TuningConfig.direct_loads,
         # direct_stores), not staged in SMEM.
         self.direct_loads, self.direct_stores = cfg.direct_loads, cfg.direct_stores
@@ -650,7 +658,10 @@ class _EpilogueEmitter:
                 buf, bslot = self._out_buf(o.name, slot, out_slot)
                 scr[buf][bslot, p] = val
             if o.quantize.transpose:
-                val_t = plgpu.layout_cast(q, _WG_T).astype(dt)  # 32-bit relayout (8-bit has none)
+                if self.byte_transpose:  # the FP8 values relaid: a shuffle and a permute per two vectors
+                    val_t = _fp8_transposed(val)
+                else:  # Mosaic GPU relays 16- and 32-bit values: the float32 ones, cast again
+                    val_t = plgpu.layout_cast(q, _WG_T).astype(dt)
                 dst = (out_refs[o.name + "_t"].at[pl.ds(gc, pw), m_slice] if self.direct_stores
                        else scr["outT_" + o.name].at[out_slot, p])
                 dst.T[...] = val_t
@@ -1392,6 +1403,37 @@ def _ring_consumer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, sm, my_til
                     barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging dies with this scope
+
+
+def _fp8_transposed(val: jax.Array) -> jax.Array:
+    """``val`` (8-bit, WGMMA layout: a thread's two-element vectors run along a row) in the
+    WGMMA_TRANSPOSED layout (its vectors run down a column), as Mosaic GPU relays 16-bit
+    values, two vectors at a time. The lanes ``l`` and ``l ^ 4`` hold rows ``r`` and ``r + 1``
+    of each 2 x 2 block: each thread packs two of its vectors into 32 bits ``[a0 a1 b0 b1]``,
+    swaps them with that lane, and keeps ``[a0 a0' b0 b0']`` (row ``r``: column ``c`` of both
+    rows) or ``[a1' a1 b1' b1]`` (row ``r + 1``: column ``c + 1``) with one byte permute."""
+    @plgpu.inline_mgpu(arg_types=(_WG,), return_type=plgpu.ShapeDtypeStruct(val.shape, val.dtype, layout=_WG_T))
+    def relayout(ctx, x):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        c = lambda v: arith.constant(i32, v)  # noqa: E731
+        row_r = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(arith.divui(mu.thread_idx(), c(4)), c(2)), c(0))
+        # prmt selectors (bytes 0-3: this lane's, 4-7: the other's), lowest result byte first.
+        perm = arith.select(row_r, c(0x6240), c(0x3715))
+        regs = list(x.registers.flat)
+        assert all(ir.VectorType(r.type).shape == [2] for r in regs), regs[0].type
+        v4 = ir.VectorType.get((4,), x.mlir_dtype)
+        out = []
+        for i in range(0, len(regs), 2):
+            pair = regs[i:i + 2]
+            packed = mu.bitcast(mu.vector_concat(pair if len(pair) == 2 else pair * 2), i32)
+            mixed = mu.bitcast(mu.prmt(packed, mu.shfl_bfly(packed, 4), perm), v4)
+            out += [mu.vector_slice(mixed, slice(0, 2)), mu.vector_slice(mixed, slice(2, 4))][:len(pair)]
+        layout = mgpu.WGMMA_TRANSPOSED_LAYOUT
+        return mgpu.FragmentedArray(_registers=np.asarray(out, dtype=object).reshape(layout.registers_shape(x.shape)),
+                                    _layout=layout, _is_signed=None)
+
+    return relayout(val)
 
 
 def _f32(v):

@@ -107,6 +107,11 @@ class TuningConfig:
         ``commit_smem`` before its own stores (a load refills the slot of the chunk before,
         which every thread read before that chunk's commit). Not with in-place staging or
         column sums (cross-warp reductions), which keep the automatic barriers.
+      fp8_byte_transpose: a quantizing output's transposed copy is relaid from its FP8 values
+        (the main copy's): per two of a thread's two-element vectors, one 32-bit shuffle with
+        the lane that holds the neighbouring row and one byte permute, instead of relaying the
+        float32 values (a shuffle and three selects per vector) and casting them again. The
+        same bits either way; compiled kernels only (the interpreter relays the float32 values).
       col_sum_tiles: warp-specialized kernel: an epilogue with column sums (the RMSNorm
         backward's ``dgamma``) writes each sum's summands as a float32 tile ``[M, N]``, which
         the caller sums over M (the column-sum contract, with one partial per row), so that
@@ -144,6 +149,7 @@ class TuningConfig:
     direct_loads: bool = False
     direct_stores: bool = False
     manual_barriers: bool = False
+    fp8_byte_transpose: bool = False
     col_sum_tiles: bool = False
     approx_math: bool = False
 
