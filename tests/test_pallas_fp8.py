@@ -826,13 +826,17 @@ def test_manual_barriers_leave_two_a_chunk(monkeypatch, program):
     assert n_manual <= 2 * chunks + 4 and 3 * n_manual < n_auto, (chunks, n_manual, n_auto)
 
 
-def test_fp8_byte_transpose_lowers_for_cuda(monkeypatch):
+@pytest.mark.parametrize("kernel", ["pingpong", "cooperative", "ring", "single"])
+def test_fp8_byte_transpose_lowers_for_cuda(monkeypatch, kernel):
     """TuningConfig.fp8_byte_transpose: the quantizing SwiGLU backward's transposed e5m2 copy
     relaid from the FP8 values (one shuffle and one byte permute per two of a thread's
-    vectors) lowers for CUDA; the float32 relayout's selects and its second FP8 cast are gone.
-    The GPU suite checks the copies' bits (tests/test_gpu_pallas_fp8.py)."""
+    vectors) lowers for CUDA on every kernel; the float32 relayout's selects and its second
+    FP8 cast are gone. The GPU suite checks the copies' bits (tests/test_gpu_pallas_fp8.py)."""
     epi = E.dequantized(programs.SWIGLU_DGRAD_Q8)
-    base = for_fp8_operands(dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None))
+    d = CONFIG_TABLE["default"]
+    base = for_fp8_operands({"pingpong": dataclasses.replace(d, schedule="pingpong", cluster_dimension=None),
+                             "cooperative": d, "ring": dataclasses.replace(d, delay_release=1),
+                             "single": CONFIG_TABLE["small"]}[kernel])
     m, n, k = 8192, 2048, 2048
     f32_relayout = _kernel_module(monkeypatch, epi, m, n, k, base)
     byte_relayout = _kernel_module(monkeypatch, epi, m, n, k, dataclasses.replace(base, fp8_byte_transpose=True))
