@@ -426,10 +426,15 @@ class _EpilogueEmitter:
         return min(self.lookahead + 1, len(self.chunks))
 
     def _wait_slot_free(self):
-        """Before a load refills a slot that staged an in-place output: that store has read
-        it (only the last chunk's stores may still be in flight)."""
+        """Before a load refills a slot: a slot that staged an in-place output has been read
+        by that store (only the last chunk's stores may still be in flight). Without Pallas's
+        automatic barriers (direct stores) and with no per-chunk ``commit_smem`` (no staged
+        chunk), a warpgroup barrier first, so that every thread has read the slot's last
+        chunk (manual barriers rely on the chunk's commit, :class:`TuningConfig`)."""
         if self.in_place:
             plgpu.wait_smem_to_gmem(self.stores_per_chunk, wait_read_only=True)
+        elif self.direct_stores and not self.chunk_staging:
+            plgpu.commit_smem()  # its warpgroup barrier
 
     def _load_parts_list(self):
         return [(l, p) for l in self.tile_loads for p in range(self._load_nparts(l))]
