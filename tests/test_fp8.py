@@ -802,6 +802,11 @@ def test_fp8_model_step_on_pallas_matches_xla():
     names = {c.epilogue.name for c in calls}
     # o, the last dx2, dqkv, the first block's h
     assert {"quantize_e4m3", "quantize_e5m2", "rope_grad_q8", "rms_input_q8"} <= names, names
+    # The weights' FP8 copies come from epilogue passes over the float32 parameters.
+    weights = {dict(c.loads)["x"].shape for c in calls
+               if c.epilogue.name == "quantize_e4m3" and dict(c.loads)["x"].dtype == jnp.float32}
+    d, f, o = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    assert weights == {(d, cfg.qkv_size), (o, d), (d, 2 * f), (f, d)}, weights
     # The QKV gradient's pass reads dq, dk, dv and q, k, v as column parts (no joining pass).
     rope = [dict(c.loads) for c in calls if c.epilogue.name == "rope_grad_q8"]
     assert rope and all(len(l["dqkv"]) == len(l["qkv"]) == 3 for l in rope), rope

@@ -27,9 +27,11 @@ The attention output ``o`` (cuDNN's) and ``dx2`` without ``grad_carry`` (the las
 comes from the LM head) are quantized by epilogue passes of their own
 (:func:`coda_jax.programs.quantize_q8`, :func:`_quantize_pass`), and so is the first block's
 ``h`` with its norm statistics (:data:`coda_jax.programs.RMS_INPUT_Q8`, :func:`_input_norm_pass`:
-the embedding's output). Standalone XLA quantizing passes remain for the weights (once per step;
-under FSDP each device quantizes its own rows and the e4m3 copy is gathered,
-:func:`_quantize_weight`) and, under current scaling, every tensor no GEMM produces.
+the embedding's output). So are the weights, once a step, where each device holds them whole
+(:func:`_quantize_weight`: the float32 parameter read once for both layouts and the amax).
+Standalone XLA quantizing passes remain for FSDP-split weights (each device quantizes its own
+rows and the e4m3 copy is gathered), for the ``xla`` backend, and, under current scaling, for
+every tensor no GEMM produces.
 Attention, RoPE, the norms and the residual stream stay in the compute dtype.
 
 The backward GEMMs with a long K (``Fp8Recipe.promote_min_k``: the wgrads over the tokens, the
@@ -54,7 +56,8 @@ import jax.numpy as jnp
 from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.fp8 import E4M3, E5M2, Fp8Tensor, next_history, quantize_tensor, scale_from_history
-from coda_jax.lowering import GemmLowering
+from coda_jax.lowering import GemmLowering, fuses_epilogues, without_token_split
+from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.ops.attention import causal_attention
 from coda_jax.ops.epilogue_pass import epilogue_pass
 from coda_jax.ops.fp8_gemm import backward_gemm, fp8_gemm, quantizing_run
@@ -169,16 +172,24 @@ def _input_norm_pass(lw: GemmLowering, st: BlockShape, meta: jax.Array, amax: di
     return h, outs["sumsq"]
 
 
-def _quantize_weight(meta: jax.Array, name: str, w: jax.Array, st: BlockShape) -> tuple[Fp8Tensor, jax.Array]:
-    """Weight ``name``'s FP8 copies (``[K, N]`` and its ``[N, K]`` transpose) and amax. With
+def _quantize_weight(lw: GemmLowering, meta: jax.Array, name: str, w: jax.Array, st: BlockShape
+                     ) -> tuple[Fp8Tensor, jax.Array]:
+    """Weight ``name``'s FP8 copies (``[K, N]`` and its ``[N, K]`` transpose) and amax. Whole
+    (one device, or replicated under data parallelism) and under delayed scaling on a kernel
+    backend: one epilogue pass (:func:`_quantize_pass`, on every device whole: its rows are
+    not tokens), which reads the float32 parameter once; else an XLA pass. With
     ``st.weight_splits`` ``w`` arrives on its stored split (FSDP): each device quantizes its own
     rows (the amax a max over the mesh) and the e4m3 copy is gathered, one byte an element where
     the float32 parameter took four; the transposed copy is made after the gather, where
     gathering it would gather along its minor dimension."""
-    if st.weight_splits is None:
+    split = dict(st.weight_splits or {}).get(name)
+    explicit = explicit_sharding(w)
+    if split is None and (explicit is None or not any(explicit.spec)):  # whole on every device
+        if st.scaling == "delayed" and fuses_epilogues(lw):
+            return _quantize_pass(without_token_split(lw), st, meta, name, w)
         return _quantize(meta, name, w, st)
     t, amax = _quantize(meta, name, w, st, transpose=False)
-    data = gathered_from_split(t.data, dict(st.weight_splits)[name])
+    data = gathered_from_split(t.data, split)
     return Fp8Tensor(data, data.T, t.scale_inv), amax
 
 
@@ -205,7 +216,7 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
     else:
         h, sumsq = carry.h, carry.sumsq
     rstd = rstd_from_partials(sumsq, d, st.eps)
-    w_qkv, amax["w_qkv"] = _quantize_weight(meta, "w_qkv", params["w_qkv"], st)
+    w_qkv, amax["w_qkv"] = _quantize_weight(lw, meta, "w_qkv", params["w_qkv"], st)
     variant = RopeVariant(hd // 2, st.qk_norm_eps, (nh * hd, nkv * hd, nkv * hd))
     qkv_out = fp8_gemm(lw, variant.program(True), h, w_qkv, {"rstd": rstd, **variant.loads(aux)},
                        out_dtypes={"qkv": dt, **({"z": dt} if st.qk_norm_eps is not None else {})},
@@ -216,16 +227,16 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
                           reshape_tokens(q, (b, s, nh, hd)), reshape_tokens(k, (b, s, nkv, hd)),
                           reshape_tokens(v, (b, s, nkv, hd)))
     o, amax["o"] = _quantize_pass(lw, st, meta, "o", reshape_tokens(o, (m, nh * hd)))
-    w_o, amax["w_o"] = _quantize_weight(meta, "w_o", params["w_o"], st)
+    w_o, amax["w_o"] = _quantize_weight(lw, meta, "w_o", params["w_o"], st)
     r1, h1 = _quantizing(st, meta, amax, "h1",
                          lambda p, l, od: fp8_gemm(lw, p, o, w_o, l, out_dtypes={"x": dt, **od}),
                          programs.RESIDUAL_RMS_Q8, {"residual": x, "gamma": params["mlp_norm"]}, "h", dt)
     x1, sumsq1 = r1["x"], r1["sumsq"]
     rstd1 = rstd_from_partials(sumsq1, d, st.eps)
-    w_gu, amax["w_gu"] = _quantize_weight(meta, "w_gu", params["w_gu"], st)
+    w_gu, amax["w_gu"] = _quantize_weight(lw, meta, "w_gu", params["w_gu"], st)
     g, y = _quantizing(st, meta, amax, "y", lambda p, l, od: fp8_gemm(lw, p, h1, w_gu, l, out_dtypes={"z": dt, **od}),
                        programs.rms_swiglu_q8(True), {"rstd": rstd1}, "y", dt)
-    w_down, amax["w_down"] = _quantize_weight(meta, "w_down", params["w_down"], st)
+    w_down, amax["w_down"] = _quantize_weight(lw, meta, "w_down", params["w_down"], st)
     if st.carry_out == "fp8":
         r2, h_out = _quantizing(st, meta, amax, "h_out",
                                 lambda p, l, od: fp8_gemm(lw, p, y, w_down, l, out_dtypes={"x": dt, **od}),
