@@ -1083,10 +1083,10 @@ def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch, t
     gemms = [r for r in rows if not r.get("pass")]
     assert gemms and all(r["call"].split()[0].endswith("_fp8") for r in gemms)
     assert all(r["vs_bare"]["xla"] == 1.0 and r["bare_cublaslt_ms"] == 2.0 for r in gemms)
-    # then the step's quantizing passes: the attention output (e4m3), the last block's output
-    # gradient (e5m2), the first block's norm input (e4m3) and the QKV gradient (e5m2), each
-    # against its XLA form
+    # then the step's quantizing passes: the four weights and the attention output (e4m3), the
+    # last block's output gradient (e5m2), the first block's norm input (e4m3) and the QKV
+    # gradient (e5m2), each against its XLA form
     passes = sorted(r["call"].split()[0] for r in rows if r.get("pass"))
-    assert passes == ["quantize_e4m3", "quantize_e5m2", "rms_input_q8", "rope_grad_q8"], passes
+    assert passes == ["quantize_e4m3"] * 5 + ["quantize_e5m2", "rms_input_q8", "rope_grad_q8"], passes
     assert all(r["vs_xla"] == {"xla": 1.0} for r in rows if r.get("pass"))
     assert json.loads((tmp_path / "fp8_block_gemms.json").read_text()) == rows
