@@ -54,6 +54,9 @@ CONFIGS = {
     "ws_manual": dataclasses.replace(CONFIG_TABLE["default"], manual_barriers=True),
     "ws_pingpong_manual": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None,
                                               manual_barriers=True),
+    # ... and row sums folded across chunks (TuningConfig.fold_row_reductions).
+    "ws_pingpong_lean": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None,
+                                            manual_barriers=True, fold_row_reductions=True),
     "ws_pingpong_direct_deep": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
                                                    cluster_dimension=None, direct_loads=True, direct_stores=True, max_concurrent_steps=6),
 }

@@ -43,6 +43,10 @@ CONFIGS = {
     "cooperative_bytes": for_fp8_operands(dataclasses.replace(_DEFAULT, fp8_byte_transpose=True)),
     "pingpong_manual_bytes": for_fp8_operands(dataclasses.replace(_DEFAULT, schedule="pingpong", cluster_dimension=None,
                                                                   manual_barriers=True, fp8_byte_transpose=True)),
+    # ... and the row reductions (amax, row sums) folded across chunks.
+    "pingpong_lean": for_fp8_operands(dataclasses.replace(_DEFAULT, schedule="pingpong", cluster_dimension=None,
+                                                          manual_barriers=True, fp8_byte_transpose=True,
+                                                          fold_row_reductions=True)),
     # Swizzled staging, the transposed copy's included.
     "pingpong_swizzled": for_fp8_operands(dataclasses.replace(_DEFAULT, schedule="pingpong", cluster_dimension=None,
                                                               swizzle_epilogue=True)),
@@ -119,7 +123,8 @@ _ROPE_GRAD = {**CONFIGS, **{f"shipped{i}": c for i, c in enumerate(shipped_rope_
 
 
 @pytest.mark.parametrize("config", ["lowering_default", "cooperative", "pingpong", "pingpong_manual",
-                                    "pingpong_manual_bytes", *(c for c in _ROPE_GRAD if c.startswith("shipped"))])
+                                    "pingpong_manual_bytes", "pingpong_lean",
+                                    *(c for c in _ROPE_GRAD if c.startswith("shipped"))])
 def test_rope_grad_pass_on_gpu(config):
     # The FP8 block's QKV gradient pass at 1B shapes (32 Q, 8 K, 8 V heads of 64; ragged M).
     check_rope_grad_pass(_ROPE_GRAD[config], 8000, 32, 8, 32, 40,
@@ -128,6 +133,7 @@ def test_rope_grad_pass_on_gpu(config):
 
 _QUANTIZE = {"lowering_default": None, "cooperative": CONFIGS["cooperative"], "pingpong": CONFIGS["pingpong"],
              "pingpong_manual": CONFIGS["pingpong_manual"], "pingpong_manual_bytes": CONFIGS["pingpong_manual_bytes"],
+             "pingpong_lean": CONFIGS["pingpong_lean"],
              **{f"shipped_{fp8}{i}": c for fp8 in ("e4m3", "e5m2")
                 for i, c in enumerate(shipped_pass_configs(f"quantize_{fp8}"))}}
 

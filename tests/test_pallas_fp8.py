@@ -56,6 +56,7 @@ DIRECT = dataclasses.replace(PINGPONG, direct_loads=True, direct_stores=True, ep
 ONE_SLOT = dataclasses.replace(WS, epilogue_out_slots=1, epilogue_cols=16)
 SWIZZLED = dataclasses.replace(WS_N, swizzle_epilogue=True, epilogue_cols=16)  # 16-byte FP8 rows: row-major
 MANUAL = dataclasses.replace(PINGPONG8, manual_barriers=True)  # staged chunks synchronized by hand
+FOLDED = dataclasses.replace(WS_N8, fold_row_reductions=True, epilogue_cols=16)  # amax partials [tm, 8] across chunks
 
 
 @pytest.fixture(autouse=True)
@@ -319,9 +320,9 @@ def test_quantizing_epilogue_fp8_operands():
 
 
 @pytest.mark.parametrize("config", [SMALL8, WS_N8, PINGPONG8, DIRECT, ONE_SLOT, SWIZZLED,
-                                    dataclasses.replace(PINGPONG8, swizzle_epilogue=True), MANUAL],
+                                    dataclasses.replace(PINGPONG8, swizzle_epilogue=True), MANUAL, FOLDED],
                          ids=["single", "cooperative", "pingpong", "direct_stores", "one_out_slot", "swizzled",
-                              "pingpong_swizzled", "manual_barriers"])
+                              "pingpong_swizzled", "manual_barriers", "folded_rows"])
 def test_amax_and_copy_mask_padding(config):
     # Ragged M and N (200 x 300 on 64- and 128-wide tiles): the padding's 1e4 must reach
     # neither the amax (masked columns, sliced rows) nor the copy (sliced).
@@ -845,3 +846,16 @@ def test_fp8_byte_transpose_lowers_for_cuda(monkeypatch, kernel):
     assert count(byte_relayout, "arith.select") * 4 < count(f32_relayout, "arith.select")
     # Each e5m2 value is cast once (two layouts of two pair halves: half the pairwise casts).
     assert 2 * count(byte_relayout, "cvt.rn.satfinite.e5m2x2") == count(f32_relayout, "cvt.rn.satfinite.e5m2x2")
+
+
+def test_folded_row_reductions_shuffle_once_a_tile(monkeypatch):
+    """TuningConfig.fold_row_reductions on the quantizing SwiGLU backward (an amax and the
+    row sum ``zdz``, eight 16-column chunks a consumer tile): the module lowers for CUDA with a
+    fraction of the lane shuffles, which now run once a tile."""
+    epi = E.dequantized(programs.SWIGLU_DGRAD_Q8)
+    base = for_fp8_operands(dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None,
+                                                fp8_byte_transpose=True))
+    m, n, k = 8192, 2048, 2048
+    per_chunk = _kernel_module(monkeypatch, epi, m, n, k, base).count("nvvm.shfl.sync")
+    folded = _kernel_module(monkeypatch, epi, m, n, k, dataclasses.replace(base, fold_row_reductions=True))
+    assert 3 * folded.count("nvvm.shfl.sync") < per_chunk, (folded.count("nvvm.shfl.sync"), per_chunk)

@@ -201,6 +201,19 @@ def test_manual_barriers(epi, kw):
         _compare(epi, 200, n, 128, config=cfg, seed=26, **kw)
 
 
+ROW_SUM_CASES = [c for c in CASES if any(o.kind is OutputKind.ROW_SUM for o in c[0].outputs)]
+
+
+@pytest.mark.parametrize("epi,kw", ROW_SUM_CASES, ids=[c[0].name for c in ROW_SUM_CASES])
+def test_folded_row_reductions(epi, kw):
+    # fold_row_reductions: row sums kept as [tm, 8] partials across chunks, reduced once a tile;
+    # ragged M and N (padding columns masked before the fold), two kernels.
+    n = 256 if epi.pair_block == 64 else 200 if epi.pair_block is None else 128
+    for cfg in (dataclasses.replace(PINGPONG, fold_row_reductions=True, epilogue_cols=16),
+                dataclasses.replace(SMALL, fold_row_reductions=True)):
+        _compare(epi, 200, n, 128, config=cfg, seed=27, **kw)
+
+
 def test_manual_barriers_only_where_safe():
     # Staged chunks are synchronized by hand on the warp-specialized kernels; in-place staging
     # (a thread's reads and writes of one slot), column sums (cross-warp reductions) and the

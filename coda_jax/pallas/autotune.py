@@ -165,6 +165,17 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_minor_m_manual_bytes": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                          grid_minor_dim="m", manual_barriers=True,
                                                          fp8_byte_transpose=True),
+    # All three epilogue economies (barriers by hand, FP8 byte relayout, row reductions folded
+    # across chunks: TuningConfig.fold_row_reductions); not yet measured.
+    "lean": dataclasses.replace(_D, manual_barriers=True, fp8_byte_transpose=True, fold_row_reductions=True),
+    "pingpong_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, manual_barriers=True,
+                                         fp8_byte_transpose=True, fold_row_reductions=True),
+    "pingpong_minor_m_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, grid_minor_dim="m",
+                                                 manual_barriers=True, fp8_byte_transpose=True,
+                                                 fold_row_reductions=True),
+    "pingpong_turns_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, pingpong_turns=True,
+                                               manual_barriers=True, fp8_byte_transpose=True,
+                                               fold_row_reductions=True),
     "n192": dataclasses.replace(_D, tile_n=192),
     "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
     "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),

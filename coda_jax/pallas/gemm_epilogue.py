@@ -289,6 +289,9 @@ class _EpilogueEmitter:
         # the slot of the chunk before, which every thread read before that chunk's commit.
         self.manual_barriers = (cfg.manual_barriers and cfg.warp_specialized and not self.direct_stores
                                 and not self.in_place and not self.col_outs and self.chunk_staging)
+        # TuningConfig.fold_row_reductions: [tm, 8] partials across chunks (chunks of whole
+        # 8-column WGMMA groups), reduced across columns once per tile.
+        self.fold_rows = cfg.fold_row_reductions and self._width() % _FOLD == 0
 
     def scope(self, name: str):
         """A profiler range named ``name`` (:class:`ProfileSettings`) if it is profiled,
@@ -589,7 +592,7 @@ class _EpilogueEmitter:
                     for part in vs:
                         if shape.n_real < shape.n:  # pair mode pads whole blocks: the block start decides
                             part = jnp.where(_col_ids(shape_c, col0) < shape.n_real, part, 0.0)
-                        r = part.sum(axis=1)
+                        r = _folded(part, jnp.add) if self.fold_rows else part.sum(axis=1)
                         tot = r if tot is None else tot + r
                     row_state[o.name] = tot if o.name not in row_state else row_state[o.name] + tot
                 elif o.kind is OutputKind.ROW_LOGSUMEXP:
@@ -635,9 +638,13 @@ class _EpilogueEmitter:
                 plgpu.wait_smem_to_gmem(self.row_stores, wait_read_only=True)
             for o in self.row_outs:
                 st = row_state[o.name]
-                scr["row_" + o.name][tile_slot] = st if o.kind is OutputKind.ROW_SUM else st[0] + jnp.log(st[1])
+                if o.kind is OutputKind.ROW_SUM:
+                    scr["row_" + o.name][tile_slot] = st.sum(axis=1) if self.fold_rows else st
+                else:
+                    scr["row_" + o.name][tile_slot] = st[0] + jnp.log(st[1])
             for o in self.amax_outs:
-                scr["amax_" + o.name][tile_slot] = row_state[o.name + "_amax"]
+                st = row_state[o.name + "_amax"]
+                scr["amax_" + o.name][tile_slot] = st.max(axis=1) if self.fold_rows else st
             plgpu.commit_smem()
             for o in self.row_outs:
                 plgpu.copy_smem_to_gmem(scr["row_" + o.name].at[tile_slot], out_refs[o.name].at[ni, m_slice])
@@ -676,7 +683,7 @@ class _EpilogueEmitter:
                 x = jnp.abs(part)
                 if self.shape.n_real < self.shape.n:  # pair mode pads whole blocks: the block start decides
                     x = jnp.where(_col_ids(shape_c, col0) < self.shape.n_real, x, 0.0)
-                r = x.max(axis=1)
+                r = _folded(x, jnp.maximum) if self.fold_rows else x.max(axis=1)
                 amax = r if amax is None else jnp.maximum(amax, r)
             key = o.name + "_amax"
             row_state[key] = amax if key not in row_state else jnp.maximum(row_state[key], amax)
@@ -1408,6 +1415,16 @@ def _ring_consumer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, sm, my_til
                     barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging dies with this scope
+
+
+_FOLD = 8  # columns of one WGMMA register group: a thread's pair in each of a row's 8-column groups
+
+
+def _folded(x: jax.Array, op) -> jax.Array:
+    """``x`` ``[tm, w]`` (WGMMA layout, ``w`` a multiple of 8) folded to ``[tm, 8]`` by ``op``
+    over its 8-column groups: elementwise, within each thread's registers (no shuffles)."""
+    parts = [x[:, c:c + _FOLD] for c in range(0, x.shape[1], _FOLD)]
+    return functools.reduce(op, parts)
 
 
 def _fp8_transposed(val: jax.Array) -> jax.Array:

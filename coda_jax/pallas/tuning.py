@@ -112,6 +112,11 @@ class TuningConfig:
         the lane that holds the neighbouring row and one byte permute, instead of relaying the
         float32 values (a shuffle and three selects per vector) and casting them again. The
         same bits either way; compiled kernels only (the interpreter relays the float32 values).
+      fold_row_reductions: row sums and a quantizing output's row max (the amax) are kept as
+        ``[tile_m, 8]`` register partials across the tile's chunks (each chunk folded into them
+        elementwise) and reduced across columns and lanes once per tile, not per chunk: no
+        shuffles per chunk, 8 more registers a thread per reduced output. (The row sums then
+        add in another order, within float32 rounding.)
       col_sum_tiles: warp-specialized kernel: an epilogue with column sums (the RMSNorm
         backward's ``dgamma``) writes each sum's summands as a float32 tile ``[M, N]``, which
         the caller sums over M (the column-sum contract, with one partial per row), so that
@@ -150,6 +155,7 @@ class TuningConfig:
     direct_stores: bool = False
     manual_barriers: bool = False
     fp8_byte_transpose: bool = False
+    fold_row_reductions: bool = False
     col_sum_tiles: bool = False
     approx_math: bool = False
 
