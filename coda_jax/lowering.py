@@ -186,16 +186,6 @@ def _through_wrappers(lowering: GemmLowering, attr: str):
     return None
 
 
-def without_token_split(lowering: GemmLowering) -> GemmLowering:
-    """``lowering`` without the wrappers that split a call's rows over the mesh's token axes
-    (those with ``splits_tokens``, e.g. a partitioned lowering), for a call whose rows are not
-    tokens: a replicated weight's quantizing pass, which each device then runs whole on its
-    own copy, as XLA's partitioner runs plain JAX's weight casts."""
-    while getattr(lowering, "splits_tokens", False):
-        lowering = lowering.inner
-    return lowering
-
-
 def pair_width_rule(lowering: GemmLowering, width: int) -> str | None:
     """Why ``lowering`` cannot run a pair-mode epilogue ``width`` columns wide, or None: its
     ``pair_width_rule``, looked up through wrappers that hold the kernel lowering as

@@ -201,11 +201,14 @@ class PartitionedLowering:
              transpose_a: bool = False, transpose_b: bool = False,
              out_dtypes: Mapping[str, Any] | None = None,
              out_splits: Mapping[str, tuple[int, ...]] | None = None, promote_k: int = 0,
-             contracts_tokens: bool = False) -> dict[str, Any]:
+             contracts_tokens: bool = False, replicated: bool = False) -> dict[str, Any]:
         """The inner lowering's ``gemm`` under the context mesh. ``contracts_tokens``: ``a
         [M, K]`` and ``b [N, K]`` (``transpose_b``) contract the tokens (``K``), as a wgrad's
         K-major FP8 operands do; otherwise the tokens are ``a``'s rows (``a [M, K]``) or, with
-        ``transpose_a``, its contracted rows (``a [K, M]``)."""
+        ``transpose_a``, its contracted rows (``a [K, M]``). ``replicated``: no dimension is
+        tokens (a replicated weight's quantizing pass): every device runs the whole call on
+        its own copy of every operand (a ``shard_map`` with nothing split), as XLA's
+        partitioner runs plain JAX's weight casts."""
         if contracts_tokens and (transpose_a or not transpose_b):
             raise ValueError("contracts_tokens: a [M, K] and b [N, K] (transpose_b=True, transpose_a=False), got "
                              f"transpose_a={transpose_a}, transpose_b={transpose_b}")
@@ -219,6 +222,10 @@ class PartitionedLowering:
         axes = token_axes(mesh)
         if not axes:
             return self.inner.gemm(epilogue, a, b, loads, **kw)
+        if replicated:
+            args = (a, b, dict(loads))
+            return shard_map_over(mesh, lambda a, b, l: self.inner.gemm(epilogue, a, b, l, **kw),
+                                  jax.tree.map(lambda _: P(), args), P(), *args)
         shards = token_shards(mesh)
         tokens = a.shape[1] if contracts_tokens else a.shape[0]  # else a's first dimension in both layouts
         inner = self._lowering_at(axes, shards, tokens)

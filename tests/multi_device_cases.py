@@ -567,6 +567,14 @@ def case_fp8_wgrads_split_by_tokens(mode: str) -> None:
 
     got = moved(compiled_hlo())
     assert not got, f"{mode}: the FP8 data-parallel step moves activations between devices:\n" + "\n".join(got)
+    # Nothing in FP8 crosses devices: each device quantizes its replicated weights itself (one
+    # epilogue pass each, run whole on every device), as XLA runs plain JAX's casts.
+    with jax.set_mesh(mesh):
+        part = _partitioned_hlo(jax.jit(grads).lower(shard_state(state, mesh),
+                                                     jax.device_put(tokens, batch_sharding(mesh))))
+    fp8_moves = [ln.strip()[:160] for ln in part.splitlines()
+                 if re.search(r"= f8e\w+\[[^\]]*\]\S* (all-reduce|all-gather|all-to-all|collective-permute)\(", ln)]
+    assert not fp8_moves, f"{mode}: FP8 values cross devices under data parallelism:\n" + "\n".join(fp8_moves)
     # The wgrads' partial sums cross devices in the compute dtype (bf16), as plain JAX FP8's and
     # the bf16 block's do: not in float32 (twice the bytes).
     with jax.set_mesh(mesh):

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.fp8 import E4M3, E5M2, Fp8Tensor, next_history, quantize_tensor, scale_from_history
-from coda_jax.lowering import GemmLowering, fuses_epilogues, without_token_split
+from coda_jax.lowering import GemmLowering, fuses_epilogues
 from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.ops.attention import causal_attention
 from coda_jax.ops.epilogue_pass import epilogue_pass
@@ -133,22 +133,25 @@ def _quantize(meta: jax.Array, name: str, x: jax.Array, st: BlockShape, **kw) ->
     return quantize_tensor(x, history, _dtype(name), st.margin, **kw)
 
 
-def _pass_runner(lw: GemmLowering, m: int, n: int):
-    """``run(program, loads, out_dtypes)`` for :func:`quantizing_run`: an epilogue pass over ``[m, n]``."""
-    return lambda p, l, od: epilogue_pass(lw, p, m, n, l, out_dtypes=od or None)
+def _pass_runner(lw: GemmLowering, m: int, n: int, replicated: bool = False):
+    """``run(program, loads, out_dtypes)`` for :func:`quantizing_run`: an epilogue pass over
+    ``[m, n]``. ``replicated``: its rows are not tokens (a weight): under a mesh every device
+    runs it whole (a partitioned lowering's ``replicated``)."""
+    kw = {"replicated": True} if replicated and getattr(lw, "splits_tokens", False) else {}
+    return lambda p, l, od: epilogue_pass(lw, p, m, n, l, out_dtypes=od or None, **kw)
 
 
-def _quantize_pass(lw: GemmLowering, st: BlockShape, meta: jax.Array, name: str, x: jax.Array
-                   ) -> tuple[Fp8Tensor, jax.Array]:
-    """Activation or gradient ``name`` ``[M, N]``, produced by no GEMM of ours, quantized in
-    both layouts with its amax: under delayed scaling as an epilogue pass
-    (:func:`coda_jax.programs.quantize_q8`: on a kernel backend the transposed copy leaves
-    through the kernel's SMEM staging), under current scaling by :func:`_quantize` (the amax
-    must exist before the cast)."""
+def _quantize_pass(lw: GemmLowering, st: BlockShape, meta: jax.Array, name: str, x: jax.Array,
+                   replicated: bool = False) -> tuple[Fp8Tensor, jax.Array]:
+    """Activation or gradient ``name`` ``[M, N]`` (or a whole weight, ``replicated``), produced
+    by no GEMM of ours, quantized in both layouts with its amax: under delayed scaling as an
+    epilogue pass (:func:`coda_jax.programs.quantize_q8`: on a kernel backend the transposed
+    copy leaves through the kernel's SMEM staging), under current scaling by :func:`_quantize`
+    (the amax must exist before the cast)."""
     if st.scaling == "current":
         return _quantize(meta, name, x, st)
     m, n = x.shape
-    _, t, amax = quantizing_run(_pass_runner(lw, m, n),
+    _, t, amax = quantizing_run(_pass_runner(lw, m, n, replicated),
                                 programs.quantize_q8("e5m2" if name in _GRADS else "e4m3"), {"x": x}, "q",
                                 x.dtype, scale=_scale(meta, name, st.margin))
     return t, amax
@@ -186,7 +189,7 @@ def _quantize_weight(lw: GemmLowering, meta: jax.Array, name: str, w: jax.Array,
     explicit = explicit_sharding(w)
     if split is None and (explicit is None or not any(explicit.spec)):  # whole on every device
         if st.scaling == "delayed" and fuses_epilogues(lw):
-            return _quantize_pass(without_token_split(lw), st, meta, name, w)
+            return _quantize_pass(lw, st, meta, name, w, replicated=True)
         return _quantize(meta, name, w, st)
     t, amax = _quantize(meta, name, w, st, transpose=False)
     data = gathered_from_split(t.data, split)
