@@ -1090,3 +1090,18 @@ def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch, t
     assert passes == ["quantize_e4m3"] * 5 + ["quantize_e5m2", "rms_input_q8", "rope_grad_q8"], passes
     assert all(r["vs_xla"] == {"xla": 1.0} for r in rows if r.get("pass"))
     assert json.loads((tmp_path / "fp8_block_gemms.json").read_text()) == rows
+
+
+def test_kernel_module_stats_counts_each_variant():
+    # The step's FP8 SwiGLU backward lowered for CUDA under two variants; the lean epilogue's
+    # module has fewer barriers, shuffles and FP8 casts. A variant that cannot run a call says so.
+    from benchmarks import kernel_module_stats as kms
+
+    rows = kms.stats("1b-1:1:128:fp8", ["pingpong", "pingpong_lean"], {"swiglu_dgrad_q8_fp8"})
+    assert [r["variant"] for r in rows] == ["pingpong", "pingpong_lean"] and not any("error" in r for r in rows), rows
+    base, lean = rows
+    assert base["program"] == "swiglu_dgrad_q8_fp8" and base["mnk"] == "128x8192x2048"
+    for what in ("bar.sync", "shfl", "fp8 cast"):
+        assert 0 < lean[what] < base[what], (what, lean[what], base[what])
+    assert kms.module_counts("bar.sync $0, 128;\nnvvm.shfl.sync\n") == {**{k: 0 for k in kms.COUNTS}, "bar.sync": 1,
+                                                                         "shfl": 1, "lines": 2}

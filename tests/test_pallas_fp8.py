@@ -669,6 +669,8 @@ def test_ce_grad_pass(config):
 
 _ROPE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG,
                       "manual_barriers": dataclasses.replace(PINGPONG, manual_barriers=True),
+                      # one K step a tile: the ping-pong ring on one stage (what fits at 1B shapes)
+                      "pingpong_one_stage": dataclasses.replace(PINGPONG, max_concurrent_steps=1),
                       **{f"shipped{i}": c for i, c in enumerate(shipped_rope_grad_configs())}}
 
 
@@ -859,3 +861,22 @@ def test_folded_row_reductions_shuffle_once_a_tile(monkeypatch):
     per_chunk = _kernel_module(monkeypatch, epi, m, n, k, base).count("nvvm.shfl.sync")
     folded = _kernel_module(monkeypatch, epi, m, n, k, dataclasses.replace(base, fold_row_reductions=True))
     assert 3 * folded.count("nvvm.shfl.sync") < per_chunk, (folded.count("nvvm.shfl.sync"), per_chunk)
+
+
+def test_rope_grad_pass_keeps_ping_pong_at_1b_shapes():
+    """The QKV gradient's pass at 1B shapes (two bf16 tile loads, cos/sin row blocks, an e5m2
+    output with its copy): its staging leaves no room for two operand stages beside it, and a
+    pass has one K step, so the ping-pong ring runs on one stage rather than falling back to
+    the single-warpgroup kernel."""
+    epi = programs.rope_grad_q8(32)
+    m, n = 8192, 3072
+    shape = KernelShape(m=m, n=n, k=64, m_real=m, n_real=n, transpose_a=False, transpose_b=True,
+                        operand_dtype=jnp.dtype(BF16), out_dtypes=(("dz", jnp.dtype(E5M2)), ("zdz", jnp.dtype(F32))),
+                        num_sms=132)
+    ldt = tuple((l.name, jnp.dtype(BF16 if l.kind is LoadKind.TILE else F32)) for l in epi.loads)
+    cfg = plan_kernel(epi, shape, dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong",
+                                                      cluster_dimension=None), ldt)
+    assert cfg.warp_specialized and cfg.pingpong and cfg.max_concurrent_steps == 1, cfg
+    # A GEMM with more than one K step never gets one stage.
+    long_k = plan_kernel(epi, dataclasses.replace(shape, k=128), dataclasses.replace(cfg, max_concurrent_steps=4), ldt)
+    assert long_k.max_concurrent_steps >= 2 or not long_k.warp_specialized, long_k

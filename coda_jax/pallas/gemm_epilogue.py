@@ -734,7 +734,8 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
     the widest epilogue chunk (at most ``cfg.epilogue_cols``) whose :func:`live_values` fit
     ``cfg.epilogue_regs``, each with the most load slots that fit (at most
     ``cfg.epilogue_load_slots``, at least 2), then narrower chunks (32, 16 columns: less
-    staging SMEM per consumer), then fewer stages (down to 2); then the single-warpgroup kernel (whose
+    staging SMEM per consumer), then fewer stages (down to 2; to 1 on the ping-pong kernel where a
+    tile has one K step, an epilogue pass); then the single-warpgroup kernel (whose
     epilogue staging reuses the pipeline's SMEM), then with ``tile_m=64``. Raises
     ``ValueError`` naming the epilogue if nothing fits. A promoting kernel
     (``shape.promote_k``) first halves its consumer tile (M, then N) to
@@ -773,14 +774,20 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
         widest //= 2
     col_options = [c for c in (widest, 32, 16) if c <= widest]
     stage_options = list(range(cfg.max_concurrent_steps, 2, -1))
+    # One K step a tile (an epilogue pass): the ping-pong ring runs on one stage too (a
+    # consumer releases it after its one MMA, before its epilogue), last, unless asked for.
+    one_stage = shape.k <= cfg.tile_k and cfg.pingpong and cfg.warp_specialized
     # Load slots are given up first (they only matter to epilogues with tile loads).
     slot_options = list(range(cfg.epilogue_load_slots, 1, -1))
     candidates = []
     # A cluster that does not divide the grid is dropped before the warp-specialized kernel is.
     for ws_cfg in dict.fromkeys((cfg, dataclasses.replace(cfg, cluster_dimension=None))):
         if ws_cfg.warp_specialized and ws_applies(ws_cfg):
+            ws_stages = stage_options + [2]
+            if one_stage:
+                ws_stages = [1] + ws_stages if cfg.max_concurrent_steps == 1 else ws_stages + [1]
             candidates += [dataclasses.replace(ws_cfg, epilogue_cols=c, max_concurrent_steps=s, epilogue_load_slots=k)
-                           for s in stage_options + [2] for c in col_options for k in slot_options]
+                           for s in ws_stages for c in col_options for k in slot_options]
             break
     simple = dataclasses.replace(cfg, warp_specialized=False, cluster_dimension=None, epilogue_cols=widest)
     for tm in dict.fromkeys((cfg.tile_m, 64)):
