@@ -386,8 +386,9 @@ def test_extended_candidates_lower_for_cuda():
     call = at.KernelCall(programs.rms_dgrad(True), jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
                          jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), (), False, True, (), (1024, 1024, 512))
     cands = at.candidate_configs(call, ["all"])
-    # Summand tiles for column sums only where the program has one (else the same kernel again).
-    col_tiles = {n for n, c in at.EXTENDED_CANDIDATES.items() if c.col_sum_tiles}
+    # Summand tiles or consumers' own sums for column sums only where the program has one (else
+    # the same kernel again).
+    col_tiles = {n for n, c in at.EXTENDED_CANDIDATES.items() if c.col_sum_tiles or c.consumer_col_sums}
     assert col_tiles and set(cands) == (set(at.CANDIDATES) | set(at.EXTENDED_CANDIDATES)) - col_tiles
     assert list(at.candidate_configs(call, ["extended", "slots3"])) == [n for n in at.EXTENDED_CANDIDATES
                                                                         if n not in col_tiles]  # no repeats

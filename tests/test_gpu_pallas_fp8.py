@@ -119,6 +119,18 @@ def test_dgamma_beside_a_quantizing_dgrad_on_gpu(config, seed):
     _run(E.dequantized(programs.rms_dgrad_q8(True)), 2000, 1984, 1024, config=cfg, out_dtypes={"dx": BF16}, seed=seed)
 
 
+@pytest.mark.parametrize("config", ["cooperative", "pingpong", "pingpong_lean"])
+@pytest.mark.parametrize("seed", [41, 42, 43, 44])
+def test_consumer_col_sums_on_gpu(config, seed):
+    # The FP8 norm backward with dgamma summed in the kernel by both consumers, each with its
+    # own scratch (TuningConfig.consumer_col_sums): ragged M and N, four seeds (the shared
+    # scratch's race was intermittent), then the QKV dgrad's 1B shape (K = 3072).
+    cfg = dataclasses.replace(CONFIGS[config], consumer_col_sums=True)
+    epi = E.dequantized(programs.rms_dgrad_q8(True))
+    _run(epi, 2000, 1984, 1024, config=cfg, out_dtypes={"dx": BF16}, seed=seed)
+    _run(epi, 8192, 2048, 3072, config=cfg, out_dtypes={"dx": BF16}, seed=seed + 10)
+
+
 _ROPE_GRAD = {**CONFIGS, **{f"shipped{i}": c for i, c in enumerate(shipped_rope_grad_configs())}}
 
 

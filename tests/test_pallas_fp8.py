@@ -880,3 +880,32 @@ def test_rope_grad_pass_keeps_ping_pong_at_1b_shapes():
     # A GEMM with more than one K step never gets one stage.
     long_k = plan_kernel(epi, dataclasses.replace(shape, k=128), dataclasses.replace(cfg, max_concurrent_steps=4), ldt)
     assert long_k.max_concurrent_steps >= 2 or not long_k.warp_specialized, long_k
+
+
+@pytest.mark.parametrize("config", ["pingpong", "cooperative"])
+def test_consumer_col_sums_keep_two_consumers(config):
+    """TuningConfig.consumer_col_sums: the FP8 norm backward with ``dgamma`` (a column sum)
+    plans to the warp-specialized kernel and gives the reference's results (ragged M and N;
+    the interpreter sums plainly), and lowers for CUDA with each consumer's own scratch."""
+    base = PINGPONG8 if config == "pingpong" else WS_N8
+    cfg = dataclasses.replace(base, consumer_col_sums=True)
+    epi = E.dequantized(programs.rms_dgrad_q8(True))
+    _compare(epi, 200, 384, 256, config=cfg, out_dtypes={"dx": BF16}, seed=31)
+    m, n, k = 2048, 2048, 1024
+    shape = KernelShape(m=m, n=n, k=k, m_real=m, n_real=n, transpose_a=False, transpose_b=True,
+                        operand_dtype=jnp.dtype(E5M2), out_dtypes=(("dx", jnp.dtype(BF16)), ("dxq", jnp.dtype(E5M2)),
+                                                                   ("dgamma", jnp.dtype(F32))), num_sms=132)
+    ldt = tuple((l.name, jnp.dtype(BF16 if l.kind is LoadKind.TILE else F32)) for l in epi.loads)
+    big = for_fp8_operands(dataclasses.replace(CONFIG_TABLE["default"], consumer_col_sums=True,
+                                               **({"schedule": "pingpong", "cluster_dimension": None}
+                                                  if config == "pingpong" else {})))
+    assert plan_kernel(epi, shape, big, ldt).warp_specialized
+    assert not plan_kernel(epi, shape, dataclasses.replace(big, consumer_col_sums=False), ldt).warp_specialized
+    a, b = jax.ShapeDtypeStruct((m, k), E5M2), jax.ShapeDtypeStruct((n, k), E4M3)
+    loads = abstract_loads(epi, m, n)
+    loads.update({l.name: jax.ShapeDtypeStruct((), F32) for l in epi.loads if l.kind is LoadKind.SCALAR})
+    low = PallasLowering(big, plain_gemm="kernel")
+    with interpret_mode(False):
+        txt = jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes={"dx": BF16})).trace(
+            a, b, loads).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt

@@ -176,6 +176,16 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_turns_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, pingpong_turns=True,
                                                manual_barriers=True, fp8_byte_transpose=True,
                                                fold_row_reductions=True),
+    # The norm backward's dgamma summed in the kernel by two consumers, each with its own
+    # scratch (TuningConfig.consumer_col_sums), and with the economies that apply beside a
+    # column sum (byte relayout, folded row reductions); not yet measured.
+    "sums": dataclasses.replace(_D, consumer_col_sums=True),
+    "pingpong_sums": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, consumer_col_sums=True),
+    "pingpong_minor_m_sums": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, grid_minor_dim="m",
+                                                 consumer_col_sums=True),
+    "pingpong_minor_m_sums_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                      grid_minor_dim="m", consumer_col_sums=True,
+                                                      fp8_byte_transpose=True, fold_row_reductions=True),
     # The norm backward's dgamma as its summand tile on two consumers, with the three.
     "pingpong_col_tiles_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, col_sum_tiles=True,
                                                    manual_barriers=True, fp8_byte_transpose=True,
@@ -255,7 +265,8 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
             cfg = for_fp8_operands(cfg)
         if not cfg.k_step_fits(call.transpose_a, call.transpose_b):
             continue  # plan_kernel would refuse it
-        if cfg.col_sum_tiles and not any(o.kind is OutputKind.COL_SUM for o in epi.outputs):
+        if (cfg.col_sum_tiles or cfg.consumer_col_sums) and not any(o.kind is OutputKind.COL_SUM
+                                                                    for o in epi.outputs):
             continue  # the same kernel as the candidate without it
         if pw is None or cfg.tile_n % pw == 0:
             out[name] = cfg

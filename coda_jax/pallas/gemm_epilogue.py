@@ -292,6 +292,10 @@ class _EpilogueEmitter:
         # TuningConfig.fold_row_reductions: [tm, 8] partials across chunks (chunks of whole
         # 8-column WGMMA groups), reduced across columns once per tile.
         self.fold_rows = cfg.fold_row_reductions and self._width() % _FOLD == 0
+        # TuningConfig.consumer_col_sums: column sums reduced with this consumer's own scratch
+        # (compiled kernels; the interpreter's sums share nothing).
+        self.consumer_col_sums = bool(cfg.consumer_col_sums and cfg.warp_specialized and saturating_cast
+                                      and self.col_outs)
 
     def scope(self, name: str):
         """A profiler range named ``name`` (:class:`ProfileSettings`) if it is profiled,
@@ -400,6 +404,8 @@ class _EpilogueEmitter:
                                              transforms=_transforms(tm, self.dt[o.name]) if self.cfg.swizzle_epilogue else ())
         for o in self.amax_outs:
             s["amax_" + o.name] = plgpu.SMEM(lead + (2, tm), jnp.float32)
+        if self.consumer_col_sums:
+            s["colsum_scratch"] = plgpu.SMEM(lead + (COL_SUM_SCRATCH // 4,), jnp.float32)
         if self.n_barriers:
             s["barrier"] = plgpu.Barrier(num_barriers=self.n_barriers * (copies or 1))
         return s
@@ -422,6 +428,7 @@ class _EpilogueEmitter:
             total += sum(self.out_slots * self._nparts(o.half) * w * tm * jnp.dtype(self.dt[o.name]).itemsize
                          for o in self.t_outs)
         total += len(self.amax_outs) * 2 * tm * 4
+        total += COL_SUM_SCRATCH if self.consumer_col_sums else 0
         return total
 
     def _n_prefetched(self) -> int:
@@ -616,7 +623,8 @@ class _EpilogueEmitter:
                         if shape.m_real < shape.m:
                             rows = plgpu.broadcasted_iota(jnp.int32, shape_c, 0, layout=_WG) + m0
                             part = jnp.where(rows < shape.m_real, part, 0.0)
-                        scr["col_" + o.name][col_slot, p] = part.sum(axis=0)
+                        scr["col_" + o.name][col_slot, p] = (_consumer_col_sum(part, scr["colsum_scratch"])
+                                                             if self.consumer_col_sums else part.sum(axis=0))
             if self.chunk_staging:
                 plgpu.commit_smem()
             for o in self.tile_outs if not self.direct_stores else ():
@@ -757,9 +765,10 @@ def plan_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
         return smem_estimate(epi, shape, c, ldt) <= SMEM_LIMIT
 
     def ws_applies(c: TuningConfig) -> bool:
-        if any(o.kind is OutputKind.COL_SUM for o in epi.outputs):
-            # A column sum is a cross-warp reduction; run in both consumer warpgroups at once
-            # it gave intermittently wrong partials on the H100.
+        if any(o.kind is OutputKind.COL_SUM for o in epi.outputs) and not c.consumer_col_sums:
+            # A column sum is a cross-warp reduction through Pallas's one scratch; run in both
+            # consumer warpgroups at once it gave intermittently wrong partials on the H100
+            # (TuningConfig.consumer_col_sums gives each consumer its own).
             return False
         cm, cn = c.cluster_tile()
         if shape.m % cm or shape.n % cn:
@@ -1422,6 +1431,26 @@ def _ring_consumer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, sm, my_til
                     barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging dies with this scope
+
+
+# SMEM scratch of one consumer's column sums (TuningConfig.consumer_col_sums): Mosaic GPU's
+# cross-warp reduction needs 1 KiB a register of the reduced row (4 warps x 32 lanes x 2
+# float32); 4 KiB reduce a chunk of up to 32 columns in one round.
+COL_SUM_SCRATCH = 4096
+
+
+def _consumer_col_sum(x: jax.Array, scratch) -> jax.Array:
+    """``x.sum(axis=0)`` (``[tm, w]`` WGMMA layout -> ``[w]``) reduced across the warpgroup's
+    warps through ``scratch`` (this consumer's float32 SMEM), not the scratch Pallas shares
+    among every reduction of the kernel."""
+
+    @plgpu.inline_mgpu(arg_types=(_WG, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((x.shape[1],), jnp.float32, layout=_COL))
+    def col_sum(ctx, v, ref):
+        del ctx
+        return v.reduce("add", 0, scratch=ref)
+
+    return col_sum(x, scratch)
 
 
 _FOLD = 8  # columns of one WGMMA register group: a thread's pair in each of a row's 8-column groups

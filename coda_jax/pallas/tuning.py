@@ -117,6 +117,12 @@ class TuningConfig:
         elementwise) and reduced across columns and lanes once per tile, not per chunk: no
         shuffles per chunk, 8 more registers a thread per reduced output. (The row sums then
         add in another order, within float32 rounding.)
+      consumer_col_sums: warp-specialized kernels: an epilogue's column sums (the RMSNorm
+        backward's ``dgamma``) are reduced in the kernel by each consumer warpgroup with an SMEM
+        scratch of its own, so such an epilogue keeps the two-consumer kernels. Pallas gives a
+        reduction across warps one scratch per kernel, which two consumers reducing at once
+        share (what gave the intermittently wrong partials on the H100); compiled kernels only
+        (the interpreter's sums share nothing).
       col_sum_tiles: warp-specialized kernel: an epilogue with column sums (the RMSNorm
         backward's ``dgamma``) writes each sum's summands as a float32 tile ``[M, N]``, which
         the caller sums over M (the column-sum contract, with one partial per row), so that
@@ -156,6 +162,7 @@ class TuningConfig:
     manual_barriers: bool = False
     fp8_byte_transpose: bool = False
     fold_row_reductions: bool = False
+    consumer_col_sums: bool = False
     col_sum_tiles: bool = False
     approx_math: bool = False
 
