@@ -244,3 +244,22 @@ def reduced_output(kind, x):
     if kind is OutputKind.ROW_LOGSUMEXP:
         return jax.nn.logsumexp(x, axis=0)
     return x
+
+
+def pallas_kernel_eqn(fn, *args):
+    """The one Pallas kernel call in ``fn``'s jaxpr (interpret mode: a ``pallas_call``, or
+    ``mpmd_map`` in jax 0.11), found through the jit / custom_vmap calls that wrap it: its
+    ``invars`` and ``outvars`` are the kernel's inputs and outputs."""
+    import jax
+
+    found, todo = [], [jax.make_jaxpr(fn)(*args).jaxpr]
+    while todo:
+        for e in todo.pop().eqns:
+            if e.primitive.name in ("pallas_call", "mpmd_map"):
+                found.append(e)
+            for v in e.params.values():
+                v = getattr(v, "jaxpr", v)
+                if hasattr(v, "eqns"):
+                    todo.append(v)
+    assert len(found) == 1, [e.primitive.name for e in found]
+    return found[0]

@@ -19,7 +19,8 @@ from coda_jax.pallas import interpret_mode
 from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 from coda_jax.reference import REFERENCE
-from op_cases import abstract_loads
+from op_cases import abstract_loads, pallas_kernel_eqn
+from test_split_outputs import CUDA_CONFIGS  # the schedules the split outputs lower under
 from test_pallas_kernels import _loads
 
 SMALL = TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2)
@@ -42,19 +43,7 @@ def _split(x: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...]:
 
 
 def _kernel_inputs(fn, *args) -> int:
-    """Inputs of the one Pallas kernel call in ``fn``'s jaxpr (interpret mode: a
-    ``pallas_call``, or ``mpmd_map`` in jax 0.11), found through the calls that wrap it."""
-    found, todo = [], [jax.make_jaxpr(fn)(*args).jaxpr]
-    while todo:
-        for e in todo.pop().eqns:
-            if e.primitive.name in ("pallas_call", "mpmd_map"):
-                found.append(len(e.invars))
-            for v in e.params.values():
-                v = getattr(v, "jaxpr", v)
-                if hasattr(v, "eqns"):
-                    todo.append(v)
-    assert len(found) == 1, found
-    return found[0]
+    return len(pallas_kernel_eqn(fn, *args).invars)
 
 
 def _bits(x) -> np.ndarray:
@@ -144,14 +133,6 @@ def test_bad_parts_name_the_rule(case):
              "row_load": _bad(m, n, gamma=(jnp.zeros((128,)), jnp.zeros((128,))))}[case]
     with pytest.raises(ValueError, match=r"given as parts must be a tile load and a non-empty tuple of \[32, w_i\]"):
         programs.RESIDUAL_RMS.validate_loads(loads, m, n)
-
-
-CUDA_CONFIGS = {
-    "cooperative": CONFIG_TABLE["default"],
-    "pingpong": dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None),
-    "ring": dataclasses.replace(CONFIG_TABLE["default"], delay_release=1),
-    "direct_stores": dataclasses.replace(CONFIG_TABLE["default"], direct_stores=True),
-}
 
 
 @pytest.mark.parametrize("cfg", list(CUDA_CONFIGS))

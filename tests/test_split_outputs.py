@@ -19,7 +19,7 @@ from coda_jax.pallas import interpret_mode
 from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 from coda_jax.reference import REFERENCE
-from op_cases import abstract_loads
+from op_cases import abstract_loads, pallas_kernel_eqn
 from test_pallas_kernels import _loads
 
 ROPE = programs.rms_rope(32, None, False)  # head_dim 64: pair blocks of 2 x 32 columns
@@ -43,20 +43,7 @@ def _operands(epi, m, n, k, seed=0):
 
 
 def _kernel_outputs(fn, *args) -> int:
-    """Outputs of the one Pallas kernel call in ``fn``'s jaxpr (interpret mode: a
-    ``pallas_call``, or ``mpmd_map`` in jax 0.11), found through the jit / custom_vmap calls
-    that wrap it."""
-    found, todo = [], [jax.make_jaxpr(fn)(*args).jaxpr]
-    while todo:
-        for e in todo.pop().eqns:
-            if e.primitive.name in ("pallas_call", "mpmd_map"):
-                found.append(len(e.outvars))
-            for v in e.params.values():
-                v = getattr(v, "jaxpr", v)
-                if hasattr(v, "eqns"):
-                    todo.append(v)
-    assert len(found) == 1, found
-    return found[0]
+    return len(pallas_kernel_eqn(fn, *args).outvars)
 
 
 @pytest.mark.parametrize("splits,native", [((128, 64, 64), True), ((96, 160), True), ((120, 136), False),
