@@ -233,16 +233,16 @@ class _EpilogueEmitter:
 
     def __init__(self, epi: Epilogue, shape: KernelShape, cfg: TuningConfig,
                  load_dtypes: dict[str, Any] | None = None, profiled: frozenset[str] = frozenset(),
-                 saturating_cast: bool = False):
+                 compiled: bool = False):
         self.epi, self.shape, self.cfg = epi, shape, cfg
         self.profiled = profiled
-        # The FP8 cast saturates by itself (Mosaic GPU's float32 -> FP8 conversion is
-        # cvt.rn.satfinite: beyond the finite range to +-max, NaN to NaN), so a quantizing
-        # output skips its clip. The interpreter's cast (XLA's convert) does not saturate.
-        self.saturating_cast = saturating_cast
-        # TuningConfig.fp8_byte_transpose, in compiled kernels (the relayout is Mosaic GPU code
-        # the interpreter does not run).
-        self.byte_transpose = cfg.fp8_byte_transpose and saturating_cast
+        # ``compiled`` (not interpreted): Mosaic GPU's float32 -> FP8 cast saturates by itself
+        # (cvt.rn.satfinite: beyond the finite range to +-max, NaN to NaN), so a quantizing
+        # output skips its clip, where the interpreter's (XLA's convert) does not saturate; and
+        # the Mosaic GPU code of the options below runs (the interpreter takes the plain path).
+        self.compiled = compiled
+        # TuningConfig.fp8_byte_transpose.
+        self.byte_transpose = cfg.fp8_byte_transpose and compiled
         # Tile loads / tile outputs straight between GMEM and registers (TuningConfig.direct_loads,
         # direct_stores), not staged in SMEM.
         self.direct_loads, self.direct_stores = cfg.direct_loads, cfg.direct_stores
@@ -293,9 +293,8 @@ class _EpilogueEmitter:
         # 8-column WGMMA groups), reduced across columns once per tile.
         self.fold_rows = cfg.fold_row_reductions and self._width() % _FOLD == 0
         # TuningConfig.consumer_col_sums: column sums reduced with this consumer's own scratch
-        # (compiled kernels; the interpreter's sums share nothing).
-        self.consumer_col_sums = bool(cfg.consumer_col_sums and cfg.warp_specialized and saturating_cast
-                                      and self.col_outs)
+        # (the interpreter's sums share nothing).
+        self.consumer_col_sums = bool(cfg.consumer_col_sums and cfg.warp_specialized and compiled and self.col_outs)
 
     def scope(self, name: str):
         """A profiler range named ``name`` (:class:`ProfileSettings`) if it is profiled,
@@ -668,7 +667,7 @@ class _EpilogueEmitter:
         contiguous bytes of the copy's rows), and the chunk's row max of ``|v|`` (padding
         columns masked to 0) into ``row_state``."""
         dt = self.dt[o.name]
-        sat = tuple(part * scale if self.saturating_cast else _saturated(part, scale, dt) for part in vs)
+        sat = tuple(part * scale if self.compiled else _saturated(part, scale, dt) for part in vs)
         for p, (q, (gc, pw)) in enumerate(zip(sat, self.parts(c0, n0, o.half))):
             val = q.astype(dt)
             if self.direct_stores:
@@ -896,7 +895,7 @@ def build_kernel(epi: Epilogue, shape: KernelShape, cfg: TuningConfig, interpret
     """
     profile = None if interpret else profile
     emitter = _EpilogueEmitter(epi, shape, cfg, dict(load_dtypes), profile.scopes if profile else frozenset(),
-                               saturating_cast=not interpret)
+                               compiled=not interpret)
     ldt = dict(load_dtypes)
     ws = cfg.warp_specialized
     if cfg.pingpong or (ws and cfg.delay_release):
