@@ -17,7 +17,8 @@ both layouts and its amax, while the tile is on chip:
 The QKV gradient comes from no GEMM (attention's backward): its RoPE transpose and
 quantization run as an epilogue pass of their own (:func:`coda_jax.ops.epilogue_pass.epilogue_pass`,
 :func:`coda_jax.programs.rope_grad_q8`), which reads dq, dk, dv where cuDNN wrote them and
-writes both layouts, the amax and the QKV norm's row term from registers; with QK-norm, one XLA pass does its backward and the quantization.
+writes both layouts, the amax and the QKV norm's row term from registers; with QK-norm, one
+XLA pass does its backward and the quantization.
 
 The block's output gradient ``dx2`` is the next block's input gradient, which that block's
 QKV dgrad writes. Under ``BlockShape.grad_carry`` (CodaLlama's blocks but the last) the
