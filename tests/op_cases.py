@@ -263,3 +263,10 @@ def pallas_kernel_eqn(fn, *args):
                     todo.append(v)
     assert len(found) == 1, [e.primitive.name for e in found]
     return found[0]
+
+
+# The FP8 epilogue passes (K of 64, identity-free: each reads its tile loads), whose shipped
+# tuned configurations their own checks in test_pallas_fp8.py and test_gpu_pallas_fp8.py run:
+# the QKV gradient, the LM head's gradient, the standalone quantizing passes, the first
+# block's norm input.
+PASS_PROGRAMS = ("rope_grad_q8", "ce_grad_q8", "quantize_e4m3", "quantize_e5m2", "rms_input_q8")

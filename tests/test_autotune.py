@@ -21,6 +21,7 @@ from coda_jax.pallas import lowering
 from coda_jax.pallas import tuned as T
 from coda_jax.pallas.kernel_calls import record_kernel_calls
 from coda_jax.pallas.tuning import CONFIG_TABLE
+from op_cases import PASS_PROGRAMS
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -159,8 +160,11 @@ def test_shipped_table_is_valid(path):
                                               programs.rms_dgrad_q8(True), programs.rms_dgrad(True, True),
                                               programs.rms_rope(32, None, False), programs.RMS_LSE_LOGITS,
                                               programs.RMS_LSE, programs.CE_GRAD, programs.ACCUMULATE)}
-    # The epilogue passes (16-bit zero operands): the FP8 block's QKV gradient, the FP8 LM head's dlogits.
-    names |= {programs.rope_grad_q8(32).name, programs.CE_GRAD_Q8.name}
+    # The epilogue passes (16-bit zero operands): the FP8 block's QKV gradient, the FP8 LM head's
+    # dlogits, the standalone quantizing passes, the first block's norm input.
+    names |= {programs.rope_grad_q8(32).name, programs.CE_GRAD_Q8.name, programs.quantize_q8("e4m3").name,
+              programs.quantize_q8("e5m2").name, programs.RMS_INPUT_Q8.name}
+    assert names >= set(PASS_PROGRAMS), set(PASS_PROGRAMS) - names
     assert t.entries and {e.program for e in t.entries} <= names
     assert t.num_sms == 132 and {T.table_file_name(k) for k in t.device_kinds} == {path.name}, t.device_kinds
 

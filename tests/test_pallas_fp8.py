@@ -45,7 +45,7 @@ from coda_jax.pallas.gemm_epilogue import KernelShape, _chunks, plan_kernel
 from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, for_fp8_operands
 from coda_jax.reference import REFERENCE, xla_backend_lowering
-from op_cases import abstract_loads, rel_err
+from op_cases import PASS_PROGRAMS, abstract_loads, rel_err
 from test_pallas_kernels import PINGPONG, RING, SMALL, WS, WS_N, _loads
 
 E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float32
@@ -630,8 +630,9 @@ def check_input_norm_pass(config, m, n, seed, before_kernel=lambda m, n: None):
 
 
 def shipped_pass_configs(program: str) -> list[TuningConfig]:
-    """The distinct configurations of epilogue pass ``program`` (``rope_grad_q8``: the QKV
-    gradient; ``ce_grad_q8``: the LM head's) in the shipped tables."""
+    """The distinct configurations of epilogue pass ``program`` (one of :data:`PASS_PROGRAMS`)
+    in the shipped tables."""
+    assert program in PASS_PROGRAMS, program
     from coda_jax.pallas.tuned import SHIPPED_TABLES, load_table
 
     entries = (e for path in SHIPPED_TABLES for e in load_table(str(path)).entries)
@@ -680,14 +681,24 @@ def test_rope_grad_pass(config):
     check_rope_grad_pass(config, 200, 4, 1, 32, 12)
 
 
-@pytest.mark.parametrize("fp8,config", [("e4m3", SMALL), ("e5m2", WS_N), ("e4m3", PINGPONG)],
-                         ids=["e4m3_single", "e5m2_cooperative", "e4m3_pingpong"])
+_QUANTIZE_CONFIGS = [("e4m3", SMALL, "e4m3_single"), ("e5m2", WS_N, "e5m2_cooperative"),
+                     ("e4m3", PINGPONG, "e4m3_pingpong"),
+                     *((fp8, c, f"{fp8}_shipped{i}") for fp8 in ("e4m3", "e5m2")
+                       for i, c in enumerate(shipped_pass_configs(f"quantize_{fp8}")))]
+
+
+@pytest.mark.parametrize("fp8,config", [c[:2] for c in _QUANTIZE_CONFIGS], ids=[c[2] for c in _QUANTIZE_CONFIGS])
 def test_quantize_pass(fp8, config):
-    # Ragged M and N (200 x 320): the attention output's and the last block's gradient's pass.
+    # Ragged M and N (200 x 320): the attention output's and the last block's gradient's pass;
+    # the test configurations, then the tuned ones.
     check_quantize_pass(config, fp8, 200, 320, 14)
 
 
-@pytest.mark.parametrize("config", [SMALL, WS_N, PINGPONG], ids=["single", "cooperative", "pingpong"])
+_INPUT_NORM_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG,
+                       **{f"shipped{i}": c for i, c in enumerate(shipped_pass_configs("rms_input_q8"))}}
+
+
+@pytest.mark.parametrize("config", _INPUT_NORM_CONFIGS.values(), ids=list(_INPUT_NORM_CONFIGS))
 def test_input_norm_pass(config):
     # Ragged M and N (200 x 320): the first FP8 block's h of the embedding's output.
     check_input_norm_pass(config, 200, 320, 15)

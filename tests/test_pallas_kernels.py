@@ -24,7 +24,7 @@ from coda_jax.pallas.gemm_epilogue import SMEM_LIMIT, KernelShape, plan_epilogue
 from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
 from coda_jax.reference import REFERENCE
-from op_cases import rel_err
+from op_cases import PASS_PROGRAMS, rel_err
 
 SMALL = TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2)
 
@@ -818,8 +818,8 @@ def _shipped_program_configs():
 
     seen = {}
     for e in (e for path in SHIPPED_TABLES for e in load_table(str(path)).entries):
-        # FP8 entries, and the FP8 epilogue passes (QKV gradient, LM-head gradient): test_pallas_fp8.py
-        if e.config is not None and not e.program.endswith("_fp8") and e.program not in ("rope_grad_q8", "ce_grad_q8"):
+        # FP8 entries, and the FP8 epilogue passes: test_pallas_fp8.py
+        if e.config is not None and not e.program.endswith("_fp8") and e.program not in PASS_PROGRAMS:
             case = next((c for c in CASES if c[0].name == e.program), None)
             assert case is not None, f"tuned table entry for unknown program {e.program!r}"
             seen.setdefault((e.program, e.config), (case[0], e.layout, e.config))
