@@ -29,6 +29,7 @@ import textwrap
 from pathlib import Path
 
 BEGIN, END = "<!-- current:begin -->", "<!-- current:end -->"
+PLAIN_FP8 = "plain_fp8"  # train_step_bench.py's run of the plain JAX FP8 Llama
 
 
 def load(dirs: list[Path]) -> tuple[dict, list[dict]]:
@@ -86,12 +87,20 @@ def markdown(steps: dict, rows: list[dict], label: str) -> str:
     lines = [f"Current numbers ({label}); chart: `benchmarks/results.png`. Ratios above 1 mean faster than the "
              "baseline named in the heading.", ""]
     if steps:
+        # A second baseline where a configuration ran the plain JAX FP8 Llama too
+        # (benchmarks/plain_fp8_llama.py, run "plain_fp8"): every run against it as well.
+        fp8 = any(r["run"] == PLAIN_FP8 for runs in steps.values() for r in runs)
         lines += ["**Train step** (tokens/s; baseline: the plain JAX Llama, `benchmarks/plain_llama.py`, same "
-                  "process, same config, optimizer and batch)", "",
-                  "| config | run | ms/step | tokens/s | vs plain JAX | compile + first step s |", "|---|---|---|---|---|---|"]
+                  "process, same config, optimizer and batch"
+                  + ("; FP8 configurations also against the plain JAX FP8 Llama, `benchmarks/plain_fp8_llama.py`, "
+                     f"run `{PLAIN_FP8}`)" if fp8 else ")"), "",
+                  "| config | run | ms/step | tokens/s | vs plain JAX | " + ("vs plain FP8 | " if fp8 else "")
+                  + "compile + first step s |", "|---|---|---|---|---|" + ("---|" if fp8 else "") + "---|"]
         for tag, runs in steps.items():
             plain = [r["tokens_per_s"] for r in runs if r["run"] == "plain"]
             base = statistics.mean(plain) if plain else None
+            plain8 = [r["tokens_per_s"] for r in runs if r["run"] == PLAIN_FP8]
+            base8 = statistics.mean(plain8) if plain8 else None
             seen_plain = False
             for r in runs:
                 if r["run"] == "plain":
@@ -101,7 +110,8 @@ def markdown(steps: dict, rows: list[dict], label: str) -> str:
                     r = dict(r, tokens_per_s=base, ms_per_step=statistics.mean(
                         x["ms_per_step"] for x in runs if x["run"] == "plain"))
                 x = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
-                lines.append(f"| {tag} | {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {x} | "
+                x8 = (f"{r['tokens_per_s'] / base8:.3f}x | " if base8 else "- | ") if fp8 else ""
+                lines.append(f"| {tag} | {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {x} | {x8}"
                              f"{r['first_step_s']:.1f} |")
         lines.append("")
     lines += _ratio_table("**Block fwd+bwd** (baseline: the plain XLA Llama block, `benchmarks/xla_llama_block.py`)",

@@ -244,7 +244,10 @@ def test_promoted_candidates_only_for_promoting_calls():
                          jax.ShapeDtypeStruct((1024, 8192), fp8), (("acc_scale", jax.ShapeDtypeStruct((), jnp.float32)),),
                          False, True, (), (1024, 1024, 8192), promote_k=512)
     got = at.candidate_configs(call, ["promoted"])
-    assert set(got) == set(at.PROMOTED_CANDIDATES) and got["k128"].tile_k == 256  # FP8: the K step doubled
+    sums = {n for n, c in at.PROMOTED_CANDIDATES.items() if c.consumer_col_sums}  # column-sum programs only
+    assert sums and set(got) == set(at.PROMOTED_CANDIDATES) - sums and got["k128"].tile_k == 256  # FP8: K step x2
+    dgamma = dataclasses.replace(call, epilogue=E.dequantized(programs.rms_dgrad_q8(True)))
+    assert sums <= set(at.candidate_configs(dgamma, ["promoted"]))
     assert at.candidate_configs(dataclasses.replace(call, promote_k=0), ["promoted"]) == {}
     # What runs: the consumer tile halved to two accumulators' registers, the ring's mainloop.
     planned = at.planned_config(call, got["k128"])

@@ -419,6 +419,24 @@ def test_summarize_reports_device_time_beside_wall_clock():
                                                         for r in rows], "test")
 
 
+def test_summarize_puts_fp8_runs_against_plain_fp8_too():
+    """A configuration that ran the plain JAX FP8 Llama gets a "vs plain FP8" column; one
+    without it shows "-" there; with no FP8 configuration the column is not there."""
+    from benchmarks import summarize
+
+    def run(name, tps):
+        return {"run": name, "tokens_per_s": tps, "ms_per_step": 8192.0 / tps, "first_step_s": 1.0}
+
+    steps = {"1b fp8": [run("plain_fp8", 80.0), run("plain", 64.0), run("pallas:fp8=true", 88.0)],
+             "1b": [run("plain", 60.0), run("pallas", 63.0)]}
+    md = summarize.markdown(steps, [], "test")
+    assert "| config | run | ms/step | tokens/s | vs plain JAX | vs plain FP8 | compile + first step s |" in md
+    assert "| 1b fp8 | pallas:fp8=true | 93.1 | 88 | 1.375x | 1.100x | 1.0 |" in md
+    assert "| 1b fp8 | plain | 128.0 | 64 | 1.000x | 0.800x | 1.0 |" in md
+    assert "| 1b | pallas | 130.0 | 63 | 1.050x | - | 1.0 |" in md
+    assert "vs plain FP8" not in summarize.markdown({"1b": steps["1b"]}, [], "test")
+
+
 def test_summarize_update_replaces_only_the_current_section_of_results_md(tmp_path):
     """``summarize --update`` on benchmarks/RESULTS.md's layout: the section between the
     markers is replaced, the chart copied beside it, and the notes and the run index (whose

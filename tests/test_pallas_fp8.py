@@ -791,10 +791,10 @@ def check_fp8_lm_head(m: int, d: int, v: int, save: bool, monkeypatch) -> None:
     np.testing.assert_allclose(got[1][3], want[1][3], rtol=1e-2)
 
 
-def _kernel_module(epi, m, n, k, config, out_dtypes=None) -> str:
+def _kernel_module(epi, m, n, k, config, out_dtypes=None, promote_k=0) -> str:
     """The Mosaic GPU module of ``epi``'s FP8 kernel under ``config`` (lowered for CUDA on the
     CPU; the module as Pallas hands it to Mosaic GPU, read as ``benchmarks/kernel_module_stats.py``
-    reads it), as text."""
+    reads it), as text; ``promote_k``: the accumulator promoted every that many K elements."""
     from benchmarks.kernel_module_stats import captured_modules
 
     a, b = jax.ShapeDtypeStruct((m, k), E5M2), jax.ShapeDtypeStruct((n, k), E4M3)
@@ -803,8 +803,8 @@ def _kernel_module(epi, m, n, k, config, out_dtypes=None) -> str:
     low = PallasLowering(config, plain_gemm="kernel")
     try:
         with interpret_mode(False), captured_modules() as modules:
-            jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=out_dtypes)).trace(
-                a, b, loads).lower(lowering_platforms=("cuda",))
+            jax.jit(lambda a, b, l: low.gemm(epi, a, b, l, transpose_b=True, out_dtypes=out_dtypes,
+                                             promote_k=promote_k)).trace(a, b, loads).lower(lowering_platforms=("cuda",))
     except RuntimeError as e:
         if "_run_serde_pass" in str(e):
             pytest.skip(str(e))
@@ -909,3 +909,30 @@ def test_consumer_col_sums_keep_two_consumers(config):
     assert not plan_kernel(epi, shape, dataclasses.replace(big, consumer_col_sums=False), ldt).warp_specialized
     # It lowers (one Mosaic GPU module) as a warp-specialized kernel: its consumers raise their registers.
     assert "setmaxnreg.inc" in _kernel_module(epi, m, n, k, big, {"dx": BF16})
+
+
+def test_consumer_col_sums_keep_a_promoting_kernels_dgamma_in_the_kernel():
+    """A promoting FP8 norm backward with ``dgamma`` (the long-K gate/up dgrad) on the cooperative
+    ring: without TuningConfig.consumer_col_sums it writes ``dgamma`` as a float32 summand tile
+    (``[M, N]``, summed outside); with it the two consumers sum it in the kernel, and the kernel
+    lowers for CUDA (the autotuner's ``ring_deep*_sums`` candidates)."""
+    from coda_jax.pallas.autotune import PROMOTED_CANDIDATES
+    from coda_jax.pallas.gemm_epilogue import plan_epilogue
+
+    epi = E.dequantized(programs.rms_dgrad_q8(True))
+    m, n, k, promote_k = 2048, 2048, 2048, 512
+    shape = KernelShape(m=m, n=n, k=k, m_real=m, n_real=n, transpose_a=False, transpose_b=True,
+                        operand_dtype=jnp.dtype(E5M2), out_dtypes=(("dx", jnp.dtype(BF16)), ("dxq", jnp.dtype(E5M2)),
+                                                                   ("dgamma", jnp.dtype(F32))), num_sms=132,
+                        promote_k=promote_k)
+    ldt = tuple((l.name, jnp.dtype(BF16 if l.kind is LoadKind.TILE else F32)) for l in epi.loads)
+    for name in ("ring_deep_sums", "ring_deep_no_cluster_sums"):
+        cfg = for_fp8_operands(PROMOTED_CANDIDATES[name])
+        ran, planned = plan_epilogue(epi, shape, cfg, ldt)
+        assert ran is epi and planned.warp_specialized and planned.consumer_col_sums, name
+        tiles, planned = plan_epilogue(epi, shape, dataclasses.replace(cfg, consumer_col_sums=False), ldt)
+        assert planned.warp_specialized and tiles.output("dgamma").kind is OutputKind.TILE, name
+    module = _kernel_module(epi, m, n, k, cfg, {"dx": BF16}, promote_k=promote_k)
+    assert "setmaxnreg.inc" in module
+    # In the interpreter (whose sums share nothing): the reference's results, ragged, two groups.
+    _compare(epi, 200, 384, 1024, config=cfg, out_dtypes={"dx": BF16}, seed=33, promote_k=promote_k)

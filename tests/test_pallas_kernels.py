@@ -780,7 +780,7 @@ def test_fit_waves_takes_the_half_width_tile_only_where_it_fills_the_sms():
 
 
 def test_choose_config_schedule():
-    from coda_jax.pallas.tuning import _PINGPONG, choose_config, fit_waves
+    from coda_jax.pallas.tuning import _LEAN, _PINGPONG, choose_config, fit_waves
 
     big = (8192, 8192, 2048)
     rope = choose_config(*big, "rms_rope")  # the name the QKV op uses (no QK-norm, training too)
@@ -797,6 +797,38 @@ def test_choose_config_schedule():
     assert not choose_config(200, 320, 64, "quantize_e4m3").warp_specialized  # a small one stays small
     pp = dataclasses.replace(CONFIG_TABLE["default"], **_PINGPONG)
     assert pp.pingpong and fit_waves(pp, 2048, 3072, 132) is pp  # a ping-pong tile is not narrowed
+    assert all(getattr(choose_config(8192, 2048, 64, "quantize_e4m3"), f) for f in _LEAN)  # passes: lean
+
+
+def test_fp8_heuristic_takes_the_lean_ping_pong_kernel_for_quantizing_epilogues():
+    """FP8 operands, a quantizing output, K <= FP8_EPILOGUE_MAX_K, no column sums: ping-pong
+    with the lean epilogue; every other FP8 GEMM keeps :func:`choose_config`'s configuration."""
+    from coda_jax import epilogue as E
+    from coda_jax.pallas.lowering import table_or_heuristic_config
+    from coda_jax.pallas.tuning import (FP8_EPILOGUE_CONFIG, FP8_EPILOGUE_MAX_K, choose_config, choose_fp8_config,
+                                        fit_waves, for_fp8_operands)
+
+    def lean(cfg):
+        return all(getattr(cfg, f) == v for f, v in FP8_EPILOGUE_CONFIG.items())
+
+    for epi, (m, n, k) in [(programs.SWIGLU_DGRAD_Q8, (8192, 8192, 2048)), (programs.RESIDUAL_RMS_Q8, (8192, 2048, 2048)),
+                           (programs.rms_swiglu_q8(True), (4096, 28672, 4096))]:
+        epi = E.dequantized(epi)
+        cfg = choose_fp8_config(m, n, k, epi)
+        assert lean(cfg) and cfg.pingpong and cfg.cluster_dimension is None, epi.name
+        # the heuristics' path of a kernel call without a table: the same, with the FP8 K step
+        assert table_or_heuristic_config(epi, m, n, k, False, True, None, 132, fp8_operands=True) == \
+            for_fp8_operands(cfg)
+    keep = [(E.dequantized(programs.RESIDUAL_RMS_Q8), (8192, 2048, 2 * FP8_EPILOGUE_MAX_K)),  # long K
+            (E.dequantized(programs.rms_dgrad_q8(True)), (8192, 2048, 3072)),  # dgamma: column sums
+            (E.dequantized(programs.IDENTITY), (8192, 2048, 2048)),  # nothing quantized
+            (E.dequantized(programs.RESIDUAL_RMS_Q8), (200, 320, 2048))]  # the small class
+    for epi, (m, n, k) in keep:
+        assert choose_fp8_config(m, n, k, epi) == choose_config(m, n, k, epi.name), (epi.name, m, n, k)
+    # 16-bit operands keep choose_config's, quantizing output or not
+    epi = programs.SWIGLU_DGRAD_Q8
+    assert table_or_heuristic_config(epi, 8192, 8192, 2048, False, True, None, 132) == \
+        fit_waves(choose_config(8192, 8192, 2048, epi.name), 8192, 8192, 132, epi.pair_width)
     with pytest.raises(ValueError, match="delay_release must be 0 or 1"):
         dataclasses.replace(CONFIG_TABLE["default"], delay_release=2)
 

@@ -150,7 +150,7 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # Staged epilogue chunks synchronized by hand (TuningConfig.manual_barriers): two warpgroup
     # barriers a chunk instead of Pallas's two around every SMEM store and one before every
     # TMA load. Timelines of the SwiGLU backward showed its epilogue stalled on CTA barriers a
-    # third of the time (docs/performance.md#kernels); not yet measured.
+    # third of the time (docs/performance.md#kernels).
     "manual": dataclasses.replace(_D, manual_barriers=True),
     "pingpong_manual": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, manual_barriers=True),
     "pingpong_minor_m_manual": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
@@ -158,7 +158,7 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_turns_manual": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                  pingpong_turns=True, manual_barriers=True),
     # A quantizing output's transposed copy relaid from its FP8 values (TuningConfig.fp8_byte_transpose),
-    # alone and with the barriers by hand; not yet measured.
+    # alone and with the barriers by hand (alone it won the FP8 SwiGLU backward).
     "pingpong_bytes": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, fp8_byte_transpose=True),
     "pingpong_minor_m_bytes": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                   grid_minor_dim="m", fp8_byte_transpose=True),
@@ -166,7 +166,8 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                          grid_minor_dim="m", manual_barriers=True,
                                                          fp8_byte_transpose=True),
     # All three epilogue economies (barriers by hand, FP8 byte relayout, row reductions folded
-    # across chunks: TuningConfig.fold_row_reductions); not yet measured.
+    # across chunks: TuningConfig.fold_row_reductions): the lean epilogue, which won most FP8
+    # GEMMs with a quantizing output and every epilogue pass (the heuristics' FP8 choice).
     "lean": dataclasses.replace(_D, manual_barriers=True, fp8_byte_transpose=True, fold_row_reductions=True),
     "pingpong_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, manual_barriers=True,
                                          fp8_byte_transpose=True, fold_row_reductions=True),
@@ -178,7 +179,7 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                fold_row_reductions=True),
     # The norm backward's dgamma summed in the kernel by two consumers, each with its own
     # scratch (TuningConfig.consumer_col_sums), and with the economies that apply beside a
-    # column sum (byte relayout, folded row reductions); not yet measured.
+    # column sum (byte relayout, folded row reductions).
     "sums": dataclasses.replace(_D, consumer_col_sums=True),
     "pingpong_sums": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, consumer_col_sums=True),
     "pingpong_minor_m_sums": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, grid_minor_dim="m",
@@ -227,6 +228,12 @@ PROMOTED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_deeper": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, max_concurrent_steps=8),
     "pingpong_turns_deeper": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                  pingpong_turns=True, max_concurrent_steps=8),
+    # The cooperative ring with the norm backward's dgamma summed by each consumer in its own
+    # scratch (TuningConfig.consumer_col_sums), where a promoting kernel otherwise writes
+    # dgamma as a float32 summand tile ([M, N], summed by XLA); column-sum programs only.
+    "ring_deep_sums": dataclasses.replace(_D, delay_release=1, max_concurrent_steps=6, consumer_col_sums=True),
+    "ring_deep_no_cluster_sums": dataclasses.replace(_D, delay_release=1, max_concurrent_steps=6,
+                                                     cluster_dimension=None, consumer_col_sums=True),
 }
 
 

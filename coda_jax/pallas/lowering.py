@@ -40,7 +40,8 @@ from coda_jax.pallas.kernel_builder import compiled_kernel
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
 from coda_jax.pallas.tuned import tuned_config
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, choose_config, fit_waves, for_fp8_operands
+from coda_jax.pallas.tuning import (CONFIG_TABLE, TuningConfig, choose_config, choose_fp8_config, fit_waves,
+                                    for_fp8_operands)
 
 # SM count used in interpret mode (the CPU interpreter simulates each CTA).
 INTERPRET_SMS = 4
@@ -63,9 +64,9 @@ def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transp
     """The configuration of an ``[m, k] @ [k, n]`` GEMM running ``epilogue`` on a GPU of
     ``device_kind`` with ``num_sms`` SMs: the tuned table's entry
     (:func:`coda_jax.pallas.tuned.tuned_config`; ``device_kind`` None: no table), else the
-    heuristics (the shape class's entry with the program's changes, half-width tiles where
-    they fill the persistent grid's waves better: :func:`fit_waves`), for FP8 operands with
-    the K step doubled (:func:`~coda_jax.pallas.tuning.for_fp8_operands`; a table entry is
+    heuristics (the shape class's entry with the program's changes, for FP8 operands those of
+    :func:`~coda_jax.pallas.tuning.choose_fp8_config`, half-width tiles where they fill the
+    persistent grid's waves better: :func:`fit_waves`), for FP8 operands with the K step doubled (:func:`~coda_jax.pallas.tuning.for_fp8_operands`; a table entry is
     taken as measured). ``promote_k``: the FP8 accumulator's promotion interval; only entries
     measured with it apply."""
     pw = epilogue.pair_width if epilogue.pair_block is not None else None
@@ -73,8 +74,13 @@ def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transp
              if device_kind else None)
     if tuned:
         return tuned
-    cfg = fit_waves(choose_config(m, n, k, epilogue.name), m, n, num_sms, pw)
+    cfg = fit_waves(_heuristic_config(epilogue, m, n, k, fp8_operands), m, n, num_sms, pw)
     return for_fp8_operands(cfg) if fp8_operands else cfg
+
+
+def _heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, fp8_operands: bool) -> TuningConfig:
+    """The heuristics' configuration (before the wave fit and the FP8 K step)."""
+    return choose_fp8_config(m, n, k, epilogue) if fp8_operands else choose_config(m, n, k, epilogue.name)
 
 
 def kernel_load_dtype(load: Load, dtype: Any) -> jnp.dtype:
@@ -157,7 +163,7 @@ class PallasLowering(KernelLowering):
         doubled: :func:`~coda_jax.pallas.tuning.for_fp8_operands`). The interpreter uses the
         heuristics alone: its 4 "SMs" say nothing about waves."""
         if interpret:
-            cfg = choose_config(m, n, k, epilogue.name)
+            cfg = _heuristic_config(epilogue, m, n, k, fp8_operands)
             return for_fp8_operands(cfg) if fp8_operands else cfg
         dev = _default_device()
         kind = dev.device_kind if dev.platform == "gpu" else None

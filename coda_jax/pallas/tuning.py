@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from coda_jax.epilogue import Epilogue, OutputKind
+
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
@@ -255,13 +257,30 @@ PROGRAM_CONFIGS: dict[str, dict] = {
 }
 
 
+# The lean epilogue: staged chunks synchronized by hand, a quantizing output's transposed copy
+# relaid from its FP8 bytes, row reductions folded across chunks (TuningConfig's fields; each
+# is left off by the kernel where it does not apply). Fewer barriers, shuffles, selects and
+# casts in every tile's epilogue: what bounds a kernel whose epilogue outlasts its MMAs.
+_LEAN = {"manual_barriers": True, "fp8_byte_transpose": True, "fold_row_reductions": True}
+
 # An epilogue pass (coda_jax.ops.epilogue_pass: the program over one K step of zero operands,
 # K = 64) is all epilogue: its traffic is the whole cost. On a large output, ping-pong over
 # bands of tiles along M overlaps one consumer's loads and stores with the other's; every
-# pass the autotuner has measured (the QKV gradient's, the FP8 LM head's; docs/performance.md)
-# won with it, well ahead of the small single-warpgroup configuration.
+# pass the autotuner has measured (the QKV gradient's, the FP8 LM head's, the quantizing and
+# norm-input passes; docs/performance.md) won with it, well ahead of the small
+# single-warpgroup configuration, and with the lean epilogue by a few percent more.
 PASS_MAX_K = 64
-PASS_CONFIG = {**_PINGPONG, "grid_minor_dim": "m"}
+PASS_CONFIG = {**_PINGPONG, "grid_minor_dim": "m", **_LEAN}
+
+# A GEMM of FP8 operands whose epilogue writes a quantizing output (an FP8 tile, its
+# transposed copy and amax) over a K of at most FP8_EPILOGUE_MAX_K: the FP8 MMAs end before the
+# epilogue's tile traffic, so ping-pong (one consumer's epilogue beside the other's MMAs) with
+# the lean epilogue. It beat the cooperative default on every such GEMM of the 1B and
+# 8B-width FP8 blocks measured (docs/performance.md#kernels); over longer K (the down
+# projection's forward, K = the MLP width) the default held. Column sums (dgamma) keep the
+# default: two consumers summing need TuningConfig.consumer_col_sums.
+FP8_EPILOGUE_MAX_K = 4096
+FP8_EPILOGUE_CONFIG = {**_PINGPONG, **_LEAN}
 
 
 def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningConfig:
@@ -276,6 +295,20 @@ def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningC
     if not cfg.warp_specialized:
         return cfg
     return dataclasses.replace(cfg, **PROGRAM_CONFIGS.get(program or "", {}))
+
+
+def choose_fp8_config(m: int, n: int, k: int, epilogue: Epilogue) -> TuningConfig:
+    """The heuristic configuration for an ``[m, k] @ [k, n]`` GEMM of FP8 operands running
+    ``epilogue``, before its K step is doubled (:func:`for_fp8_operands`): :func:`choose_config`'s,
+    on the ping-pong kernel with the lean epilogue (:data:`FP8_EPILOGUE_CONFIG`) where the
+    epilogue writes a quantizing output, sums no columns and K is at most
+    :data:`FP8_EPILOGUE_MAX_K`."""
+    cfg = choose_config(m, n, k, epilogue.name)
+    quantizes = any(o.quantize is not None for o in epilogue.outputs)
+    col_sums = any(o.kind is OutputKind.COL_SUM for o in epilogue.outputs)
+    if cfg.warp_specialized and quantizes and not col_sums and k <= FP8_EPILOGUE_MAX_K:
+        return dataclasses.replace(cfg, **FP8_EPILOGUE_CONFIG)
+    return cfg
 
 
 def for_fp8_operands(cfg: TuningConfig) -> TuningConfig:
