@@ -66,8 +66,9 @@ def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transp
     (:func:`coda_jax.pallas.tuned.tuned_config`; ``device_kind`` None: no table), else the
     heuristics (the shape class's entry with the program's changes, for FP8 operands those of
     :func:`~coda_jax.pallas.tuning.choose_fp8_config`, half-width tiles where they fill the
-    persistent grid's waves better: :func:`fit_waves`), for FP8 operands with the K step doubled (:func:`~coda_jax.pallas.tuning.for_fp8_operands`; a table entry is
-    taken as measured). ``promote_k``: the FP8 accumulator's promotion interval; only entries
+    persistent grid's waves better: :func:`fit_waves`), for FP8 operands with the K step
+    doubled (:func:`~coda_jax.pallas.tuning.for_fp8_operands`; a table entry is taken as
+    measured). ``promote_k``: the FP8 accumulator's promotion interval; only entries
     measured with it apply."""
     pw = epilogue.pair_width if epilogue.pair_block is not None else None
     tuned = (tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, device_kind, num_sms, pw, promote_k)
