@@ -780,7 +780,7 @@ def test_fit_waves_takes_the_half_width_tile_only_where_it_fills_the_sms():
 
 
 def test_choose_config_schedule():
-    from coda_jax.pallas.tuning import _LEAN, _PINGPONG, choose_config, fit_waves
+    from coda_jax.pallas.tuning import _PINGPONG, LEAN_EPILOGUE, choose_config, fit_waves
 
     big = (8192, 8192, 2048)
     rope = choose_config(*big, "rms_rope")  # the name the QKV op uses (no QK-norm, training too)
@@ -797,7 +797,7 @@ def test_choose_config_schedule():
     assert not choose_config(200, 320, 64, "quantize_e4m3").warp_specialized  # a small one stays small
     pp = dataclasses.replace(CONFIG_TABLE["default"], **_PINGPONG)
     assert pp.pingpong and fit_waves(pp, 2048, 3072, 132) is pp  # a ping-pong tile is not narrowed
-    assert all(getattr(choose_config(8192, 2048, 64, "quantize_e4m3"), f) for f in _LEAN)  # passes: lean
+    assert all(getattr(choose_config(8192, 2048, 64, "quantize_e4m3"), f) for f in LEAN_EPILOGUE)  # passes: lean
 
 
 def test_fp8_heuristic_takes_the_lean_ping_pong_kernel_for_quantizing_epilogues():

@@ -35,7 +35,7 @@ from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
 from coda_jax.pallas.gemm_epilogue import plan_epilogue
 from coda_jax.pallas.lowering import PallasLowering, kernel_load_dtype, kernel_shape
 from coda_jax.pallas.tuned import config_fields, layout_name, parse_table, tables_disabled
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, for_fp8_operands
+from coda_jax.pallas.tuning import CONFIG_TABLE, LEAN_EPILOGUE, TuningConfig, for_fp8_operands
 
 _D = CONFIG_TABLE["default"]
 # Variants of the default that won on some GEMM of a training step on the H100
@@ -168,15 +168,12 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # All three epilogue economies (barriers by hand, FP8 byte relayout, row reductions folded
     # across chunks: TuningConfig.fold_row_reductions): the lean epilogue, which won most FP8
     # GEMMs with a quantizing output and every epilogue pass (the heuristics' FP8 choice).
-    "lean": dataclasses.replace(_D, manual_barriers=True, fp8_byte_transpose=True, fold_row_reductions=True),
-    "pingpong_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, manual_barriers=True,
-                                         fp8_byte_transpose=True, fold_row_reductions=True),
+    "lean": dataclasses.replace(_D, **LEAN_EPILOGUE),
+    "pingpong_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, **LEAN_EPILOGUE),
     "pingpong_minor_m_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, grid_minor_dim="m",
-                                                 manual_barriers=True, fp8_byte_transpose=True,
-                                                 fold_row_reductions=True),
+                                                 **LEAN_EPILOGUE),
     "pingpong_turns_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, pingpong_turns=True,
-                                               manual_barriers=True, fp8_byte_transpose=True,
-                                               fold_row_reductions=True),
+                                               **LEAN_EPILOGUE),
     # The norm backward's dgamma summed in the kernel by two consumers, each with its own
     # scratch (TuningConfig.consumer_col_sums), and with the economies that apply beside a
     # column sum (byte relayout, folded row reductions).
@@ -189,12 +186,9 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                       fp8_byte_transpose=True, fold_row_reductions=True),
     # The norm backward's dgamma as its summand tile on two consumers, with the three.
     "pingpong_col_tiles_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, col_sum_tiles=True,
-                                                   manual_barriers=True, fp8_byte_transpose=True,
-                                                   fold_row_reductions=True),
+                                                   **LEAN_EPILOGUE),
     "pingpong_minor_m_col_tiles_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
-                                                           grid_minor_dim="m", col_sum_tiles=True,
-                                                           manual_barriers=True, fp8_byte_transpose=True,
-                                                           fold_row_reductions=True),
+                                                           grid_minor_dim="m", col_sum_tiles=True, **LEAN_EPILOGUE),
     "n192": dataclasses.replace(_D, tile_n=192),
     "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
     "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),

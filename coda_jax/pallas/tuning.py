@@ -261,7 +261,7 @@ PROGRAM_CONFIGS: dict[str, dict] = {
 # relaid from its FP8 bytes, row reductions folded across chunks (TuningConfig's fields; each
 # is left off by the kernel where it does not apply). Fewer barriers, shuffles, selects and
 # casts in every tile's epilogue: what bounds a kernel whose epilogue outlasts its MMAs.
-_LEAN = {"manual_barriers": True, "fp8_byte_transpose": True, "fold_row_reductions": True}
+LEAN_EPILOGUE = {"manual_barriers": True, "fp8_byte_transpose": True, "fold_row_reductions": True}
 
 # An epilogue pass (coda_jax.ops.epilogue_pass: the program over one K step of zero operands,
 # K = 64) is all epilogue: its traffic is the whole cost. On a large output, ping-pong over
@@ -270,7 +270,7 @@ _LEAN = {"manual_barriers": True, "fp8_byte_transpose": True, "fold_row_reductio
 # norm-input passes; docs/performance.md) won with it, well ahead of the small
 # single-warpgroup configuration, and with the lean epilogue by a few percent more.
 PASS_MAX_K = 64
-PASS_CONFIG = {**_PINGPONG, "grid_minor_dim": "m", **_LEAN}
+PASS_CONFIG = {**_PINGPONG, "grid_minor_dim": "m", **LEAN_EPILOGUE}
 
 # A GEMM of FP8 operands whose epilogue writes a quantizing output (an FP8 tile, its
 # transposed copy and amax) over a K of at most FP8_EPILOGUE_MAX_K: the FP8 MMAs end before the
@@ -280,7 +280,7 @@ PASS_CONFIG = {**_PINGPONG, "grid_minor_dim": "m", **_LEAN}
 # projection's forward, K = the MLP width) the default held. Column sums (dgamma) keep the
 # default: two consumers summing need TuningConfig.consumer_col_sums.
 FP8_EPILOGUE_MAX_K = 4096
-FP8_EPILOGUE_CONFIG = {**_PINGPONG, **_LEAN}
+FP8_EPILOGUE_CONFIG = {**_PINGPONG, **LEAN_EPILOGUE}
 
 
 def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningConfig:
