@@ -52,7 +52,7 @@ def variant_config(name: str, call, num_sms: int = H100_SMS):
         m, n, k = call.mnk
         return table_or_heuristic_config(call.epilogue, m, n, k, call.transpose_a, call.transpose_b,
                                          H100_KIND if name == "table" else None, num_sms,
-                                         promote_k=call.promote_k)
+                                         promote_k=call.promote_k, loads=dict(call.loads))
     return at.candidate_configs(call, [name]).get(name)
 
 

@@ -89,6 +89,143 @@ def test_promoted_rows_keep_their_interval_through_the_table(tmp_path):
     assert sorted(e.promote_k for e in got.entries) == [0, 512]
 
 
+def _quantize_call(dtype, m=8192, n=2048):
+    """The epilogue pass quantize_e4m3 over an [m, n] tile load ``x`` of ``dtype`` (as the FP8
+    block runs it on a float32 weight or a bf16 activation)."""
+    zeros = jax.ShapeDtypeStruct((m, 64), jnp.bfloat16)
+    return at.KernelCall(programs.quantize_q8("e4m3"), zeros, jax.ShapeDtypeStruct((n, 64), jnp.bfloat16),
+                         (("q_scale", jax.ShapeDtypeStruct((), jnp.float32)),
+                          ("x", jax.ShapeDtypeStruct((m, n), dtype))),
+                         False, True, (), (m, n, 64))
+
+
+def test_loads_signature_names_the_tile_loads_dtypes():
+    """Tile loads only, in name order, a load given as column parts by its parts' dtype."""
+    q8 = programs.quantize_q8("e4m3")
+    assert T.loads_signature(q8, {"x": jnp.float32, "q_scale": jnp.float32}) == "x:float32"
+    assert T.loads_signature(q8, {"x": jnp.zeros((2, 2), jnp.bfloat16), "q_scale": 1.0}) == "x:bfloat16"
+    rope = programs.rope_grad_q8(32)
+    tiles = {"qkv": jax.ShapeDtypeStruct((8, 64), jnp.bfloat16),
+             "dqkv": tuple(jax.ShapeDtypeStruct((8, 32), jnp.float16) for _ in range(2))}
+    assert T.loads_signature(rope, {**tiles, "rstd": jnp.float32}) == "dqkv:float16,qkv:bfloat16"
+    assert T.loads_signature(programs.RMS_LSE, {}) == ""  # no tile loads
+    with pytest.raises(ValueError, match=r"'quantize_e4m3': no dtype for its tile loads \['x'\]"):
+        T.loads_signature(q8, {"q_scale": jnp.float32})
+    # the autotuner keys a call by the same signature
+    assert at.call_key(_quantize_call(jnp.float32))[-1] == "x:float32"
+
+
+def test_entries_with_a_loads_signature_serve_only_their_dtypes(table_file, monkeypatch):
+    """Two entries of one shape measured on float32 and bf16 tile loads: each GEMM takes its
+    own (a lookup that ignored the signature would give both the first); an entry without a
+    signature serves the other dtypes, and loses to an exact signature at equal distance."""
+    gemm = dict(program="quantize_e4m3", layout="nt", m=8192, n=2048, k=64)
+    f32 = _entry(**gemm, grid_tile_width=8) | {"loads": "x:float32"}
+    bf16 = _entry(**gemm, grid_minor_dim="m") | {"loads": "x:bfloat16"}
+    anyd = _entry(**gemm, cluster_dimension=None)
+    t = T.parse_table(_table([anyd, f32, bf16]), "t")
+    look = lambda sig, m=8192: t.lookup("quantize_e4m3", "nt", m, 2048, 64, 0, sig)  # noqa: E731
+    assert look("x:float32").loads == "x:float32" and look("x:bfloat16").loads == "x:bfloat16"
+    assert look("x:float16").loads is None and look(None).loads is None
+    assert look("x:float32", m=6000).loads == "x:float32"  # nearby shapes too
+    assert T.parse_table(_table([f32]), "t").lookup("quantize_e4m3", "nt", 8192, 2048, 64, 0, "x:bfloat16") is None
+    # Through the lowering: the GEMM's loads pick the entry (quantize_e4m3 holds no pair block).
+    table_file(_table([f32, bf16]))
+    monkeypatch.setattr(lowering, "_default_device", lambda: _FakeGpu())
+    monkeypatch.setattr(lowering, "_num_sms", lambda interpret: 4 if interpret else 132)
+    epi = programs.quantize_q8("e4m3")
+    for dtype, want in ((jnp.float32, ("n", 8)), (jnp.bfloat16, ("m", CONFIG_TABLE["default"].grid_tile_width))):
+        call = _quantize_call(dtype)
+        cfg = lowering.PallasLowering.default_config(epi, *call.mnk, False, True, interpret=False,
+                                                     loads=dict(call.loads))
+        assert (cfg.grid_minor_dim, cfg.grid_tile_width) == want, dtype
+        # the benchmarks' plans look it up alike
+        from benchmarks.kernel_plans import H100_SMS, variant_config
+
+        assert variant_config("table", call, H100_SMS) == cfg
+
+
+def test_kernel_gemm_looks_up_with_its_loads(monkeypatch):
+    """``PallasLowering.kernel_gemm`` hands its loads (here a column-split tile load) to the lookup."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(epilogue, *a, loads=None, **kw):
+        seen.append(T.loads_signature(epilogue, loads))
+        raise Stop
+
+    monkeypatch.setattr(lowering.PallasLowering, "default_config", staticmethod(spy))
+    x = jax.ShapeDtypeStruct((128, 64), jnp.float32)
+    a, b = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16), jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+    low = lowering.PallasLowering()
+    with pytest.raises(Stop):
+        jax.eval_shape(lambda a, b, x: low.kernel_gemm(programs.quantize_q8("e4m3"), a, b,
+                                                       {"x": (x, x), "q_scale": jnp.float32(1)}, (128, 128, 64),
+                                                       transpose_a=False, transpose_b=True, out_dtypes=None,
+                                                       out_splits={}), a, b, x)
+    assert seen == ["x:float32"]
+
+
+def _old_lookup(table, program, layout, m, n, k, promote_k):
+    """The lookup before tile-load signatures: the first nearest entry of the program, layout and
+    promotion interval (the reference for entries without a signature)."""
+    best, best_d = None, None
+    for e in table.entries:
+        if e.program != program or e.layout != layout or e.promote_k != promote_k or e.loads is not None:
+            continue
+        d = e.distance(m, n, k)
+        if d is not None and (best_d is None or d < best_d):
+            best, best_d = e, d
+    return best
+
+
+@pytest.mark.parametrize("path", [p for p in T.SHIPPED_TABLES if p.name == "tuned_h200.json"], ids=lambda p: p.name)
+def test_shipped_entries_serve_every_gemm_as_before_signatures(path):
+    """Backward compatibility: each entry of the shipped table written without a loads'
+    signature answers its own GEMM as the lookup before signatures did (the first of duplicate
+    entries too), whatever signature the GEMM has (none, or any the table has no entry for)."""
+    t = T.load_table(str(path))
+    plain = [e for e in t.entries if e.loads is None]
+    assert len(plain) >= 50
+    signed = {e.loads for e in t.entries}
+    for e in plain:
+        key = (e.program, e.layout, e.m, e.n, e.k, e.promote_k)
+        want = _old_lookup(t, *key)
+        assert want is not None
+        for sig in (None, "", "x:float32", "x:bfloat16", "dqkv:bfloat16,qkv:bfloat16"):
+            if sig not in signed:
+                got = t.lookup(*key, sig)
+                assert got is want, (key, sig)
+                dims = key[2:5]
+                ta, tb = e.layout[0] == "t", e.layout[1] == "t"
+                with cj.options(pallas={"tuned_tables": (str(path),)}):
+                    assert T.tuned_config(e.program, *dims, ta, tb, t.device_kinds[0], t.num_sms,
+                                          promote_k=e.promote_k, loads=sig) == want.config
+
+
+def test_merge_tells_entries_apart_by_their_loads(tmp_path):
+    """The autotuner writes each entry's signature, and a merge replaces an old entry by one of
+    the same signature, or one without a signature (a table from before signatures) by one with:
+    a float32 entry does not replace a bf16 one."""
+    row = lambda sig, ms: _row(1.0, band8=ms) | ({"loads": sig} if sig else {})  # noqa: E731
+    entry = at.best_entry(row("x:float32", 0.8))
+    assert entry["loads"] == "x:float32" and "loads" not in at.best_entry(row(None, 0.8))
+    assert at.row_key(entry) != at.row_key(row("x:bfloat16", 0.8)) != at.row_key(row(None, 0.8))
+    p = tmp_path / "t.json"
+    at.write_table(at.table_from_rows([row(None, 0.8), row("x:bfloat16", 0.8)], H100, 132), p, merge=False)
+    at.write_table(at.table_from_rows([row("x:float32", 0.7)], H100, 132), p)
+    ms = {e.get("loads"): e["ms"] for e in json.loads(p.read_text())["entries"]}
+    assert ms == {"x:bfloat16": 0.8, "x:float32": 0.7}  # the unsigned entry gave way, the bf16 one stayed
+    at.write_table(at.table_from_rows([row("x:bfloat16", 0.6)], H100, 132), p)
+    got = T.parse_table(json.loads(p.read_text()), "t")
+    assert sorted((e.loads or "", e.config is not None) for e in got.entries) == [
+        ("x:bfloat16", True), ("x:float32", True)]
+    ms = {e.get("loads"): e["ms"] for e in json.loads(p.read_text())["entries"]}
+    assert ms == {"x:bfloat16": 0.6, "x:float32": 0.7}
+
+
 @pytest.mark.parametrize("data,match", [
     ({"entries": {}}, "'entries' list"),
     ({"device_kinds": "H100", "num_sms": 132, "entries": []}, "device_kinds"),
@@ -97,6 +234,10 @@ def test_promoted_rows_keep_their_interval_through_the_table(tmp_path):
     (_table([_entry(layout="xn")]), "entry 0: layout must be"),
     (_table([_entry(tile_q=64)]), r"unknown TuningConfig fields \['tile_q'\]"),
     (_table([_entry(schedule="zigzag")]), "entry 0: invalid configuration"),
+    (_table([_entry() | {"loads": 3}]), "entry 0: 'loads' must be the tile loads' dtypes"),
+    (_table([_entry(), _entry() | {"loads": "x"}]), "entry 1: 'loads' must be"),
+    (_table([_entry() | {"loads": "x:float99"}]), "entry 0: 'loads' must be"),
+    (_table([_entry() | {"loads": "y:float32,x:float32"}]), "entry 0: 'loads' must be"),  # not in name order
 ])
 def test_a_malformed_table_names_the_rule(data, match):
     with pytest.raises(ValueError, match=match):
@@ -420,12 +561,15 @@ def test_tune_model_spec_errors_name_the_format(spec):
         tune.model_step(spec)
 
 
+_RESIDUAL_LOAD = (("residual", jax.ShapeDtypeStruct((8, 8), jnp.bfloat16)),)
+
+
 def test_autotune_resumes_only_calls_with_every_wanted_candidate(monkeypatch):
     """``rows`` from an earlier run: a call with all wanted candidates is not measured again;
     one that lacks some is measured again in full (old candidates too, in the same run)."""
     monkeypatch.setattr(at.jax, "local_devices", lambda: [_FakeGpu()])
     c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), (), False, False, (), (8, 8, 8))
+                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), _RESIDUAL_LOAD, False, False, (), (8, 8, 8))
     c2 = dataclasses.replace(c1, mnk=(16, 8, 8))
     monkeypatch.setattr(at, "kernel_calls", lambda fn, *a: [c1, c2])
     measured = []
@@ -433,12 +577,14 @@ def test_autotune_resumes_only_calls_with_every_wanted_candidate(monkeypatch):
     def fake_tune(call, names, *a):
         measured.append((call.mnk, sorted(names)))
         return {"program": "residual_rms", "layout": "nn", "m": call.mnk[0], "n": 8, "k": 8, "heuristic_ms": 1.0,
+                "loads": "residual:bfloat16",
                 "results": {n: {"ms": 0.5 if n == "band8" else 1.0, "config": {}} for n in names}}
 
     monkeypatch.setattr(at, "tune_call", fake_tune)
-    old = [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8, "heuristic_ms": 1.0,
+    sig = {"loads": "residual:bfloat16"}
+    old = [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8, **sig, "heuristic_ms": 1.0,
             "results": {"default": {"ms": 1.0, "config": {}}, "band8": {"ms": 0.9, "config": {}}}},
-           {"program": "residual_rms", "layout": "nn", "m": 16, "n": 8, "k": 8, "heuristic_ms": 1.0,
+           {"program": "residual_rms", "layout": "nn", "m": 16, "n": 8, "k": 8, **sig, "heuristic_ms": 1.0,
             "results": {"pingpong": {"ms": 0.9, "config": {}}}}]
     rows = [dict(r) for r in old]
     table = at.autotune(lambda: None, names=["default", "band8"], rows=rows, log=lambda s: None)
@@ -450,10 +596,11 @@ def test_autotune_resumes_only_calls_with_every_wanted_candidate(monkeypatch):
 def test_autotune_measures_each_gemms_incumbent_beside_the_sweep(monkeypatch):
     """A sweep of other candidates also times the table's current winner of each GEMM (and
     only that GEMM's), so the entry written is the best of both; skipped programs are not
-    measured and get no entry."""
+    measured and get no entry. The table's entries have no loads' signature (tables from before
+    signatures): they stand for the GEMM's calls of any tile-load dtypes."""
     monkeypatch.setattr(at.jax, "local_devices", lambda: [_FakeGpu()])
     c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), (), False, False, (), (8, 8, 8))
+                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), _RESIDUAL_LOAD, False, False, (), (8, 8, 8))
     c2 = dataclasses.replace(c1, mnk=(16, 8, 8))
     c3 = dataclasses.replace(c1, epilogue=programs.RMS_LSE, mnk=(32, 8, 8))
     monkeypatch.setattr(at, "kernel_calls", lambda fn, *a: [c1, c2, c3])
@@ -467,14 +614,14 @@ def test_autotune_measures_each_gemms_incumbent_beside_the_sweep(monkeypatch):
     monkeypatch.setattr(at, "tune_call", fake_tune)
     table = {"entries": [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8, "candidate": "pingpong"},
                          {"program": "residual_rms", "layout": "nn", "m": 16, "n": 8, "k": 8, "candidate": "heuristic"}]}
-    assert at.incumbents(table) == {("residual_rms", "nn", 8, 8, 8, 0): "pingpong"}
+    assert at.incumbents(table) == {("residual_rms", "nn", 8, 8, 8, 0, None): "pingpong"}
     out = at.autotune(lambda: None, names=["slots3"], log=lambda s: None, incumbent=at.incumbents(table),
                       skip_programs=("rms_lse",))
     assert measured == [((8, 8, 8), ["pingpong", "slots3"]), ((16, 8, 8), ["slots3"])]
     assert [(e["m"], e["candidate"]) for e in out["entries"]] == [(8, "pingpong"), (16, "slots3")]
     # Only the GEMMs the table has no entry for (its heuristic-kept entry counts as one).
     measured.clear()
-    assert at.table_keys(table) == {("residual_rms", "nn", 8, 8, 8, 0), ("residual_rms", "nn", 16, 8, 8, 0)}
+    assert at.table_keys(table) == {("residual_rms", "nn", 8, 8, 8, 0, None), ("residual_rms", "nn", 16, 8, 8, 0, None)}
     out = at.autotune(lambda: None, names=["slots3"], log=lambda s: None, skip_keys=at.table_keys(table))
     assert measured == [((32, 8, 8), ["slots3"])]
     assert [(e["program"], e["m"]) for e in out["entries"]] == [("rms_lse", 32)]

@@ -34,7 +34,7 @@ from coda_jax.lowering import gpu_sm_count
 from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
 from coda_jax.pallas.gemm_epilogue import plan_epilogue
 from coda_jax.pallas.lowering import PallasLowering, kernel_load_dtype, kernel_shape
-from coda_jax.pallas.tuned import config_fields, layout_name, parse_table, tables_disabled
+from coda_jax.pallas.tuned import config_fields, layout_name, loads_signature, parse_table, tables_disabled
 from coda_jax.pallas.tuning import CONFIG_TABLE, LEAN_EPILOGUE, TuningConfig, for_fp8_operands
 
 _D = CONFIG_TABLE["default"]
@@ -411,8 +411,10 @@ def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20,
     ``timer(fn, *args, iters=...)``: milliseconds per call (CUPTI kernel time by default)."""
     m, n, k = call.mnk
     a, b, loads = random_arguments(call)
+    sig = loads_signature(call.epilogue, dict(call.loads))
     row = {"program": call.epilogue.name, "layout": layout_name(call.transpose_a, call.transpose_b),
-           "m": m, "n": n, "k": k, **({"promote_k": call.promote_k} if call.promote_k else {}), "results": {}}
+           "m": m, "n": n, "k": k, **({"promote_k": call.promote_k} if call.promote_k else {}),
+           **({"loads": sig} if sig else {}), "results": {}}
     with tables_disabled():
         run, timed = _runner(call, None)
         refs = jax.block_until_ready(run(a, b, loads))
@@ -428,7 +430,7 @@ def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20,
         except Exception as e:  # noqa: BLE001  (SMEM overflow, a lowering failure: record and go on)
             row["results"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         r = row["results"][name]
-        promoted = f" promote_k={call.promote_k}" if call.promote_k else ""
+        promoted = (f" promote_k={call.promote_k}" if call.promote_k else "") + (f" loads={sig}" if sig else "")
         log(f"TUNE {row['program']:18s} {row['layout']} {m}x{n}x{k}{promoted} {name:18s} "
             + (f"{r['ms']:.4f} ms (heuristic {row['heuristic_ms']:.4f})" if "ms" in r else r["error"][:120]))
     return row
@@ -440,6 +442,7 @@ def best_entry(row: dict[str, Any], min_gain: float = 0.02) -> dict[str, Any]:
     heuristic stays for this GEMM, and no neighbouring entry is borrowed for it)."""
     entry = {"program": row["program"], "layout": row["layout"], "m": row["m"], "n": row["n"], "k": row["k"],
              **({"promote_k": row["promote_k"]} if row.get("promote_k") else {}),
+             **({"loads": row["loads"]} if row.get("loads") else {}),
              "config": None, "candidate": "heuristic", "ms": round(row["heuristic_ms"], 5),
              "heuristic_ms": round(row["heuristic_ms"], 5)}
     timed = {k: v for k, v in row["results"].items() if "ms" in v}
@@ -465,14 +468,24 @@ def kernel_calls(fn: Callable, *args) -> list[KernelCall]:
 
 
 def row_key(row: dict[str, Any]) -> tuple:
-    """(program, layout, m, n, k, promote_k) of a measurement row or table entry (``promote_k``
-    absent: 0, an unpromoted GEMM)."""
-    return row["program"], row["layout"], row["m"], row["n"], row["k"], row.get("promote_k", 0)
+    """(program, layout, m, n, k, promote_k, loads) of a measurement row or table entry
+    (``promote_k`` absent: 0, an unpromoted GEMM; ``loads`` absent or empty: None, no tile loads'
+    signature): GEMMs whose tile loads differ in dtype are different entries."""
+    return (row["program"], row["layout"], row["m"], row["n"], row["k"], row.get("promote_k", 0),
+            row.get("loads") or None)
 
 
 def call_key(call: KernelCall) -> tuple:
-    """The :func:`row_key` of a kernel call's GEMM."""
-    return call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk, call.promote_k
+    """The :func:`row_key` of a kernel call's GEMM (its loads' signature:
+    :func:`~coda_jax.pallas.tuned.loads_signature`, as the lookup computes it)."""
+    sig = loads_signature(call.epilogue, dict(call.loads))
+    return call.epilogue.name, layout_name(call.transpose_a, call.transpose_b), *call.mnk, call.promote_k, sig or None
+
+
+def unsigned_key(key: tuple) -> tuple:
+    """``key`` (:func:`row_key`) without its loads' signature: the key of an entry written without
+    one (tables from before signatures), which serves the GEMM as well."""
+    return (*key[:-1], None)
 
 
 def table_keys(table: dict[str, Any] | None) -> frozenset[tuple]:
@@ -481,7 +494,7 @@ def table_keys(table: dict[str, Any] | None) -> frozenset[tuple]:
 
 
 def incumbents(table: dict[str, Any] | None) -> dict[tuple, str]:
-    """{(program, layout, m, n, k, promote_k): candidate name} of a table's entries won by a candidate
+    """{:func:`row_key`: candidate name} of a table's entries won by a candidate
     (not the heuristic): pass it to :func:`autotune` so that a sweep of other candidates
     measures each GEMM's current winner beside them, in the same process."""
     known = known_candidates()
@@ -503,7 +516,8 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     both. ``skip_programs``: epilogue names whose calls are left out (and out of the table);
     ``only_programs``: if given, only calls of these epilogues are tuned. ``skip_keys``: GEMM keys
     (:func:`row_key`) not to tune (:func:`table_keys` of the table in use: tune only the calls it
-    has no entry for, where device time is short)."""
+    has no entry for, where device time is short). An entry without a loads' signature counts for
+    every call of its GEMM in both (:func:`unsigned_key`)."""
     dev = jax.local_devices()[0]
     if dev.platform != "gpu":
         raise RuntimeError(f"autotune times kernels on a GPU; the default device is {dev.platform!r}")
@@ -513,7 +527,8 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
         raise ValueError(f"only_programs: {sorted(unknown)} make no kernel call here; the calls' programs are "
                          f"{sorted({c.epilogue.name for c in all_calls})}")
     calls = [c for c in all_calls if c.epilogue.name not in skip_programs
-             and (not only_programs or c.epilogue.name in only_programs) and call_key(c) not in skip_keys]
+             and (not only_programs or c.epilogue.name in only_programs)
+             and not {call_key(c), unsigned_key(call_key(c))} & skip_keys]
     incumbent = incumbent or {}
     rows = [] if rows is None else rows
     done = {row_key(r): r for r in rows}
@@ -522,7 +537,8 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     for call in calls:
         key = call_key(call)
         row = done.get(key)
-        extra = [incumbent[key]] if key in incumbent else []
+        held = incumbent.get(key) or incumbent.get(unsigned_key(key))
+        extra = [held] if held else []
         wanted = list(candidate_configs(call, list(names or CANDIDATES) + extra))
         if row is None or set(wanted) - set(row["results"]):
             if budget_s is not None and time.perf_counter() - t0 > budget_s:
@@ -544,10 +560,15 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
 
 def merge_tables(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     """``new`` with ``old``'s entries for GEMMs ``new`` did not measure (same GPU kind and SM
-    count; otherwise ``new`` alone)."""
+    count; otherwise ``new`` alone). GEMMs are told apart by :func:`row_key`: an old entry with
+    other tile-load dtypes is kept beside ``new``'s. An old entry without a signature (a table
+    from before signatures) gives way to a new one of the same GEMM with a signature: it was
+    measured with one of the GEMM's load dtypes, not known which, so it says nothing the new
+    entry does not."""
     if not old or old.get("num_sms") != new["num_sms"] or not set(old["device_kinds"]) & set(new["device_kinds"]):
         return new
     mine = {row_key(e) for e in new["entries"]}
+    mine |= {unsigned_key(key) for key in mine}
     kept = [e for e in old["entries"] if row_key(e) not in mine]
     kinds = list(dict.fromkeys(old["device_kinds"] + new["device_kinds"]))
     return {**new, "device_kinds": kinds, "entries": kept + new["entries"]}

@@ -39,7 +39,7 @@ from coda_jax.pallas.interpret import ensure_interpreter_threads, interpret_enab
 from coda_jax.pallas.kernel_builder import compiled_kernel
 from coda_jax.pallas.kernel_cache import active_kernel_cache
 from coda_jax.pallas.kernel_calls import note_call
-from coda_jax.pallas.tuned import tuned_config
+from coda_jax.pallas.tuned import loads_signature, tuned_config
 from coda_jax.pallas.tuning import (CONFIG_TABLE, TuningConfig, choose_config, choose_fp8_config, fit_waves,
                                     for_fp8_operands)
 
@@ -60,7 +60,7 @@ def _num_sms(interpret: bool) -> int:
 
 def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
                               device_kind: str | None, num_sms: int, *, fp8_operands: bool = False,
-                              promote_k: int = 0) -> TuningConfig:
+                              promote_k: int = 0, loads: Mapping[str, Any] | None = None) -> TuningConfig:
     """The configuration of an ``[m, k] @ [k, n]`` GEMM running ``epilogue`` on a GPU of
     ``device_kind`` with ``num_sms`` SMs: the tuned table's entry
     (:func:`coda_jax.pallas.tuned.tuned_config`; ``device_kind`` None: no table), else the
@@ -69,9 +69,12 @@ def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transp
     persistent grid's waves better: :func:`fit_waves`), for FP8 operands with the K step
     doubled (:func:`~coda_jax.pallas.tuning.for_fp8_operands`; a table entry is taken as
     measured). ``promote_k``: the FP8 accumulator's promotion interval; only entries
-    measured with it apply."""
+    measured with it apply. ``loads``: the GEMM's loads (arrays, abstract values or dtypes by
+    name), whose tile loads' dtypes an entry measured with them must share
+    (:func:`~coda_jax.pallas.tuned.loads_signature`; None: only entries without a signature)."""
     pw = epilogue.pair_width if epilogue.pair_block is not None else None
-    tuned = (tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, device_kind, num_sms, pw, promote_k)
+    sig = None if loads is None else loads_signature(epilogue, loads)
+    tuned = (tuned_config(epilogue.name, m, n, k, transpose_a, transpose_b, device_kind, num_sms, pw, promote_k, sig)
              if device_kind else None)
     if tuned:
         return tuned
@@ -157,19 +160,21 @@ class PallasLowering(KernelLowering):
 
     @staticmethod
     def default_config(epilogue: Epilogue, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
-                       interpret: bool, *, fp8_operands: bool = False, promote_k: int = 0) -> TuningConfig:
+                       interpret: bool, *, fp8_operands: bool = False, promote_k: int = 0,
+                       loads: Mapping[str, Any] | None = None) -> TuningConfig:
         """The configuration of a GEMM when none was given: the measured one for this GPU
         (:func:`coda_jax.pallas.tuned.tuned_config`), else the heuristics (the shape-class
         table, the ping-pong programs, the wave fit; with ``fp8_operands``, ``tile_k``
         doubled: :func:`~coda_jax.pallas.tuning.for_fp8_operands`). The interpreter uses the
-        heuristics alone: its 4 "SMs" say nothing about waves."""
+        heuristics alone: its 4 "SMs" say nothing about waves. ``loads``: the GEMM's loads, whose
+        tile loads' dtypes pick among entries measured with different ones."""
         if interpret:
             cfg = _heuristic_config(epilogue, m, n, k, fp8_operands)
             return for_fp8_operands(cfg) if fp8_operands else cfg
         dev = _default_device()
         kind = dev.device_kind if dev.platform == "gpu" else None
         return table_or_heuristic_config(epilogue, m, n, k, transpose_a, transpose_b, kind, _num_sms(False),
-                                         fp8_operands=fp8_operands, promote_k=promote_k)
+                                         fp8_operands=fp8_operands, promote_k=promote_k, loads=loads)
 
     def fp8_rule(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, transpose_a: bool,
                  transpose_b: bool) -> str | None:
@@ -212,7 +217,7 @@ class PallasLowering(KernelLowering):
         cfg = self.config
         if cfg is None:
             cfg = self.default_config(epilogue, m, n, k, transpose_a, transpose_b, interpret,
-                                      fp8_operands=a.dtype in FP8_DTYPES, promote_k=promote_k)
+                                      fp8_operands=a.dtype in FP8_DTYPES, promote_k=promote_k, loads=loads)
         if epilogue.pair_block is not None and cfg.tile_n % epilogue.pair_width:
             raise ValueError(f"epilogue {epilogue.name!r}: the pair block's width {epilogue.pair_width} "
                              f"{_pair_rule(cfg.tile_n)} (tile_n={cfg.tile_n})")

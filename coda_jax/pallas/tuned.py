@@ -20,7 +20,12 @@ holds the :class:`TuningConfig` fields that differ from ``CONFIG_TABLE["default"
 neighbouring entry). ``promote_k`` (absent: 0) marks an FP8 GEMM measured with its accumulator
 promoted every that many K elements (:class:`coda_jax.lowering.GemmLowering`): the promoting
 kernel runs another plan (halved consumer tiles, the ring's mainloop), so its entries serve
-only GEMMs promoted alike, and an unpromoted entry never serves a promoted GEMM.
+only GEMMs promoted alike, and an unpromoted entry never serves a promoted GEMM. ``loads``
+(absent: any) names the dtypes of the epilogue's tile loads it was measured with
+(:func:`loads_signature`, e.g. ``"x:float32"``): a pass over a float32 weight and one over a
+bf16 activation of the same shape move different bytes, and may want different configurations.
+The autotuner writes it for programs with tile loads; entries without it (tables written
+before) serve GEMMs of any load dtypes.
 
 Lookup (:func:`tuned_config`): the tables shipped with the package, one per GPU kind
 (``tuned_<gpu>.json``, :func:`table_file_name`: ``tuned_h100.json``, ``tuned_h200.json``), or
@@ -30,7 +35,9 @@ measured with (wave quantization depends on it); the first shipped table that ap
 used. The H200 has the H100's SMs and more memory bandwidth, and its own table: the
 winners differ where an epilogue's traffic matters. An entry matches a GEMM of the same
 program and layout whose (m, n, k) are each within a factor of 2 of the entry's; the
-nearest (in log distance) wins; the promotion interval must match exactly. Otherwise the heuristics decide.
+nearest (in log distance) wins; the promotion interval must match exactly, and so must the
+tile loads' signature where the entry has one (at equal distance, an entry with the GEMM's
+signature wins over one without). Otherwise the heuristics decide.
 """
 
 from __future__ import annotations
@@ -40,9 +47,13 @@ import functools
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+
+from coda_jax.epilogue import Epilogue, LoadKind
 from coda_jax.lowering import check_promote_k
 from coda_jax.options import PallasOptions, current_options, options
 from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig
@@ -59,6 +70,42 @@ def layout_name(transpose_a: bool, transpose_b: bool) -> str:
     return ("t" if transpose_a else "n") + ("t" if transpose_b else "n")
 
 
+def loads_signature(epilogue: Epilogue, loads: Mapping[str, Any]) -> str:
+    """The dtypes of ``epilogue``'s tile loads, as a table entry's ``"loads"``: ``"name:dtype"``
+    in load-name order, comma-separated (``"x:float32"``; ``""``: no tile loads). Only tile loads
+    (``[M, N]``) change an epilogue's traffic much; row, column and scalar loads are small.
+    ``loads``: each load's dtype, or a value with a ``dtype`` (an array, a ``ShapeDtypeStruct``),
+    or a tuple of its column parts. The lookup at lowering time and the autotuner's entries both
+    come from here, so that they name a GEMM alike."""
+    def dtype(v: Any) -> str:
+        v = v[0] if isinstance(v, (tuple, list)) else v
+        return jnp.dtype(getattr(v, "dtype", v)).name
+
+    tiles = sorted(l.name for l in epilogue.loads if l.kind is LoadKind.TILE)
+    missing = [name for name in tiles if name not in loads]
+    if missing:
+        raise ValueError(f"epilogue {epilogue.name!r}: no dtype for its tile loads {missing}")
+    return ",".join(f"{name}:{dtype(loads[name])}" for name in tiles)
+
+
+def _is_dtype(name: str) -> bool:
+    try:
+        return jnp.dtype(name).name == name
+    except TypeError:
+        return False
+
+
+def _check_signature(loads: Any, where: str) -> None:
+    """A ``"loads"`` value a table may hold: a :func:`loads_signature` string (else a
+    ``ValueError``: a misspelt one would silently match no GEMM)."""
+    parts = [p.partition(":") for p in loads.split(",")] if isinstance(loads, str) and loads else []
+    names = [name for name, _, _ in parts]
+    if (not isinstance(loads, str) or names != sorted(names)
+            or not all(re.fullmatch(r"[A-Za-z_]\w*", name) and sep and _is_dtype(dt) for name, sep, dt in parts)):
+        raise ValueError(f"{where}: 'loads' must be the tile loads' dtypes as 'name:dtype' in name order, "
+                         f"comma-separated (e.g. 'x:float32'), got {loads!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TunedEntry:
     """One measured GEMM: its program, layout and (m, n, k), and the winning configuration."""
@@ -70,6 +117,7 @@ class TunedEntry:
     k: int
     config: TuningConfig | None  # None: measured, and the heuristics' choice won
     promote_k: int = 0  # the FP8 accumulator's promotion interval it was measured with (0: none)
+    loads: str | None = None  # its tile loads' dtypes (loads_signature); None: serves any
 
     def distance(self, m: int, n: int, k: int) -> float | None:
         """Log distance to an ``(m, n, k)`` GEMM, or None if a dimension is off by more
@@ -87,14 +135,20 @@ class TunedTable:
     def applies_to(self, device_kind: str, num_sms: int) -> bool:
         return device_kind in self.device_kinds and num_sms == self.num_sms
 
-    def lookup(self, program: str, layout: str, m: int, n: int, k: int, promote_k: int = 0) -> TunedEntry | None:
-        best, best_d = None, None
+    def lookup(self, program: str, layout: str, m: int, n: int, k: int, promote_k: int = 0,
+               loads: str | None = None) -> TunedEntry | None:
+        """The nearest entry for this GEMM, or None. ``loads``: the GEMM's :func:`loads_signature`
+        (None: unknown, only entries without one serve it); an entry with a signature serves only
+        GEMMs with the same one, and wins over one without at equal distance (else the first wins)."""
+        best, best_rank = None, None
         for e in self.entries:
-            if e.program != program or e.layout != layout or e.promote_k != promote_k:
+            if (e.program != program or e.layout != layout or e.promote_k != promote_k
+                    or (e.loads is not None and e.loads != loads)):
                 continue
             d = e.distance(m, n, k)
-            if d is not None and (best_d is None or d < best_d):
-                best, best_d = e, d
+            rank = None if d is None else (d, e.loads is None)
+            if rank is not None and (best_rank is None or rank < best_rank):
+                best, best_rank = e, rank
         return best
 
 
@@ -133,7 +187,7 @@ def parse_table(data: dict, source: str) -> TunedTable:
             dims = [int(e[d]) for d in ("m", "n", "k")]
             program, fields = str(e["program"]), e["config"]
             fields = None if fields is None else dict(fields)
-            promote_k = e.get("promote_k", 0)
+            promote_k, loads = e.get("promote_k", 0), e.get("loads")
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{where}: needs program, layout, m, n, k and config ({err})") from err
         if layout not in ("nn", "nt", "tn", "tt") or min(dims) < 1:
@@ -142,8 +196,10 @@ def parse_table(data: dict, source: str) -> TunedTable:
             check_promote_k(promote_k)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from err
+        if loads is not None:
+            _check_signature(loads, where)
         entries.append(TunedEntry(program, layout, *dims, None if fields is None else config_from_fields(fields, where),
-                                  promote_k))
+                                  promote_k, loads))
     return TunedTable(tuple(kinds), data["num_sms"], tuple(entries))
 
 
@@ -203,16 +259,18 @@ def table_for(device_kind: str, num_sms: int) -> TunedTable | None:
 
 def tuned_config(program: str, m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
                  device_kind: str, num_sms: int, pair_width: int | None = None,
-                 promote_k: int = 0) -> TuningConfig | None:
+                 promote_k: int = 0, loads: str | None = None) -> TuningConfig | None:
     """The measured configuration for this GEMM on this GPU, or None (the heuristics decide).
 
     An entry whose tile cannot hold the epilogue's pair block (``pair_width``) is skipped;
-    ``promote_k``: the GEMM's FP8 promotion interval, which an entry must have been measured with.
+    ``promote_k``: the GEMM's FP8 promotion interval, which an entry must have been measured with;
+    ``loads``: the GEMM's :func:`loads_signature`, which an entry with one must have been measured
+    with (None: unknown, only entries without one apply).
     """
     table = table_for(device_kind, num_sms)
     if table is None:
         return None
-    entry = table.lookup(program, layout_name(transpose_a, transpose_b), m, n, k, promote_k)
+    entry = table.lookup(program, layout_name(transpose_a, transpose_b), m, n, k, promote_k, loads)
     if entry is None or entry.config is None or (pair_width is not None and entry.config.tile_n % pair_width):
         return None
     return entry.config
