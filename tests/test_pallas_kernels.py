@@ -801,26 +801,34 @@ def test_choose_config_schedule():
 
 
 def test_fp8_heuristic_takes_the_lean_ping_pong_kernel_for_quantizing_epilogues():
-    """FP8 operands, a quantizing output, K <= FP8_EPILOGUE_MAX_K, no column sums: ping-pong
-    with the lean epilogue; every other FP8 GEMM keeps :func:`choose_config`'s configuration."""
+    """FP8 operands, K <= FP8_EPILOGUE_MAX_K: ping-pong with the lean epilogue for a quantizing
+    output, with per-consumer column sums for dgamma, the program's own for the SwiGLU backward;
+    every other FP8 GEMM keeps :func:`choose_config`'s configuration."""
     from coda_jax import epilogue as E
     from coda_jax.pallas.lowering import table_or_heuristic_config
-    from coda_jax.pallas.tuning import (FP8_EPILOGUE_CONFIG, FP8_EPILOGUE_MAX_K, choose_config, choose_fp8_config,
-                                        fit_waves, for_fp8_operands)
+    from coda_jax.pallas.tuning import (FP8_COL_SUM_CONFIG, FP8_EPILOGUE_CONFIG, FP8_EPILOGUE_MAX_K,
+                                        FP8_PROGRAM_CONFIGS, choose_config, choose_fp8_config, fit_waves,
+                                        for_fp8_operands)
 
-    def lean(cfg):
-        return all(getattr(cfg, f) == v for f, v in FP8_EPILOGUE_CONFIG.items())
+    def has(cfg, fields):
+        return all(getattr(cfg, f) == v for f, v in fields.items())
 
-    for epi, (m, n, k) in [(programs.SWIGLU_DGRAD_Q8, (8192, 8192, 2048)), (programs.RESIDUAL_RMS_Q8, (8192, 2048, 2048)),
-                           (programs.rms_swiglu_q8(True), (4096, 28672, 4096))]:
-        epi = E.dequantized(epi)
+    swiglu_dgrad = E.dequantized(programs.SWIGLU_DGRAD_Q8)
+    for epi, (m, n, k), fields in [
+            (swiglu_dgrad, (8192, 8192, 2048), FP8_PROGRAM_CONFIGS[swiglu_dgrad.name]),
+            (E.dequantized(programs.RESIDUAL_RMS_Q8), (8192, 2048, 2048), FP8_EPILOGUE_CONFIG),
+            (E.dequantized(programs.rms_swiglu_q8(True)), (4096, 28672, 4096), FP8_EPILOGUE_CONFIG),
+            (E.dequantized(programs.rms_dgrad_q8(True)), (8192, 2048, 3072), FP8_COL_SUM_CONFIG),  # dgamma + dxq
+            (E.dequantized(programs.rms_dgrad(True, True)), (8192, 2048, 3072), FP8_COL_SUM_CONFIG)]:  # dgamma
         cfg = choose_fp8_config(m, n, k, epi)
-        assert lean(cfg) and cfg.pingpong and cfg.cluster_dimension is None, epi.name
+        assert has(cfg, fields) and cfg.pingpong and cfg.cluster_dimension is None, epi.name
+        assert cfg.consumer_col_sums == (fields is FP8_COL_SUM_CONFIG), epi.name
         # the heuristics' path of a kernel call without a table: the same, with the FP8 K step
         assert table_or_heuristic_config(epi, m, n, k, False, True, None, 132, fp8_operands=True) == \
             for_fp8_operands(cfg)
+    assert not choose_fp8_config(8192, 8192, 2048, swiglu_dgrad).manual_barriers  # not the lean set
     keep = [(E.dequantized(programs.RESIDUAL_RMS_Q8), (8192, 2048, 2 * FP8_EPILOGUE_MAX_K)),  # long K
-            (E.dequantized(programs.rms_dgrad_q8(True)), (8192, 2048, 3072)),  # dgamma: column sums
+            (E.dequantized(programs.rms_dgrad_q8(True)), (8192, 2048, 16384)),  # long K with dgamma
             (E.dequantized(programs.IDENTITY), (8192, 2048, 2048)),  # nothing quantized
             (E.dequantized(programs.RESIDUAL_RMS_Q8), (200, 320, 2048))]  # the small class
     for epi, (m, n, k) in keep:
@@ -842,6 +850,15 @@ def test_every_program_config_names_a_real_program():
     assert set(PROGRAM_CONFIGS) <= names, set(PROGRAM_CONFIGS) - names
     for fields in PROGRAM_CONFIGS.values():
         dataclasses.replace(CONFIG_TABLE["default"], **fields)  # valid TuningConfig fields
+    # FP8: the names the kernels see (the programs run on FP8 operands, epilogue.dequantized)
+    from coda_jax import epilogue as E
+    from coda_jax.pallas.tuning import FP8_PROGRAM_CONFIGS
+
+    epilogues = [c[0] for c in CASES] + [v for v in vars(programs).values() if isinstance(v, E.Epilogue)]
+    fp8_names = {E.dequantized(epi).name for epi in epilogues}
+    assert set(FP8_PROGRAM_CONFIGS) <= fp8_names, set(FP8_PROGRAM_CONFIGS) - fp8_names
+    for fields in FP8_PROGRAM_CONFIGS.values():
+        dataclasses.replace(CONFIG_TABLE["default"], **fields)
 
 
 def _shipped_program_configs():

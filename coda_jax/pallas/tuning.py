@@ -281,6 +281,19 @@ PASS_CONFIG = {**_PINGPONG, "grid_minor_dim": "m", **LEAN_EPILOGUE}
 # default: two consumers summing need TuningConfig.consumer_col_sums.
 FP8_EPILOGUE_MAX_K = 4096
 FP8_EPILOGUE_CONFIG = {**_PINGPONG, **LEAN_EPILOGUE}
+# Such a GEMM whose epilogue also sums columns (the norm backward's dgamma, quantizing its dx
+# or not): ping-pong too, each consumer reducing its column sums through its own scratch
+# (TuningConfig.consumer_col_sums), with bands across M and the economies that apply beside a
+# column sum (barriers stay automatic there). It beat the single-warpgroup kernel that column
+# sums otherwise take on both such GEMMs of the 1B FP8 block (docs/performance.md#kernels).
+FP8_COL_SUM_CONFIG = {**_PINGPONG, "grid_minor_dim": "m", "consumer_col_sums": True, "fp8_byte_transpose": True,
+                      "fold_row_reductions": True}
+# Per program, in place of the two above. The FP8 SwiGLU backward (pair blocks, sigmoid math,
+# two row reductions) ran fastest with the byte relayout alone, bands across M: barriers by
+# hand and folded row reductions slowed it (docs/performance.md#kernels).
+FP8_PROGRAM_CONFIGS: dict[str, dict] = {
+    "swiglu_dgrad_q8_fp8": {**_PINGPONG, "grid_minor_dim": "m", "fp8_byte_transpose": True},
+}
 
 
 def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningConfig:
@@ -300,13 +313,20 @@ def choose_config(m: int, n: int, k: int, program: str | None = None) -> TuningC
 def choose_fp8_config(m: int, n: int, k: int, epilogue: Epilogue) -> TuningConfig:
     """The heuristic configuration for an ``[m, k] @ [k, n]`` GEMM of FP8 operands running
     ``epilogue``, before its K step is doubled (:func:`for_fp8_operands`): :func:`choose_config`'s,
-    on the ping-pong kernel with the lean epilogue (:data:`FP8_EPILOGUE_CONFIG`) where the
-    epilogue writes a quantizing output, sums no columns and K is at most
-    :data:`FP8_EPILOGUE_MAX_K`."""
+    and over a K of at most :data:`FP8_EPILOGUE_MAX_K` on the ping-pong kernel: with the lean
+    epilogue (:data:`FP8_EPILOGUE_CONFIG`) where the epilogue writes a quantizing output and sums
+    no columns, with column sums per consumer (:data:`FP8_COL_SUM_CONFIG`) where it sums columns,
+    or as :data:`FP8_PROGRAM_CONFIGS` names for its program."""
     cfg = choose_config(m, n, k, epilogue.name)
+    if not cfg.warp_specialized or k > FP8_EPILOGUE_MAX_K:
+        return cfg
     quantizes = any(o.quantize is not None for o in epilogue.outputs)
     col_sums = any(o.kind is OutputKind.COL_SUM for o in epilogue.outputs)
-    if cfg.warp_specialized and quantizes and not col_sums and k <= FP8_EPILOGUE_MAX_K:
+    if epilogue.name in FP8_PROGRAM_CONFIGS:
+        return dataclasses.replace(cfg, **FP8_PROGRAM_CONFIGS[epilogue.name])
+    if col_sums:
+        return dataclasses.replace(cfg, **FP8_COL_SUM_CONFIG)
+    if quantizes:
         return dataclasses.replace(cfg, **FP8_EPILOGUE_CONFIG)
     return cfg
 
