@@ -43,7 +43,7 @@ from coda_jax.epilogue import FP8_DTYPES, LoadKind, OutputKind
 from coda_jax.pallas import interpret_mode
 from coda_jax.pallas.gemm_epilogue import KernelShape, _chunks, plan_kernel
 from coda_jax.pallas.lowering import PallasLowering
-from coda_jax.pallas.tuning import CONFIG_TABLE, TuningConfig, for_fp8_operands
+from coda_jax.pallas.tuning import CONFIG_TABLE, LEAN_EPILOGUE, TuningConfig, for_fp8_operands
 from coda_jax.reference import REFERENCE, xla_backend_lowering
 from op_cases import PASS_PROGRAMS, abstract_loads, rel_err
 from test_pallas_kernels import PINGPONG, RING, SMALL, WS, WS_N, _loads
@@ -466,13 +466,18 @@ def test_rope_grad_pass_lowers_for_cuda(config):
     _check_pass_lowers_for_cuda(epi, m, n, loads, config)
 
 
-@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
-def test_quantize_pass_lowers_for_cuda(fp8):
+@pytest.mark.parametrize("fp8,config", [
+    ("e4m3", None), ("e5m2", None),
+    ("e4m3", dataclasses.replace(CONFIG_TABLE["default"], schedule="pingpong", cluster_dimension=None,
+                                 prefetch_next_tile=True, epilogue_cols=32, epilogue_load_slots=3, **LEAN_EPILOGUE))],
+    ids=["e4m3", "e5m2", "e4m3_prefetch"])
+def test_quantize_pass_lowers_for_cuda(fp8, config):
     """The standalone quantizing pass at 1B shapes (``[8192, 2048]`` bf16) passes Mosaic GPU's
-    code generation on the heuristic's configuration."""
+    code generation on the heuristic's configuration, and with the next tile's loads issued
+    from this tile's epilogue (TuningConfig.prefetch_next_tile)."""
     m, n = 8192, 2048
     loads = {"x": jax.ShapeDtypeStruct((m, n), BF16), "q_scale": jax.ShapeDtypeStruct((), F32)}
-    _check_pass_lowers_for_cuda(programs.quantize_q8(fp8), m, n, loads)
+    _check_pass_lowers_for_cuda(programs.quantize_q8(fp8), m, n, loads, config)
 
 
 @pytest.mark.parametrize("logits_dtype", [F32, BF16])
@@ -672,6 +677,7 @@ _ROPE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG
                       "manual_barriers": dataclasses.replace(PINGPONG, manual_barriers=True),
                       # one K step a tile: the ping-pong ring on one stage (what fits at 1B shapes)
                       "pingpong_one_stage": dataclasses.replace(PINGPONG, max_concurrent_steps=1),
+                      "pingpong_prefetch": dataclasses.replace(PINGPONG, prefetch_next_tile=True),
                       **{f"shipped{i}": c for i, c in enumerate(shipped_rope_grad_configs())}}
 
 
@@ -683,6 +689,9 @@ def test_rope_grad_pass(config):
 
 _QUANTIZE_CONFIGS = [("e4m3", SMALL, "e4m3_single"), ("e5m2", WS_N, "e5m2_cooperative"),
                      ("e4m3", PINGPONG, "e4m3_pingpong"),
+                     # the next tile's first loads from this tile's epilogue (TuningConfig.prefetch_next_tile)
+                     ("e5m2", dataclasses.replace(PINGPONG, prefetch_next_tile=True, epilogue_cols=32),
+                      "e5m2_pingpong_prefetch"),
                      *((fp8, c, f"{fp8}_shipped{i}") for fp8 in ("e4m3", "e5m2")
                        for i, c in enumerate(shipped_pass_configs(f"quantize_{fp8}")))]
 

@@ -362,6 +362,50 @@ def test_cooperative_stage_ring(epi, kw):
     _compare(epi, 256, 512, 256, config=RING, seed=23, **kw)
 
 
+PREFETCH_CASES = [(programs.RESIDUAL_RMS, {}), (programs.SWIGLU_DGRAD, {"transpose_b": True}),
+                  (programs.rms_dgrad(True), {"transpose_b": True}), (programs.ACCUMULATE, {})]
+
+
+@pytest.mark.parametrize("schedule", ["pingpong", "ring"])
+@pytest.mark.parametrize("epi,kw", PREFETCH_CASES, ids=[c[0].name for c in PREFETCH_CASES])
+def test_prefetch_next_tile(epi, kw, schedule):
+    """TuningConfig.prefetch_next_tile: each consumer's next tile's first tile loads issued
+    during this tile's last chunks. 4 CTAs, 16 ping-pong tiles of 64 x 128 (each consumer takes
+    two in turn: the second's first chunks arrive from the first's epilogue) or 8 cooperative
+    CTA tiles of 64 x 256 (both consumers on two tiles each); 32-column chunks (four a tile)
+    and 64 (two); a ragged shape with idle consumers (no next tile to prefetch)."""
+    from coda_jax.pallas.gemm_epilogue import _EpilogueEmitter
+
+    base = PINGPONG if schedule == "pingpong" else RING
+    for cols in (32, 64):
+        cfg = dataclasses.replace(base, prefetch_next_tile=True, epilogue_cols=cols)
+        shape = _shape(256, 512, 256, {o.name: jnp.bfloat16 for o in epi.outputs}, num_sms=4, **kw)
+        ldt = _dtypes(**{l.name: jnp.float32 if l.kind in (LoadKind.ROW, LoadKind.COL, LoadKind.ROW_BLOCK)
+                         else jnp.bfloat16 for l in epi.loads})
+        planned = plan_kernel(epi, shape, cfg, ldt)
+        assert _EpilogueEmitter(epi, shape, planned, dict(ldt)).cross_tile, (epi.name, cols)  # the path is taken
+        _compare(epi, 256, 512, 256, config=cfg, seed=41 + cols, **kw)
+    _compare(epi, 200, 192 if epi.pair_block else 72, 130, config=cfg, seed=43, **kw)
+
+
+def test_prefetch_next_tile_applies_only_where_it_can():
+    """Not on the kernels that do not pass a next tile (cooperative without the ring, single
+    warpgroup), not with as many loads in flight as a tile has chunks, not without tile loads."""
+    from coda_jax.pallas.gemm_epilogue import _EpilogueEmitter
+
+    shape = _shape(256, 512, 256, {"x": jnp.bfloat16, "h": jnp.bfloat16, "sumsq": jnp.float32}, num_sms=4)
+    ldt = _dtypes(residual=jnp.bfloat16, gamma=jnp.float32)
+
+    def cross(cfg, epi=programs.RESIDUAL_RMS):
+        return _EpilogueEmitter(epi, shape, dataclasses.replace(cfg, prefetch_next_tile=True), dict(ldt)).cross_tile
+
+    assert cross(PINGPONG) and cross(RING)
+    assert not cross(WS) and not cross(SMALL)
+    assert not cross(dataclasses.replace(PINGPONG, epilogue_load_slots=3, epilogue_cols=64))  # 2 chunks, 2 ahead
+    assert not cross(PINGPONG, programs.IDENTITY)  # no tile loads
+    assert not _EpilogueEmitter(programs.RESIDUAL_RMS, shape, PINGPONG, dict(ldt)).cross_tile  # off by default
+
+
 @pytest.mark.parametrize("cfg", [dataclasses.replace(RING, wg_dimension="m"),
                                  dataclasses.replace(RING, cluster_dimension="m", grid_minor_dim="m"),
                                  dataclasses.replace(RING, cluster_dimension="n", max_concurrent_steps=3)],

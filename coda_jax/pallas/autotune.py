@@ -174,6 +174,20 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                  **LEAN_EPILOGUE),
     "pingpong_turns_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, pingpong_turns=True,
                                                **LEAN_EPILOGUE),
+    # Each consumer's next tile's first tile loads issued during this tile's last chunks
+    # (TuningConfig.prefetch_next_tile), not behind the next tile's mainloop: for the epilogue
+    # passes (a mainloop of one K step, so the first chunks wait out a whole load latency) and
+    # the short-K FP8 GEMMs; with 32-column chunks and three load slots, two chunks in flight.
+    "pingpong_minor_m_lean_prefetch": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                          grid_minor_dim="m", prefetch_next_tile=True,
+                                                          **LEAN_EPILOGUE),
+    "pingpong_minor_m_lean_prefetch_c32": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                              grid_minor_dim="m", prefetch_next_tile=True,
+                                                              epilogue_cols=32, epilogue_load_slots=3,
+                                                              **LEAN_EPILOGUE),
+    "pingpong_minor_m_bytes_prefetch": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                           grid_minor_dim="m", fp8_byte_transpose=True,
+                                                           prefetch_next_tile=True),
     # The norm backward's dgamma summed in the kernel by two consumers, each with its own
     # scratch (TuningConfig.consumer_col_sums), and with the economies that apply beside a
     # column sum (byte relayout, folded row reductions).

@@ -295,6 +295,12 @@ class _EpilogueEmitter:
         # TuningConfig.consumer_col_sums: column sums reduced with this consumer's own scratch
         # (the interpreter's sums share nothing).
         self.consumer_col_sums = bool(cfg.consumer_col_sums and cfg.warp_specialized and compiled and self.col_outs)
+        # TuningConfig.prefetch_next_tile: the next tile's first ``lookahead`` chunks' loads are
+        # issued during this tile's last ``lookahead`` chunks (the ring kernels pass the next
+        # tile to emit); the next tile's prefetch then issues only chunk ``lookahead``.
+        ring = cfg.pingpong or (cfg.warp_specialized and cfg.delay_release == 1)
+        self.cross_tile = bool(cfg.prefetch_next_tile and ring and self.tile_loads and not self.direct_loads
+                               and not self.in_place and len(self.chunks) > self.lookahead)
 
     def scope(self, name: str):
         """A profiler range named ``name`` (:class:`ProfileSettings`) if it is profiled,
@@ -494,11 +500,13 @@ class _EpilogueEmitter:
         """The scalar loads (0-d float32 in GMEM), read by every thread."""
         return {l.name: _f32(load_refs[l.name][...]) for l in self.scalar_loads}
 
-    def prefetch(self, m0, n0, load_refs, scr, barrier_base=0, step_base=0):
+    def prefetch(self, m0, n0, load_refs, scr, barrier_base=0, step_base=0, carried=None):
         """Issues the first chunks' tile loads and loads the row vectors, the first chunk's
         column vectors and the scalars; call before the mainloop so that they land during it.
         Returns the vectors (and, with direct loads, the first chunks' tile values), to pass
-        as :meth:`emit`'s ``prefetched``."""
+        as :meth:`emit`'s ``prefetched``. ``carried`` (a traced bool, with
+        :attr:`cross_tile`): the tile before issued this tile's first ``lookahead`` chunks'
+        loads (:meth:`emit`'s ``next_tile``), so only the rest are issued here."""
         tiles = {}
         if self._load_parts_list():
             if self.direct_loads:
@@ -506,12 +514,17 @@ class _EpilogueEmitter:
             else:
                 self._wait_slot_free()
                 for ci in range(self._n_prefetched()):
-                    self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
+                    if self.cross_tile and carried is not None and ci < self.lookahead:
+                        @pl.when(jnp.logical_not(carried))
+                        def _(ci=ci):
+                            self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
+                    else:
+                        self._issue_loads(ci, m0, n0, load_refs, scr, barrier_base, step_base)
         vectors = self._row_vectors(m0, load_refs), self._col_vectors(0, n0, load_refs), tiles
         return vectors + (self._scalars(load_refs),) if self.scalar_loads else vectors
 
     def emit(self, acc, m0, n0, mi, ni, tile_slot, load_refs, out_refs, scr, barrier_base=0, step_base=0,
-             prefetched=None):
+             prefetched=None, next_tile=None):
         """Runs the epilogue of the ``[tm, tn]`` accumulator tile at (m0, n0).
 
         ``step_base``: chunks processed before this tile with the same scratch (its parity
@@ -519,6 +532,9 @@ class _EpilogueEmitter:
         ``prefetched``: what :meth:`prefetch` returned (it issued the first chunks' tile loads
         and loaded the vectors), or None. Chunk ``ci + 1``'s column vectors are loaded
         before chunk ``ci`` is computed, so their latency hides behind its math.
+        ``next_tile``: ``(m0, n0, exists)`` of the tile this scratch takes next (with
+        :attr:`cross_tile`): its first chunks' loads are issued during this tile's last chunks,
+        where it exists (its :meth:`prefetch` is then told ``carried``).
         """
 
         epi, shape, b, tm = self.epi, self.shape, self.b, self.tm
@@ -549,6 +565,13 @@ class _EpilogueEmitter:
                 if ci >= 1 and ci + ahead < n_chunks:  # into the slot of chunk ci + ahead - slots
                     self._wait_slot_free()
                     issue_loads(ci + ahead)
+                elif ci >= 1 and self.cross_tile and next_tile is not None:  # the next tile's chunk
+                    nm0, nn0, exists = next_tile
+
+                    @pl.when(exists)
+                    def _(nc=ci + ahead - n_chunks):
+                        self._wait_slot_free()
+                        self._issue_loads(nc, nm0, nn0, load_refs, scr, barrier_base, step_base + n_chunks)
                 with self.scope("load_wait"):
                     for j in range(len(load_parts)):
                         plgpu.barrier_wait(scr["barrier"].at[barrier_base + slot * len(load_parts) + j])
@@ -1409,8 +1432,15 @@ def _ring_consumer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, sm, my_til
         mi, ni = ring.tile_origin(i, sm)
         m0, n0, mi_c, ni_c = _consumer_tile(cfg, mi, ni, wg) if coop else (mi * tm, ni * tn, mi, ni)
         step_base = j * len(em.chunks)  # epilogue chunks this consumer did before
-        # The epilogue's tile loads stream in while the MMAs run.
-        pre = em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base)
+        # The epilogue's tile loads stream in while the MMAs run (the first ones from the tile
+        # before, with em.cross_tile).
+        pre = em.prefetch(m0, n0, load_refs, mine, barrier_base=wg * n_bar, step_base=step_base, carried=j > 0)
+        next_tile = None
+        if em.cross_tile:  # this consumer's next tile: i + 1 (cooperative) or i + 2 (ping-pong)
+            i_next = i + (1 if coop else 2)
+            mi_n, ni_n = ring.tile_origin(i_next, sm)
+            m0_n, n0_n = (_consumer_tile(cfg, mi_n, ni_n, wg)[:2] if coop else (mi_n * tm, ni_n * tn))
+            next_tile = (m0_n, n0_n, i_next < my_tiles)
         full_base = 0 if coop else wg * ring.stages
 
         if ring.turns:  # the other consumer's MMAs of the tile before are done (consumer 0 opens)
@@ -1427,7 +1457,7 @@ def _ring_consumer(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, sm, my_til
                 plgpu.barrier_arrive(st.mma_turn.at[1 - wg])
         with em.scope("epilogue"):
             em.emit(acc, m0, n0, mi_c, ni_c, lax.rem(j, 2), load_refs, out_refs, mine,
-                    barrier_base=wg * n_bar, step_base=step_base, prefetched=pre)
+                    barrier_base=wg * n_bar, step_base=step_base, prefetched=pre, next_tile=next_tile)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging dies with this scope
 

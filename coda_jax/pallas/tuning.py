@@ -137,6 +137,14 @@ class TuningConfig:
         with the sum in the kernel): in the 1B FP8 step it sped up the light dgrad with
         ``dgamma`` (K = 3072) and slowed the heavy one (K = 16384, which also writes two FP8
         layouts) (docs/fp8.md); the autotuner's ``*_col_tiles`` candidates time it per GEMM.
+      prefetch_next_tile: ring kernels (ping-pong, or ``delay_release=1``) with staged tile
+        loads: a consumer issues its next tile's first tile loads during this tile's last
+        chunks, into the slots those chunks' loads have freed (the chunk sequence and its slot
+        ring run on across tiles), instead of at the next tile's start. Its first chunks' loads
+        then no longer wait out a whole latency behind a short mainloop: what bounds an
+        epilogue pass (one K step of zero operands) and GEMMs with short K. Applies where a
+        tile has more chunks than loads in flight ahead (``epilogue_load_slots - 1``) and no
+        output is staged in place; elsewhere the kernel is unchanged.
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -166,6 +174,7 @@ class TuningConfig:
     fold_row_reductions: bool = False
     consumer_col_sums: bool = False
     col_sum_tiles: bool = False
+    prefetch_next_tile: bool = False
     approx_math: bool = False
 
     def __post_init__(self):
