@@ -35,7 +35,7 @@ from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
 from coda_jax.pallas.gemm_epilogue import plan_epilogue
 from coda_jax.pallas.lowering import PallasLowering, kernel_load_dtype, kernel_shape
 from coda_jax.pallas.tuned import config_fields, layout_name, loads_signature, parse_table, tables_disabled
-from coda_jax.pallas.tuning import CONFIG_TABLE, LEAN_EPILOGUE, TuningConfig, for_fp8_operands
+from coda_jax.pallas.tuning import CONFIG_TABLE, FP8_COL_SUM_CONFIG, LEAN_EPILOGUE, TuningConfig, for_fp8_operands
 
 _D = CONFIG_TABLE["default"]
 # Variants of the default that won on some GEMM of a training step on the H100
@@ -195,9 +195,7 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_sums": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, consumer_col_sums=True),
     "pingpong_minor_m_sums": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, grid_minor_dim="m",
                                                  consumer_col_sums=True),
-    "pingpong_minor_m_sums_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
-                                                      grid_minor_dim="m", consumer_col_sums=True,
-                                                      fp8_byte_transpose=True, fold_row_reductions=True),
+    "pingpong_minor_m_sums_lean": dataclasses.replace(_D, **FP8_COL_SUM_CONFIG),  # the FP8 heuristics' choice
     # The norm backward's dgamma as its summand tile on two consumers, with the three.
     "pingpong_col_tiles_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, col_sum_tiles=True,
                                                    **LEAN_EPILOGUE),
