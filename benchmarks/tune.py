@@ -347,9 +347,8 @@ def model_sweep(args, out: Path):
         at.write_table(table, out / name, merge=False)
         (out / "tune_model.json").write_text(json.dumps(rows, indent=1))
         for e in new["entries"]:
-            promoted = (f" promote_k={e['promote_k']}" if e.get("promote_k") else "") + \
-                (f" loads={e['loads']}" if e.get("loads") else "")
-            print(f"TUNED {spec} {e['program']:18s} {e['layout']} {e['m']}x{e['n']}x{e['k']}{promoted} {e['candidate']:18s} "
+            print(f"TUNED {spec} {e['program']:18s} {e['layout']} {e['m']}x{e['n']}x{e['k']}{at.key_suffix(e)} "
+                  f"{e['candidate']:18s} "
                   f"{e['ms']:.4f} ms vs heuristic {e['heuristic_ms']:.4f} ms "
                   f"({e['heuristic_ms'] / e['ms']:.3f}x)", flush=True)
 

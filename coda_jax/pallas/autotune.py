@@ -442,8 +442,7 @@ def tune_call(call: KernelCall, names: list[str] | None = None, iters: int = 20,
         except Exception as e:  # noqa: BLE001  (SMEM overflow, a lowering failure: record and go on)
             row["results"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         r = row["results"][name]
-        promoted = (f" promote_k={call.promote_k}" if call.promote_k else "") + (f" loads={sig}" if sig else "")
-        log(f"TUNE {row['program']:18s} {row['layout']} {m}x{n}x{k}{promoted} {name:18s} "
+        log(f"TUNE {row['program']:18s} {row['layout']} {m}x{n}x{k}{key_suffix(row)} {name:18s} "
             + (f"{r['ms']:.4f} ms (heuristic {row['heuristic_ms']:.4f})" if "ms" in r else r["error"][:120]))
     return row
 
@@ -477,6 +476,13 @@ def kernel_calls(fn: Callable, *args) -> list[KernelCall]:
     with tables_disabled(), record_kernel_calls() as calls:
         jax.eval_shape(fn, *args)
     return calls
+
+
+def key_suffix(row: dict[str, Any]) -> str:
+    """What besides program, layout and shape keys a measurement row or table entry, for logs:
+    ``" promote_k=512 loads=x:bfloat16"`` (each part only where set)."""
+    return ((f" promote_k={row['promote_k']}" if row.get("promote_k") else "")
+            + (f" loads={row['loads']}" if row.get("loads") else ""))
 
 
 def row_key(row: dict[str, Any]) -> tuple:
