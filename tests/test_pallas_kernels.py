@@ -858,8 +858,11 @@ def test_fp8_heuristic_takes_the_lean_ping_pong_kernel_for_quantizing_epilogues(
         return all(getattr(cfg, f) == v for f, v in fields.items())
 
     swiglu_dgrad = E.dequantized(programs.SWIGLU_DGRAD_Q8)
+    rope = E.dequantized(programs.rms_rope(32, None, False))
+    assert rope.name in FP8_PROGRAM_CONFIGS, rope.name
     for epi, (m, n, k), fields in [
             (swiglu_dgrad, (8192, 8192, 2048), FP8_PROGRAM_CONFIGS[swiglu_dgrad.name]),
+            (rope, (8192, 3072, 2048), FP8_PROGRAM_CONFIGS[rope.name]),  # no quantizing output
             (E.dequantized(programs.RESIDUAL_RMS_Q8), (8192, 2048, 2048), FP8_EPILOGUE_CONFIG),
             (E.dequantized(programs.rms_swiglu_q8(True)), (4096, 28672, 4096), FP8_EPILOGUE_CONFIG),
             (E.dequantized(programs.rms_dgrad_q8(True)), (8192, 2048, 3072), FP8_COL_SUM_CONFIG),  # dgamma + dxq
