@@ -17,7 +17,8 @@ calls and fusions (Triton's, cuDNN's) over FP8 operands); ``backend[:option=valu
 options in force while its step is traced (:func:`coda_jax.options.parse_overrides`, applied
 with :func:`coda_jax.options.options`, and ``fp8=true`` for ``LlamaConfig(fp8=Fp8Recipe())``
 (``fp8=current``: ``Fp8Recipe(scaling="current")``; with ``lm_head=true``: ``Fp8Recipe(lm_head=True)``;
-``promote_k=N``: ``Fp8Recipe(promote_k=N)``, also a ``plain_fp8`` setting; ``cutedsl:fp8=true,
+``promote_k=N``: ``Fp8Recipe(promote_k=N)``, also a ``plain_fp8`` setting; ``swiglu_input=e4m3``:
+``Fp8Recipe(swiglu_input="e4m3")``; ``cutedsl:fp8=true,
 fp8_kernel=true``: the CuTeDSL kernel's own FP8 path, where by default that backend hands its
 FP8 GEMMs to XLA), whose
 FP8 GEMM calls are checked as ``plain_fp8``'s; e.g. ``pallas:cross_entropy.save_logits=false``: the
@@ -65,7 +66,7 @@ from benchmarks.hlo_schedule import collective_windows, window_summary
 from benchmarks.plain_fp8_llama import IDIOMS, PlainFp8Llama, fp8_gemm_calls, fp8_gemm_kinds, gemm_call_targets
 from benchmarks.plain_llama import PlainLlama, shard_plain_state
 from coda_jax import partitioning, training
-from coda_jax.fp8 import Fp8Recipe
+from coda_jax.fp8 import SWIGLU_INPUTS, Fp8Recipe
 from coda_jax.layers import PRESETS, CodaLlama
 from coda_jax.options import OptionError, options, parse_overrides
 from coda_jax.sharding import batch_sharding, mesh_from_spec, shard_state
@@ -198,7 +199,11 @@ def parse_run(spec: str) -> RunSpec:
             model_args["lm_head"] = _flag(spec, "lm_head", items.pop("lm_head"))
         if "promote_k" in items:
             model_args["promote_k"] = _int_setting(spec, "promote_k", items.pop("promote_k"))
-    for key in ("lm_head", "promote_k"):
+        if "swiglu_input" in items:
+            model_args["swiglu_input"] = items.pop("swiglu_input")
+            if model_args["swiglu_input"] not in SWIGLU_INPUTS:
+                raise ValueError(f"run {spec!r}: swiglu_input must be one of {', '.join(SWIGLU_INPUTS)}")
+    for key in ("lm_head", "promote_k", "swiglu_input"):
         if key in items:
             raise ValueError(f"run {spec!r}: {key} is a setting of FP8 runs (plain_fp8, or fp8=true)")
     if "fp8_kernel" in items:  # CuteDslLowering(fp8_kernel=True): the CuTeDSL kernel's own FP8 path
@@ -395,8 +400,8 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         else:
             fp8 = run.model_args.get("fp8")
             recipe = Fp8Recipe(scaling=fp8, lm_head=run.model_args.get("lm_head", False),
-                               **({"promote_k": run.model_args["promote_k"]} if "promote_k" in run.model_args
-                                  else {})) if fp8 else None
+                               **{k: run.model_args[k] for k in ("promote_k", "swiglu_input") if k in run.model_args}
+                               ) if fp8 else None
             model = CodaLlama(cfg.replace(fp8=recipe) if fp8 else cfg, rngs=nnx.Rngs(0), backend=name)
         # FP8 GEMMs the compiled step should hold (checked against its HLO on a GPU): plain_fp8's,
         # or a CodaLlama FP8 block's 12 (forward, dgrad and wgrad of its four projections).

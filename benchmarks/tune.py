@@ -3,7 +3,7 @@
     python -m benchmarks.tune [--out DIR] [--mainloop] [--epilogue-sweep] [--plain] [--variants a,b]
     python -m benchmarks.tune --model 1b:8:1024 [--model 8b-4:4:1024] [--table PATH] [--out DIR]
 
-``--model preset[-layers]:batch:seq[:fp8]`` (repeatable; ``:fp8``: the step in FP8, ``:fp8-head``: with its LM head too; ``op:name:d`` for one fused op of the op
+``--model preset[-layers]:batch:seq[:fp8]`` (repeatable; ``:fp8``: the step in FP8, ``:fp8-head``: with its LM head too, ``:fp8-zq8``: with the SwiGLU input saved in e4m3; ``op:name:d`` for one fused op of the op
 benchmark, e.g. ``op:norm_matmul:2048``): autotunes every Pallas kernel call of
 that CodaLlama training step (:func:`coda_jax.pallas.autotune.autotune`: each call under the
 heuristic configuration and the candidates, outputs checked against the heuristic's, CUPTI
@@ -279,6 +279,10 @@ def op_step(spec: str):
     return timed_fwd_bwd(fn, argnums), (*args, random_cotangent(plain, args))
 
 
+# --model suffixes for a step in FP8: the Fp8Recipe fields each sets.
+FP8_MODEL_SUFFIXES = {":fp8": {}, ":fp8-head": {"lm_head": True}, ":fp8-zq8": {"swiglu_input": "e4m3"}}
+
+
 def model_step(spec: str):
     """``(train_step, (state, inputs, targets))`` of CodaLlama on Pallas for ``"1b:8:1024"``
     or ``"8b-4:4:1024"`` (preset[-layers]:batch:seq; ``"1b:8:1024:fp8"``: in FP8, ``":fp8-head"``: with
@@ -292,23 +296,23 @@ def model_step(spec: str):
     from coda_jax import training
     from coda_jax.layers import PRESETS, CodaLlama
 
-    # the step in FP8 (LlamaConfig.fp8): its FP8 kernel calls; ":fp8-head": the LM head's too
-    fp8 = spec.endswith((":fp8", ":fp8-head"))
-    head = spec.endswith(":fp8-head")
+    # the step in FP8 (LlamaConfig.fp8): its FP8 kernel calls; ":fp8-head": the LM head's too;
+    # ":fp8-zq8": the SwiGLU input saved in e4m3 (its own z-writing and z-reading programs)
+    suffix = next((s for s in FP8_MODEL_SUFFIXES if spec.endswith(s)), None)
     try:
-        preset_layers, batch, seq = spec.removesuffix(":fp8").removesuffix(":fp8-head").split(":")
+        preset_layers, batch, seq = (spec.removesuffix(suffix) if suffix else spec).split(":")
         preset, _, layers = preset_layers.partition("-")
         cfg = PRESETS[preset]()
         batch, seq = int(batch), int(seq)
     except (ValueError, KeyError) as e:
-        raise ValueError(f"--model {spec!r}: expected preset[-layers]:batch:seq[:fp8|:fp8-head] with a preset of "
+        raise ValueError(f"--model {spec!r}: expected preset[-layers]:batch:seq[{'|'.join(FP8_MODEL_SUFFIXES)}] with a preset of "
                          f"{sorted(PRESETS)}") from e
     if layers:
         cfg = cfg.replace(num_layers=int(layers))
-    if fp8:
+    if suffix:
         from coda_jax.fp8 import Fp8Recipe
 
-        cfg = cfg.replace(fp8=Fp8Recipe(lm_head=head))
+        cfg = cfg.replace(fp8=Fp8Recipe(**FP8_MODEL_SUFFIXES[suffix]))
 
     def build():
         model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="pallas")

@@ -32,7 +32,7 @@ from flax import nnx
 from coda_jax.epilogue import saturate_cast
 
 __all__ = ["E4M3", "E5M2", "Fp8Recipe", "Fp8Meta", "Fp8Tensor", "scale_from_history", "quantize",
-           "quantize_tensor", "next_history", "NONFINITE_POLICIES", "SCALINGS", "fp8_device_rule", "check_fp8_device"]
+           "quantize_tensor", "next_history", "NONFINITE_POLICIES", "SCALINGS", "SWIGLU_INPUTS", "fp8_device_rule", "check_fp8_device"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -41,6 +41,8 @@ E5M2 = jnp.dtype(jnp.float8_e5m2)
 NONFINITE_POLICIES = ("skip", "apply")
 # Where a tensor's scale comes from: its amax history, or its own amax.
 SCALINGS = ("delayed", "current")
+# How the SwiGLU input (the gate/up projection's output, which the SwiGLU backward reads) is saved.
+SWIGLU_INPUTS = ("compute", "e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,15 @@ class Fp8Recipe:
         the gate/up dgrad and the head's dgrad; the dgrads with K = d or the QKV width accumulate
         in the tensor core, where the error is below the e5m2 gradient's own rounding and
         promotion costs the fused kernels most: docs/fp8.md#accumulation).
+      swiglu_input: how the SwiGLU input ``z`` (the gate/up projection's output ``[M, 2F]``,
+        the widest activation of the block) is saved for the SwiGLU backward: ``"compute"``
+        (default) in the compute dtype; ``"e4m3"`` in e4m3 with a delayed per-tensor scale of
+        its own (one more amax history a block), written by the gate/up GEMM's epilogue beside
+        ``y`` and read back by the down projection's dgrad epilogue. Half the bytes that
+        forward GEMM writes and that backward GEMM reads for ``z``, and half its memory; the
+        forward's ``y`` still comes from the unrounded ``z`` (only the backward reads the
+        rounded one), as DeepSeek-V3 caches the SwiGLU input in FP8 (docs/fp8.md#recipe).
+        Needs ``scaling="delayed"``.
 
     Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its
     softmax and both of its GEMMs) and the norms stay in the compute dtype, and the LM head
@@ -92,6 +103,7 @@ class Fp8Recipe:
     lm_head: bool = False
     promote_k: int = 512
     promote_min_k: int = 8192
+    swiglu_input: str = "compute"
 
     def __post_init__(self):
         if not isinstance(self.history, int) or self.history < 1:
@@ -110,6 +122,11 @@ class Fp8Recipe:
                              f"float32 promotions of the backward GEMMs' accumulators), got {self.promote_k!r}")
         if not isinstance(self.promote_min_k, int) or isinstance(self.promote_min_k, bool) or self.promote_min_k < 0:
             raise ValueError(f"Fp8Recipe.promote_min_k must be a non-negative int, got {self.promote_min_k!r}")
+        if self.swiglu_input not in SWIGLU_INPUTS:
+            raise ValueError(f"Fp8Recipe.swiglu_input must be one of {SWIGLU_INPUTS}, got {self.swiglu_input!r}")
+        if self.swiglu_input != "compute" and self.scaling != "delayed":
+            raise ValueError(f"Fp8Recipe.swiglu_input={self.swiglu_input!r} needs scaling='delayed': the gate/up "
+                             f"GEMM writes z in FP8 from its epilogue, before a current scale of z could exist")
 
     def promotion(self, k: int) -> int:
         """The ``promote_k`` a backward GEMM of contraction size ``k`` runs with (0: none)."""

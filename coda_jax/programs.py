@@ -360,20 +360,26 @@ its transposed copy (the wgrad's operand) and amax."""
 
 
 @E.program_factory
-def rms_swiglu_q8(save_preactivation: bool) -> E.Epilogue:
+def rms_swiglu_q8(save_preactivation: bool, z_fp8: bool = False) -> E.Epilogue:
     """:func:`rms_swiglu` whose ``y`` (the down projection's operand) is written in e4m3 with
-    its transposed copy (the down projection's wgrad operand) and amax; ``z`` stays in the
-    compute dtype (the SwiGLU backward's load)."""
+    its transposed copy (the down projection's wgrad operand) and amax. ``z`` (the SwiGLU
+    backward's load, with ``save_preactivation``) in the compute dtype, or with ``z_fp8`` in
+    e4m3 at the scale load ``z_scale`` with its amax (no transposed copy: only
+    :data:`SWIGLU_DGRAD_ZQ8`'s epilogue reads it, row-major); ``y`` is computed from the
+    unrounded ``z`` either way."""
+    if z_fp8 and not save_preactivation:
+        raise ValueError("rms_swiglu_q8: z_fp8 stores the saved pre-activation; it needs save_preactivation")
     inner = rms_swiglu(save_preactivation)
 
-    def body(acc, ctx, rstd, y_scale):
+    def body(acc, ctx, rstd, y_scale, z_scale=None):
         return inner.body(acc, ctx, rstd)
 
+    z_out = E.fp8_out("z", _E4M3, scale="z_scale") if z_fp8 else E.tile_out("z")
     outputs = ((E.fp8_out("y", _E4M3, scale="y_scale", transpose=True, half=True),)
-               + ((E.tile_out("z"),) if save_preactivation else ()))
-    return E.Epilogue(name=f"rms_swiglu_q8{'_train' if save_preactivation else ''}",
-                      loads=(E.row("rstd"), E.scalar("y_scale")), outputs=outputs, body=body,
-                      pair_block=SWIGLU_BLOCK)
+               + ((z_out,) if save_preactivation else ()))
+    return E.Epilogue(name=f"rms_swiglu_q8{'_train' if save_preactivation else ''}{'_zq8' if z_fp8 else ''}",
+                      loads=(E.row("rstd"), E.scalar("y_scale")) + ((E.scalar("z_scale"),) if z_fp8 else ()),
+                      outputs=outputs, body=body, pair_block=SWIGLU_BLOCK)
 
 
 def _swiglu_dgrad_q8_body(acc, ctx, z, rstd, dz_scale):
@@ -390,6 +396,24 @@ SWIGLU_DGRAD_Q8 = E.Epilogue(
 )
 """:data:`SWIGLU_DGRAD` whose ``dz' = rstd * dz`` (the gate/up projection's dgrad and wgrad
 operand) is written in e5m2 with its transposed copy and amax."""
+
+
+def _swiglu_dgrad_zq8_body(acc, ctx, z, z_scale_inv, rstd, dz_scale):
+    # z saved in e4m3 (rms_swiglu_q8(True, True)): dequantized by its scale's inverse.
+    gate, up = (v.astype(jnp.float32) * z_scale_inv for v in z)
+    return _swiglu_dgrad_body(acc, ctx, (gate, up), rstd)
+
+
+SWIGLU_DGRAD_ZQ8 = E.Epilogue(
+    name="swiglu_dgrad_zq8",
+    loads=(E.tile("z"), E.scalar("z_scale_inv"), E.row("rstd"), E.scalar("dz_scale")),
+    outputs=(E.fp8_out("dz", _E5M2, scale="dz_scale", transpose=True), E.row_sum("zdz")),
+    body=_swiglu_dgrad_zq8_body,
+    pair_block=SWIGLU_BLOCK,
+    half_acc=True,
+)
+""":data:`SWIGLU_DGRAD_Q8` reading the saved ``z`` in e4m3 (``Fp8Recipe(swiglu_input="e4m3")``),
+``z_scale_inv`` its dequantizing factor: half the bytes of its largest load."""
 
 
 @E.program_factory

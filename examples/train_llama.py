@@ -51,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from coda_jax import partitioning
-from coda_jax.fp8 import SCALINGS, Fp8Recipe
+from coda_jax.fp8 import SCALINGS, SWIGLU_INPUTS, Fp8Recipe
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
 from coda_jax.layers.tensor_parallel import check_tensor_parallel, tensor_parallel_size
 from coda_jax.sharding import batch_from_rows, mesh_from_spec, shard_state, token_shards
@@ -129,6 +129,9 @@ def parse_args(argv=None):
                         "writes it in FP8) or from its own amax (current: a pass after the GEMM quantizes it)")
     p.add_argument("--fp8-lm-head", action="store_true",
                    help="with --fp8: the LM head's three GEMMs in FP8 too (Fp8Recipe(lm_head=True); docs/fp8.md#lm-head)")
+    p.add_argument("--fp8-swiglu-input", default="compute", choices=list(SWIGLU_INPUTS),
+                   help="with --fp8: how the SwiGLU input is saved for the backward (e4m3: half its bytes and "
+                        "memory; Fp8Recipe(swiglu_input=...); docs/fp8.md#the-recipe)")
     p.add_argument("--remat", default="none", choices=["none", "block"],
                    help="activation checkpointing: block = each block keeps only its input and recomputes its "
                         "forward in the backward (less memory, about a third more GEMM work)")
@@ -294,11 +297,12 @@ def device_memory_bytes() -> int | None:
 
 
 def fp8_recipe(args) -> Fp8Recipe | None:
-    """The run's FP8 recipe (``--fp8``, ``--fp8-scaling``, ``--fp8-lm-head``), or None; ``args`` may be an older
-    run's ``args.json`` without these flags."""
+    """The run's FP8 recipe (``--fp8``, ``--fp8-scaling``, ``--fp8-lm-head``, ``--fp8-swiglu-input``), or None;
+    ``args`` may be an older run's ``args.json`` without these flags."""
     if not getattr(args, "fp8", False):
         return None
-    return Fp8Recipe(scaling=getattr(args, "fp8_scaling", "delayed"), lm_head=getattr(args, "fp8_lm_head", False))
+    return Fp8Recipe(scaling=getattr(args, "fp8_scaling", "delayed"), lm_head=getattr(args, "fp8_lm_head", False),
+                     swiglu_input=getattr(args, "fp8_swiglu_input", "compute"))
 
 
 def make_config(args, vocab_size: int) -> LlamaConfig:

@@ -37,6 +37,8 @@ def abstract_loads(epi, m, n) -> dict:
         dt = (jnp.int32 if l.name == "target" else
               jnp.float32 if l.name == "prev" or l.kind is not LoadKind.TILE else jnp.bfloat16)
         out[l.name] = jax.ShapeDtypeStruct(shape, dt)
+    if "z_scale_inv" in out:  # z saved in e4m3 (programs.SWIGLU_DGRAD_ZQ8)
+        out["z"] = jax.ShapeDtypeStruct(out["z"].shape, jnp.float8_e4m3fn)
     return out
 
 

@@ -553,6 +553,22 @@ def test_extended_candidates_lower_for_cuda():
         assert "mosaic_gpu" in txt, name
 
 
+def test_tune_model_spec_fp8_zq8_tunes_the_z_programs(monkeypatch):
+    """``--model ...:fp8-zq8``: the step under ``Fp8Recipe(swiglu_input="e4m3")``, whose kernel
+    calls are the z-writing forward and the z-reading SwiGLU backward (the table keys them apart)."""
+    from benchmarks import tune
+
+    monkeypatch.setenv("CODA_JAX_PALLAS_INTERPRET", "1")
+    names = {c.epilogue.name for c in at.kernel_calls(*_flat(tune.model_step("1b-1:2:512:fp8-zq8")))}
+    assert {"rms_swiglu_q8_train_zq8_fp8", "swiglu_dgrad_zq8_fp8"} <= names, names
+    assert not {"rms_swiglu_q8_train_fp8", "swiglu_dgrad_q8_fp8"} & names, names
+
+
+def _flat(step_args):
+    fn, args = step_args
+    return (fn, *args)
+
+
 @pytest.mark.parametrize("spec", ["1b:8", "huge:8:1024", "1b:x:1024"])
 def test_tune_model_spec_errors_name_the_format(spec):
     from benchmarks import tune

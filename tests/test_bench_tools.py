@@ -365,6 +365,11 @@ def test_train_step_bench_run_specs():
     assert tsb.parse_run("pallas:fp8=true").model_args == {"fp8": "delayed"}
     assert tsb.parse_run("pallas:fp8=current").model_args == {"fp8": "current"}
     assert tsb.parse_run("pallas:fp8=false").model_args == {}
+    assert tsb.parse_run("pallas:fp8=true,swiglu_input=e4m3").model_args == {"fp8": "delayed", "swiglu_input": "e4m3"}
+    with pytest.raises(ValueError, match="swiglu_input must be one of compute, e4m3"):
+        tsb.parse_run("pallas:fp8=true,swiglu_input=e5m2")
+    with pytest.raises(ValueError, match="swiglu_input is a setting of FP8 runs"):
+        tsb.parse_run("pallas:swiglu_input=e4m3")
     assert tsb.parse_run("cutedsl:fp8=true,fp8_kernel=true").model_args == {"fp8": "delayed", "fp8_kernel": True}
     with pytest.raises(ValueError, match="fp8_kernel is a setting of cutedsl runs"):
         tsb.parse_run("pallas:fp8=true,fp8_kernel=true")

@@ -33,7 +33,7 @@ from coda_jax.fp8 import (E4M3, E5M2, Fp8Meta, Fp8Recipe, Fp8Tensor, next_histor
                           scale_from_history)
 from coda_jax.layers import CodaLlama, LlamaConfig
 from coda_jax.ops.fp8_gemm import fp8_gemm
-from coda_jax.ops.fp8_llama_block import TENSORS, BlockShape, Fp8Carry, fp8_llama_block
+from coda_jax.ops.fp8_llama_block import TENSORS, BlockShape, Fp8Carry, block_tensors, fp8_llama_block
 from coda_jax.ops.names import FP8_LLAMA_BLOCK
 from coda_jax.ops.norm_carry import NormCarry
 from coda_jax.ops.rms_norm_matmul_rope import rope_rotated_columns, rope_tables
@@ -43,7 +43,7 @@ from conftest import rel_err
 
 f32 = jnp.float32
 HI = lax.Precision.HIGHEST
-ROW = {name: i for i, name in enumerate(TENSORS)}
+ROW = {name: i for i, name in enumerate(block_tensors("e4m3"))}  # TENSORS, then z
 GRADS = ("dz_qkv", "dx1", "dz_gu", "dx2")  # e5m2 rows; the others e4m3
 
 
@@ -212,6 +212,43 @@ def test_swiglu_dgrad_q8_is_swiglu_dgrad_then_quantized():
     assert rel_err(dz, rstd[:, None] * dzb.reshape(m, -1)) < 1e-5
 
 
+def test_swiglu_input_in_e4m3_programs_on_the_reference():
+    """``Fp8Recipe(swiglu_input="e4m3")``'s two programs: the forward writes z quantized at its
+    own scale with its amax (and y as without it, from the unrounded z); the backward on that
+    e4m3 z equals :data:`SWIGLU_DGRAD_Q8` on z dequantized."""
+    m, k, f2 = 64, 96, 256
+    h, w = _rand(3, (m, k)), _rand(4, (k, f2), k ** -0.5)
+    rstd = jax.random.uniform(jax.random.key(5), (m,), f32, 0.5, 2.0)
+    plain = REFERENCE.gemm(programs.rms_swiglu_q8(True), h, w, {"rstd": rstd, "y_scale": jnp.float32(4.0)})
+    z = plain["z"]
+    s_z = scale_from_history(jnp.array([0.5 * float(jnp.max(jnp.abs(z)))], f32), E4M3)  # saturates some
+    got = REFERENCE.gemm(programs.rms_swiglu_q8(True, True), h, w,
+                         {"rstd": rstd, "y_scale": jnp.float32(4.0), "z_scale": s_z})
+    assert set(got) == {"y", "y_t", "y_amax", "z", "z_amax"}
+    np.testing.assert_array_equal(_bits(got["z"]), _bits(quantize(z, s_z, E4M3)))
+    assert float(jnp.max(got["z_amax"])) == float(jnp.max(jnp.abs(z)))
+    np.testing.assert_array_equal(_bits(got["y"]), _bits(plain["y"]))
+    # backward
+    fh = f2 // 2
+    dout, wd = _rand(6, (m, k)), _rand(7, (fh, k), k ** -0.5)
+    zq = got["z"]
+    loads = {"rstd": rstd, "dz_scale": jnp.float32(2.0)}
+    want = REFERENCE.gemm(programs.SWIGLU_DGRAD_Q8, dout, wd, {"z": zq.astype(f32) / s_z, **loads}, transpose_b=True)
+    back = REFERENCE.gemm(programs.SWIGLU_DGRAD_ZQ8, dout, wd, {"z": zq, "z_scale_inv": 1.0 / s_z, **loads},
+                          transpose_b=True)
+    for name in ("dz", "dz_t"):
+        np.testing.assert_array_equal(_bits(back[name]), _bits(want[name]))
+    np.testing.assert_allclose(back["zdz"], want["zdz"], rtol=1e-6)
+
+
+def test_recipe_swiglu_input_is_checked():
+    assert Fp8Recipe(swiglu_input="e4m3").swiglu_input == "e4m3"
+    with pytest.raises(ValueError, match="Fp8Recipe.swiglu_input must be one of"):
+        Fp8Recipe(swiglu_input="e5m2")
+    with pytest.raises(ValueError, match="swiglu_input='e4m3' needs scaling='delayed'"):
+        Fp8Recipe(swiglu_input="e4m3", scaling="current")
+
+
 def rope_grad_inputs(m, heads, kv_heads, half, seed, parts=False):
     """Random ``dqkv`` and ``qkv`` ``[m, (heads + 2 kv_heads) * 2 half]`` (bf16) and the pass's
     other loads; with ``parts`` the two tile loads as their Q, K, V column parts (as the block
@@ -347,6 +384,33 @@ def _naive_attention(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v, precision=HI)
 
 
+def _swiglu_pairs(zg):
+    return jax.nn.silu(zg[:, :, 0]) * zg[:, :, 1]
+
+
+@jax.custom_vjp
+def swiglu_saved_fp8(r, acc, scale):
+    """``y = SwiGLU(z)``, ``z = r * acc`` (``r [m, 1, 1, 1]`` the norm's 1/rms, ``acc`` the gate/up
+    GEMM in 64-column gate/up blocks ``[m, F/64, 2, 64]``), whose backward reads ``z`` only as
+    saved in e4m3 (``Fp8Recipe(swiglu_input="e4m3")``): the SwiGLU gradient and the norm's row
+    term ``sum(z * dz)`` both from the rounded ``z``; the forward from the unrounded one."""
+    return _swiglu_pairs(r * acc)
+
+
+def _swiglu_saved_fp8_fwd(r, acc, scale):
+    z = r * acc
+    return _swiglu_pairs(z), (r, _fake_quant(z, scale, E4M3), scale)
+
+
+def _swiglu_saved_fp8_bwd(res, g):
+    r, zq, scale = res
+    dz = jax.vjp(_swiglu_pairs, zq)[1](g)[0]
+    return jnp.sum(dz * zq, axis=(1, 2, 3), keepdims=True) / r, dz * r, jnp.zeros_like(scale)
+
+
+swiglu_saved_fp8.defvjp(_swiglu_saved_fp8_fwd, _swiglu_saved_fp8_bwd)
+
+
 def naive_block(st, x, p, qk_w, cos, sin, next_norm, scales, probes, h_scale, quant=True):
     """A Llama block in float32 with fake quantization where fp8_llama_block quantizes.
 
@@ -382,9 +446,13 @@ def naive_block(st, x, p, qk_w, cos, sin, next_norm, scales, probes, h_scale, qu
     x1 = x + G(_mm(Q(o, "o"), Q(p["w_o"], "w_o")), "dx1")
     # MLP half
     h1 = x1 * p["mlp_norm"]
-    zg = rms(x1) * G(_mm(Q(h1, "h1"), Q(p["w_gu"], "w_gu")), "dz_gu")
-    zg = zg.reshape(m, -1, 2, 64)  # gate/up in 64-column blocks
-    y = (jax.nn.silu(zg[:, :, 0]) * zg[:, :, 1]).reshape(m, -1)
+    acc1 = G(_mm(Q(h1, "h1"), Q(p["w_gu"], "w_gu")), "dz_gu").reshape(m, -1, 2, 64)  # 64-column gate/up blocks
+    if quant and st.swiglu_input == "e4m3":  # y from z, its backward from z in e4m3
+        r1 = rms(x1)[:, :, None, None]
+        y = swiglu_saved_fp8(r1, acc1, scales["z"]).reshape(m, -1)
+        amax["z"] = jnp.max(jnp.abs(r1 * acc1))
+    else:
+        y = _swiglu_pairs(rms(x1)[:, :, None, None] * acc1).reshape(m, -1)
     x2 = x1 + G(_mm(Q(y, "y"), Q(p["w_down"], "w_down")), "dx2")
     amax.update({name: jnp.max(jnp.abs(p[name])) for name in ("w_qkv", "w_o", "w_gu", "w_down")})
     amax.update(o=jnp.max(jnp.abs(o)), h1=jnp.max(jnp.abs(h1)), y=jnp.max(jnp.abs(y)),
@@ -436,12 +504,13 @@ def _histories(amax, hist: int, key: int) -> jax.Array:
     """Realistic histories ``[13, hist]``: this step's ``amax`` per row times factors in [0.7,
     1.3] (some rows' max lies below the amax: their largest values saturate). Rows with no
     amax (not read by the block) get random values."""
-    u = jax.random.uniform(jax.random.key(key), (len(TENSORS), hist), f32, 0.7, 1.3)
+    u = jax.random.uniform(jax.random.key(key), (amax.shape[0], hist), f32, 0.7, 1.3)
     return jnp.where(amax[:, None] > 0, amax[:, None] * u, u)
 
 
-def _meta_rows_used(carry_in: bool, carry_out: str):
-    return [n for n in TENSORS if not (n == "h_in" and carry_in) and not (n == "h_out" and carry_out != "fp8")]
+def _meta_rows_used(carry_in: bool, carry_out: str, swiglu_input: str = "compute"):
+    return [n for n in block_tensors(swiglu_input)
+            if not (n == "h_in" and carry_in) and not (n == "h_out" and carry_out != "fp8")]
 
 
 def _naive_chain(c, st1, st2, probes, margin):
@@ -449,7 +518,7 @@ def _naive_chain(c, st1, st2, probes, margin):
     the histories it is given) and ``naive_run``: both blocks' outputs, gradients and amaxes on
     the FP8 chain's own inputs and cotangents."""
     def scales_of(meta):
-        return {n: scale_from_history(meta[ROW[n]], _row_dtype(n), margin) for n in TENSORS}
+        return {n: scale_from_history(meta[ROW[n]], _row_dtype(n), margin) for n in block_tensors(st1.swiglu_input)}
 
     def block1(x, p, aux, pr, sc, quant=True):
         return naive_block(st1, x, p, aux.get("qk_w"), aux["cos"], aux["sin"], c["p2"]["attn_norm"], sc[0], pr,
@@ -473,8 +542,9 @@ def _naive_chain(c, st1, st2, probes, margin):
     return block1, block2, naive_run
 
 
-@pytest.mark.parametrize("qk_norm,margin", [(False, 0), (True, 1)], ids=["plain", "qknorm_margin1"])
-def test_fp8_block_chain_matches_naive_fake_quant(qk_norm, margin):
+@pytest.mark.parametrize("qk_norm,margin,swiglu_input", [(False, 0, "compute"), (True, 1, "compute"), (False, 0, "e4m3")],
+                         ids=["plain", "qknorm_margin1", "swiglu_input_e4m3"])
+def test_fp8_block_chain_matches_naive_fake_quant(qk_norm, margin, swiglu_input):
     """Two FP8 blocks (FP8 carry between them, compute-dtype carry out of the second) against
     :func:`naive_block`: outputs, carries, every parameter / input gradient and the histories'
     gradients. Each block is compared on the same inputs and output cotangent as the FP8 one
@@ -484,18 +554,20 @@ def test_fp8_block_chain_matches_naive_fake_quant(qk_norm, margin):
     Then each history row of one block in turn is cut to 1/8 of its amax (the tensor's largest
     values saturate): FP8 and the naive block must still agree, and the result must move. A
     scale off by a power of two moves no FP8 rounding boundary (only saturation and underflow
-    tell), so this is what shows a tensor quantized with another row's scale."""
+    tell), so this is what shows a tensor quantized with another row's scale.
+    ``swiglu_input="e4m3"``: the SwiGLU backward reads z in e4m3 at its own row's scale."""
     c = _block_setup(qk_norm)
     b, s, nh, nkv, hd = c["dims"]
     m, d = c["x"].shape
     qk_eps = 1e-6 if qk_norm else None
-    st1 = BlockShape(b, s, nh, nkv, hd, 1e-5, qk_eps, None, margin, "fp8")
-    st2 = BlockShape(b, s, nh, nkv, hd, 1e-5, qk_eps, None, margin, "norm")
+    st1 = BlockShape(b, s, nh, nkv, hd, 1e-5, qk_eps, None, margin, "fp8", swiglu_input=swiglu_input)
+    st2 = BlockShape(b, s, nh, nkv, hd, 1e-5, qk_eps, None, margin, "norm", swiglu_input=swiglu_input)
     lw = lowering_for(FP8_LLAMA_BLOCK, "xla")
     args = (c["x"], c["p1"], c["p2"], c["aux1"], c["aux2"], c["final"])
     hist = 4
+    rows = block_tensors(swiglu_input)
     fp8_run = jax.jit(lambda *a: _fp8_chain(lw, st1, st2, *a, c["r"]))
-    zeros = jnp.zeros((len(TENSORS), hist), f32)
+    zeros = jnp.zeros((len(rows), hist), f32)
     g0 = fp8_run(*args, zeros, zeros)  # one step from scale 1: this step's amaxes
     meta1 = _histories(g0["dmeta1"][:, 0], hist, 7)
     meta2 = _histories(g0["dmeta2"][:, 0], hist, 8)  # its unread rows (h_in, h_out) get random values
@@ -557,8 +629,8 @@ def test_fp8_block_chain_matches_naive_fake_quant(qk_norm, margin):
     # The histories' gradients: this step's amax first, the rest shifted; rows not read are zero.
     checks = ((got["dmeta1"], meta1, want["amax1"]), (got["dmeta2"], meta2, want["amax2"]))
     for blk, (gm, mt, amax) in enumerate(checks):
-        used = _meta_rows_used(blk == 1, (st1, st2)[blk].carry_out)
-        for name in TENSORS:
+        used = _meta_rows_used(blk == 1, (st1, st2)[blk].carry_out, swiglu_input)
+        for name in rows:
             i, where = ROW[name], f"block {blk + 1} row {name}"
             if name not in used:
                 np.testing.assert_array_equal(gm[i], 0.0, err_msg=where)
@@ -579,7 +651,7 @@ def test_fp8_block_chain_matches_naive_fake_quant(qk_norm, margin):
     # One row at a time saturating its tensor.
     worst = 0.0
     for blk in ((1,) if qk_norm else (0,)):  # block 1's rows in one case, block 2's in the other
-        for name in _meta_rows_used(blk == 1, (st1, st2)[blk].carry_out):
+        for name in _meta_rows_used(blk == 1, (st1, st2)[blk].carry_out, swiglu_input):
             cut = [meta1, meta2]
             cut[blk] = cut[blk].at[ROW[name]].multiply(0.125)
             g = fp8_run(*args, *cut)
@@ -748,8 +820,7 @@ def fp8_model_step_against_xla(backend: str, cfg: LlamaConfig, tokens: jax.Array
     through the FP8 carry, which the kernels' QKV dgrad epilogue writes. Bounds: the loss 1e-2;
     gradients 0.25 (bf16 values that another backend rounds differently cross e5m2's 25 %
     steps); the weights' amaxes equal, the activations' 3e-2, the gradients' 0.25."""
-    from coda_jax.ops.fp8_llama_block import TENSORS
-
+    rows = block_tensors(cfg.fp8.swiglu_input)
     wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
 
     def step(name, state):
@@ -770,7 +841,9 @@ def fp8_model_step_against_xla(backend: str, cfg: LlamaConfig, tokens: jax.Array
         assert rel_err(a, b) < 0.25, (jax.tree_util.keystr(path), rel_err(a, b))
     for a, b in zip(jax.tree.leaves(got[1].filter(Fp8Meta)), jax.tree.leaves(want[1].filter(Fp8Meta))):
         a, b = np.asarray(a), np.asarray(b)
-        for name, x, y in zip(TENSORS, a[:, 0], b[:, 0]):
+        if a.shape[0] == len(rows) and "z" in rows:  # a block's, z saved in e4m3: its amax recorded
+            assert b[rows.index("z"), 0] > 0
+        for name, x, y in zip(rows, a[:, 0], b[:, 0]):
             if name.startswith("w_"):
                 assert x == y, (name, x, y)
             elif y > 0:
@@ -780,15 +853,18 @@ def fp8_model_step_against_xla(backend: str, cfg: LlamaConfig, tokens: jax.Array
                 assert x == 0, (name, x)  # a row the block does not record
 
 
-def test_fp8_model_step_on_pallas_matches_xla():
+@pytest.mark.parametrize("swiglu_input", ["compute", "e4m3"])
+def test_fp8_model_step_on_pallas_matches_xla(swiglu_input):
     """Two FP8 layers on the Pallas kernels in the GPU interpreter (every FP8 GEMM, the
     quantizing passes, the QKV dgrad that writes block 1's output gradient in e5m2) against
-    the ``xla`` backend: :func:`fp8_model_step_against_xla`."""
+    the ``xla`` backend: :func:`fp8_model_step_against_xla`. ``swiglu_input="e4m3"``: the
+    SwiGLU input saved in e4m3 (the z-writing and z-reading programs on the kernel)."""
     from coda_jax.pallas import interpret_mode
     from coda_jax.pallas.kernel_calls import record_kernel_calls
 
     cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
-                           num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16, fp8=Fp8Recipe(history=4))
+                           num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                           fp8=Fp8Recipe(history=4, swiglu_input=swiglu_input))
     tokens = jax.random.randint(jax.random.key(5), (2, 65), 0, cfg.vocab_size)
     calls = []
 
@@ -802,6 +878,8 @@ def test_fp8_model_step_on_pallas_matches_xla():
     names = {c.epilogue.name for c in calls}
     # o, the last dx2, dqkv, the first block's h
     assert {"quantize_e4m3", "quantize_e5m2", "rope_grad_q8", "rms_input_q8"} <= names, names
+    zq8 = {"rms_swiglu_q8_train_zq8_fp8", "swiglu_dgrad_zq8_fp8"}
+    assert (zq8 <= names) if swiglu_input == "e4m3" else not (zq8 & names), names
     # The weights' FP8 copies come from epilogue passes over the float32 parameters.
     weights = {dict(c.loads)["x"].shape for c in calls
                if c.epilogue.name == "quantize_e4m3" and dict(c.loads)["x"].dtype == jnp.float32}

@@ -88,6 +88,9 @@ def test_pair_outputs_on_gpu(config):
 def test_swiglu_q8_programs_on_gpu():
     _run(E.dequantized(programs.rms_swiglu_q8(True)), 2048, 4096, 1024, out_dtypes={"z": BF16}, seed=26)
     _run(programs.SWIGLU_DGRAD_Q8, 2048, 2048, 1024, transpose_b=True, dtypes=(BF16, BF16), seed=27)
+    # Fp8Recipe(swiglu_input="e4m3"): z written and read back in e4m3
+    _run(E.dequantized(programs.rms_swiglu_q8(True, True)), 2048, 4096, 1024, seed=29)
+    _run(E.dequantized(programs.SWIGLU_DGRAD_ZQ8), 2048, 2048, 1024, dtypes=(E5M2, E4M3), seed=30)
     _run(E.dequantized(programs.rms_dgrad_q8(True)), 2048, 2048, 1024, out_dtypes=None, seed=28)
 
 

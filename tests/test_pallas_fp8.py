@@ -43,7 +43,8 @@ from coda_jax.epilogue import FP8_DTYPES, LoadKind, OutputKind
 from coda_jax.pallas import interpret_mode
 from coda_jax.pallas.gemm_epilogue import KernelShape, _chunks, plan_kernel
 from coda_jax.pallas.lowering import PallasLowering
-from coda_jax.pallas.tuning import CONFIG_TABLE, LEAN_EPILOGUE, TuningConfig, for_fp8_operands
+from coda_jax.pallas.tuning import (CONFIG_TABLE, FP8_EPILOGUE_CONFIG, FP8_PROGRAM_CONFIGS, LEAN_EPILOGUE, TuningConfig,
+                                    for_fp8_operands)
 from coda_jax.reference import REFERENCE, xla_backend_lowering
 from op_cases import PASS_PROGRAMS, abstract_loads, rel_err
 from test_pallas_kernels import PINGPONG, RING, SMALL, WS, WS_N, _loads
@@ -131,6 +132,9 @@ def _fp8_loads(epi, m, n, seed):
             loads[l.name] = jnp.float32(0.0371 if l.name == "acc_scale" else 1.0)
         elif l.name.startswith("ones_"):
             loads[l.name] = jnp.ones(loads[l.name].shape, F32)
+    if "z_scale_inv" in loads:  # z saved in e4m3 (programs.SWIGLU_DGRAD_ZQ8) at scale 8
+        loads["z"] = (loads["z"].astype(F32) * 8.0).astype(E4M3)
+        loads["z_scale_inv"] = jnp.float32(0.125)
     return loads
 
 
@@ -356,6 +360,29 @@ def test_quantizing_swiglu_forward_on_fp8_operands():
              seed=10)
 
 
+@pytest.mark.parametrize("config", [SMALL8, dataclasses.replace(PINGPONG8, **FP8_EPILOGUE_CONFIG)],
+                         ids=["single", "pingpong_lean"])
+def test_swiglu_forward_saves_z_in_e4m3(config):
+    # Fp8Recipe(swiglu_input="e4m3"): z (full width, gate/up blocks) in e4m3 at its own scale
+    # with its amax and no copy, beside y (half width, e4m3 with copy and amax).
+    epi = E.dequantized(programs.rms_swiglu_q8(True, True))
+    assert epi.output("z").quantize == E.Quantize("z_scale", transpose=False, amax=True)
+    _compare(epi, 100, 256, 200, config=config, seed=12)
+
+
+@pytest.mark.parametrize("config", [SMALL8, dataclasses.replace(PINGPONG8, **FP8_PROGRAM_CONFIGS["swiglu_dgrad_zq8_fp8"])],
+                         ids=["single", "heuristic_pingpong"])
+def test_swiglu_backward_reads_z_in_e4m3(config):
+    # The SwiGLU backward whose tile load z is e4m3 (dequantized by z_scale_inv in the body):
+    # dz' in e5m2 with copy and amax, and the norm's row term, against the reference.
+    _compare(E.dequantized(programs.SWIGLU_DGRAD_ZQ8), 200, 192, 130, dtypes=(E5M2, E4M3), config=config, seed=13)
+
+
+def test_rms_swiglu_q8_z_fp8_needs_the_saved_preactivation():
+    with pytest.raises(ValueError, match="z_fp8 stores the saved pre-activation"):
+        programs.rms_swiglu_q8(False, True)
+
+
 # ---------------------------------------------------------------- fp8_rule ---------
 def _rule(epi, ta, tb, dtypes=(E4M3, E4M3)):
     a = jnp.zeros((128, 64) if ta else (64, 128), dtypes[0])
@@ -426,6 +453,13 @@ LOWERED = [
     ("rms_dgrad_res_q8_dgamma_fp8", E.dequantized(programs.rms_dgrad_q8(True)), (E5M2, E4M3),
      dataclasses.replace(CONFIG_TABLE["default"], col_sum_tiles=True)),
     ("swiglu_dgrad_q8_unquantized_fp8", UNQUANTIZED["swiglu_dgrad_q8"], (E5M2, E4M3), CONFIG_TABLE["default"]),
+    # Fp8Recipe(swiglu_input="e4m3"): z written in e4m3 by the forward, read as an e4m3 tile load
+    ("rms_swiglu_q8_train_zq8_fp8_pingpong_lean", E.dequantized(programs.rms_swiglu_q8(True, True)),
+     (E4M3, E4M3), dataclasses.replace(CONFIG_TABLE["default"], **FP8_EPILOGUE_CONFIG)),
+    ("swiglu_dgrad_zq8_fp8_heuristic", E.dequantized(programs.SWIGLU_DGRAD_ZQ8), (E5M2, E4M3),
+     dataclasses.replace(CONFIG_TABLE["default"], **FP8_PROGRAM_CONFIGS["swiglu_dgrad_zq8_fp8"])),
+    ("swiglu_dgrad_zq8_fp8_cooperative", E.dequantized(programs.SWIGLU_DGRAD_ZQ8), (E5M2, E4M3),
+     CONFIG_TABLE["default"]),
     # the FP8 LM head (Fp8Recipe(lm_head=True)): the logits GEMM with its online LSE, the
     # recompute path's CE-gradient GEMM and the accumulating dgrad
     ("rms_lse_logits_fp8", E.dequantized(programs.RMS_LSE_LOGITS), (E4M3, E4M3), CONFIG_TABLE["default"]),
@@ -540,6 +574,7 @@ def _shipped_fp8_configs():
     from test_pallas_kernels import CASES
 
     inner = [c[0] for c in CASES] + [programs.RMS_LSE_LOGITS, programs.RESIDUAL_RMS_Q8, programs.rms_swiglu_q8(True), programs.SWIGLU_DGRAD_Q8,
+                                     programs.rms_swiglu_q8(True, True), programs.SWIGLU_DGRAD_ZQ8,
                                      programs.rms_dgrad_q8(True), programs.rms_dgrad_q8(False),
                                      programs.rms_dgrad(True, True)]
     seen = {}

@@ -12,7 +12,7 @@ from coda_jax.layers.config import LlamaConfig
 from coda_jax.layers.tensor_parallel import tensor_parallel_block, tensor_parallel_size
 from coda_jax.backend import lowering_for
 from coda_jax.fp8 import Fp8Meta, Fp8Tensor, check_fp8_device
-from coda_jax.ops.fp8_llama_block import TENSORS as FP8_TENSORS
+from coda_jax.ops.fp8_llama_block import block_tensors as fp8_block_tensors
 from coda_jax.ops.fp8_llama_block import BlockShape as Fp8BlockShape
 from coda_jax.ops.fp8_llama_block import Fp8Carry, fp8_llama_block
 from coda_jax.ops.matmul_residual_rms import matmul_residual_rms
@@ -87,12 +87,13 @@ class CodaLlamaBlock(nnx.Module):
             self.q_norm = p(jnp.ones((hd,), pd), ("head_dim",))
             self.k_norm = p(jnp.ones((hd,), pd), ("head_dim",))
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(hd, c.rope_theta, c.rope_scaling)))
-        # FP8 (config.fp8): one amax history per quantized tensor (coda_jax.ops.fp8_llama_block.TENSORS).
+        # FP8 (config.fp8): one amax history per quantized tensor (coda_jax.ops.fp8_llama_block.block_tensors).
         # fp8_carry_out: whether the carry this block writes is read by another FP8 block (the
         # model's last block writes a compute-dtype carry for the LM head).
         self.fp8_carry_out = True
         if c.fp8 is not None:
-            self.fp8_meta = Fp8Meta(jnp.zeros((len(FP8_TENSORS), c.fp8.history), jnp.float32))
+            self.fp8_meta = Fp8Meta(jnp.zeros((len(fp8_block_tensors(c.fp8.swiglu_input)), c.fp8.history),
+                                              jnp.float32))
 
     def _param(self, name: str, dtype=None, whole: bool = True) -> jax.Array:
         """Parameter ``name`` as the layer uses it: cast to ``dtype`` (before any gather: half
@@ -174,7 +175,8 @@ class CodaLlamaBlock(nnx.Module):
         shape = Fp8BlockShape(b, s, c.num_heads, c.num_kv_heads, hd, float(c.rms_norm_eps),
                               float(c.qk_norm_eps) if c.qk_norm else None, c.attention_implementation,
                               c.fp8.margin, carry_out, c.fp8.scaling, c.fp8.promote_k,
-                              c.fp8.promote_min_k, splits, grad_carry=grad_through_carry and carry_out == "fp8")
+                              c.fp8.promote_min_k, splits, grad_carry=grad_through_carry and carry_out == "fp8",
+                              swiglu_input=c.fp8.swiglu_input)
         lowering = xla_backend_lowering() if tensor_parallel else lowering_for(FP8_LLAMA_BLOCK, self.backend)
 
         def block(x, params, aux, meta, carry, next_norm):

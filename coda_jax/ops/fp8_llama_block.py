@@ -40,7 +40,13 @@ gate/up dgrad) promote their FP8 accumulators to float32 every ``Fp8Recipe.promo
 (:func:`coda_jax.ops.fp8_gemm.backward_gemm`; docs/fp8.md#accumulation).
 
 Recipe state: ``meta [len(TENSORS), history]`` float32, one amax history per quantized tensor
-(:data:`TENSORS`); the op's gradient for ``meta`` is its next value (:mod:`coda_jax.fp8`).
+(:data:`TENSORS`; one more, the SwiGLU input's, under ``BlockShape.swiglu_input == "e4m3"``:
+:func:`block_tensors`); the op's gradient for ``meta`` is its next value (:mod:`coda_jax.fp8`).
+
+``Fp8Recipe(swiglu_input="e4m3")`` (``BlockShape.swiglu_input``): the gate/up GEMM also writes
+the SwiGLU input ``z`` in e4m3 with its amax (no transposed copy), and the down dgrad's
+epilogue reads it back (:data:`coda_jax.programs.SWIGLU_DGRAD_ZQ8`); ``y`` is still computed
+from the unrounded ``z``.
 Under current scaling (``BlockShape.scaling``) no scale is known before its tensor exists: each
 quantizing GEMM above runs its program unquantized and a pass quantizes the tensor with the
 scale of its own amax (:func:`_quantizing`).
@@ -66,9 +72,17 @@ from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
 from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
 from coda_jax.sharding import gathered_from_split, reshape_tokens, typed_like
 
-# The quantized tensors of one block, in the order of the rows of its ``meta``.
+# The quantized tensors of one block, in the order of the rows of its ``meta``; with
+# Fp8Recipe(swiglu_input="e4m3") one more row, the saved SwiGLU input z's (block_tensors).
 TENSORS = ("h_in", "w_qkv", "o", "w_o", "h1", "w_gu", "y", "w_down", "h_out", "dz_qkv", "dx1", "dz_gu", "dx2")
-_ROW = {name: i for i, name in enumerate(TENSORS)}
+SWIGLU_INPUT = "z"
+_ROW = {name: i for i, name in enumerate(TENSORS + (SWIGLU_INPUT,))}
+
+
+def block_tensors(swiglu_input: str = "compute") -> tuple[str, ...]:
+    """The rows of a block's ``meta`` under ``Fp8Recipe(swiglu_input=...)``: :data:`TENSORS`,
+    and :data:`SWIGLU_INPUT` last where ``z`` is saved in e4m3."""
+    return TENSORS + ((SWIGLU_INPUT,) if swiglu_input == "e4m3" else ())
 _GRADS = ("dz_qkv", "dx1", "dz_gu", "dx2")  # e5m2; the others e4m3
 
 
@@ -113,6 +127,7 @@ class BlockShape:
     # reads the carry is the only reader of x_out (CodaLlama's loop; see Fp8Carry.grad_scale).
     # Needs carry_out == "fp8"; under current scaling (no scale before the tensor) it does nothing.
     grad_carry: bool = False
+    swiglu_input: str = "compute"  # Fp8Recipe.swiglu_input: "e4m3" saves z in e4m3 (needs delayed scaling)
 
     @property
     def grad_from_carry(self) -> bool:
@@ -238,8 +253,17 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
     x1, sumsq1 = r1["x"], r1["sumsq"]
     rstd1 = rstd_from_partials(sumsq1, d, st.eps)
     w_gu, amax["w_gu"] = _quantize_weight(lw, meta, "w_gu", params["w_gu"], st)
-    g, y = _quantizing(st, meta, amax, "y", lambda p, l, od: fp8_gemm(lw, p, h1, w_gu, l, out_dtypes={"z": dt, **od}),
-                       programs.rms_swiglu_q8(True), {"rstd": rstd1}, "y", dt)
+    # z for the SwiGLU backward: in the compute dtype, or in e4m3 from the same epilogue.
+    z_fp8 = st.swiglu_input == "e4m3"
+    z_load = {"z_scale": _scale(meta, SWIGLU_INPUT, st.margin)} if z_fp8 else {}
+    g, y = _quantizing(st, meta, amax, "y",
+                       lambda p, l, od: fp8_gemm(lw, p, h1, w_gu, l, out_dtypes={**({} if z_fp8 else {"z": dt}), **od}),
+                       programs.rms_swiglu_q8(True, z_fp8), {"rstd": rstd1, **z_load}, "y", dt)
+    if z_fp8:
+        amax[SWIGLU_INPUT] = jnp.max(g["z_amax"])
+        z_saved = Fp8Tensor(g["z"], None, 1.0 / z_load["z_scale"])
+    else:
+        z_saved = g["z"]
     w_down, amax["w_down"] = _quantize_weight(lw, meta, "w_down", params["w_down"], st)
     if st.carry_out == "fp8":
         r2, h_out = _quantizing(st, meta, amax, "h_out",
@@ -257,7 +281,7 @@ def _forward(lw: GemmLowering, st: BlockShape, x, params, next_norm, carry, aux,
     saved = dict(x=x, x1=x1, h_t=Fp8Tensor(None, h.data_t, h.scale_inv), rstd=rstd, rstd1=rstd1,
                  qkv=(q, k, v), z_qk=qkv_out.get("z"), attn_vjp=attn_vjp,
                  o_t=Fp8Tensor(None, o.data_t, o.scale_inv), h1_t=Fp8Tensor(None, h1.data_t, h1.scale_inv),
-                 y_t=Fp8Tensor(None, y.data_t, y.scale_inv), z=g["z"],
+                 y_t=Fp8Tensor(None, y.data_t, y.scale_inv), z=z_saved,
                  w_qkv=Fp8Tensor(w_qkv.data, None, w_qkv.scale_inv), w_o=Fp8Tensor(w_o.data, None, w_o.scale_inv),
                  w_gu=Fp8Tensor(w_gu.data, None, w_gu.scale_inv),
                  w_down=Fp8Tensor(w_down.data, None, w_down.scale_inv), amax=amax,
@@ -277,9 +301,12 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2, d
     amax = dict(saved["amax"])
     # MLP: dx2 in e5m2, written by the next block's QKV dgrad, or here by a standalone pass.
     g2, amax["dx2"] = dx2_q if dx2_q is not None else _quantize_pass(lw, st, meta, "dx2", dx2)
+    z = saved["z"]
+    program, z_loads = ((programs.SWIGLU_DGRAD_ZQ8, {"z": z.data, "z_scale_inv": z.scale_inv})
+                        if isinstance(z, Fp8Tensor) else (programs.SWIGLU_DGRAD_Q8, {"z": z}))
     sd, dz = _quantizing(st, meta, amax, "dz_gu",
                          lambda p, l, od: bw_gemm(lw, p, g2, saved["w_down"].T, l, out_dtypes=od or None),
-                         programs.SWIGLU_DGRAD_Q8, {"z": saved["z"], "rstd": saved["rstd1"]}, "dz", dt)
+                         program, {**z_loads, "rstd": saved["rstd1"]}, "dz", dt)
     dw_down = bw_gemm(lw, programs.IDENTITY, saved["y_t"].T, g2, {}, out_dtypes={"out": dt},
                       contracts_tokens=True)["out"]
     zdz = jnp.sum(sd["zdz"], axis=0)
@@ -340,7 +367,7 @@ def _backward(lw: GemmLowering, st: BlockShape, saved, params, aux, meta, dx2, d
     # A weight that arrived on its FSDP split (BlockShape.weight_splits) gets its gradient there.
     grads = {k: typed_like(v.astype(params[k].dtype), params[k]) for k, v in grads.items()}
     new_meta = jnp.stack([next_history(meta[i], amax[name]) if name in amax else jnp.zeros_like(meta[i])
-                          for i, name in enumerate(TENSORS)])
+                          for i, name in enumerate(block_tensors(st.swiglu_input))])
     return nb0["dx"], grads, daux, new_meta, dx_q
 
 
@@ -414,7 +441,7 @@ def fp8_llama_block(lowering: GemmLowering, shape: BlockShape, x: jax.Array, par
         ``shape.weight_splits``, on the weights' own splits).
       aux: RoPE tables and columns (:func:`coda_jax.ops.rms_norm_matmul_rope.rope_tables`,
         ``rot``, and ``qk_w`` with QK-norm), as :class:`RopeVariant` reads them.
-      meta: ``[len(TENSORS), history]`` float32 amax histories.
+      meta: ``[len(block_tensors(shape.swiglu_input)), history]`` float32 amax histories.
       carry: the previous FP8 block's :class:`Fp8Carry`, or None (computed, one pass).
       next_norm: ``[d]`` weight of the norm that reads the output; required unless
         ``shape.carry_out == "none"``.
@@ -423,8 +450,15 @@ def fp8_llama_block(lowering: GemmLowering, shape: BlockShape, x: jax.Array, par
       ``(x_out [M, d], carry_out)``: an :class:`Fp8Carry`, a :class:`NormCarry` or None by
       ``shape.carry_out``.
     """
-    if meta.shape[0] != len(TENSORS) or meta.ndim != 2:
-        raise ValueError(f"meta must be [{len(TENSORS)}, history] amax histories, got {tuple(meta.shape)}")
+    rows = block_tensors(shape.swiglu_input)
+    if meta.ndim != 2 or meta.shape[0] != len(rows):
+        raise ValueError(f"meta must be [{len(rows)}, history] amax histories (one per tensor of "
+                         f"block_tensors({shape.swiglu_input!r})), got {tuple(meta.shape)}")
+    if shape.swiglu_input not in ("compute", "e4m3"):
+        raise ValueError(f"shape.swiglu_input must be 'compute' or 'e4m3', got {shape.swiglu_input!r}")
+    if shape.swiglu_input == "e4m3" and shape.scaling != "delayed":
+        raise ValueError("shape.swiglu_input='e4m3' needs delayed scaling (z is written in FP8 by the gate/up "
+                         "GEMM's epilogue, before a current scale could exist)")
     if (next_norm is None) != (shape.carry_out == "none"):
         raise ValueError(f"next_norm is required exactly when carry_out != 'none' (carry_out={shape.carry_out!r})")
     if shape.grad_carry and shape.carry_out != "fp8":

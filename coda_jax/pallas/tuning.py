@@ -305,6 +305,8 @@ FP8_COL_SUM_CONFIG = {**_PINGPONG, "grid_minor_dim": "m", "consumer_col_sums": T
 # at the 1B and 8B-width shapes on an H100 and an H200 (docs/performance.md#kernels).
 FP8_PROGRAM_CONFIGS: dict[str, dict] = {
     "swiglu_dgrad_q8_fp8": {**_PINGPONG, "grid_minor_dim": "m", "fp8_byte_transpose": True},
+    # the same program reading z in e4m3 (Fp8Recipe(swiglu_input="e4m3")): the same math and outputs
+    "swiglu_dgrad_zq8_fp8": {**_PINGPONG, "grid_minor_dim": "m", "fp8_byte_transpose": True},
     "rms_rope_fp8": {**_PINGPONG, "grid_minor_dim": "m", **LEAN_EPILOGUE},
 }
 
