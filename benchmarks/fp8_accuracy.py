@@ -10,7 +10,8 @@ with ``from_coda``) and trains on the same batches of the example's corpus
 step (:func:`coda_jax.training.make_steps`). Runs: ``plain`` (the plain JAX Llama, bf16), ``plain_fp8``
 (:class:`benchmarks.plain_fp8_llama.PlainFp8Llama`), ``<backend>`` (CodaLlama in bf16) and
 ``<backend>:fp8`` (``LlamaConfig(fp8=Fp8Recipe())``), ``<backend>:fp8-current`` (current scaling),
-``<backend>:fp8-head`` (the LM head in FP8 too), ``plain_fp8:fp8-head`` (the plain FP8 baseline's
+``<backend>:fp8-head`` (the LM head in FP8 too), ``<backend>:fp8-zq8`` (the SwiGLU input saved in
+e4m3: ``Fp8Recipe(swiglu_input="e4m3")``), ``plain_fp8:fp8-head`` (the plain FP8 baseline's
 head in FP8), and two ablations of the plain FP8 baseline: ``plain_fp8:forward`` (only the
 projections' forward GEMMs in FP8, the backward as bf16's) and ``plain_fp8:backward`` (only
 their dgrad and wgrad in FP8). ``plain:f32`` and ``<backend>:f32`` compute in float32 (the parameters are
@@ -60,7 +61,8 @@ WINDOW = 25
 STDLIB_SKIP = frozenset({"test", "tests", "site-packages", "dist-packages", "idlelib", "lib2to3", "turtledemo"})
 
 
-RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current"), "fp8-head": Fp8Recipe(lm_head=True)}
+RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current"), "fp8-head": Fp8Recipe(lm_head=True),
+           "fp8-zq8": Fp8Recipe(swiglu_input="e4m3")}
 
 
 F32 = "f32"  # <run>:f32, float32 compute
