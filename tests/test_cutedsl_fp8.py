@@ -183,7 +183,8 @@ def test_refused_fp8_gemm_runs_on_xla():
 
 # ------------------------------------------------------- quantizing outputs --------
 _Q8_PROGRAMS = [P.RESIDUAL_RMS_Q8, P.rms_swiglu_q8(True), P.rms_swiglu_q8(False), P.SWIGLU_DGRAD_Q8,
-                P.rms_dgrad_q8(True), P.rms_dgrad_q8(False), P.CE_GRAD_Q8]
+                P.rms_dgrad_q8(True), P.rms_dgrad_q8(False), P.CE_GRAD_Q8,
+                P.rms_swiglu_q8(True, True), P.SWIGLU_DGRAD_ZQ8]  # Fp8Recipe(swiglu_input="e4m3"): z in e4m3
 
 
 def _q8_probes():
@@ -383,7 +384,10 @@ def _gpu_loads(epi, m, n, seed):
 
     loads = _loads(epi, m, n, jax.random.key(seed + 100))
     scalars = set(epi.load_names(E.LoadKind.SCALAR))
-    return {k: (jnp.float32(1.0) if k in scalars else v) for k, v in loads.items()}
+    loads = {k: (jnp.float32(1.0) if k in scalars else v) for k, v in loads.items()}
+    if "z_scale_inv" in scalars:  # z saved in e4m3 (P.SWIGLU_DGRAD_ZQ8)
+        loads["z"] = loads["z"].astype(E4M3)
+    return loads
 
 
 def _fp8_equal(got, want) -> float:
