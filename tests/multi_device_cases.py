@@ -471,7 +471,8 @@ def case_model(backend: str, shape: tuple[int, ...], mode: str) -> None:
     print(f"OK model_{backend}_{'x'.join(map(str, shape))}_{mode}")
 
 
-def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: bool = False) -> None:
+def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: bool = False,
+                   swiglu_input: str = "compute") -> None:
     """An FP8 CodaLlama (``LlamaConfig(fp8=...)``): loss, gradients and the new amax histories
     (the histories' gradients) on a ("data", "fsdp") mesh, or with a third shape entry a
     ("data", "fsdp", "tensor") mesh, equal one device's: each amax is a max over the whole
@@ -479,7 +480,8 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: boo
     tensor axis the FP8 block's GEMMs are split by XLA's partitioner from the weights' tensor
     splits: heads, MLP features.) ``lm_head``: ``Fp8Recipe(lm_head=True)``; on a mesh whose
     fsdp or tensor axis divides the vocabulary the FP8 head is vocab-parallel (its amaxes
-    reduced over the shard_map's axes, its histories returned by one shard)."""
+    reduced over the shard_map's axes, its histories returned by one shard). ``swiglu_input``:
+    ``Fp8Recipe(swiglu_input=...)`` ("e4m3": z saved in e4m3, its amax row recorded too)."""
     from flax import nnx
 
     from coda_jax.fp8 import Fp8Meta, Fp8Recipe
@@ -494,7 +496,8 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: boo
     dtype, tol = (jnp.float32, 1e-3) if backend == "xla" else (jnp.bfloat16, 0.25)
     heads = (8, 4) if len(shape) == 3 else (2, 1)  # a tensor axis splits heads and KV heads
     cfg = LlamaConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=heads[0],
-                           num_kv_heads=heads[1], head_dim=32, dtype=dtype, fp8=Fp8Recipe(lm_head=lm_head))
+                           num_kv_heads=heads[1], head_dim=32, dtype=dtype,
+                           fp8=Fp8Recipe(lm_head=lm_head, swiglu_input=swiglu_input))
     if backend == "pallas":
         install_opaque_kernel()
     model = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=backend)
@@ -527,10 +530,13 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: boo
     # block's gradients by 2.7 % and 4.7 % in two and by 1e-7 in the others, so the parameters'
     # gradients get a loose bound there; the loss and the amax histories (the scales) keep the
     # tight one.
+    if swiglu_input == "e4m3":  # the z row (the last) of each block's histories: recorded
+        assert all(float(b["fp8_meta"][...][-1, 0]) > 0 for b in got[1]["blocks"].values()), "z amax not recorded"
     loose = backend == "xla" and lm_head
     _assert_matches(got, want, tol, f"fp8 {backend} {shape} {mode} lm_head={lm_head}",
                     tol_for=lambda name: 0.1 if loose and name.startswith("[1]") and "fp8" not in name else None)
-    print(f"OK model_fp8_{'head_' if lm_head else ''}{backend}_{'x'.join(map(str, shape))}_{mode}")
+    print(f"OK model_fp8_{'head_' if lm_head else ''}{'zq8_' if swiglu_input == 'e4m3' else ''}{backend}_"
+          f"{'x'.join(map(str, shape))}_{mode}")
 
 
 def case_fp8_wgrads_split_by_tokens(mode: str) -> None:
@@ -1198,6 +1204,9 @@ CASES = {
                        ("xla", (2, 2, 2), "auto"), ("xla", (1, 2, 4), "explicit"), ("pallas", (2, 1, 4), "explicit"))},
     **{f"model_fp8_head_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model_fp8(b, s, m, True))
        for b, s, m in (("xla", (8,), "auto"), ("xla", (2, 4), "explicit"), ("xla", (2, 2, 2), "auto"))},
+    **{f"model_fp8_zq8_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model_fp8(b, s, m,
+                                                                                               swiglu_input="e4m3"))
+       for b, s, m in (("xla", (2, 4), "explicit"), ("pallas", (2, 4), "auto"), ("xla", (2, 2, 2), "auto"))},
     **{f"tp_{b}_{'x'.join(map(str, s))}_{m}_{d}": (lambda b=b, s=s, m=m, d=d: case_model_tensor_parallel(b, s, m, d))
        for b, s, m, d in (("xla", (2, 2, 2), "auto", "float32"), ("pallas", (2, 2, 2), "explicit", "bfloat16"),
                           ("pallas", (1, 2, 4), "auto", "float32"), ("xla", (2, 1, 4), "explicit", "float32"))},

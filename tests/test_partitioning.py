@@ -35,6 +35,8 @@ GROUPS = {
     # Data parallel FP8 wgrads contract each device's tokens: no gathered FP8 operands; under
     # FSDP the block weights are gathered as their e4m3 copies, not as float32 parameters.
     "fp8_wgrads": ["fp8_wgrads_auto", "fp8_wgrads_explicit", "fp8_fsdp_gathers_auto", "fp8_fsdp_gathers_explicit"],
+    # Fp8Recipe(swiglu_input="e4m3"): z saved in e4m3 under data and FSDP axes.
+    "model_fp8_zq8": ["model_fp8_zq8_xla_2x4_explicit", "model_fp8_zq8_pallas_2x4_auto"],
     # FP8 under a tensor axis (the partitioner splits the FP8 block by the weights' tensor splits).
     "model_fp8_tensor": ["model_fp8_xla_2x2x2_auto", "model_fp8_xla_1x2x4_explicit",
                          "model_fp8_pallas_2x1x4_explicit"],
