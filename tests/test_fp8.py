@@ -905,6 +905,27 @@ def test_grad_carry_needs_an_fp8_carry():
                         next_norm=c["final"])
 
 
+def test_block_checks_swiglu_input_and_its_meta_rows():
+    c = _block_setup(False)
+    b, s, nh, nkv, hd = c["dims"]
+    lw = lowering_for(FP8_LLAMA_BLOCK, "xla")
+
+    def run(meta_rows, **kw):
+        st = BlockShape(b, s, nh, nkv, hd, 1e-5, None, None, 0, "norm", **kw)
+        return fp8_llama_block(lw, st, c["x"], c["p1"], c["aux1"], jnp.zeros((meta_rows, 4), f32), next_norm=c["final"])
+
+    with pytest.raises(ValueError, match=r"meta must be \[14, history\].*block_tensors\('e4m3'\)"):
+        run(len(TENSORS), swiglu_input="e4m3")  # a model without the z row
+    with pytest.raises(ValueError, match=r"meta must be \[13, history\]"):
+        run(len(TENSORS) + 1)
+    with pytest.raises(ValueError, match="swiglu_input must be one of"):
+        run(len(TENSORS), swiglu_input="e5m2")
+    with pytest.raises(ValueError, match="needs delayed scaling"):
+        run(len(TENSORS) + 1, swiglu_input="e4m3", scaling="current")
+    out, _ = run(len(TENSORS) + 1, swiglu_input="e4m3")
+    assert out.shape == c["x"].shape and bool(jnp.all(jnp.isfinite(out)))
+
+
 def test_recipe_scaling_is_checked():
     assert Fp8Recipe(scaling="current").scaling == "current"
     with pytest.raises(ValueError, match="Fp8Recipe.scaling must be one of"):

@@ -42,14 +42,14 @@ gate/up dgrad) promote their FP8 accumulators to float32 every ``Fp8Recipe.promo
 Recipe state: ``meta [len(TENSORS), history]`` float32, one amax history per quantized tensor
 (:data:`TENSORS`; one more, the SwiGLU input's, under ``BlockShape.swiglu_input == "e4m3"``:
 :func:`block_tensors`); the op's gradient for ``meta`` is its next value (:mod:`coda_jax.fp8`).
-
-``Fp8Recipe(swiglu_input="e4m3")`` (``BlockShape.swiglu_input``): the gate/up GEMM also writes
-the SwiGLU input ``z`` in e4m3 with its amax (no transposed copy), and the down dgrad's
-epilogue reads it back (:data:`coda_jax.programs.SWIGLU_DGRAD_ZQ8`); ``y`` is still computed
-from the unrounded ``z``.
 Under current scaling (``BlockShape.scaling``) no scale is known before its tensor exists: each
 quantizing GEMM above runs its program unquantized and a pass quantizes the tensor with the
 scale of its own amax (:func:`_quantizing`).
+
+``Fp8Recipe(swiglu_input="e4m3")`` (``BlockShape.swiglu_input``, delayed scaling only): the
+gate/up GEMM also writes the SwiGLU input ``z`` in e4m3 with its amax (no transposed copy), and
+the down dgrad's epilogue reads it back (:data:`coda_jax.programs.SWIGLU_DGRAD_ZQ8`); ``y`` is
+still computed from the unrounded ``z``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ import jax.numpy as jnp
 
 from coda_jax import epilogue as E
 from coda_jax import programs
-from coda_jax.fp8 import E4M3, E5M2, Fp8Tensor, next_history, quantize_tensor, scale_from_history
+from coda_jax.fp8 import E4M3, E5M2, SWIGLU_INPUTS, Fp8Tensor, next_history, quantize_tensor, scale_from_history
 from coda_jax.lowering import GemmLowering, fuses_epilogues
 from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.ops.attention import causal_attention
@@ -83,6 +83,8 @@ def block_tensors(swiglu_input: str = "compute") -> tuple[str, ...]:
     """The rows of a block's ``meta`` under ``Fp8Recipe(swiglu_input=...)``: :data:`TENSORS`,
     and :data:`SWIGLU_INPUT` last where ``z`` is saved in e4m3."""
     return TENSORS + ((SWIGLU_INPUT,) if swiglu_input == "e4m3" else ())
+
+
 _GRADS = ("dz_qkv", "dx1", "dz_gu", "dx2")  # e5m2; the others e4m3
 
 
@@ -450,15 +452,15 @@ def fp8_llama_block(lowering: GemmLowering, shape: BlockShape, x: jax.Array, par
       ``(x_out [M, d], carry_out)``: an :class:`Fp8Carry`, a :class:`NormCarry` or None by
       ``shape.carry_out``.
     """
+    if shape.swiglu_input not in SWIGLU_INPUTS:
+        raise ValueError(f"shape.swiglu_input must be one of {SWIGLU_INPUTS}, got {shape.swiglu_input!r}")
+    if shape.swiglu_input == "e4m3" and shape.scaling != "delayed":
+        raise ValueError("shape.swiglu_input='e4m3' needs delayed scaling (z is written in FP8 by the gate/up "
+                         "GEMM's epilogue, before a current scale could exist)")
     rows = block_tensors(shape.swiglu_input)
     if meta.ndim != 2 or meta.shape[0] != len(rows):
         raise ValueError(f"meta must be [{len(rows)}, history] amax histories (one per tensor of "
                          f"block_tensors({shape.swiglu_input!r})), got {tuple(meta.shape)}")
-    if shape.swiglu_input not in ("compute", "e4m3"):
-        raise ValueError(f"shape.swiglu_input must be 'compute' or 'e4m3', got {shape.swiglu_input!r}")
-    if shape.swiglu_input == "e4m3" and shape.scaling != "delayed":
-        raise ValueError("shape.swiglu_input='e4m3' needs delayed scaling (z is written in FP8 by the gate/up "
-                         "GEMM's epilogue, before a current scale could exist)")
     if (next_norm is None) != (shape.carry_out == "none"):
         raise ValueError(f"next_norm is required exactly when carry_out != 'none' (carry_out={shape.carry_out!r})")
     if shape.grad_carry and shape.carry_out != "fp8":
