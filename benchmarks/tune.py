@@ -305,8 +305,8 @@ def model_step(spec: str):
         cfg = PRESETS[preset]()
         batch, seq = int(batch), int(seq)
     except (ValueError, KeyError) as e:
-        raise ValueError(f"--model {spec!r}: expected preset[-layers]:batch:seq[{'|'.join(FP8_MODEL_SUFFIXES)}] with a preset of "
-                         f"{sorted(PRESETS)}") from e
+        raise ValueError(f"--model {spec!r}: expected preset[-layers]:batch:seq[{'|'.join(FP8_MODEL_SUFFIXES)}] "
+                         f"with a preset of {sorted(PRESETS)}") from e
     if layers:
         cfg = cfg.replace(num_layers=int(layers))
     if suffix:

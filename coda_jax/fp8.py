@@ -32,7 +32,8 @@ from flax import nnx
 from coda_jax.epilogue import saturate_cast
 
 __all__ = ["E4M3", "E5M2", "Fp8Recipe", "Fp8Meta", "Fp8Tensor", "scale_from_history", "quantize",
-           "quantize_tensor", "next_history", "NONFINITE_POLICIES", "SCALINGS", "SWIGLU_INPUTS", "fp8_device_rule", "check_fp8_device"]
+           "quantize_tensor", "next_history", "NONFINITE_POLICIES", "SCALINGS", "SWIGLU_INPUTS", "fp8_device_rule",
+           "check_fp8_device"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -88,7 +89,7 @@ class Fp8Recipe:
         ``y`` and read back by the down projection's dgrad epilogue. Half the bytes that
         forward GEMM writes and that backward GEMM reads for ``z``, and half its memory; the
         forward's ``y`` still comes from the unrounded ``z`` (only the backward reads the
-        rounded one), as DeepSeek-V3 caches the SwiGLU input in FP8 (docs/fp8.md#recipe).
+        rounded one), as DeepSeek-V3 caches the SwiGLU input in FP8 (docs/fp8.md#the-recipe).
         Needs ``scaling="delayed"``.
 
     Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its

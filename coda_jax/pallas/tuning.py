@@ -303,10 +303,11 @@ FP8_COL_SUM_CONFIG = {**_PINGPONG, "grid_minor_dim": "m", "consumer_col_sums": T
 # output (attention reads bf16), yet as its 16-bit form (PROGRAM_CONFIGS) it runs faster on
 # ping-pong with bands across M, and with the lean epilogue: 1.2-1.3x the cooperative default
 # at the 1B and 8B-width shapes on an H100 and an H200 (docs/performance.md#kernels).
+_SWIGLU_DGRAD_FP8 = {**_PINGPONG, "grid_minor_dim": "m", "fp8_byte_transpose": True}
 FP8_PROGRAM_CONFIGS: dict[str, dict] = {
-    "swiglu_dgrad_q8_fp8": {**_PINGPONG, "grid_minor_dim": "m", "fp8_byte_transpose": True},
+    "swiglu_dgrad_q8_fp8": _SWIGLU_DGRAD_FP8,
     # the same program reading z in e4m3 (Fp8Recipe(swiglu_input="e4m3")): the same math and outputs
-    "swiglu_dgrad_zq8_fp8": {**_PINGPONG, "grid_minor_dim": "m", "fp8_byte_transpose": True},
+    "swiglu_dgrad_zq8_fp8": _SWIGLU_DGRAD_FP8,
     "rms_rope_fp8": {**_PINGPONG, "grid_minor_dim": "m", **LEAN_EPILOGUE},
 }
 
