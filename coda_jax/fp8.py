@@ -123,15 +123,21 @@ class Fp8Recipe:
                              f"float32 promotions of the backward GEMMs' accumulators), got {self.promote_k!r}")
         if not isinstance(self.promote_min_k, int) or isinstance(self.promote_min_k, bool) or self.promote_min_k < 0:
             raise ValueError(f"Fp8Recipe.promote_min_k must be a non-negative int, got {self.promote_min_k!r}")
-        if self.swiglu_input not in SWIGLU_INPUTS:
-            raise ValueError(f"Fp8Recipe.swiglu_input must be one of {SWIGLU_INPUTS}, got {self.swiglu_input!r}")
-        if self.swiglu_input != "compute" and self.scaling != "delayed":
-            raise ValueError(f"Fp8Recipe.swiglu_input={self.swiglu_input!r} needs scaling='delayed': the gate/up "
-                             f"GEMM writes z in FP8 from its epilogue, before a current scale of z could exist")
+        check_swiglu_input(self.swiglu_input, self.scaling, "Fp8Recipe")
 
     def promotion(self, k: int) -> int:
         """The ``promote_k`` a backward GEMM of contraction size ``k`` runs with (0: none)."""
         return promotion(k, self.promote_k, self.promote_min_k)
+
+
+def check_swiglu_input(swiglu_input: str, scaling: str, owner: str) -> None:
+    """Raises ValueError (naming ``owner``'s field) unless ``swiglu_input`` is one of
+    :data:`SWIGLU_INPUTS` and, saved in FP8, under delayed scaling."""
+    if swiglu_input not in SWIGLU_INPUTS:
+        raise ValueError(f"{owner}.swiglu_input must be one of {SWIGLU_INPUTS}, got {swiglu_input!r}")
+    if swiglu_input != "compute" and scaling != "delayed":
+        raise ValueError(f"{owner}.swiglu_input={swiglu_input!r} needs scaling='delayed': the gate/up GEMM writes z "
+                         f"in FP8 from its epilogue, before a current scale of z could exist")
 
 
 def promotion(k: int, promote_k: int, promote_min_k: int) -> int:

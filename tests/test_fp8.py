@@ -918,9 +918,9 @@ def test_block_checks_swiglu_input_and_its_meta_rows():
         run(len(TENSORS), swiglu_input="e4m3")  # a model without the z row
     with pytest.raises(ValueError, match=r"meta must be \[13, history\]"):
         run(len(TENSORS) + 1)
-    with pytest.raises(ValueError, match="swiglu_input must be one of"):
+    with pytest.raises(ValueError, match="shape.swiglu_input must be one of"):
         run(len(TENSORS), swiglu_input="e5m2")
-    with pytest.raises(ValueError, match="needs delayed scaling"):
+    with pytest.raises(ValueError, match="shape.swiglu_input='e4m3' needs scaling='delayed'"):
         run(len(TENSORS) + 1, swiglu_input="e4m3", scaling="current")
     out, _ = run(len(TENSORS) + 1, swiglu_input="e4m3")
     assert out.shape == c["x"].shape and bool(jnp.all(jnp.isfinite(out)))

@@ -62,7 +62,8 @@ import jax.numpy as jnp
 
 from coda_jax import epilogue as E
 from coda_jax import programs
-from coda_jax.fp8 import E4M3, E5M2, SWIGLU_INPUTS, Fp8Tensor, next_history, quantize_tensor, scale_from_history
+from coda_jax.fp8 import (E4M3, E5M2, Fp8Tensor, check_swiglu_input, next_history, quantize_tensor,
+                          scale_from_history)
 from coda_jax.lowering import GemmLowering, fuses_epilogues
 from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.ops.attention import causal_attention
@@ -452,11 +453,7 @@ def fp8_llama_block(lowering: GemmLowering, shape: BlockShape, x: jax.Array, par
       ``(x_out [M, d], carry_out)``: an :class:`Fp8Carry`, a :class:`NormCarry` or None by
       ``shape.carry_out``.
     """
-    if shape.swiglu_input not in SWIGLU_INPUTS:
-        raise ValueError(f"shape.swiglu_input must be one of {SWIGLU_INPUTS}, got {shape.swiglu_input!r}")
-    if shape.swiglu_input == "e4m3" and shape.scaling != "delayed":
-        raise ValueError("shape.swiglu_input='e4m3' needs delayed scaling (z is written in FP8 by the gate/up "
-                         "GEMM's epilogue, before a current scale could exist)")
+    check_swiglu_input(shape.swiglu_input, shape.scaling, "shape")
     rows = block_tensors(shape.swiglu_input)
     if meta.ndim != 2 or meta.shape[0] != len(rows):
         raise ValueError(f"meta must be [{len(rows)}, history] amax histories (one per tensor of "
