@@ -89,7 +89,9 @@ class Fp8Recipe:
         ``y`` and read back by the down projection's dgrad epilogue. Half the bytes that
         forward GEMM writes and that backward GEMM reads for ``z``, and half its memory; the
         forward's ``y`` still comes from the unrounded ``z`` (only the backward reads the
-        rounded one), as DeepSeek-V3 caches the SwiGLU input in FP8 (docs/fp8.md#the-recipe).
+        rounded one), as DeepSeek-V3 caches the SwiGLU input in FP8. A memory option: the
+        epilogue that quantizes ``z`` costs about what the backward's smaller read saves
+        (docs/fp8.md#the-recipe).
         Needs ``scaling="delayed"``.
 
     Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its

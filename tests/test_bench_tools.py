@@ -1128,3 +1128,25 @@ def test_kernel_module_stats_counts_each_variant():
         assert 0 < lean[what] < base[what], (what, lean[what], base[what])
     assert kms.module_counts("bar.sync $0, 128;\nnvvm.shfl.sync\n") == {**{k: 0 for k in kms.COUNTS}, "bar.sync": 1,
                                                                          "shfl": 1, "lines": 2}
+
+
+def test_kernel_counters_summary_reads_ncu_raw_csv(tmp_path):
+    # ncu's raw page: a header, a units row, a row per kernel; the stall columns found by name.
+    from benchmarks import kernel_counters as kc
+
+    cols = ["ID", "Kernel Name", kc.DURATION, kc.DRAM_PCT, kc.SM_PCT, kc.DRAM_READ, kc.DRAM_WRITE, kc.REGISTERS,
+            f"{kc.STALL_PREFIX}long_scoreboard{kc.STALL_SUFFIX}", f"{kc.STALL_PREFIX}barrier{kc.STALL_SUFFIX}",
+            f"{kc.STALL_PREFIX}wait{kc.STALL_SUFFIX}"]
+    units = ["", "", "ns", "%", "%", "byte", "byte", "register/thread", "", "", ""]
+    row = ["0", "coda_swiglu_dgrad_q8_fp8_nt_8192x8192x2048", "500,000", "40.5", "55.0", "300000000", "250000000",
+           "168", "1.5", "3.25", "0.5"]
+    path = tmp_path / "raw.csv"
+    path.write_text("\n".join(",".join(f'"{v}"' for v in r) for r in (cols, units, row)) + "\n")
+    (k,) = kc.summarize(path, top_stalls=2)
+    assert k["kernel"].startswith("coda_swiglu_dgrad")
+    assert k["ms"] == pytest.approx(0.5) and k["dram_pct"] == pytest.approx(40.5)
+    assert k["dram_gb"] == pytest.approx(0.55) and k["dram_tb_s"] == pytest.approx(1.1)
+    assert k["registers"] == 168
+    assert k["stalls"] == [("barrier", 3.25), ("long_scoreboard", 1.5)]
+    with pytest.raises(SystemExit, match="--shapes"):
+        kc.parse_shapes("8192x2048")
