@@ -11,7 +11,9 @@ table or the heuristic gives it and launched once on random operands
 the clocks stay where the GPU puts them; kernels named ``coda_*`` only, so the operands'
 random draws are not profiled). Writes ``<out>/counters.ncu-rep``, ``details.txt`` (ncu's
 sections with its rule notes: speed of light, memory, warp stalls, source counters) and
-``raw.csv`` (every metric), and prints a line per kernel: duration, DRAM and SM throughput as
+``raw.csv`` (every metric), ``sass_<i>.csv`` / ``sass_<i>.txt`` per kernel (ncu's source page
+and :mod:`benchmarks.sass_hotspots`' summary of it: warp-stall samples per opcode and
+instruction), and prints a line per kernel: duration, DRAM and SM throughput as
 a share of peak, DRAM bytes moved and the rate, registers, and the largest warp-stall reasons
 (cycles a warp spends stalled per instruction issued, by reason).
 
@@ -158,7 +160,19 @@ def main(argv=None) -> None:
         subprocess.run([ncu, "--import", rep, "--page", "details"], check=True, stdout=f)
     with open(out / "raw.csv", "w") as f:
         subprocess.run([ncu, "--import", rep, "--page", "raw", "--csv", "--print-units", "base"], check=True, stdout=f)
-    for k in summarize(out / "raw.csv"):
+    kernels = summarize(out / "raw.csv")
+    for i, k in enumerate(kernels):  # where each kernel's warps stall, per SASS instruction
+        sass = out / f"sass_{i}.csv"
+        with open(sass, "w") as f:
+            done = subprocess.run([ncu, "--import", rep, "-k", f"regex:^{k['kernel']}$", "--page", "source", "--csv",
+                                   "--print-source", "sass"], stdout=f).returncode == 0
+        if done:
+            with open(out / f"sass_{i}.txt", "w") as f:
+                f.write(k["kernel"] + "\n")
+                f.flush()
+                subprocess.run([sys.executable, "-m", "benchmarks.sass_hotspots", str(sass), "--top", "30"], stdout=f,
+                               stderr=subprocess.STDOUT)
+    for k in kernels:
         stalls = "  ".join(f"{name} {v:.2f}" for name, v in k["stalls"])
         print(f"COUNTERS {k['kernel'][:70]}: {k['ms'] or 0:.4f} ms, DRAM {k['dram_pct'] or 0:.1f} % "
               f"({k['dram_gb']:.3f} GB, {k['dram_tb_s'] or 0:.2f} TB/s), SM {k['sm_pct'] or 0:.1f} %, "
