@@ -370,6 +370,18 @@ def test_swiglu_forward_saves_z_in_e4m3(config):
     _compare(epi, 100, 256, 200, config=config, seed=12)
 
 
+@pytest.mark.parametrize("name", ["pingpong_minor_m_bytes_m64", "pingpong_minor_m_lean_m64"])
+def test_swiglu_fp8_programs_on_64_row_pingpong_tiles(name):
+    # The autotuner's 64 x 128 ping-pong candidates (half the accumulator registers) on both
+    # FP8 SwiGLU programs: pair blocks, quantizing outputs with copies and amax, ragged M.
+    from coda_jax.pallas.autotune import known_candidates
+
+    cfg = for_fp8_operands(known_candidates()[name])
+    assert cfg.tile_m == 64 and cfg.pingpong
+    _compare(E.dequantized(programs.SWIGLU_DGRAD_Q8), 200, 256, 130, dtypes=(E5M2, E4M3), config=cfg, seed=14)
+    _compare(E.dequantized(programs.rms_swiglu_q8(True)), 100, 256, 200, config=cfg, out_dtypes={"z": BF16}, seed=15)
+
+
 @pytest.mark.parametrize("config", [SMALL8, dataclasses.replace(PINGPONG8, **FP8_PROGRAM_CONFIGS["swiglu_dgrad_zq8_fp8"])],
                          ids=["single", "heuristic_pingpong"])
 def test_swiglu_backward_reads_z_in_e4m3(config):

@@ -201,6 +201,17 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                    **LEAN_EPILOGUE),
     "pingpong_minor_m_col_tiles_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                            grid_minor_dim="m", col_sum_tiles=True, **LEAN_EPILOGUE),
+    # 64 x 128 consumer tiles on the ping-pong kernel (64 accumulator registers a thread,
+    # half the default's): for epilogues that spill beside a 128-row accumulator. Nsight
+    # Compute counted local-memory spills in both FP8 SwiGLU GEMMs (pair blocks, two loaded
+    # or written halves a column) on their 128 x 128 tables' configurations
+    # (docs/performance.md#kernels); the epilogue then has twice the registers a value.
+    "pingpong_minor_m_bytes_m64": dataclasses.replace(_D, tile_m=64, schedule="pingpong", cluster_dimension=None,
+                                                      grid_minor_dim="m", fp8_byte_transpose=True),
+    "pingpong_minor_m_lean_m64": dataclasses.replace(_D, tile_m=64, schedule="pingpong", cluster_dimension=None,
+                                                     grid_minor_dim="m", **LEAN_EPILOGUE),
+    "pingpong_lean_m64": dataclasses.replace(_D, tile_m=64, schedule="pingpong", cluster_dimension=None,
+                                             **LEAN_EPILOGUE),
     "n192": dataclasses.replace(_D, tile_n=192),
     "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
     "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),
