@@ -14,7 +14,8 @@ sections with its rule notes: speed of light, memory, warp stalls, source counte
 ``raw.csv`` (every metric), ``sass_<i>.csv`` / ``sass_<i>.txt`` per kernel (ncu's source page
 and :mod:`benchmarks.sass_hotspots`' summary of it: warp-stall samples per opcode and
 instruction), and prints a line per kernel: duration, DRAM and SM throughput as
-a share of peak, DRAM bytes moved and the rate, registers, and the largest warp-stall reasons
+a share of peak, DRAM bytes moved and the rate, registers, local-memory spill requests, and the
+largest warp-stall reasons
 (cycles a warp spends stalled per instruction issued, by reason).
 
 Each kernel is replayed once per counter pass: minutes for a handful of calls. Without
@@ -36,9 +37,10 @@ SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis",
             "SchedulerStats", "Occupancy", "LaunchStats", "SourceCounters")
 # Columns of ncu's raw page that the summary line reads (the stall columns are found by name).
 DURATION = "gpu__time_duration.sum"
-DRAM_PCT = "dram__throughput.avg.pct_of_peak_sustained_elapsed"
+DRAM_PCT = "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"
 SM_PCT = "sm__throughput.avg.pct_of_peak_sustained_elapsed"
-DRAM_READ, DRAM_WRITE = "dram__bytes_read.sum", "dram__bytes_write.sum"
+DRAM_RATE = "dram__bytes.sum.per_second"  # bytes/s, read and written
+SPILLS = "derived__local_spilling_requests"  # local-memory requests of register spills
 REGISTERS = "launch__registers_per_thread"
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 
@@ -118,14 +120,14 @@ def summarize(raw_csv: Path, top_stalls: int = 5) -> list[dict]:
         def get(name):
             return _number(r[col[name]]) if name in col and col[name] < len(r) else None
 
-        ns = get(DURATION)
-        moved = sum(v for v in (get(DRAM_READ), get(DRAM_WRITE)) if v is not None)
+        ns, rate = get(DURATION), get(DRAM_RATE)
         stalls = sorted(((h[len(STALL_PREFIX):-len(STALL_SUFFIX)], _number(r[i]) or 0.0) for h, i in col.items()
                          if h.startswith(STALL_PREFIX) and h.endswith(STALL_SUFFIX) and i < len(r)),
                         key=lambda kv: -kv[1])[:top_stalls]
         out.append({"kernel": r[col["Kernel Name"]] if "Kernel Name" in col else "?",
                     "ms": ns / 1e6 if ns else None, "dram_pct": get(DRAM_PCT), "sm_pct": get(SM_PCT),
-                    "dram_gb": moved / 1e9, "dram_tb_s": moved / ns / 1e3 if ns else None,
+                    "dram_gb": rate * ns * 1e-18 if rate and ns else None,
+                    "dram_tb_s": rate / 1e12 if rate else None, "spill_requests": get(SPILLS),
                     "registers": get(REGISTERS), "stalls": stalls})
     return out
 
@@ -175,8 +177,9 @@ def main(argv=None) -> None:
     for k in kernels:
         stalls = "  ".join(f"{name} {v:.2f}" for name, v in k["stalls"])
         print(f"COUNTERS {k['kernel'][:70]}: {k['ms'] or 0:.4f} ms, DRAM {k['dram_pct'] or 0:.1f} % "
-              f"({k['dram_gb']:.3f} GB, {k['dram_tb_s'] or 0:.2f} TB/s), SM {k['sm_pct'] or 0:.1f} %, "
-              f"{k['registers'] or 0:.0f} regs; stalls/issue: {stalls}", flush=True)
+              f"({k['dram_gb'] or 0:.3f} GB, {k['dram_tb_s'] or 0:.2f} TB/s), SM {k['sm_pct'] or 0:.1f} %, "
+              f"{k['registers'] or 0:.0f} regs, {k['spill_requests'] or 0:,.0f} spill requests; "
+              f"stalls/issue: {stalls}", flush=True)
 
 
 if __name__ == "__main__":

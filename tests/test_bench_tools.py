@@ -1134,19 +1134,19 @@ def test_kernel_counters_summary_reads_ncu_raw_csv(tmp_path):
     # ncu's raw page: a header, a units row, a row per kernel; the stall columns found by name.
     from benchmarks import kernel_counters as kc
 
-    cols = ["ID", "Kernel Name", kc.DURATION, kc.DRAM_PCT, kc.SM_PCT, kc.DRAM_READ, kc.DRAM_WRITE, kc.REGISTERS,
+    cols = ["ID", "Kernel Name", kc.DURATION, kc.DRAM_PCT, kc.SM_PCT, kc.DRAM_RATE, kc.SPILLS, kc.REGISTERS,
             f"{kc.STALL_PREFIX}long_scoreboard{kc.STALL_SUFFIX}", f"{kc.STALL_PREFIX}barrier{kc.STALL_SUFFIX}",
             f"{kc.STALL_PREFIX}wait{kc.STALL_SUFFIX}"]
-    units = ["", "", "ns", "%", "%", "byte", "byte", "register/thread", "", "", ""]
-    row = ["0", "coda_swiglu_dgrad_q8_fp8_nt_8192x8192x2048", "500,000", "40.5", "55.0", "300000000", "250000000",
-           "168", "1.5", "3.25", "0.5"]
+    units = ["", "", "ns", "%", "%", "byte/s", "", "register/thread", "", "", ""]
+    row = ["0", "coda_swiglu_dgrad_q8_fp8_nt_8192x8192x2048", "500,000", "40.5", "55.0", "1,100,000,000,000.5",
+           "580,832", "168", "1.5", "3.25", "0.5"]
     path = tmp_path / "raw.csv"
     path.write_text("\n".join(",".join(f'"{v}"' for v in r) for r in (cols, units, row)) + "\n")
     (k,) = kc.summarize(path, top_stalls=2)
     assert k["kernel"].startswith("coda_swiglu_dgrad")
     assert k["ms"] == pytest.approx(0.5) and k["dram_pct"] == pytest.approx(40.5)
     assert k["dram_gb"] == pytest.approx(0.55) and k["dram_tb_s"] == pytest.approx(1.1)
-    assert k["registers"] == 168
+    assert k["registers"] == 168 and k["spill_requests"] == 580832
     assert k["stalls"] == [("barrier", 3.25), ("long_scoreboard", 1.5)]
     with pytest.raises(SystemExit, match="--shapes"):
         kc.parse_shapes("8192x2048")
