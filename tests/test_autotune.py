@@ -298,6 +298,7 @@ def test_shipped_table_is_valid(path):
     # The FP8 block's programs on FP8 operands (E.dequantized: "<name>_fp8").
     names |= {E.dequantized(e).name for e in (programs.IDENTITY, programs.RESIDUAL_RMS, programs.RESIDUAL_RMS_Q8,
                                               programs.rms_swiglu_q8(True), programs.SWIGLU_DGRAD_Q8,
+                                              programs.rms_swiglu_q8(True, True), programs.SWIGLU_DGRAD_ZQ8,
                                               programs.rms_dgrad_q8(True), programs.rms_dgrad(True, True),
                                               programs.rms_rope(32, None, False), programs.RMS_LSE_LOGITS,
                                               programs.RMS_LSE, programs.CE_GRAD, programs.ACCUMULATE)}
