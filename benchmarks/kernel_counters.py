@@ -6,12 +6,13 @@
 The step's Pallas kernel calls (:func:`coda_jax.pallas.autotune.kernel_calls`, the model as
 ``benchmarks/tune.py --model`` names it), those whose program is in ``--programs`` (and, with
 ``--shapes``, whose ``MxNxK`` is listed), each compiled with the configuration the shipped
-table or the heuristic gives it and launched once on random operands
+table or the heuristic gives it (and on each of ``--candidates``, the autotuner's named
+configurations, e.g. to see which of them spills) and launched once on random operands
 (:func:`~coda_jax.pallas.autotune.random_arguments`) inside ``ncu`` (``--clock-control none``:
 the clocks stay where the GPU puts them; kernels named ``coda_*`` only, so the operands'
 random draws are not profiled). Writes ``<out>/counters.ncu-rep``, ``details.txt`` (ncu's
 sections with its rule notes: speed of light, memory, warp stalls, source counters) and
-``raw.csv`` (every metric), ``sass_<i>.csv`` / ``sass_<i>.txt`` per kernel (ncu's source page
+``raw.csv`` (every metric), ``launches.json`` (each launch's call and configuration), ``sass_<i>.csv`` / ``sass_<i>.txt`` per kernel (ncu's source page
 and :mod:`benchmarks.sass_hotspots`' summary of it: warp-stall samples per opcode and
 instruction), and prints a line per kernel: duration, DRAM and SM throughput as
 a share of peak, DRAM bytes moved and the rate, registers, local-memory spill requests, and the
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -79,25 +81,38 @@ def selected_calls(model: str, programs: list[str], shapes: set[tuple[int, int, 
     return calls
 
 
-def launch(model: str, programs: list[str], shapes: set[tuple[int, int, int]]) -> None:
-    """Inside ncu: each selected call compiled, then launched once."""
+def launch(model: str, programs: list[str], shapes: set[tuple[int, int, int]], candidates: list[str],
+           out: Path) -> None:
+    """Inside ncu: each selected call compiled, then launched once on the configuration the
+    tables or heuristics give it, then once on each of the autotuner's ``candidates`` that can
+    run it. The launches' labels, in launch order, go to ``out/launches.json`` (ncu's rows
+    come in that order; the kernel's name does not say its configuration)."""
     import jax
 
+    import coda_jax as cj
     from coda_jax.pallas import autotune as at
     from coda_jax.pallas.lowering import PallasLowering
 
+    labels = []
     for call in selected_calls(model, programs, shapes):
         a, b, loads = at.random_arguments(call)
-        low = PallasLowering(None)
+        configs = {"table": None, **(at.candidate_configs(call, candidates) if candidates else {})}
+        for label, cfg in configs.items():
+            low = PallasLowering(cfg)
 
-        def first(a, b, loads, call=call, low=low):
-            out = low.gemm(call.epilogue, a, b, loads, transpose_a=call.transpose_a, transpose_b=call.transpose_b,
-                           out_dtypes=dict(call.out_dtypes) or None, promote_k=call.promote_k)
-            return jax.tree.map(lambda x: x.reshape(-1)[:1], out)  # outputs not kept alive
+            def first(a, b, loads, call=call, low=low):
+                res = low.gemm(call.epilogue, a, b, loads, transpose_a=call.transpose_a,
+                               transpose_b=call.transpose_b, out_dtypes=dict(call.out_dtypes) or None,
+                               promote_k=call.promote_k)
+                return jax.tree.map(lambda x: x.reshape(-1)[:1], res)  # outputs not kept alive
 
-        jax.block_until_ready(jax.jit(first)(a, b, loads))
-        m, n, k = call.mnk
-        print(f"LAUNCHED {call.epilogue.name} {m}x{n}x{k}", flush=True)
+            with cj.options(routing=dict(xla_output_below=0)):  # the kernel, whatever the size
+                jax.block_until_ready(jax.jit(first)(a, b, loads))
+            m, n, k = call.mnk
+            labels.append(f"{call.epilogue.name} {m}x{n}x{k} {label}")
+            print(f"LAUNCHED {labels[-1]}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launches.json").write_text(json.dumps(labels, indent=1))
 
 
 def _number(text: str) -> float | None:
@@ -137,13 +152,16 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="1b-2:8:1024:fp8", help="as benchmarks/tune.py --model")
     p.add_argument("--programs", required=True, help="comma-separated program names (as the tuned tables key them)")
     p.add_argument("--shapes", default="", help="comma-separated MxNxK: only these calls")
+    p.add_argument("--candidates", default="",
+                   help="comma-separated autotuner candidates (coda_jax.pallas.autotune) to profile each call on too")
     p.add_argument("--out", default="counters_out")
     p.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)  # the process ncu runs
     args = p.parse_args(argv)
     programs = [s for s in args.programs.split(",") if s]
     shapes = parse_shapes(args.shapes)
+    candidates = [s for s in args.candidates.split(",") if s]
     if args.launch:
-        launch(args.model, programs, shapes)
+        launch(args.model, programs, shapes, candidates, Path(args.out))
         return
     ncu = find_ncu()
     out = Path(args.out)
@@ -152,7 +170,7 @@ def main(argv=None) -> None:
     cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "-k", "regex:^coda_", "-f", "-o", str(report),
            *[a for s in SECTIONS for a in ("--section", s)],
            sys.executable, "-m", "benchmarks.kernel_counters", "--launch", "--model", args.model,
-           "--programs", args.programs, "--shapes", args.shapes]
+           "--programs", args.programs, "--shapes", args.shapes, "--candidates", args.candidates, "--out", str(out)]
     # ncu saves and restores what a kernel may write between its passes: no preallocated pool.
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     print(" ".join(cmd), flush=True)
@@ -163,7 +181,15 @@ def main(argv=None) -> None:
     with open(out / "raw.csv", "w") as f:
         subprocess.run([ncu, "--import", rep, "--page", "raw", "--csv", "--print-units", "base"], check=True, stdout=f)
     kernels = summarize(out / "raw.csv")
+    labels = json.loads((out / "launches.json").read_text())
+    if len(labels) != len(kernels):
+        raise SystemExit(f"kernel_counters.py: error: {len(labels)} launches but ncu profiled {len(kernels)} kernels")
+    seen = set()
     for i, k in enumerate(kernels):  # where each kernel's warps stall, per SASS instruction
+        k["label"] = labels[i]
+        if k["kernel"] in seen:  # the same kernel name on another configuration: ncu's filter would mix them
+            continue
+        seen.add(k["kernel"])
         sass = out / f"sass_{i}.csv"
         with open(sass, "w") as f:
             done = subprocess.run([ncu, "--import", rep, "-k", f"regex:^{k['kernel']}$", "--page", "source", "--csv",
@@ -176,7 +202,7 @@ def main(argv=None) -> None:
                                stderr=subprocess.STDOUT)
     for k in kernels:
         stalls = "  ".join(f"{name} {v:.2f}" for name, v in k["stalls"])
-        print(f"COUNTERS {k['kernel'][:70]}: {k['ms'] or 0:.4f} ms, DRAM {k['dram_pct'] or 0:.1f} % "
+        print(f"COUNTERS {k['label']}: {k['ms'] or 0:.4f} ms, DRAM {k['dram_pct'] or 0:.1f} % "
               f"({k['dram_gb'] or 0:.3f} GB, {k['dram_tb_s'] or 0:.2f} TB/s), SM {k['sm_pct'] or 0:.1f} %, "
               f"{k['registers'] or 0:.0f} regs, {k['spill_requests'] or 0:,.0f} spill requests; "
               f"stalls/issue: {stalls}", flush=True)

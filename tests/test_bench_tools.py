@@ -1150,3 +1150,25 @@ def test_kernel_counters_summary_reads_ncu_raw_csv(tmp_path):
     assert k["stalls"] == [("barrier", 3.25), ("long_scoreboard", 1.5)]
     with pytest.raises(SystemExit, match="--shapes"):
         kc.parse_shapes("8192x2048")
+
+
+def test_kernel_counters_launches_each_call_on_its_table_and_candidate_configs(tmp_path, monkeypatch):
+    # The process ncu runs: each selected call launched on the table's configuration, then on
+    # each named candidate that can run it, labelled in launch order (here in the interpreter).
+    import jax.numpy as jnp
+
+    from benchmarks import kernel_counters as kc
+    from coda_jax import programs
+    from coda_jax.pallas import interpret_mode
+    from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
+
+    sds = jax.ShapeDtypeStruct
+    call = KernelCall(programs.quantize_q8("e4m3"), sds((128, 64), jnp.bfloat16), sds((256, 64), jnp.bfloat16),
+                      (("q_scale", sds((), jnp.float32)), ("x", sds((128, 256), jnp.float32))), False, True, (),
+                      (128, 256, 64))
+    monkeypatch.setattr(kc, "selected_calls", lambda *a: [call])
+    with interpret_mode(), record_kernel_calls() as ran:
+        kc.launch("unused", ["quantize_e4m3"], set(), ["pingpong_lean"], tmp_path)
+    assert ran == [call]  # run on the Pallas kernel (interpreted), not routed to XLA
+    assert json.loads((tmp_path / "launches.json").read_text()) == [
+        "quantize_e4m3 128x256x64 table", "quantize_e4m3 128x256x64 pingpong_lean"]
