@@ -214,6 +214,10 @@ class Epilogue:
         (:mod:`coda_jax.partitioning`). ``tests/test_partitioning.py`` checks the claim.
       half_acc: pair mode with a half-width accumulator (see the module docstring): the
         GEMM's ``N`` columns are one per pair, full-width loads/outputs ``[M, 2N]``.
+      reads_acc: the body reads ``acc``. ``False`` declares an epilogue pass (its outputs
+        come from its loads alone, run over a zero accumulator:
+        :func:`coda_jax.ops.epilogue_pass.epilogue_pass`), so a kernel backend may skip the
+        GEMM under it (its operand loads and MMAs). ``tests/test_programs.py`` checks the claim.
     """
 
     name: str
@@ -224,6 +228,7 @@ class Epilogue:
     uses_col_index: bool = False
     half_acc: bool = False
     linear: bool = False
+    reads_acc: bool = True
 
     def __post_init__(self):
         names = [l.name for l in self.loads] + [r for o in self.outputs for r in o.result_names()]

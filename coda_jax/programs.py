@@ -448,6 +448,7 @@ RMS_INPUT_Q8 = E.Epilogue(
     loads=(E.tile("x"), E.col("gamma"), E.scalar("h_scale")),
     outputs=(E.fp8_out("h", _E4M3, scale="h_scale", transpose=True), E.row_sum("sumsq")),
     body=_rms_input_q8_body,
+    reads_acc=False,
 )
 """The first FP8 block's norm input as an epilogue pass (run by
 :func:`coda_jax.ops.epilogue_pass.epilogue_pass`: the accumulator is zero and ignored): the tile
@@ -473,7 +474,8 @@ def quantize_q8(fp8: str) -> E.Epilogue:
         return {"q": x}
 
     return E.Epilogue(name=f"quantize_{fp8}", loads=(E.tile("x"), E.scalar("q_scale")),
-                      outputs=(E.fp8_out("q", _FP8_NAMES[fp8], scale="q_scale", transpose=True),), body=body)
+                      outputs=(E.fp8_out("q", _FP8_NAMES[fp8], scale="q_scale", transpose=True),), body=body,
+                      reads_acc=False)
 
 
 @E.program_factory
@@ -510,6 +512,7 @@ def rope_grad_q8(half_head: int) -> E.Epilogue:
         outputs=(E.fp8_out("dz", _E5M2, scale="dz_scale", transpose=True), E.row_sum("zdz")),
         body=body,
         pair_block=half_head,
+        reads_acc=False,
     )
 
 
@@ -526,6 +529,7 @@ CE_GRAD_Q8 = E.Epilogue(
     outputs=(E.fp8_out("dlogits", _E5M2, scale="dlogits_scale", transpose=True), E.row_sum("zdz")),
     body=_ce_grad_q8_body,
     uses_col_index=True,
+    reads_acc=False,
 )
 """The FP8 LM head's cross-entropy backward from the saved logits, run as an epilogue pass
 (:func:`coda_jax.ops.epilogue_pass.epilogue_pass`: no GEMM under it, the accumulator is zero and

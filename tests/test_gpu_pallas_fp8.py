@@ -245,3 +245,32 @@ def test_promoted_accumulation_on_gpu(config):
 
     plain, promoted = errors(product(0), ref)["rel"], errors(product(512), ref)["rel"]
     assert promoted < 1e-2 and promoted < plain / 10, (plain, promoted)
+
+
+_NO_GEMM = ("pingpong_lean_no_gemm", "pingpong_minor_m_lean_no_gemm", "pingpong_turns_lean_no_gemm",
+            "pingpong_minor_m_lean_prefetch_c32_no_gemm")
+
+
+@pytest.mark.parametrize("name", _NO_GEMM)
+def test_passes_without_their_gemm_on_gpu(name):
+    # The autotuner's pass candidates that skip the zero GEMM (TuningConfig.skip_pass_gemm): the
+    # quantizing pass (ragged M), the QKV gradient's and the first
+    # block's norm input, each against the reference with poisoned outputs.
+    from coda_jax.pallas.autotune import known_candidates
+
+    cfg = known_candidates()[name]
+    poison = lambda m, n: poison_allocator([(m, n)] * 3)  # noqa: E731
+    check_quantize_pass(cfg, "e4m3", 8000, 2048, 44, before_kernel=poison)
+    check_rope_grad_pass(cfg, 8000, 32, 8, 32, 45, before_kernel=poison)
+    check_input_norm_pass(cfg, 8000, 2048, 46, before_kernel=poison)
+
+
+@pytest.mark.parametrize("name", ["pingpong_minor_m_bytes_m64", "pingpong_minor_m_lean_m64", "pingpong_lean_m64"])
+def test_swiglu_programs_on_64_row_tiles_on_gpu(name):
+    # The autotuner's 64 x 128 ping-pong candidates (half the accumulator registers) on both
+    # FP8 SwiGLU GEMMs, ragged M.
+    from coda_jax.pallas.autotune import known_candidates
+
+    cfg = for_fp8_operands(known_candidates()[name])
+    _run(E.dequantized(programs.SWIGLU_DGRAD_Q8), 2000, 2048, 1024, dtypes=(E5M2, E4M3), config=cfg, seed=47)
+    _run(E.dequantized(programs.rms_swiglu_q8(True)), 2000, 4096, 1024, config=cfg, out_dtypes={"z": BF16}, seed=48)

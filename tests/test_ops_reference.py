@@ -185,3 +185,49 @@ def test_plain_gemm_helpers_match_jax():
     out = matmul(REFERENCE, dx.astype(jnp.bfloat16), wb, transpose_b=True, out_dtype=jnp.float32)
     assert out.dtype == jnp.float32 and out.shape == (77, 40)
     assert float(jnp.linalg.norm(out - dy_ref) / jnp.linalg.norm(dy_ref)) < 1e-2
+
+
+def _pass_programs():
+    from coda_jax import programs
+
+    return [programs.rope_grad_q8(32), programs.CE_GRAD_Q8, programs.quantize_q8("e4m3"),
+            programs.quantize_q8("e5m2"), programs.RMS_INPUT_Q8]
+
+
+def _outputs_for_two_products(epi, m=64, n=128, k=64):
+    """``epi`` on the reference backend with the same random loads and two different random
+    GEMMs under it."""
+    from coda_jax.reference import REFERENCE
+
+    keys = jax.random.split(jax.random.key(3), 2 + len(epi.loads))
+    loads = {}
+    for kk, (name, sds) in zip(keys[2:], C.abstract_loads(epi, m, n).items()):
+        loads[name] = (jax.random.randint(kk, sds.shape, 0, n, sds.dtype) if jnp.issubdtype(sds.dtype, jnp.integer)
+                       else jax.random.uniform(kk, sds.shape, jnp.float32, 0.5, 1.5).astype(sds.dtype))
+    outs = []
+    for kk in keys[:2]:
+        ka, kb = jax.random.split(kk)
+        a = jax.random.normal(ka, (m, k), jnp.bfloat16)
+        b = jax.random.normal(kb, (n, k), jnp.bfloat16)
+        outs.append(REFERENCE.gemm(epi, a, b, loads, transpose_b=True))
+    return outs
+
+
+@pytest.mark.parametrize("epi", _pass_programs(), ids=lambda e: e.name)
+def test_epilogue_passes_declare_that_they_ignore_the_accumulator(epi):
+    # Epilogue.reads_acc=False lets a kernel skip the GEMM under the pass (TuningConfig.
+    # skip_pass_gemm): every output must be the same whatever the product is.
+    assert not epi.reads_acc
+    one, two = _outputs_for_two_products(epi)
+    assert set(one) == set(two) == set(epi.result_names())
+    for name in one:
+        assert bool(jnp.array_equal(one[name], two[name], equal_nan=True)), name
+
+
+def test_an_epilogue_that_reads_the_accumulator_says_so():
+    # The check above can fail: a program that reads acc changes with the product.
+    from coda_jax import programs
+
+    assert programs.RESIDUAL_RMS_Q8.reads_acc
+    one, two = _outputs_for_two_products(programs.RESIDUAL_RMS_Q8)
+    assert not bool(jnp.array_equal(one["x"], two["x"]))

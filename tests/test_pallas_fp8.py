@@ -58,6 +58,9 @@ ONE_SLOT = dataclasses.replace(WS, epilogue_out_slots=1, epilogue_cols=16)
 SWIZZLED = dataclasses.replace(WS_N, swizzle_epilogue=True, epilogue_cols=16)  # 16-byte FP8 rows: row-major
 MANUAL = dataclasses.replace(PINGPONG8, manual_barriers=True)  # staged chunks synchronized by hand
 FOLDED = dataclasses.replace(WS_N8, fold_row_reductions=True, epilogue_cols=16)  # amax partials [tm, 8] across chunks
+# Epilogue passes without the zero GEMM under them (TuningConfig.skip_pass_gemm), on both ring kernels.
+NO_GEMM = dataclasses.replace(PINGPONG, skip_pass_gemm=True)
+NO_GEMM_RING = dataclasses.replace(RING, skip_pass_gemm=True)
 
 
 @pytest.fixture(autouse=True)
@@ -370,6 +373,13 @@ def test_swiglu_forward_saves_z_in_e4m3(config):
     _compare(epi, 100, 256, 200, config=config, seed=12)
 
 
+def test_skip_pass_gemm_leaves_a_program_that_reads_the_accumulator_alone():
+    # TuningConfig.skip_pass_gemm skips the GEMM only under a program that declares
+    # reads_acc=False; this one reads it, so its kernel still multiplies (ping-pong, FP8).
+    cfg = for_fp8_operands(NO_GEMM)
+    _compare(E.dequantized(programs.RESIDUAL_RMS_Q8), 200, 256, 130, config=cfg, out_dtypes={"x": BF16}, seed=16)
+
+
 @pytest.mark.parametrize("name", ["pingpong_minor_m_bytes_m64", "pingpong_minor_m_lean_m64"])
 def test_swiglu_fp8_programs_on_64_row_pingpong_tiles(name):
     # The autotuner's 64 x 128 ping-pong candidates (half the accumulator registers) on both
@@ -472,6 +482,13 @@ LOWERED = [
      dataclasses.replace(CONFIG_TABLE["default"], **FP8_PROGRAM_CONFIGS["swiglu_dgrad_zq8_fp8"])),
     ("swiglu_dgrad_zq8_fp8_cooperative", E.dequantized(programs.SWIGLU_DGRAD_ZQ8), (E5M2, E4M3),
      CONFIG_TABLE["default"]),
+    # the autotuner's 64 x 128 ping-pong candidates (half the accumulator registers) on both SwiGLU GEMMs
+    ("swiglu_dgrad_q8_fp8_pingpong_m64", E.dequantized(programs.SWIGLU_DGRAD_Q8), (E5M2, E4M3),
+     dataclasses.replace(CONFIG_TABLE["default"], tile_m=64, schedule="pingpong", cluster_dimension=None,
+                         grid_minor_dim="m", fp8_byte_transpose=True)),
+    ("rms_swiglu_q8_train_fp8_pingpong_m64_lean", E.dequantized(programs.rms_swiglu_q8(True)), (E4M3, E4M3),
+     dataclasses.replace(CONFIG_TABLE["default"], tile_m=64, schedule="pingpong", cluster_dimension=None,
+                         **LEAN_EPILOGUE)),
     # the FP8 LM head (Fp8Recipe(lm_head=True)): the logits GEMM with its online LSE, the
     # recompute path's CE-gradient GEMM and the accumulating dgrad
     ("rms_lse_logits_fp8", E.dequantized(programs.RMS_LSE_LOGITS), (E4M3, E4M3), CONFIG_TABLE["default"]),
@@ -524,6 +541,30 @@ def test_quantize_pass_lowers_for_cuda(fp8, config):
     m, n = 8192, 2048
     loads = {"x": jax.ShapeDtypeStruct((m, n), BF16), "q_scale": jax.ShapeDtypeStruct((), F32)}
     _check_pass_lowers_for_cuda(programs.quantize_q8(fp8), m, n, loads, config)
+
+
+_NO_GEMM_CANDIDATES = ("pingpong_minor_m_lean_no_gemm", "pingpong_turns_lean_no_gemm",
+                       "pingpong_minor_m_lean_prefetch_c32_no_gemm")
+
+
+@pytest.mark.parametrize("name", _NO_GEMM_CANDIDATES)
+def test_passes_without_their_gemm_lower_for_cuda(name):
+    """The autotuner's pass candidates without the zero GEMM (TuningConfig.skip_pass_gemm) pass
+    Mosaic GPU's code generation at 1B shapes: a weight's quantizing pass (float32 in) and the
+    QKV gradient's pass (pair mode)."""
+    from coda_jax.pallas.autotune import known_candidates
+
+    cfg = known_candidates()[name]
+    assert cfg.skip_pass_gemm
+    loads = {"x": jax.ShapeDtypeStruct((2048, 16384), F32), "q_scale": jax.ShapeDtypeStruct((), F32)}
+    _check_pass_lowers_for_cuda(programs.quantize_q8("e4m3"), 2048, 16384, loads, cfg)
+    m, half = 8192, 32
+    n = 48 * 2 * half
+    loads = {"dqkv": jax.ShapeDtypeStruct((m, n), BF16), "qkv": jax.ShapeDtypeStruct((m, n), BF16),
+             "rstd": jax.ShapeDtypeStruct((m,), F32),
+             "cos": jax.ShapeDtypeStruct((m, half), F32), "sin": jax.ShapeDtypeStruct((m, half), F32),
+             "rot": jax.ShapeDtypeStruct((n // 2,), F32), "dz_scale": jax.ShapeDtypeStruct((), F32)}
+    _check_pass_lowers_for_cuda(programs.rope_grad_q8(half), m, n, loads, cfg)
 
 
 @pytest.mark.parametrize("logits_dtype", [F32, BF16])
@@ -710,7 +751,7 @@ def check_ce_grad_pass(config, m, v, seed, before_kernel=lambda m, n: None):
     assert rel_err(zdz, jnp.sum(want["zdz"], axis=0)) < 1e-5
 
 
-_CE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG,
+_CE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG, "pingpong_no_gemm": NO_GEMM,
                     **{f"shipped{i}": c for i, c in enumerate(shipped_pass_configs("ce_grad_q8"))}}
 
 
@@ -725,6 +766,9 @@ _ROPE_GRAD_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG
                       # one K step a tile: the ping-pong ring on one stage (what fits at 1B shapes)
                       "pingpong_one_stage": dataclasses.replace(PINGPONG, max_concurrent_steps=1),
                       "pingpong_prefetch": dataclasses.replace(PINGPONG, prefetch_next_tile=True),
+                      "pingpong_no_gemm": NO_GEMM, "cooperative_ring_no_gemm": NO_GEMM_RING,
+                      "pingpong_turns_no_gemm_prefetch": dataclasses.replace(NO_GEMM, pingpong_turns=True,
+                                                                              prefetch_next_tile=True),
                       **{f"shipped{i}": c for i, c in enumerate(shipped_rope_grad_configs())}}
 
 
@@ -735,7 +779,8 @@ def test_rope_grad_pass(config):
 
 
 _QUANTIZE_CONFIGS = [("e4m3", SMALL, "e4m3_single"), ("e5m2", WS_N, "e5m2_cooperative"),
-                     ("e4m3", PINGPONG, "e4m3_pingpong"),
+                     ("e4m3", PINGPONG, "e4m3_pingpong"), ("e5m2", NO_GEMM, "e5m2_pingpong_no_gemm"),
+                     ("e4m3", NO_GEMM_RING, "e4m3_cooperative_ring_no_gemm"),
                      # the next tile's first loads from this tile's epilogue (TuningConfig.prefetch_next_tile)
                      ("e5m2", dataclasses.replace(PINGPONG, prefetch_next_tile=True, epilogue_cols=32),
                       "e5m2_pingpong_prefetch"),
@@ -750,7 +795,7 @@ def test_quantize_pass(fp8, config):
     check_quantize_pass(config, fp8, 200, 320, 14)
 
 
-_INPUT_NORM_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG,
+_INPUT_NORM_CONFIGS = {"single": SMALL, "cooperative": WS_N, "pingpong": PINGPONG, "pingpong_no_gemm": NO_GEMM,
                        **{f"shipped{i}": c for i, c in enumerate(shipped_pass_configs("rms_input_q8"))}}
 
 

@@ -1238,7 +1238,9 @@ def _ring_body(em: _EpilogueEmitter, shape: KernelShape, cfg: TuningConfig, ldt)
     cluster barrier: a stage is refilled only when the consumers of both CTAs have released
     it, since the refill writes into both. (``"n"``: the same with the A block.)
     """
-    ring = _Ring.of(shape, cfg)
+    # An epilogue pass (the body ignores acc) on TuningConfig.skip_pass_gemm: no K step, so the
+    # producer loads nothing and each consumer's mainloop is the zero accumulator alone.
+    ring = _Ring.of(shape, cfg, skip_gemm=cfg.skip_pass_gemm and not em.epi.reads_acc)
     n_bar = em.n_barriers
     users = 2 if ring.coop else 1  # consumers that read each stage
     stages = ring.stages
@@ -1304,13 +1306,15 @@ class _Ring:
     b_shared: str | None
 
     @staticmethod
-    def of(shape: KernelShape, cfg: TuningConfig) -> _Ring:
+    def of(shape: KernelShape, cfg: TuningConfig, skip_gemm: bool = False) -> _Ring:
+        """``skip_gemm``: no K step at all (an epilogue pass under TuningConfig.skip_pass_gemm)."""
         cta_m, cta_n = cfg.cta_tile()
         cl_m, cl_n = cfg.cluster_tile()
         grid_m, grid_n = shape.m // cl_m, shape.n // cl_n
         a_block, b_block = _specs(shape, cfg, cta_m, cta_n)
         return _Ring(shape=shape, cfg=cfg, coop=not cfg.pingpong, turns=cfg.pingpong and cfg.pingpong_turns,
-                     cta_m=cta_m, cta_n=cta_n, grid_m=grid_m, grid_n=grid_n, k_iters=shape.k // cfg.tile_k,
+                     cta_m=cta_m, cta_n=cta_n, grid_m=grid_m, grid_n=grid_n,
+                     k_iters=0 if skip_gemm else shape.k // cfg.tile_k,
                      n_tiles=grid_m * grid_n, n_programs=shape.num_sms // _cluster_size(cfg),
                      stages=cfg.max_concurrent_steps, a_block=tuple(a_block), b_block=tuple(b_block),
                      a_shared="cluster" if cfg.cluster_dimension == "n" else None,
@@ -1409,6 +1413,8 @@ def _ring_mainloop(ring: _Ring, em: _EpilogueEmitter, st: _StageRing, i, wg, ful
         plgpu.wgmma_wait(0)
 
     tm, tn = ring.cfg.tile_m, ring.cfg.tile_n
+    if not ring.k_iters:  # an epilogue pass without its GEMM: the accumulator stays zero, no stage used
+        return plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), _WG)
     acc = _promoted_groups(ring.k_iters, ring.shape.promote_steps(ring.cfg.tile_k), tm, tn, group)
     plgpu.barrier_arrive(st.free.at[lax.rem(i * ring.k_iters + ring.k_iters - 1, stages)])
     return acc

@@ -145,6 +145,13 @@ class TuningConfig:
         epilogue pass (one K step of zero operands) and GEMMs with short K. Applies where a
         tile has more chunks than loads in flight ahead (``epilogue_load_slots - 1``) and no
         output is staged in place; elsewhere the kernel is unchanged.
+      skip_pass_gemm: ring kernels (ping-pong, or ``delay_release=1``) running an epilogue
+        pass (an epilogue that declares ``reads_acc=False``: its outputs come from its loads
+        alone): no GEMM under it, so the producer loads no operand stage, the consumers issue
+        no MMA and wait on no stage, and the body gets the zero accumulator. A pass otherwise
+        runs one K step of zero operands a tile (their TMA loads share the L2 and the barriers
+        with the pass's own tile loads). Elsewhere (a program that reads ``acc``, the other
+        kernels) the kernel is unchanged.
       approx_math: the epilogue's transcendentals (exp, sigmoid, rsqrt, division) use the
         GPU's approximate instructions (relative error ~1e-7..1e-6 in float32, far below the
         bfloat16 rounding of the outputs).
@@ -175,6 +182,7 @@ class TuningConfig:
     consumer_col_sums: bool = False
     col_sum_tiles: bool = False
     prefetch_next_tile: bool = False
+    skip_pass_gemm: bool = False
     approx_math: bool = False
 
     def __post_init__(self):
