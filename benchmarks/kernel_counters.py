@@ -11,13 +11,13 @@ configurations, e.g. to see which of them spills) and launched once on random op
 (:func:`~coda_jax.pallas.autotune.random_arguments`) inside ``ncu`` (``--clock-control none``:
 the clocks stay where the GPU puts them; kernels named ``coda_*`` only, so the operands'
 random draws are not profiled). Writes ``<out>/counters.ncu-rep``, ``details.txt`` (ncu's
-sections with its rule notes: speed of light, memory, warp stalls, source counters) and
-``raw.csv`` (every metric), ``launches.json`` (each launch's call and configuration), ``sass_<i>.csv`` / ``sass_<i>.txt`` per kernel (ncu's source page
-and :mod:`benchmarks.sass_hotspots`' summary of it: warp-stall samples per opcode and
-instruction), and prints a line per kernel: duration, DRAM and SM throughput as
-a share of peak, DRAM bytes moved and the rate, registers, local-memory spill requests, and the
-largest warp-stall reasons
-(cycles a warp spends stalled per instruction issued, by reason).
+sections with its rule notes: speed of light, memory, warp stalls, source counters),
+``raw.csv`` (every metric), ``launches.json`` (each launch's call and configuration), and
+``sass_<i>.csv`` / ``sass_<i>.txt`` per kernel (ncu's source page and
+:mod:`benchmarks.sass_hotspots`' summary of it: warp-stall samples per opcode and
+instruction); prints a line per kernel: duration, DRAM and SM throughput as a share of peak,
+DRAM bytes moved and the rate, registers, local-memory spill requests, and the largest
+warp-stall reasons (cycles a warp spends stalled per instruction issued, by reason).
 
 Each kernel is replayed once per counter pass: minutes for a handful of calls. Without
 ``ncu`` on the PATH (or under ``/opt/nvidia/nsight-compute``) it stops with that message.

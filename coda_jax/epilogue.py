@@ -217,7 +217,7 @@ class Epilogue:
       reads_acc: the body reads ``acc``. ``False`` declares an epilogue pass (its outputs
         come from its loads alone, run over a zero accumulator:
         :func:`coda_jax.ops.epilogue_pass.epilogue_pass`), so a kernel backend may skip the
-        GEMM under it (its operand loads and MMAs). ``tests/test_programs.py`` checks the claim.
+        GEMM under it (its operand loads and MMAs). ``tests/test_ops_reference.py`` checks the claim.
     """
 
     name: str

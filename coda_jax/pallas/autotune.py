@@ -188,11 +188,10 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_minor_m_bytes_prefetch": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                            grid_minor_dim="m", fp8_byte_transpose=True,
                                                            prefetch_next_tile=True),
-    # Epilogue passes without the zero GEMM under them (TuningConfig.skip_pass_gemm): Nsight
-    # Compute found a weight's quantizing pass at 48 % of the DRAM peak, its warps waiting on
-    # TMA loads, the L2 busy at a 48 % hit rate beside the zero operands' loads (run 373). The
-    # pass configurations that won so far, each without its GEMM (programs that read the
-    # accumulator run theirs: the flag leaves them alone).
+    # Epilogue passes without the zero GEMM under them (TuningConfig.skip_pass_gemm): a pass's
+    # warps wait on TMA loads, and the zero operands' loads share the L2 with the pass's own
+    # (docs/performance.md#kernels). The pass configurations that won so far, each without its
+    # GEMM (programs that read the accumulator run theirs: the flag leaves them alone).
     "pingpong_lean_no_gemm": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                  skip_pass_gemm=True, **LEAN_EPILOGUE),
     "pingpong_minor_m_lean_no_gemm": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
