@@ -543,7 +543,7 @@ def test_quantize_pass_lowers_for_cuda(fp8, config):
     _check_pass_lowers_for_cuda(programs.quantize_q8(fp8), m, n, loads, config)
 
 
-_NO_GEMM_CANDIDATES = ("pingpong_minor_m_lean_no_gemm", "pingpong_turns_lean_no_gemm",
+_NO_GEMM_CANDIDATES = ("pingpong_lean_no_gemm", "pingpong_minor_m_lean_no_gemm", "pingpong_turns_lean_no_gemm",
                        "pingpong_minor_m_lean_prefetch_c32_no_gemm")
 
 
@@ -555,7 +555,8 @@ def test_passes_without_their_gemm_lower_for_cuda(name):
     from coda_jax.pallas.autotune import known_candidates
 
     cfg = known_candidates()[name]
-    assert cfg.skip_pass_gemm
+    assert cfg.skip_pass_gemm and set(_NO_GEMM_CANDIDATES) == {n for n, c in known_candidates().items()
+                                                                if c.skip_pass_gemm}
     loads = {"x": jax.ShapeDtypeStruct((2048, 16384), F32), "q_scale": jax.ShapeDtypeStruct((), F32)}
     _check_pass_lowers_for_cuda(programs.quantize_q8("e4m3"), 2048, 16384, loads, cfg)
     m, half = 8192, 32

@@ -277,7 +277,10 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
     """The named candidates (default: :data:`CANDIDATES`; ``"extended"``:
     :data:`EXTENDED_CANDIDATES`; ``"promoted"``: :data:`PROMOTED_CANDIDATES`, for promoting
     calls only; ``"all"``: every one) that can run ``call``: those whose tile
-    holds the epilogue's pair block and whose K step suits the call's layout. The heuristic's own configuration is timed separately.
+    holds the epilogue's pair block and whose K step suits the call's layout, less those whose
+    difference does not apply to the program (column-sum settings without a column sum, a
+    skipped pass GEMM under a program that reads its accumulator). The heuristic's own
+    configuration is timed separately.
 
     A call on FP8 operands gets each candidate with its K step doubled
     (:func:`~coda_jax.pallas.tuning.for_fp8_operands`: the bytes of a 16-bit K step, as the
@@ -305,6 +308,8 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
         if (cfg.col_sum_tiles or cfg.consumer_col_sums) and not any(o.kind is OutputKind.COL_SUM
                                                                     for o in epi.outputs):
             continue  # the same kernel as the candidate without it
+        if cfg.skip_pass_gemm and epi.reads_acc:
+            continue  # a program that reads its accumulator runs its GEMM: the same kernel again
         if pw is None or cfg.tile_n % pw == 0:
             out[name] = cfg
     return out
