@@ -247,15 +247,18 @@ def test_promoted_accumulation_on_gpu(config):
     assert promoted < 1e-2 and promoted < plain / 10, (plain, promoted)
 
 
-_NO_GEMM = ("pingpong_lean_no_gemm", "pingpong_minor_m_lean_no_gemm", "pingpong_turns_lean_no_gemm",
-            "pingpong_minor_m_lean_prefetch_c32_no_gemm")
+# The autotuner's candidates for epilogue passes: without the zero GEMM
+# (TuningConfig.skip_pass_gemm), and on 64 x 128 ping-pong tiles.
+_PASS_CANDIDATES = ("pingpong_lean_no_gemm", "pingpong_minor_m_lean_no_gemm", "pingpong_turns_lean_no_gemm",
+                    "pingpong_minor_m_lean_prefetch_c32_no_gemm", "pingpong_minor_m_lean_m64_no_gemm",
+                    "pingpong_lean_m64_no_gemm", "pingpong_minor_m_lean_m64", "pingpong_lean_m64",
+                    "pingpong_minor_m_bytes_m64")
 
 
-@pytest.mark.parametrize("name", _NO_GEMM)
-def test_passes_without_their_gemm_on_gpu(name):
-    # The autotuner's pass candidates that skip the zero GEMM (TuningConfig.skip_pass_gemm): the
-    # quantizing pass (ragged M), the QKV gradient's and the first
-    # block's norm input, each against the reference with poisoned outputs.
+@pytest.mark.parametrize("name", _PASS_CANDIDATES)
+def test_pass_candidates_on_gpu(name):
+    # The quantizing pass (ragged M), the QKV gradient's and the first block's norm input on the
+    # autotuner's pass candidates, each against the reference with poisoned outputs.
     from coda_jax.pallas.autotune import known_candidates
 
     cfg = known_candidates()[name]

@@ -157,21 +157,32 @@ def _fp8_codes(x) -> np.ndarray:
     return np.asarray(x).view(np.uint8).astype(np.int32)
 
 
+# float32 rounding of an epilogue's math, relative to the output's amax: 8 ulps at 1.0.
+_F32_ROUNDING = 8 * float(np.finfo(np.float32).eps)
+
+
 def _check_fp8(name, got, want, scale) -> None:
     """An FP8 tile (or copy): no NaN (poison) or inf, every element within one code of the
-    reference's, >= 99.9 % bit-equal, the dequantized values within relative error 1e-2; and
-    the reference does saturate some values (the test's scale works)."""
+    reference's or, near zero, within float32 rounding of the epilogue's math (``_F32_ROUNDING``
+    times the output's amax, before scaling), >= 99.9 % bit-equal, the dequantized values within
+    relative error 1e-2; and the reference does saturate some values (the test's scale works)."""
     assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
     g = np.asarray(got.astype(F32))
     assert np.isfinite(g).all(), f"{name}: NaN / inf in the kernel's FP8 output (an unwritten element?)"
+    w = np.asarray(want.astype(F32))
     gc, wc = _fp8_codes(got), _fp8_codes(want)
     mag_g, mag_w = gc & 0x7F, wc & 0x7F
-    near_zero = (mag_g <= 1) & (mag_w <= 1)  # +-0 and the smallest subnormal: the sign may differ
     one_code = ((gc >> 7) == (wc >> 7)) & (np.abs(mag_g - mag_w) <= 1)
-    assert (one_code | near_zero).all(), f"{name}: {(~(one_code | near_zero)).sum()} elements off by > 1 code"
+    # +-0 and the smallest subnormal may differ in sign. Near zero the FP8 grid is also finer
+    # than float32's error on the terms of a cancelling sum (RoPE's x cos - y sin, a fused
+    # multiply-add in one lowering and not in the other): after scaling, a few float32 ulps of
+    # the output's amax span many subnormal codes, and the sign may differ.
+    near_zero = ((mag_g <= 1) & (mag_w <= 1)) | (np.abs(g - w) <= _F32_ROUNDING * np.abs(w).max())
+    bad = ~(one_code | near_zero)
+    assert not bad.any(), (f"{name}: {bad.sum()} elements off by > 1 code, e.g. (kernel, reference) scaled "
+                           f"{list(zip(g[bad][:4].tolist(), w[bad][:4].tolist()))}")
     equal = (gc == wc).mean()
     assert equal >= 0.999, f"{name}: only {equal:.4%} bit-equal"
-    w = np.asarray(want.astype(F32))
     assert np.isclose(np.abs(w).max(), float(jnp.finfo(want.dtype).max)), f"{name}: nothing saturated"
     assert rel_err(g / scale, w / scale) < 1e-2
 
@@ -544,7 +555,8 @@ def test_quantize_pass_lowers_for_cuda(fp8, config):
 
 
 _NO_GEMM_CANDIDATES = ("pingpong_lean_no_gemm", "pingpong_minor_m_lean_no_gemm", "pingpong_turns_lean_no_gemm",
-                       "pingpong_minor_m_lean_prefetch_c32_no_gemm")
+                       "pingpong_minor_m_lean_prefetch_c32_no_gemm", "pingpong_minor_m_lean_m64_no_gemm",
+                       "pingpong_lean_m64_no_gemm")
 
 
 @pytest.mark.parametrize("name", _NO_GEMM_CANDIDATES)

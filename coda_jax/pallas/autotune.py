@@ -215,16 +215,22 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_minor_m_col_tiles_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                            grid_minor_dim="m", col_sum_tiles=True, **LEAN_EPILOGUE),
     # 64 x 128 consumer tiles on the ping-pong kernel (64 accumulator registers a thread,
-    # half the default's): for epilogues that spill beside a 128-row accumulator. Nsight
-    # Compute counted local-memory spills in both FP8 SwiGLU GEMMs (pair blocks, two loaded
-    # or written halves a column) on their 128 x 128 tables' configurations
-    # (docs/performance.md#kernels); the epilogue then has twice the registers a value.
+    # half the default's): for epilogues that spill beside a 128-row accumulator (Nsight
+    # Compute counted local-memory spills in both FP8 SwiGLU GEMMs' pair-block epilogues,
+    # docs/performance.md#kernels), and for the epilogue passes, all memory traffic, where
+    # half-height tiles keep more loads and stores in flight per SM between the two consumers.
     "pingpong_minor_m_bytes_m64": dataclasses.replace(_D, tile_m=64, schedule="pingpong", cluster_dimension=None,
                                                       grid_minor_dim="m", fp8_byte_transpose=True),
     "pingpong_minor_m_lean_m64": dataclasses.replace(_D, tile_m=64, schedule="pingpong", cluster_dimension=None,
                                                      grid_minor_dim="m", **LEAN_EPILOGUE),
     "pingpong_lean_m64": dataclasses.replace(_D, tile_m=64, schedule="pingpong", cluster_dimension=None,
                                              **LEAN_EPILOGUE),
+    # ... and for the passes without their zero GEMM (TuningConfig.skip_pass_gemm).
+    "pingpong_minor_m_lean_m64_no_gemm": dataclasses.replace(_D, tile_m=64, schedule="pingpong",
+                                                             cluster_dimension=None, grid_minor_dim="m",
+                                                             skip_pass_gemm=True, **LEAN_EPILOGUE),
+    "pingpong_lean_m64_no_gemm": dataclasses.replace(_D, tile_m=64, schedule="pingpong", cluster_dimension=None,
+                                                     skip_pass_gemm=True, **LEAN_EPILOGUE),
     "n192": dataclasses.replace(_D, tile_n=192),
     "n192_split_m": dataclasses.replace(_D, tile_n=192, wg_dimension="m"),
     "n192_split_m_no_cluster": dataclasses.replace(_D, tile_n=192, wg_dimension="m", cluster_dimension=None),
