@@ -83,8 +83,8 @@ def test_on_eight_devices(group):
 def test_mesh_fuzz():
     """Seeded random models on random meshes against one device
     (``tests/multi_device_cases.py::case_mesh_fuzz``, four draws a seed). The seeds:
-    ``$CODA_JAX_MESH_FUZZ_SEEDS`` (comma-separated), default ``0,1``."""
-    seeds = [int(x) for x in os.environ.get("CODA_JAX_MESH_FUZZ_SEEDS", "0,1").split(",") if x.strip()]
+    ``$CODA_JAX_MESH_FUZZ_SEEDS`` (comma-separated), default ``0`` (CI; more seeds by hand)."""
+    seeds = [int(x) for x in os.environ.get("CODA_JAX_MESH_FUZZ_SEEDS", "0").split(",") if x.strip()]
     out = _run_cases([f"mesh_fuzz_{seed}" for seed in seeds])
     for seed in seeds:
         assert f"OK mesh_fuzz_{seed}" in out, out
