@@ -32,21 +32,29 @@ def _hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 
 
-# The CPU suite's longest tests (40-95 s each on 2 cores, fresh-clone CI of 22381c6), run
-# first: with pytest-xdist's two workers, a long test left for the end keeps one worker busy
-# while the other idles.
+# The CPU suite's longest tests (15-80 s each on 2 cores, `--durations=0` of 6bfab39's suite),
+# run first: with pytest-xdist's two workers, a long test left for the end keeps one worker
+# busy while the other idles.
 SLOW_FIRST = (
+    "test_autotune.py::test_extended_candidates_lower_for_cuda",
     "test_partitioning.py::test_on_eight_devices",
     "test_cutedsl_lowering.py::test_kernels_do_not_spill",
-    "test_autotune.py::test_extended_candidates_lower_for_cuda",
+    "test_bench_tools.py::test_train_step_bench_runs_plain_and_coda_under_each_runs_options",
     "test_partitioning.py::test_train_example_on_meshes_matches_one_device",
-    "test_shape_fuzz.py::test_model_draw_on_pallas",
-    "test_ops_pallas.py::test_block_on_pallas_matches_xla_backend",
-    "test_train_example.py::test_short_training_run_learns_and_resumes",
+    "test_cutedsl_fp8.py::test_quantizing_kernels_do_not_spill",
     "test_multi_process.py::test_two_processes_train_as_one_process",  # two processes of two devices each
-    "test_bench_tools.py::test_train_step_bench_runs_plain_and_coda_and_restores_the_environment",
+    "test_fp8.py::test_fp8_model_step_on_pallas_matches_xla",
+    "test_partitioning.py::test_mesh_fuzz",
+    "test_multi_process.py::test_the_two_processes_see_the_batches_of_one_device",
+    "test_bench_tools.py::test_fp8_accuracy_over_seeds_and_recipes",
+    "test_ops_pallas.py::test_block_on_pallas_matches_xla_backend",
+    "test_shape_fuzz.py::test_model_draw_on_pallas",
+    "test_bench_tools.py::test_grad_error_probe_measures_the_bf16_rounding_of_a_training_step",
+    "test_train_example.py::test_short_training_run_learns_and_resumes",
     "test_train_example.py::test_sample_from_a_training_run",
-    "test_ops_reference.py::test_rms_norm_matmul_random_shapes",
+    "test_cutedsl_fp8.py::test_fp8_model_step_lowers_on_the_fp8_kernel",
+    "test_bench_tools.py::test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm",
+    "test_partitioning.py::test_small_outputs_are_handed_to_xla_per_shard",
 )
 
 

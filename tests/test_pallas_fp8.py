@@ -257,6 +257,8 @@ def test_fp8_operands_row_scale(dtypes, config):
 def test_promoted_accumulation(config, promote_k):
     _compare(E.dequantized(programs.IDENTITY), 200, 136, 700, config=config, out_dtypes={"out": F32},
              promote_k=promote_k)
+    if promote_k == 128:
+        return  # groups of one step: the grouping above; the epilogues below run on groups of two
     _compare(AMAX_PROBE, 200, 136, 700, config=config, promote_k=promote_k, seed=1)
     # A column sum (the norm backward's dgamma): as summand tiles in the warp-specialized kernels.
     _compare(E.dequantized(programs.rms_dgrad(True, True)), 200, 136, 700, config=config, promote_k=promote_k,
