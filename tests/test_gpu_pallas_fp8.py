@@ -21,9 +21,10 @@ from coda_jax.epilogue import OutputKind
 from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
 from op_cases import poison_allocator
-from test_pallas_fp8 import (AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare, _shipped_fp8_configs,
-                             check_ce_grad_pass, check_fp8_lm_head, check_input_norm_pass, check_quantize_pass,
-                             check_rope_grad_pass, shipped_pass_configs, shipped_rope_grad_configs)
+from test_pallas_fp8 import (_NO_GEMM_CANDIDATES, AMAX_PROBE, BF16, E4M3, E5M2, PAIR_PROBE, TWO_PROBE, _compare,
+                             _shipped_fp8_configs, check_ce_grad_pass, check_fp8_lm_head, check_input_norm_pass,
+                             check_quantize_pass, check_rope_grad_pass, shipped_pass_configs,
+                             shipped_rope_grad_configs)
 
 pytestmark = pytest.mark.gpu
 
@@ -249,10 +250,7 @@ def test_promoted_accumulation_on_gpu(config):
 
 # The autotuner's candidates for epilogue passes: without the zero GEMM
 # (TuningConfig.skip_pass_gemm), and on 64 x 128 ping-pong tiles.
-_PASS_CANDIDATES = ("pingpong_lean_no_gemm", "pingpong_minor_m_lean_no_gemm", "pingpong_turns_lean_no_gemm",
-                    "pingpong_minor_m_lean_prefetch_c32_no_gemm", "pingpong_minor_m_lean_m64_no_gemm",
-                    "pingpong_lean_m64_no_gemm", "pingpong_minor_m_lean_m64", "pingpong_lean_m64",
-                    "pingpong_minor_m_bytes_m64")
+_PASS_CANDIDATES = (*_NO_GEMM_CANDIDATES, "pingpong_minor_m_lean_m64", "pingpong_lean_m64", "pingpong_minor_m_bytes_m64")
 
 
 @pytest.mark.parametrize("name", _PASS_CANDIDATES)
