@@ -266,10 +266,13 @@ def test_pass_candidates_on_gpu(name):
     check_input_norm_pass(cfg, 8000, 2048, 46, before_kernel=poison)
 
 
-@pytest.mark.parametrize("name", ["pingpong_minor_m_bytes_m64", "pingpong_minor_m_lean_m64", "pingpong_lean_m64"])
-def test_swiglu_programs_on_64_row_tiles_on_gpu(name):
-    # The autotuner's 64 x 128 ping-pong candidates (half the accumulator registers) on both
-    # FP8 SwiGLU GEMMs, ragged M.
+@pytest.mark.parametrize("name", ["pingpong_minor_m_bytes_m64", "pingpong_minor_m_lean_m64", "pingpong_lean_m64",
+                                  "pingpong_minor_m_bytes_wide", "pingpong_minor_m_bytes_wide_s3",
+                                  "pingpong_lean_wide", "pingpong_lean_wide_s3"])
+def test_swiglu_programs_on_pingpong_candidates_on_gpu(name):
+    # The autotuner's candidates for the spilling FP8 SwiGLU GEMMs on both: 64 x 128 ping-pong
+    # tiles (half the accumulator registers) and 32-column pair chunks past the register
+    # budget with one output slot. Ragged M.
     from coda_jax.pallas.autotune import known_candidates
 
     cfg = for_fp8_operands(known_candidates()[name])

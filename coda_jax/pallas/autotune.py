@@ -225,6 +225,24 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
                                                      grid_minor_dim="m", **LEAN_EPILOGUE),
     "pingpong_lean_m64": dataclasses.replace(_D, tile_m=64, schedule="pingpong", cluster_dimension=None,
                                              **LEAN_EPILOGUE),
+    # The pair-block epilogues (the SwiGLU GEMMs) in 32-column chunks, past the register budget
+    # that narrows them to 16 (TuningConfig.epilogue_regs): half the chunks, so half the TMA
+    # stores, barriers and descriptor set-ups a tile (four stores a chunk: two pair halves,
+    # each with its transposed copy), against more values live beside the accumulator. With
+    # one output slot their staging fits beside 4 FP8 stages (the forward, which loads no
+    # tile) or 3 (the backward, which loads z); plan_kernel narrows chunks before it drops
+    # stages, so the 3-stage one is named.
+    "pingpong_minor_m_bytes_wide": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                       grid_minor_dim="m", fp8_byte_transpose=True,
+                                                       epilogue_regs=160, epilogue_out_slots=1),
+    "pingpong_minor_m_bytes_wide_s3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                          grid_minor_dim="m", fp8_byte_transpose=True,
+                                                          epilogue_regs=160, epilogue_out_slots=1,
+                                                          max_concurrent_steps=3),
+    "pingpong_lean_wide_s3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, epilogue_regs=160,
+                                                 epilogue_out_slots=1, max_concurrent_steps=3, **LEAN_EPILOGUE),
+    "pingpong_lean_wide": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, epilogue_regs=160,
+                                              epilogue_out_slots=1, **LEAN_EPILOGUE),
     # ... and for the passes without their zero GEMM (TuningConfig.skip_pass_gemm).
     "pingpong_minor_m_lean_m64_no_gemm": dataclasses.replace(_D, tile_m=64, schedule="pingpong",
                                                              cluster_dimension=None, grid_minor_dim="m",
