@@ -701,11 +701,11 @@ def check_rope_grad_pass(config, m, heads, kv, half, seed, before_kernel=lambda 
     assert np.isfinite(zdz).all() and np.linalg.norm(zdz - naive) / np.linalg.norm(naive) < 1e-5
 
 
-def check_quantize_pass(config, fp8, m, n, seed, before_kernel=lambda m, n: None):
-    """A standalone quantizing pass (:func:`programs.quantize_q8`: a bf16 tile load written in
-    FP8 with its copy and amax) on the Pallas kernel under ``config`` against the reference
-    (:func:`_check_pass`)."""
-    x = (jax.random.normal(jax.random.key(seed), (m, n), F32) * 3.0).astype(BF16)
+def check_quantize_pass(config, fp8, m, n, seed, before_kernel=lambda m, n: None, dtype=BF16):
+    """A standalone quantizing pass (:func:`programs.quantize_q8`: a tile load, bf16 or float32
+    (the weights' pass), written in FP8 with its copy and amax) on the Pallas kernel under
+    ``config`` against the reference (:func:`_check_pass`)."""
+    x = (jax.random.normal(jax.random.key(seed), (m, n), F32) * 3.0).astype(dtype)
     _check_pass(programs.quantize_q8(fp8), m, n, {"x": x}, "q", "q_scale", config, before_kernel)
 
 
