@@ -526,6 +526,39 @@ def test_tune_call_checks_each_candidate_against_the_heuristic(monkeypatch):
     assert (row["program"], row["layout"], row["m"]) == ("residual_rms", "nn", 256)
 
 
+def test_tune_call_checks_a_candidate_on_several_launches_on_a_gpu(monkeypatch):
+    """On a GPU a candidate's outputs are checked on CHECK_LAUNCHES launches: one that is wrong
+    only on its second launch (a race) is rejected. Elsewhere one launch is checked."""
+    from coda_jax.pallas import interpret_mode
+
+    call = at.KernelCall(programs.IDENTITY, jax.ShapeDtypeStruct((128, 128), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((128, 128), jnp.bfloat16), (), False, False, (), (128, 128, 128))
+    real_runner = at._runner
+    launches = []
+
+    def runner(c, cfg):  # the "band8" candidate is off by 1 % on its second launch only
+        run, timed = real_runner(c, cfg)
+        if cfg is not at.CANDIDATES["band8"]:
+            return run, timed
+
+        def flaky(a, b, l):
+            launches.append(1)
+            out = run(a, b, l)
+            return {**out, "out": out["out"] * 1.01} if len(launches) == 2 else out
+        return flaky, timed
+
+    monkeypatch.setattr(at, "_runner", runner)
+    timer = lambda fn, *args, iters: 1.0  # noqa: E731
+    with interpret_mode():
+        row = at.tune_call(call, ["band8"], iters=1, log=lambda s: None, timer=timer)
+        assert "ms" in row["results"]["band8"] and launches == [1]  # the CPU: one launch checked
+        launches.clear()
+        monkeypatch.setattr(at.jax, "default_backend", lambda: "gpu")
+        row = at.tune_call(call, ["band8"], iters=1, log=lambda s: None, timer=timer)
+    assert "differ from the heuristic" in row["results"]["band8"]["error"]
+    assert len(launches) == at.CHECK_LAUNCHES
+
+
 def test_extended_candidates_lower_for_cuda():
     """Every candidate the tuner may time (the extended set too) lowers for CUDA for a
     heavy-epilogue program, so a tuning run on the GPU does not spend its time on configs that
