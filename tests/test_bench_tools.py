@@ -728,11 +728,14 @@ def test_a_config_variant_reaches_the_tuned_tables_entries():
 
     entries = lambda: [e.config for path in tuned.SHIPPED_TABLES  # noqa: E731
                        for e in tuned.load_table(str(path)).entries if e.config is not None]
-    # A field value no shipped entry has (tuned entries do set swizzle_epilogue).
-    assert entries() and not any(c.epilogue_regs == 112 for c in entries())
-    with bench.backend_variant("pallas@epilogue_regs=112"):
-        assert all(c.epilogue_regs == 112 for c in entries())
-    assert not any(c.epilogue_regs == 112 for c in entries())
+    # A field no shipped entry sets (tuned entries do set swizzle_epilogue, epilogue_regs), so
+    # every entry takes the variant's value.
+    raw = [e.get("config") or {} for path in tuned.SHIPPED_TABLES for e in json.loads(Path(path).read_text())["entries"]]
+    assert not any("grid_tile_width" in c for c in raw)
+    assert entries() and not any(c.grid_tile_width == 7 for c in entries())
+    with bench.backend_variant("pallas@grid_tile_width=7"):
+        assert all(c.grid_tile_width == 7 for c in entries())
+    assert not any(c.grid_tile_width == 7 for c in entries())
 
 
 def test_tune_sweep_programs_get_the_loads_they_declare():
