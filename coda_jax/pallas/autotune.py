@@ -232,7 +232,9 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # each with its transposed copy), against more values live beside the accumulator. With
     # one output slot their staging fits beside 4 FP8 stages (the forward, which loads no
     # tile) or 3 (the backward, which loads z); plan_kernel narrows chunks before it drops
-    # stages, so the 3-stage one is named.
+    # stages, so the 3-stage one is named. Offered to every program: the weights' float32
+    # passes ran faster on them too, but a step on such a table did not train, cause not yet
+    # found (docs/performance.md#kernels), so no table holds them for a pass.
     "pingpong_minor_m_bytes_wide": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                        grid_minor_dim="m", fp8_byte_transpose=True,
                                                        epilogue_regs=160, epilogue_out_slots=1),
