@@ -21,7 +21,7 @@ from coda_jax.epilogue import OutputKind
 from coda_jax.pallas.lowering import PallasLowering
 from coda_jax.pallas.tuning import CONFIG_TABLE, for_fp8_operands
 from op_cases import poison_allocator
-from test_pallas_fp8 import (_NO_GEMM_CANDIDATES, AMAX_PROBE, BF16, E4M3, E5M2, F32, PAIR_PROBE, TWO_PROBE, _compare,
+from test_pallas_fp8 import (_NO_GEMM_CANDIDATES, _WIDE_CANDIDATES, AMAX_PROBE, BF16, E4M3, E5M2, F32, PAIR_PROBE, TWO_PROBE, _compare,
                              _shipped_fp8_configs, check_ce_grad_pass, check_fp8_lm_head, check_input_norm_pass,
                              check_quantize_pass, check_rope_grad_pass, shipped_pass_configs,
                              shipped_rope_grad_configs)
@@ -253,8 +253,7 @@ def test_promoted_accumulation_on_gpu(config):
 # slot past the register budget), which won the 8B-width weights' passes in a tuning run whose
 # step then trained wrongly (benchmarks/HISTORY.md, run 379).
 _PASS_CANDIDATES = (*_NO_GEMM_CANDIDATES, "pingpong_minor_m_lean_m64", "pingpong_lean_m64",
-                    "pingpong_minor_m_bytes_m64", "pingpong_minor_m_bytes_wide_s3", "pingpong_lean_wide_s3",
-                    "pingpong_lean_wide")
+                    "pingpong_minor_m_bytes_m64", *_WIDE_CANDIDATES)
 
 
 @pytest.mark.parametrize("name", _PASS_CANDIDATES)
@@ -272,8 +271,7 @@ def test_pass_candidates_on_gpu(name):
 
 
 @pytest.mark.parametrize("name", ["pingpong_minor_m_bytes_m64", "pingpong_minor_m_lean_m64", "pingpong_lean_m64",
-                                  "pingpong_minor_m_bytes_wide", "pingpong_minor_m_bytes_wide_s3",
-                                  "pingpong_lean_wide", "pingpong_lean_wide_s3"])
+                                  *_WIDE_CANDIDATES])
 def test_swiglu_programs_on_pingpong_candidates_on_gpu(name):
     # The autotuner's candidates for the spilling FP8 SwiGLU GEMMs on both: 64 x 128 ping-pong
     # tiles (half the accumulator registers) and 32-column pair chunks past the register

@@ -39,6 +39,9 @@ from coda_jax.pallas.tuned import config_fields, layout_name, loads_signature, p
 from coda_jax.pallas.tuning import CONFIG_TABLE, FP8_COL_SUM_CONFIG, LEAN_EPILOGUE, TuningConfig, for_fp8_operands
 
 _D = CONFIG_TABLE["default"]
+# The wide candidates' settings (EXTENDED_CANDIDATES' "*_wide*"): 32-column pair chunks past
+# the register budget, one output staging slot.
+WIDE_CHUNKS = {"epilogue_regs": 160, "epilogue_out_slots": 1}
 # Variants of the default that won on some GEMM of a training step on the H100
 # (docs/performance.md#tuned-tables):
 # bands of tiles across M, wider bands, no CTA pair, ping-pong (also with bands across M),
@@ -236,16 +239,14 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # passes ran faster on them too, but a step on such a table did not train, cause not yet
     # found (docs/performance.md#kernels), so no table holds them for a pass.
     "pingpong_minor_m_bytes_wide": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
-                                                       grid_minor_dim="m", fp8_byte_transpose=True,
-                                                       epilogue_regs=160, epilogue_out_slots=1),
+                                                       grid_minor_dim="m", fp8_byte_transpose=True, **WIDE_CHUNKS),
     "pingpong_minor_m_bytes_wide_s3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                           grid_minor_dim="m", fp8_byte_transpose=True,
-                                                          epilogue_regs=160, epilogue_out_slots=1,
-                                                          max_concurrent_steps=3),
-    "pingpong_lean_wide_s3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, epilogue_regs=160,
-                                                 epilogue_out_slots=1, max_concurrent_steps=3, **LEAN_EPILOGUE),
-    "pingpong_lean_wide": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, epilogue_regs=160,
-                                              epilogue_out_slots=1, **LEAN_EPILOGUE),
+                                                          max_concurrent_steps=3, **WIDE_CHUNKS),
+    "pingpong_lean_wide_s3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
+                                                 max_concurrent_steps=3, **WIDE_CHUNKS, **LEAN_EPILOGUE),
+    "pingpong_lean_wide": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None, **WIDE_CHUNKS,
+                                              **LEAN_EPILOGUE),
     # ... and for the passes without their zero GEMM (TuningConfig.skip_pass_gemm).
     "pingpong_minor_m_lean_m64_no_gemm": dataclasses.replace(_D, tile_m=64, schedule="pingpong",
                                                              cluster_dimension=None, grid_minor_dim="m",
