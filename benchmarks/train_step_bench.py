@@ -28,7 +28,10 @@ every GEMM on the kernel). Per run: compile + first step (wall seconds), then ``
 device queue stays full; the host is not in the step time); the median round gives ms/step
 and tokens/s. Runs go one after another (a 1B model with its AdamW state is ~15 GB; several
 would not fit together): list ``plain`` first and last, and the table reports the drift
-between them. The compiled step's temp memory (XLA's memory analysis) is reported too.
+between them. The compiled step's temp memory (XLA's memory analysis) is reported too, and each step's loss
+(``losses``; the batch repeats, so a run that trains drives it toward zero) with the optimizer's
+count of the steps it applied (``steps_applied`` against ``steps_run``: an FP8 step with a
+non-finite amax or gradient is skipped, :class:`coda_jax.fp8.Fp8Recipe`).
 Three more settings of a run are not options: ``JAX_ENABLE_PGLE=1`` (JAX's automatic
 profile-guided latency estimation, through jit dispatch; ``JAX_PGLE_PROFILING_RUNS=N``
 profiled runs, default 3) and ``PGLE_AOT=N`` (the same from N traced steps, compiled ahead of
@@ -434,14 +437,18 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         state, loss = compiled(state, inputs, targets)
         first_loss = float(loss)
         first_step_s = time.perf_counter() - t0
+        calls = 1 + pgle_runs + 1  # steps run, against the optimizer's count of steps applied
+        losses = [loss]  # each step's loss (device scalars, read once at the end: no sync per step)
         for _ in range(pgle_runs + 1):  # the profiled runs, then the recompiled step's first run
             state, loss = compiled(state, inputs, targets)
+            losses.append(loss)
         jax.block_until_ready(loss)
         if aot_steps:
             with tempfile.TemporaryDirectory() as tmp:
                 t1 = time.perf_counter()
                 state, compiled, pgle_info = aot_pgle_compile(train_step, state, inputs, targets, compiled,
                                                               aot_steps, Path(tmp))
+                calls += aot_steps  # (their losses are not kept)
                 hlo_source = compiled
                 compile_s += time.perf_counter() - t1  # the profiled steps and the second compile
             print(f"{spec}: PGLE profile of {aot_steps} steps: {pgle_info['bytes']} bytes, "
@@ -476,18 +483,24 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     with run_context(run, mesh, inputs.size, cfg.block_weights_per_width) if pgle_runs else contextlib.nullcontext():
         for _ in range(2):  # warm-up
             state, loss = compiled(state, inputs, targets)
+            losses.append(loss)
         jax.block_until_ready(loss)
+        calls += 2 + rounds * steps
         per_round = []
         with ClockSampler() as clock:  # the GPUs' clock and power over the timed rounds
             for _ in range(rounds):
                 t = time.perf_counter()
                 for _ in range(steps):
                     state, loss = compiled(state, inputs, targets)
+                    losses.append(loss)
                 jax.block_until_ready(loss)
                 per_round.append((time.perf_counter() - t) / steps * 1e3)
         if clock.summary:
             print(f"CLOCK {spec}: SM {clock.summary['sm_clock_mhz']:.0f} MHz, {clock.summary['power_w']:.0f} W "
                   f"(medians of {clock.summary['samples']} samples over the timed rounds)", flush=True)
+        # An FP8 step whose amaxes or gradients are not finite is skipped (Fp8Recipe.on_nonfinite):
+        # the optimizer's step count then falls behind the steps run (and the loss behind the baselines').
+        applied = int(jax.device_get(state[1]["step"].value))
         prof = None
         if profile:
             state, prof = step_profile(compiled, state, inputs, targets, steps, profile_top)
@@ -507,11 +520,16 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             what = f"  = {f['count']} x {f['shape']} fusion({f['operands'][:60]}) {f['op_name'][-50:]}" if f else ""
             print(f"PROFILE {spec}:   {kms:8.3f} ms  {k}{what}", flush=True)
     n_tok = inputs.shape[0] * inputs.shape[1]
+    if applied != calls:
+        print(f"WARNING {spec}: the optimizer applied {applied} of the {calls} steps run "
+              f"(the others were skipped: a non-finite amax or gradient)", flush=True)
     del state, compiled, train_step
     gc.collect()
     return {"run": spec, "ms_per_step": ms, "rounds_ms": per_round, "tokens_per_s": n_tok / ms * 1e3,
             "compile_s": compile_s, "first_step_s": first_step_s, "first_loss": first_loss,
-            "last_loss": float(loss), "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
+            "last_loss": float(loss), "steps_run": calls, "steps_applied": applied,
+            "losses": [round(float(x), 6) for x in jax.device_get(losses)],
+            "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
             "devices": len(jax.devices()) if mesh is not None else 1,
             **({"fsdp_split": split} if mesh is not None and not plain else {}), "activation_all_gathers": len(gather_lines),
             # the HLO of each (first 20), to tell a gathered kernel operand from an index vector
@@ -623,7 +641,8 @@ def main(argv=None) -> list[dict]:
             # One line per finished run, and train_step.json rewritten: a run cut by a timeout
             # leaves the runs before it on record.
             print(f"DONE {spec}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
-                  f"compile + first step {r['first_step_s']:.1f} s", flush=True)
+                  f"compile + first step {r['first_step_s']:.1f} s, loss {r['first_loss']:.4f} -> "
+                  f"{r['last_loss']:.3g}, steps applied {r['steps_applied']} / {r['steps_run']}", flush=True)
             if out is not None:
                 write_rows(out, tag, rows)
         except Exception as e:  # noqa: BLE001  (one failing run must not hide the others)

@@ -314,6 +314,10 @@ def test_train_step_bench_runs_plain_and_coda_under_each_runs_options(tmp_path, 
     assert seen == [(False, 12345), ("auto", outside)]  # the options of each run, none after it
     assert all(r["tokens_per_s"] > 0 and r["first_loss"] > 0 for r in rows)
     assert rows[1]["first_loss"] == pytest.approx(rows[2]["first_loss"], rel=1e-6)  # the same step
+    # every step run applied (compile, first, two warm-up, one timed): none skipped
+    assert [(r["steps_run"], r["steps_applied"]) for r in rows] == [(5, 5)] * 3
+    assert all(len(r["losses"]) == 5 and r["losses"][0] == pytest.approx(r["first_loss"], rel=1e-5)
+               and r["losses"][-1] == pytest.approx(r["last_loss"], rel=1e-5) for r in rows)
     assert current_options().cross_entropy.save_logits == "auto"
     assert list(json.loads((tmp_path / "train_step.json").read_text())) == ["tiny-1L 2x16"]
     assert f"| {run} |" in (tmp_path / "train_step.md").read_text()
@@ -330,6 +334,7 @@ def test_train_step_bench_runs_plain_and_coda_under_each_runs_options(tmp_path, 
     pgle = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
                      "--rounds", "1", "--runs", "xla:JAX_ENABLE_PGLE=1"])
     assert pgle[0]["tokens_per_s"] > 0 and pgle[0]["first_loss"] == rows[2]["first_loss"]
+    assert pgle[0]["steps_applied"] == pgle[0]["steps_run"] > 5  # the profiled runs counted too
     # --remat block: every model's blocks rematerialized (the plain baseline's too); same losses.
     remat = tsb.main(["--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "16", "--steps", "1",
                       "--rounds", "1", "--runs", f"plain,{run}", "--remat", "block", "--out", str(tmp_path)])
