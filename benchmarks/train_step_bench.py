@@ -29,7 +29,9 @@ device queue stays full; the host is not in the step time); the median round giv
 and tokens/s. Runs go one after another (a 1B model with its AdamW state is ~15 GB; several
 would not fit together): list ``plain`` first and last, and the table reports the drift
 between them. The compiled step's temp memory (XLA's memory analysis) is reported too, and each step's loss
-(``losses``; the batch repeats, so a run that trains drives it toward zero) with the optimizer's
+(``losses``; the batch repeats, so a run that trains drives it toward zero, and having memorized
+it may spike: Adam's steps on near-zero gradients move the weights by about the learning rate.
+The lowest loss says that a run trained, not the last; accuracy is ``fp8_accuracy.py``'s) with the optimizer's
 count of the steps it applied (``steps_applied`` against ``steps_run``: an FP8 step with a
 non-finite amax or gradient is skipped, :class:`coda_jax.fp8.Fp8Recipe`).
 Three more settings of a run are not options: ``JAX_ENABLE_PGLE=1`` (JAX's automatic
@@ -559,7 +561,7 @@ def table(rows: list[dict], title: str) -> str:
     base8 = statistics.mean(fp8_runs) if fp8_runs else None
     col8 = " vs plain FP8 |" if base8 else ""
     lines += ["| run | ms/step | tokens/s | tokens/s per device | vs plain JAX |" + col8 + " compile s | "
-              "compile + first step s | temp GiB | activation all-gathers | loss step 1 | SM MHz / W (medians) |",
+              "compile + first step s | temp GiB | activation all-gathers | loss: step 1 / lowest / last | SM MHz / W (medians) |",
               "|---|---|---|---|---|" + ("---|" if base8 else "") + "---|---|---|---|---|---|"]
     for r in rows:
         x = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
@@ -569,7 +571,8 @@ def table(rows: list[dict], title: str) -> str:
         clk = f"{c['sm_clock_mhz']:.0f} / {c['power_w']:.0f}" if (c := r.get("clock")) else "-"
         lines.append(f"| {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / nd:,.0f} | "
                      f"{x} | {r['compile_s']:.1f} | {r['first_step_s']:.1f} | {r['temp_gib']:.1f} | "
-                     f"{r.get('activation_all_gathers', 0)} | {r['first_loss']:.4f} | {clk} |")
+                     f"{r.get('activation_all_gathers', 0)} | {r['first_loss']:.4f} / "
+                     f"{min(r.get('losses') or [r['last_loss']]):.3g} / {r['last_loss']:.3g} | {clk} |")
     fp8 = [r for r in rows if "fp8_gemm_calls" in r]
     if fp8:  # the HLO check of the FP8 runs (on a GPU)
         lines += ["", "FP8 GEMM calls (`__cublas$lt$matmul$f8`) found / expected: " + ", ".join(
@@ -642,7 +645,7 @@ def main(argv=None) -> list[dict]:
             # leaves the runs before it on record.
             print(f"DONE {spec}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
                   f"compile + first step {r['first_step_s']:.1f} s, loss {r['first_loss']:.4f} -> "
-                  f"{r['last_loss']:.3g}, steps applied {r['steps_applied']} / {r['steps_run']}", flush=True)
+                  f"{r['last_loss']:.3g} (lowest {min(r['losses']):.3g}), steps applied {r['steps_applied']} / {r['steps_run']}", flush=True)
             if out is not None:
                 write_rows(out, tag, rows)
         except Exception as e:  # noqa: BLE001  (one failing run must not hide the others)
