@@ -5,7 +5,8 @@
 
 Every run is the same step: the example's optimizer (:func:`coda_jax.training.adamw_cosine`: AdamW after global-norm
 clipping) and functional jitted step with donated state (:func:`coda_jax.training.make_steps`), on
-one fixed batch of random tokens. ``plain`` is :class:`plain_llama.PlainLlama`, the baseline
+one fixed batch of random tokens, from the same initial weights (the plain models copy
+CodaLlama's, ``PlainLlama.from_coda``). ``plain`` is :class:`plain_llama.PlainLlama`, the baseline
 of record, and ``plain_fp8`` its FP8 counterpart (:class:`plain_fp8_llama.PlainFp8Llama`: delayed
 scaling, XLA's cuBLASLt FP8 GEMMs; settings ``idiom=direct|dequant``, how the scaled GEMM is
 written, ``fuse=true|false``, Q/K/V and gate/up as one GEMM each, and ``lm_head=true``, the LM
@@ -398,10 +399,9 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
     pgle_info = None
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with run_context(run, mesh, inputs.size, cfg.block_weights_per_width):
-        if name == "plain":
-            model = PlainLlama(cfg, rngs=nnx.Rngs(0))
-        elif name == "plain_fp8":
-            model = PlainFp8Llama(cfg, rngs=nnx.Rngs(0), **run.model_args)
+        if name in PLAIN_MODELS:  # CodaLlama's initial weights, so that the runs' losses compare step by step
+            cls = PlainLlama if name == "plain" else PlainFp8Llama
+            model = cls.from_coda(CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla"), **run.model_args)
         else:
             fp8 = run.model_args.get("fp8")
             recipe = Fp8Recipe(scaling=fp8, lm_head=run.model_args.get("lm_head", False),
