@@ -29,12 +29,13 @@ every GEMM on the kernel). Per run: compile + first step (wall seconds), then ``
 device queue stays full; the host is not in the step time); the median round gives ms/step
 and tokens/s. Runs go one after another (a 1B model with its AdamW state is ~15 GB; several
 would not fit together): list ``plain`` first and last, and the table reports the drift
-between them. The compiled step's temp memory (XLA's memory analysis) is reported too, and each step's loss
-(``losses``; the batch repeats, so a run that trains drives it toward zero, and having memorized
-it may spike: Adam's steps on near-zero gradients move the weights by about the learning rate.
-The lowest loss says that a run trained, not the last; accuracy is ``fp8_accuracy.py``'s) with the optimizer's
-count of the steps it applied (``steps_applied`` against ``steps_run``: an FP8 step with a
-non-finite amax or gradient is skipped, :class:`coda_jax.fp8.Fp8Recipe`).
+between them. The compiled step's temp memory (XLA's memory analysis) is reported too.
+Each row keeps every step's loss (``losses``) and the optimizer's count of the steps it applied
+(``steps_applied`` against ``steps_run``: an FP8 step with a non-finite amax or gradient is
+skipped, :class:`coda_jax.fp8.Fp8Recipe`). The batch repeats, so a run that trains drives its
+loss toward zero, and once it has memorized the batch it may spike (Adam's steps on near-zero
+gradients move the weights by about the learning rate): the lowest loss says that a run
+trained, not the last. Accuracy is ``fp8_accuracy.py``'s to measure.
 Three more settings of a run are not options: ``JAX_ENABLE_PGLE=1`` (JAX's automatic
 profile-guided latency estimation, through jit dispatch; ``JAX_PGLE_PROFILING_RUNS=N``
 profiled runs, default 3) and ``PGLE_AOT=N`` (the same from N traced steps, compiled ahead of
@@ -572,7 +573,7 @@ def table(rows: list[dict], title: str) -> str:
         lines.append(f"| {r['run']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / nd:,.0f} | "
                      f"{x} | {r['compile_s']:.1f} | {r['first_step_s']:.1f} | {r['temp_gib']:.1f} | "
                      f"{r.get('activation_all_gathers', 0)} | {r['first_loss']:.4f} / "
-                     f"{min(r.get('losses') or [r['last_loss']]):.3g} / {r['last_loss']:.3g} | {clk} |")
+                     f"{min(r['losses']):.3g} / {r['last_loss']:.3g} | {clk} |")
     fp8 = [r for r in rows if "fp8_gemm_calls" in r]
     if fp8:  # the HLO check of the FP8 runs (on a GPU)
         lines += ["", "FP8 GEMM calls (`__cublas$lt$matmul$f8`) found / expected: " + ", ".join(
