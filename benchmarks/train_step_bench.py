@@ -33,8 +33,8 @@ between them. The compiled step's temp memory (XLA's memory analysis) is reporte
 Each row keeps every step's loss (``losses``) and the optimizer's count of the steps it applied
 (``steps_applied`` against ``steps_run``: an FP8 step with a non-finite amax or gradient is
 skipped, :class:`coda_jax.fp8.Fp8Recipe`). The batch repeats, so a run that trains drives its
-loss toward zero, and once it has memorized the batch it may spike (Adam's steps on near-zero
-gradients move the weights by about the learning rate): the lowest loss says that a run
+loss toward zero, and once it has memorized the batch it may spike (likely Adam's steps on near-zero
+gradients, which move the weights by about the learning rate): the lowest loss says that a run
 trained, not the last. Accuracy is ``fp8_accuracy.py``'s to measure.
 Three more settings of a run are not options: ``JAX_ENABLE_PGLE=1`` (JAX's automatic
 profile-guided latency estimation, through jit dispatch; ``JAX_PGLE_PROFILING_RUNS=N``
