@@ -236,8 +236,7 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     # one output slot their staging fits beside 4 FP8 stages (the forward, which loads no
     # tile) or 3 (the backward, which loads z); plan_kernel narrows chunks before it drops
     # stages, so the 3-stage one is named. Offered to every program: the weights' float32
-    # passes ran faster on them too, but a step on such a table did not train, cause not yet
-    # found (docs/performance.md#kernels), so no table holds them for a pass.
+    # passes run faster on them too (docs/performance.md#kernels).
     "pingpong_minor_m_bytes_wide": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                        grid_minor_dim="m", fp8_byte_transpose=True, **WIDE_CHUNKS),
     "pingpong_minor_m_bytes_wide_s3": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
