@@ -14,7 +14,9 @@ baseline was profiled) into
 * optimizer: XLA kernels inside the train step's ``optimizer`` named scope
   (``examples/train_llama.py``: AdamW's update and the gradient clipping norm);
 * parameter casts: the float32 parameters' conversions to bfloat16 for the forward;
-* other passes: every other XLA kernel (what epilogue fusion can remove).
+* other passes: every other XLA kernel (what epilogue fusion can remove), and coda-jax's
+  epilogue passes (a Pallas kernel over a zero accumulator, K <= ``PASS_MAX_K`` in its name:
+  e.g. the FP8 weights' quantizing passes), which are kernels of ours but no GEMM.
 
 The optimizer and the casts are the same work in every run (same optimizer, same float32
 parameters), and no GEMM epilogue removes them. So against plain JAX's step (its device
@@ -26,6 +28,11 @@ time ``T_plain``) a kernel backend's run is bounded by
 the first if every fused GEMM cost what cuBLAS's GEMM costs and no other pass were left,
 the second with the run's other passes as they are. Attention, optimizer and casts are the
 run's own. Ratios here are of device time (summed kernel durations), not tokens/s.
+
+An FP8 run (``fp8`` in its name) profiled beside both ``plain`` and ``plain_fp8`` gets the
+same two bounds with the FP8 baseline's GEMMs (cuBLASLt's FP8 GEMMs, its LM head's bf16 ones)
+in place of plain JAX's: what the run would reach if each of its GEMMs ran at cuBLASLt's
+rate, against plain JAX in bf16.
 
 Both bounds keep every kernel's measured duration. On a GPU held at its power cap (an H100
 in a training step) that is optimistic: the memory-bound passes that fusion removes drew
@@ -45,6 +52,7 @@ import re
 from pathlib import Path
 
 from benchmarks.summarize import load
+from coda_jax.pallas.tuning import PASS_MAX_K
 
 GEMM_CLASSES = ("gemm", "coda", "cutedsl")
 PARTS = ("gemms", "attention", "optimizer", "casts", "passes")
@@ -68,13 +76,15 @@ def split_run(profile: dict) -> dict[str, float]:
         elif op.endswith("convert_element_type") and "transpose(" not in op and "state_" in f.get("operands", ""):
             casts += ms
     other = by_class.get("other", 0.0)
+    # coda-jax's epilogue passes: our kernels, but no GEMM (only those in the profile's top list)
+    epilogue_passes = sum(r["ms"] for r in fused_calls(profile) if r["shape"][2] <= PASS_MAX_K)
     return {
         "device": profile["device_ms"],
-        "gemms": sum(by_class.get(c, 0.0) for c in GEMM_CLASSES),
+        "gemms": sum(by_class.get(c, 0.0) for c in GEMM_CLASSES) - epilogue_passes,
         "attention": by_class.get("attention", 0.0),
         "optimizer": optimizer,
         "casts": casts,
-        "passes": max(other - optimizer - casts, 0.0),
+        "passes": max(other - optimizer - casts, 0.0) + epilogue_passes,
         "named": named,
     }
 
@@ -103,9 +113,12 @@ def fused_calls(profile: dict) -> list[dict]:
     return out
 
 
-def ceilings(plain: dict[str, float], run: dict[str, float]) -> dict[str, float]:
-    """Device-time ratios to plain JAX: ``now``, ``cublas_speed`` and ``free_fusion``."""
-    fixed = plain["gemms"] + run["attention"] + run["optimizer"] + run["casts"]
+def ceilings(plain: dict[str, float], run: dict[str, float], gemms: dict[str, float] | None = None
+             ) -> dict[str, float]:
+    """Device-time ratios to plain JAX (``plain``): ``now``, ``cublas_speed`` and
+    ``free_fusion``, the bounds with the GEMMs of ``gemms`` (default: ``plain``'s own;
+    ``plain_fp8``'s for the FP8 bounds)."""
+    fixed = (gemms or plain)["gemms"] + run["attention"] + run["optimizer"] + run["casts"]
     return {"now": plain["device"] / run["device"],
             "cublas_speed": plain["device"] / (fixed + run["passes"]),
             "free_fusion": plain["device"] / fixed}
@@ -135,6 +148,14 @@ def report(steps: dict[str, list[dict]]) -> str:
                 c = ceilings(plain, s)
                 ratios = [f"{c['now']:.3f}x", f"{c['cublas_speed']:.3f}x", f"{c['free_fusion']:.3f}x"]
             out.append(f"| {name} | " + " | ".join(cells + ratios) + " |")
+        fp8_base = next((s for name, s in prof if name == "plain_fp8"), None)
+        fp8_runs = [(name, s) for name, s in prof if "fp8" in name and name != "plain_fp8"]
+        if base == "plain" and fp8_base is not None and fp8_runs:
+            out += ["", "FP8 bounds against `plain` with `plain_fp8`'s GEMMs (cuBLASLt's rate):", "",
+                    "| run | now | bound: cuBLASLt-speed GEMMs | bound: free fusion |", "|---|---|---|---|"]
+            for name, s in fp8_runs:
+                c = ceilings(plain, s, gemms=fp8_base)
+                out.append(f"| {name} | {c['now']:.3f}x | {c['cublas_speed']:.3f}x | {c['free_fusion']:.3f}x |")
         if not all(s["named"] for _, s in prof):
             out.append("\n(no kernel of the `optimizer` scope was found in a run: a profile from before "
                        "the scope was named counts the optimizer as other passes)")

@@ -823,6 +823,33 @@ def test_step_ceiling_baseline_is_plain_else_plain_fp8():
     assert "no profiled `plain` or `plain_fp8` run" in text and "pallas" in text
 
 
+def test_step_ceiling_fp8_bounds_use_the_fp8_baselines_gemms():
+    """step_ceiling.py: an FP8 run profiled beside ``plain`` and ``plain_fp8`` is bounded with
+    ``plain_fp8``'s GEMMs, and coda-jax's epilogue passes (K <= PASS_MAX_K) count as passes,
+    not GEMMs."""
+    from benchmarks import step_ceiling as sc
+
+    def prof(by_class, top=()):
+        return {"device_ms": sum(by_class.values()), "by_class": by_class, "top_kernels": [list(t) for t in top]}
+
+    plain = prof({"gemm": 60.0, "attention": 5.0, "other": 35.0})
+    plain_fp8 = prof({"gemm": 40.0, "attention": 5.0, "other": 40.0})
+    fused = prof({"coda": 44.0, "attention": 5.0, "other": 21.0},
+                 [("coda_quantize_e4m3_nt_4096x28672x64_mosaic_gpu_kernel", 4.0),
+                  ("coda_identity_fp8_nt_4096x4096x4096_mosaic_gpu_kernel", 40.0)])
+    f = sc.split_run(fused)
+    assert (f["gemms"], f["passes"]) == (40.0, 25.0)
+    c = sc.ceilings(sc.split_run(plain), f, gemms=sc.split_run(plain_fp8))
+    assert c["now"] == pytest.approx(100.0 / 70.0)
+    assert c["cublas_speed"] == pytest.approx(100.0 / (40 + 5 + 25)) and c["free_fusion"] == pytest.approx(100.0 / 45)
+    text = sc.report({"8b": [{"run": "plain", "profile": plain}, {"run": "plain_fp8", "profile": plain_fp8},
+                             {"run": "pallas:fp8=true", "profile": fused}]})
+    assert "| pallas:fp8=true | 1.429x | 1.429x | 2.222x |" in text
+    # without plain_fp8 there is no FP8 bound to give
+    assert "FP8 bounds" not in sc.report({"8b": [{"run": "plain", "profile": plain},
+                                                  {"run": "pallas:fp8=true", "profile": fused}]})
+
+
 def test_step_ceiling_lists_fused_gemms_by_call_site():
     """step_ceiling.py: Pallas kernels named ``coda_<program>_<layout>_<M>x<N>x<K>`` become
     one line each, with launches, ms per launch and TFLOP/s; other kernels are not listed,
