@@ -7,13 +7,16 @@ import numpy as np
 import pytest
 
 from coda_jax.pallas.interpret import ensure_interpreter_threads
-from suite_options import apply_suite_options
+from suite_options import apply_suite_options, apply_suite_xla_flags
 
 # The Mosaic GPU interpreter blocks one CPU-client pool thread per simulated warpgroup at a
 # barrier; with the default pool (one thread per core) a 2-core machine hung about one run in
 # 16 of the warp-specialized kernel tests. The pool is sized when JAX creates its CPU client,
 # so this must run before any test touches a device (see coda_jax/pallas/interpret.py).
 ensure_interpreter_threads()
+# XLA's CPU code unoptimized on CPU-only machines (tests/suite_options.py), also before any
+# test touches a device; subprocesses inherit it.
+apply_suite_xla_flags()
 
 # The Pallas kernel cache is on by default (in ~/.cache/coda_jax/kernels); tests that lower
 # kernels for CUDA must neither read nor fill a developer's cache: off here and in every

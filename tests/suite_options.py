@@ -28,3 +28,42 @@ def apply_suite_options() -> None:
     """Sets the suite's process-wide options (nothing with ``CODA_JAX_TESTS_ROUTING=default``)."""
     if not routing_defaults():
         set_options(**SUITE_ROUTING)
+
+
+# The CPU suite's time is mostly XLA compiling tiny programs (a warm persistent cache runs
+# tests/multi_device_cases.py's FP8 model cases in 8 s instead of 48 s), and LLVM's
+# optimization of the generated CPU code is a large part of each compile. The suite's
+# programs run for milliseconds, so unoptimized code costs nothing noticeable: the same
+# programs, the same HLO (the HLO passes do not depend on this level; compiled HLO text is
+# unchanged) and the same checks, compiled faster. (Float results may differ from an
+# optimized build's in the last bits, as they may between CPUs; every tolerance stays.)
+# Off on a machine with an NVIDIA GPU (the level would reach its kernels' compiles too) and
+# with ``CODA_JAX_TESTS_XLA_OPT=default``.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def _cpu_only() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return platforms == "cpu" or not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"))
+
+
+def suite_xla_flags(devices: int | None = None) -> str:
+    """``XLA_FLAGS`` for a process the suite starts: the environment's flags (with the suite's
+    fast-compile flags, see :func:`apply_suite_xla_flags`), and with ``devices`` that many host
+    devices (any device count the environment names replaced)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT)]
+    if devices is not None:
+        flags.append(f"{_DEVICE_COUNT}={devices}")
+    return " ".join(flags)
+
+
+def apply_suite_xla_flags() -> None:
+    """Adds :data:`FAST_COMPILE_FLAGS` to ``XLA_FLAGS`` (read when JAX creates its backends,
+    so before any test touches a device; subprocesses inherit them) on CPU-only machines."""
+    if os.environ.get("CODA_JAX_TESTS_XLA_OPT", "fast") == "default" or not _cpu_only():
+        return
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    names = {f.split("=", 1)[0] for f in flags}
+    flags += [f for f in FAST_COMPILE_FLAGS if f.split("=", 1)[0] not in names]
+    os.environ["XLA_FLAGS"] = " ".join(flags)

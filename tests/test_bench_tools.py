@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from benchmarks import bench
+from suite_options import suite_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -549,7 +550,7 @@ def test_model_profile_on_a_mesh_runs_on_cpu_devices(tmp_path):
                         "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-                                XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+                                XLA_FLAGS=suite_xla_flags(devices=2)))
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "profile_tiny_data2.json").read_text())
     assert result["mesh"] == "data=2" and {"plain", "xla"} <= set(result)

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from suite_options import suite_xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch_local.sh"
 TRAIN = ROOT / "examples" / "train_llama.py"
@@ -35,7 +37,7 @@ RTOL = 1e-5
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets the device count
+    env = dict(os.environ, XLA_FLAGS=suite_xla_flags())  # the launcher sets the device count
     env.update(JAX_PLATFORMS="cpu", **extra)
     return env
 
@@ -48,7 +50,7 @@ def _launch(n: int, *args: str, script: Path | None = None, timeout: float = 300
 
 
 def _one_process(*args: str, devices: int = 4) -> subprocess.CompletedProcess:
-    env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = _env(XLA_FLAGS=suite_xla_flags(devices=devices))
     return subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
 

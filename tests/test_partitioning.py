@@ -21,6 +21,7 @@ from coda_jax import epilogue as E
 from coda_jax import programs
 from coda_jax.reference import REFERENCE
 from coda_jax.sharding import fsdp_spec
+from suite_options import suite_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
@@ -56,7 +57,7 @@ GROUPS = {
 def _run_cases(cases, reset=()):
     """Runs ``tests/multi_device_cases.py`` on 8 CPU devices, with the options named in ``reset``
     back at the library's defaults (the suite's own otherwise)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=suite_xla_flags(devices=8), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     flags = [f"--reset={','.join(reset)}"] if reset else []
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "multi_device_cases.py"), *flags, *cases],
