@@ -90,6 +90,31 @@ def _clean_backend_state(monkeypatch):
     apply_suite_options()
 
 
+@pytest.fixture(scope="session")
+def subprocess_compile_cache(tmp_path_factory) -> dict[str, str]:
+    """Environment variables that give the suite's 8-device subprocesses
+    (tests/multi_device_cases.py) one JAX persistent compilation cache for this session,
+    shared by the xdist workers (a fresh directory each session: nothing outlives it).
+
+    Most of such a process's time is XLA compiling, and many of its programs recur from
+    process to process (each model's eager initialization ops, the one-device references).
+    An entry is keyed by the whole program, its compile options, XLA flags and JAX's version,
+    so a hit is the executable a compile would have made; host callbacks (the Pallas
+    interpreter's) are bound again on each load. Not for the suite's own processes:
+    tests/test_kernel_cache.py and tests/test_compile_time.py count their own cache's hits.
+    A size bound turns on JAX's file lock, so the two workers never read half a write.
+    ``CODA_JAX_TESTS_COMPILE_CACHE=off``: every subprocess compiles all its programs."""
+    if os.environ.get("CODA_JAX_TESTS_COMPILE_CACHE", "on") == "off":
+        return {}
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' common directory
+    d = base / "jax-compile-cache"
+    d.mkdir(exist_ok=True)
+    return {"JAX_COMPILATION_CACHE_DIR": str(d), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
+
+
 def rel_err(out, ref) -> float:
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)

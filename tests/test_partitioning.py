@@ -54,11 +54,22 @@ GROUPS = {
 }
 
 
+_COMPILE_CACHE: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _subprocesses_share_compiles(subprocess_compile_cache):
+    """The subprocesses below share one persistent compilation cache (conftest.py)."""
+    _COMPILE_CACHE.update(subprocess_compile_cache)
+    yield
+    _COMPILE_CACHE.clear()
+
+
 def _run_cases(cases, reset=()):
     """Runs ``tests/multi_device_cases.py`` on 8 CPU devices, with the options named in ``reset``
     back at the library's defaults (the suite's own otherwise)."""
     env = dict(os.environ, XLA_FLAGS=suite_xla_flags(devices=8), JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **_COMPILE_CACHE)
     flags = [f"--reset={','.join(reset)}"] if reset else []
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "multi_device_cases.py"), *flags, *cases],
                        env=env, capture_output=True, text=True, timeout=600)
