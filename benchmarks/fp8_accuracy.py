@@ -118,6 +118,8 @@ def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: in
     # A float32 run's GEMMs at f32_precision (a GPU's default for float32 is TF32).
     with jax.default_matmul_precision(f32_precision if run.endswith(":" + F32) else None):
         for i, (x, y) in zip(range(steps), data()):
+            if i == 0 and training.fp8_uncalibrated(state):  # an FP8 model's scales from the first batch
+                state, _ = step(state, jnp.asarray(x), jnp.asarray(y))
             state, loss = step(state, jnp.asarray(x), jnp.asarray(y))
             losses.append(loss)
         losses = [float(v) for v in jax.device_get(losses)]

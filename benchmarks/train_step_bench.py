@@ -32,7 +32,8 @@ would not fit together): list ``plain`` first and last, and the table reports th
 between them. The compiled step's temp memory (XLA's memory analysis) is reported too.
 Each row keeps every step's loss (``losses``) and the optimizer's count of the steps it applied
 (``steps_applied`` against ``steps_run``: an FP8 step with a non-finite amax or gradient is
-skipped, :class:`coda_jax.fp8.Fp8Recipe`). The batch repeats, so a run that trains drives its
+skipped, :class:`coda_jax.fp8.Fp8Recipe`; a fresh FP8 model's first step only calibrates its
+scales, ``calibration_steps``, docs/fp8.md#the-first-step). The batch repeats, so a run that trains drives its
 loss toward zero, and once it has memorized the batch it may spike (likely Adam's steps on near-zero
 gradients, which move the weights by about the learning rate): the lowest loss says that a run
 trained, not the last. Accuracy is ``fp8_accuracy.py``'s to measure.
@@ -437,6 +438,9 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
         else:
             compiled = hlo_source = train_step.lower(state, inputs, targets).compile(xla_options)
         compile_s = time.perf_counter() - t0
+        # A fresh FP8 model's first step only fills its amax histories (training.make_steps):
+        # one step run that the optimizer does not count.
+        calibration = int(training.fp8_uncalibrated(state))
         state, loss = compiled(state, inputs, targets)
         first_loss = float(loss)
         first_step_s = time.perf_counter() - t0
@@ -523,14 +527,15 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
             what = f"  = {f['count']} x {f['shape']} fusion({f['operands'][:60]}) {f['op_name'][-50:]}" if f else ""
             print(f"PROFILE {spec}:   {kms:8.3f} ms  {k}{what}", flush=True)
     n_tok = inputs.shape[0] * inputs.shape[1]
-    if applied != calls:
+    if applied != calls - calibration:
         print(f"WARNING {spec}: the optimizer applied {applied} of the {calls} steps run "
-              f"(the others were skipped: a non-finite amax or gradient)", flush=True)
+              f"({calibration} FP8 calibration step; the others were skipped: a non-finite amax or gradient)",
+              flush=True)
     del state, compiled, train_step
     gc.collect()
     return {"run": spec, "ms_per_step": ms, "rounds_ms": per_round, "tokens_per_s": n_tok / ms * 1e3,
             "compile_s": compile_s, "first_step_s": first_step_s, "first_loss": first_loss,
-            "last_loss": float(loss), "steps_run": calls, "steps_applied": applied,
+            "last_loss": float(loss), "steps_run": calls, "steps_applied": applied, "calibration_steps": calibration,
             "losses": [round(float(x), 6) for x in jax.device_get(losses)],
             "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30,
             "devices": len(jax.devices()) if mesh is not None else 1,

@@ -96,7 +96,9 @@ class Fp8Recipe:
 
     Activations and weights are quantized to e4m3, gradients to e5m2. Attention (its
     softmax and both of its GEMMs) and the norms stay in the compute dtype, and the LM head
-    unless ``lm_head``.
+    unless ``lm_head``. A fresh model has no amax history (every scale 1): its first
+    :func:`coda_jax.training.make_steps` step only fills the histories and applies no update
+    (docs/fp8.md#the-first-step).
     """
 
     history: int = 16

@@ -55,6 +55,15 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,
     A model with FP8 recipe state (:class:`coda_jax.fp8.Fp8Meta` variables) gets them
     updated in the same step, from the gradients its ops return for them, and its
     ``config.fp8.on_nonfinite`` policy applied (:class:`coda_jax.fp8.Fp8Recipe`).
+
+    FP8 calibration: under delayed scaling a fresh model (every amax history still zero) has
+    no scale yet, and quantizes each tensor with scale 1: small gradients flush to zero in
+    e5m2 and the step's weight gradients are mostly noise (docs/fp8.md#the-first-step). So a
+    step that starts from all-zero histories (under either scaling: one rule for every FP8
+    state) only records the amaxes: it returns its loss and the filled histories, and leaves
+    the parameters and the optimizer state (its step count too) as they were. :func:`fp8_uncalibrated` tells such a state apart, so that a
+    loop can spend that step on its first batch and then train on it (``train_llama.py``,
+    the benchmarks). A restored checkpoint keeps its histories: no step is spent.
     """
     graphdef, _ = nnx.split((model, optimizer))
     jit_kw = {} if state_shardings is None else {"out_shardings": (state_shardings, None)}
@@ -80,14 +89,19 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,
             opt.update(m, param_grads)
         nnx.update(m, histories)
         new_state = nnx.state((m, opt))
-        if recipe.on_nonfinite == "skip":  # keep everything as it was: no inf reaches a weight or a scale
-            # In the optimizer's scope: XLA fuses this select with the update, and profiles
-            # name a fusion by its root (benchmarks/step_ceiling.py counts the optimizer by scope).
-            with jax.named_scope("optimizer"):
+        # In the optimizer's scope: XLA fuses these selects with the update, and profiles
+        # name a fusion by its root (benchmarks/step_ceiling.py counts the optimizer by scope).
+        with jax.named_scope("optimizer"):
+            finite = jnp.bool_(True)
+            if recipe.on_nonfinite == "skip":  # keep everything as it was: no inf reaches a weight or a scale
                 finite = jnp.isfinite(optax.global_norm(param_grads))
                 for h in jax.tree.leaves(histories):
                     finite &= jnp.all(jnp.isfinite(h))
-                new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+            # A calibration step (no history yet: see the docstring) keeps the weights and moments.
+            update = finite & ~_uncalibrated(state)
+            kept = _select(update, new_state.filter(nnx.Not(Fp8Meta)), state.filter(nnx.Not(Fp8Meta)))
+            metas = _select(finite, new_state.filter(Fp8Meta), state.filter(Fp8Meta))
+            new_state = nnx.merge_state(kept, metas)
         return new_state, loss
 
     @jax.jit
@@ -96,3 +110,23 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,
         return m.loss(inputs, targets)
 
     return train_step, eval_step, graphdef
+
+
+def _select(keep_new: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(keep_new, a, b), new, old)
+
+
+def _uncalibrated(state: Any) -> jax.Array:
+    """Whether ``state`` holds FP8 amax histories and every one is all zero (a bool scalar)."""
+    leaves = jax.tree.leaves(state.filter(Fp8Meta))
+    if not leaves:
+        return jnp.bool_(False)
+    return jnp.logical_not(functools.reduce(jnp.logical_or, [jnp.any(h != 0) for h in leaves]))
+
+
+def fp8_uncalibrated(state: Any) -> bool:
+    """Whether ``state`` (``nnx.state((model, optimizer))``) is an FP8 model's that has no amax
+    history yet: its next :func:`make_steps` train step is a calibration
+    step, which fills the histories and applies no update. False for a model without FP8
+    state. Reads the histories to the host: call it before a loop, not per step."""
+    return bool(jax.device_get(_uncalibrated(state)))

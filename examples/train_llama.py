@@ -55,7 +55,7 @@ from coda_jax.fp8 import SCALINGS, SWIGLU_INPUTS, Fp8Recipe
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
 from coda_jax.layers.tensor_parallel import check_tensor_parallel, tensor_parallel_size
 from coda_jax.sharding import batch_from_rows, mesh_from_spec, shard_state, token_shards
-from coda_jax.training import adamw_cosine, make_steps
+from coda_jax.training import adamw_cosine, fp8_uncalibrated, make_steps
 
 import text_data  # examples/text_data.py: Python puts a script's own folder first on sys.path
 
@@ -500,6 +500,10 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
         window_start, window_steps = time.perf_counter(), 0
 
     t_first = time.perf_counter()
+    if fp8_uncalibrated(state):  # a fresh FP8 model: its first step fills the amax histories only
+        starts = text_data.batch_starts(len(train_tokens), args.batch, args.seq, args.seed, start)
+        state, loss = train_step(state, *put(train_tokens, starts))
+        _say(f"FP8: scales calibrated on the first batch (loss {float(loss):.3f}; no update)", flush=True)
     for step in range(start, args.steps):
         # The step's offsets (a few integers, the same in every process); each process cuts its rows.
         starts = text_data.batch_starts(len(train_tokens), args.batch, args.seq, args.seed, step)

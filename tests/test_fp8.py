@@ -1018,6 +1018,61 @@ def test_fp8_training_learns_and_records_amaxes():
         np.testing.assert_allclose(h1[ROW["h_in"], 0], np.max(np.abs(emb)), rtol=1e-6)
 
 
+def test_fp8_first_step_calibrates_the_scales():
+    """A fresh FP8 model (all amax histories zero: every scale 1) spends its first
+    ``make_steps`` step on calibration: the histories fill, the parameters and the optimizer
+    state (moments, count) stay as they were; the next step trains. Its gradients then come
+    from real scales: against float32 math they are nearer than the scale-1 step's."""
+    model = _small_fp8_model("apply")  # the calibration rule holds under either policy
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step, _, graphdef = training.make_steps(model, opt)
+    state = nnx.state((model, opt))
+    assert training.fp8_uncalibrated(state)
+    tokens = jax.random.randint(jax.random.key(5), (16, 257), 0, 256)  # 4096 tokens: small gradients
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def grads(st):  # the parameters' gradients of the model in ``st``, and of the same weights in float32
+        m, _ = nnx.merge(graphdef, st)
+        g = nnx.grad(lambda mm: mm.loss(x, y), argnums=nnx.DiffState(0, nnx.Param))(m)
+        ref = CodaLlama(m.config.replace(fp8=None), rngs=nnx.Rngs(0))
+        nnx.update(ref, nnx.state(m, nnx.Param))
+        g32 = nnx.grad(lambda mm: mm.loss(x, y), argnums=nnx.DiffState(0, nnx.Param))(ref)
+        a, b = (np.concatenate([np.ravel(v) for v in jax.tree.leaves(t)]) for t in (g, g32))
+        return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+    err_fresh = grads(state)
+    before = _host(state)
+    state, loss = step(state, x, y)
+    assert np.isfinite(float(loss)) and not training.fp8_uncalibrated(state)
+    after = _host(state)
+    keep = lambda t: t.filter(nnx.Not(Fp8Meta))  # noqa: E731
+    for a, b in zip(jax.tree.leaves(keep(before)), jax.tree.leaves(keep(after))):
+        np.testing.assert_array_equal(a, b)  # weights, moments and the step count
+    assert all(np.any(h[:, 0] > 0) for h in jax.tree.leaves(after.filter(Fp8Meta)))  # each block's amaxes
+    err_calibrated = grads(state)
+    print(f"\ngradient error against float32: scale 1 {err_fresh:.3f}, calibrated {err_calibrated:.3f}")
+    assert err_calibrated < 0.5 * err_fresh
+    state, _ = step(state, x, y)
+    assert int(state[1]["step"][...]) == 1  # the next step trains
+    # a model without FP8 state is never in calibration
+    plain = CodaLlama(_small_fp8_model("skip").config.replace(fp8=None), rngs=nnx.Rngs(0))
+    assert not training.fp8_uncalibrated(nnx.state((plain, nnx.Optimizer(plain, optax.adam(1e-2), wrt=nnx.Param))))
+
+
+def test_fp8_first_step_tool_reports_scale_one_against_calibrated(tmp_path):
+    """``benchmarks/fp8_first_step.py``: per weight, the fresh (scale 1) and calibrated
+    gradients' errors against the model without FP8; the fresh ones are the larger."""
+    import json
+
+    from benchmarks import fp8_first_step
+
+    rows = fp8_first_step.main(["--preset", "tiny", "--layers", "1", "--batch", "4", "--seq", "512",
+                                "--out", str(tmp_path)])
+    assert {r["weight"] for r in rows} >= {"blocks/0/w_qkv", "blocks/0/w_down", "embed"}
+    assert all(0 < r["err_calibrated"] < r["err_fresh"] for r in rows), rows
+    assert json.loads((tmp_path / "fp8_first_step.json").read_text())["rows"] == rows
+
+
 @pytest.mark.parametrize("policy", ["skip", "apply"])
 def test_fp8_nonfinite_step(policy):
     """``on_nonfinite="skip"``: a step whose gradients or new amaxes are not finite changes no
