@@ -461,15 +461,19 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
     if not args.no_resume and ckpt.latest() is not None:
         start, history = ckpt.restore(model, optimizer)
         _say(f"resumed from step {start} ({out / 'checkpoints'})", flush=True)
-    elif load is not None:  # fine-tuning: the starting point's validation loss
-        history["val_before"] = float(eval_step(nnx.state((model, optimizer)), *validation()))
+    state = nnx.state((model, optimizer))
+    if fp8_uncalibrated(state):  # a fresh FP8 model: its first step fills the amax histories only
+        starts = text_data.batch_starts(len(train_tokens), args.batch, args.seq, args.seed, start)
+        state, loss = train_step(state, *put(train_tokens, starts))
+        _say(f"FP8: scales calibrated on the first batch (loss {float(loss):.3f}; no update)", flush=True)
+    if start == 0 and load is not None:  # fine-tuning: the starting point's validation loss (FP8: calibrated)
+        history["val_before"] = float(eval_step(state, *validation()))
         _say(f"validation loss before training {history['val_before']:.4f} "
              f"(perplexity {np.exp(history['val_before']):.1f})", flush=True)
 
     tokens_per_step = args.batch * args.seq
     fpt = flops_per_token(cfg, args.seq)
     bar = _Progress(args.steps, start, show=primary)
-    state = nnx.state((model, optimizer))
     pending = []  # (step, loss on the device) since the last synchronization
     window_start, window_steps = None, 0  # the clock starts after the compiling first step
     train_s, timed_steps = 0.0, 0  # train steps between synchronizations, host waits excluded
@@ -500,10 +504,6 @@ def _train(args, out: Path, cfg: LlamaConfig, train_tokens, val_tokens, mesh, n_
         window_start, window_steps = time.perf_counter(), 0
 
     t_first = time.perf_counter()
-    if fp8_uncalibrated(state):  # a fresh FP8 model: its first step fills the amax histories only
-        starts = text_data.batch_starts(len(train_tokens), args.batch, args.seq, args.seed, start)
-        state, loss = train_step(state, *put(train_tokens, starts))
-        _say(f"FP8: scales calibrated on the first batch (loss {float(loss):.3f}; no update)", flush=True)
     for step in range(start, args.steps):
         # The step's offsets (a few integers, the same in every process); each process cuts its rows.
         starts = text_data.batch_starts(len(train_tokens), args.batch, args.seq, args.seed, step)

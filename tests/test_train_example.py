@@ -145,16 +145,17 @@ def test_sample_from_a_training_run(tmp_path):
         sample.parse_args(["--from", str(out), "--top-k", "-1"])
 
 
-def test_fp8_run_with_current_scaling_and_its_samples(tmp_path):
-    """``--fp8 --fp8-scaling current --fp8-lm-head`` trains (finite, recorded in args.json), and
-    sample.py restores the FP8 run (its blocks' and its head's amax histories included) and
-    continues a prompt."""
+def test_fp8_run_with_current_scaling_and_its_samples(tmp_path, capsys):
+    """``--fp8 --fp8-scaling current --fp8-lm-head`` trains (finite, recorded in args.json), its
+    fresh model calibrated on the first batch before the three steps, and sample.py restores
+    the FP8 run (its blocks' and its head's amax histories included) and continues a prompt."""
     import sample
 
     out = tmp_path / "fp8"
     s = train_llama.main(["--fp8", "--fp8-scaling", "current", "--fp8-lm-head", "--batch", "4", "--seq", "32",
                           "--layers", "1", "--vocab", "512", "--steps", "3", "--eval-every", "0", "--ckpt-every", "3", "--out", str(out)])
     assert np.isfinite(s["last_loss"])
+    assert "FP8: scales calibrated on the first batch" in capsys.readouterr().out
     run = json.loads((out / "args.json").read_text())
     assert run["fp8"] and run["fp8_scaling"] == "current" and run["fp8_lm_head"]
     recipe = train_llama.fp8_recipe(train_llama.parse_args(["--fp8", "--fp8-scaling", "current", "--fp8-lm-head"]))
