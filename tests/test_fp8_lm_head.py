@@ -196,7 +196,10 @@ def test_fp8_carry_is_the_quantized_h():
         for u, v in zip(got[1][:3], own[1][:3]):
             assert rel_err(u, v) < 1e-6
         np.testing.assert_array_equal(got[1][3][H], meta[H])  # the h row: untouched
-        np.testing.assert_array_equal(got[1][3][W:], own[1][3][W:])
+        np.testing.assert_array_equal(got[1][3][W], own[1][3][W])  # the weight's amax: the same tensor
+        # dlogits comes through the row scale, whose sum of squares is reduced in two places (as
+        # the loss above): its amax may differ in the last float32 bit too.
+        np.testing.assert_allclose(got[1][3][G], own[1][3][G], rtol=1e-6)
 
 
 def test_fp8_head_argument_rules():
