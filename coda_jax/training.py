@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -128,5 +129,18 @@ def fp8_uncalibrated(state: Any) -> bool:
     """Whether ``state`` (``nnx.state((model, optimizer))``) is an FP8 model's that has no amax
     history yet: its next :func:`make_steps` train step is a calibration
     step, which fills the histories and applies no update. False for a model without FP8
-    state. Reads the histories to the host: call it before a loop, not per step."""
-    return bool(jax.device_get(_uncalibrated(state)))
+    state. Reads the histories to the host: call it before a loop, not per step. Under several
+    processes each reads its own copy of the (replicated) histories."""
+    leaves = jax.tree.leaves(state.filter(Fp8Meta))
+    return bool(leaves) and not any(np.any(_host_value(h)) for h in leaves)
+
+
+def _host_value(x: jax.Array) -> np.ndarray:
+    """``x`` on this host: a replicated array's local copy when other processes hold shards."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
