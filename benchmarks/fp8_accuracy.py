@@ -21,8 +21,12 @@ against which a bf16 or FP8 run's distance says which of two runs that differ is
 and two float32 implementations' distance the spread that the setting itself gives.
 The JSON (``--out``) is written after every run (``rows`` stays null until the last), so a
 call stopped by a time limit keeps the runs it ended. The first run is the reference: per run, the relative difference of the training loss averaged
-over windows of 25 steps (the largest after the first 50 steps, and the last), and the
-validation loss after the last step.
+over windows of 25 steps (the largest after the first 50 steps, and the last, signed: below the
+reference is negative), and the validation loss after the last step. A fresh FP8 model first
+spends one step on its first batch calibrating its scales (``training.fp8_uncalibrated``), then
+trains on every batch as the others do. An FP8 run under delayed scaling also records, per step,
+how many of its tensors saturated (``saturated``: a new amax beyond what the history's scale let
+through, :func:`saturations`); the table gives the steps with any.
 
 ``--corpus python-stdlib`` trains on the interpreter's standard library sources (about 10 MB of
 Python without its tests) instead of the example's two novels (about 0.2 M tokens): 300 steps of
@@ -52,7 +56,7 @@ from benchmarks._examples import example
 from benchmarks.plain_fp8_llama import PlainFp8Llama
 from benchmarks.plain_llama import PlainLlama
 from coda_jax import training
-from coda_jax.fp8 import Fp8Recipe
+from coda_jax.fp8 import Fp8Meta, Fp8Recipe
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
 
 WINDOW = 25
@@ -112,19 +116,46 @@ def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: in
     model = _model(run, cfg, reference)
     opt = nnx.Optimizer(model, training.adamw_cosine(lr, warmup, steps), wrt=nnx.Param)
     step, eval_step, _ = training.make_steps(model, opt)
+    recipe = getattr(getattr(model, "config", None), "fp8", None)
     state = jax.tree.map(jnp.copy, nnx.state((model, opt)))  # the step donates it; the reference keeps its own
     del model, opt
-    losses, t0 = [], time.perf_counter()
+    losses, saturated, t0 = [], [], time.perf_counter()
+    # saturation is counted under delayed scaling (a current scale is the tensor's own amax)
+    fp8 = bool(jax.tree.leaves(nnx.filter_state(state, Fp8Meta))) and getattr(recipe, "scaling", "delayed") == "delayed"
     # A float32 run's GEMMs at f32_precision (a GPU's default for float32 is TF32).
     with jax.default_matmul_precision(f32_precision if run.endswith(":" + F32) else None):
         for i, (x, y) in zip(range(steps), data()):
             if i == 0 and training.fp8_uncalibrated(state):  # an FP8 model's scales from the first batch
                 state, _ = step(state, jnp.asarray(x), jnp.asarray(y))
+            before = _histories(state) if fp8 else None
             state, loss = step(state, jnp.asarray(x), jnp.asarray(y))
             losses.append(loss)
+            if fp8:  # a small host read each step (the histories): the accuracy run's, not a timed one's
+                saturated.append(saturations(before, _histories(state)))
         losses = [float(v) for v in jax.device_get(losses)]
         val_loss = float(eval_step(state, *(jnp.asarray(v) for v in val)))
-    return {"run": run, "losses": losses, "val_loss": val_loss, "wall_s": time.perf_counter() - t0}
+    return {"run": run, "losses": losses, "val_loss": val_loss, "wall_s": time.perf_counter() - t0,
+            **({"saturated": saturated} if fp8 else {})}
+
+
+def _histories(state) -> list[np.ndarray]:
+    return [np.asarray(h) for h in jax.device_get(jax.tree.leaves(nnx.filter_state(state, Fp8Meta)))]
+
+
+def saturations(before: list[np.ndarray], after: list[np.ndarray]) -> int:
+    """How many FP8 tensors of a step saturated: their new amax (``after[..., 0]``) beyond the
+    largest value their delayed scale let through, ``fp8_max / scale`` with the scale from the
+    history the step started from (:func:`coda_jax.fp8.scale_from_history`, margin 0). That bound
+    is ``amax_hist * mantissa(fp8_max / amax_hist)`` (a power-of-two scale), the same for e4m3
+    and e5m2 (both maxima are 1.75 * 2**e). Rows without a history yet (all zero) are not
+    counted; nor is a current-scaling run's (its scale is the tensor's own amax)."""
+    count = 0
+    for b, a in zip(before, after):
+        hist = b.astype(np.float64).max(axis=-1)
+        mant, _ = np.frexp(448.0 / np.where(hist > 0, hist, 1.0))  # in [0.5, 1)
+        bound = hist * 2.0 * mant
+        count += int(np.sum((hist > 0) & (a[..., 0].astype(np.float64) > bound)))
+    return count
 
 
 def compare(results: list[dict]) -> list[dict]:
@@ -135,10 +166,14 @@ def compare(results: list[dict]) -> list[dict]:
         w = windows(r["losses"])
         rel = [abs(a - b) / b for a, b in zip(w, ref)]
         later = rel[2:] or rel
+        sat = r.get("saturated")
         rows.append({"run": r["run"], "max_window_rel": max(later), "last_window_rel": rel[-1],
+                     "last_window_change": (w[-1] - ref[-1]) / ref[-1],
                      "last_window_loss": w[-1], "val_loss": r["val_loss"],
                      "val_rel": abs(r["val_loss"] - results[0]["val_loss"]) / results[0]["val_loss"],
-                     "nonfinite_steps": sum(not np.isfinite(v) for v in r["losses"])})
+                     "val_change": (r["val_loss"] - results[0]["val_loss"]) / results[0]["val_loss"],
+                     "nonfinite_steps": sum(not np.isfinite(v) for v in r["losses"]),
+                     "saturated_steps": None if sat is None else sum(c > 0 for c in sat)})
     return rows
 
 
@@ -196,7 +231,7 @@ def main(argv=None) -> list[dict]:
         print_table(per_seed[-1], f"{title}, seed {seed}")
     rows = per_seed[0] if len(seeds) == 1 else worst_over_seeds(per_seed)
     if len(seeds) > 1:
-        print_table(rows, f"{title}, the largest difference over seeds {args.seeds}")
+        print_table(rows, f"{title}, the largest difference over seeds {args.seeds} (changes: their mean)")
     write(rows)
     return rows
 
@@ -208,19 +243,27 @@ def worst_over_seeds(per_seed: list[list[dict]]) -> list[dict]:
         row = {"run": rs[0]["run"], "nonfinite_steps": sum(r["nonfinite_steps"] for r in rs)}
         for k in ("max_window_rel", "last_window_rel", "val_rel"):
             row[k] = max(r[k] for r in rs)
-        for k in ("last_window_loss", "val_loss"):
-            row[k] = float(np.mean([r[k] for r in rs]))
+        for k in ("last_window_loss", "val_loss", "last_window_change", "val_change"):
+            if all(k in r for r in rs):
+                row[k] = float(np.mean([r[k] for r in rs]))
+        sat = [r.get("saturated_steps") for r in rs]
+        row["saturated_steps"] = None if None in sat else sum(sat)
         out.append(row)
     return out
 
 
 def print_table(rows: list[dict], title: str) -> None:
+    """Per run: the largest window difference (absolute), the last window's and the validation
+    loss's change from the reference (signed: below it is negative; over seeds, their mean), the
+    non-finite steps and the steps where an FP8 tensor saturated (:func:`saturations`)."""
     print(f"\n### FP8 accuracy, {title}, reference {rows[0]['run']}\n")
-    print("| run | max window diff (after step 50) | last window diff | last window loss | val loss | val diff | "
-          "non-finite steps |\n|---|---|---|---|---|---|---|")
+    print("| run | max window diff (after step 50) | last window change | last window loss | val loss | val change | "
+          "non-finite steps | steps with a saturated tensor |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {100 * r['max_window_rel']:.2f} % | {100 * r['last_window_rel']:.2f} % | "
-              f"{r['last_window_loss']:.4f} | {r['val_loss']:.4f} | {100 * r['val_rel']:.2f} % | {r['nonfinite_steps']} |")
+        sat = r.get("saturated_steps")
+        print(f"| {r['run']} | {100 * r['max_window_rel']:.2f} % | {100 * r.get('last_window_change', 0.0):+.2f} % | "
+              f"{r['last_window_loss']:.4f} | {r['val_loss']:.4f} | {100 * r.get('val_change', 0.0):+.2f} % | "
+              f"{r['nonfinite_steps']} | {'' if sat is None else sat} |")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,
         # FP8: the gradient of each amax history is its next history (coda_jax.fp8).
         wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
         loss, grads = nnx.value_and_grad(lambda mm: mm.loss(inputs, targets), argnums=wrt)(m)
-        param_grads, histories = grads.filter(nnx.Param, Fp8Meta)
+        param_grads, histories = nnx.filter_state(grads, nnx.Param, Fp8Meta)
         with jax.named_scope("optimizer"):
             opt.update(m, param_grads)
         nnx.update(m, histories)
@@ -100,8 +100,9 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,
                     finite &= jnp.all(jnp.isfinite(h))
             # A calibration step (no history yet: see the docstring) keeps the weights and moments.
             update = finite & ~_uncalibrated(state)
-            kept = _select(update, new_state.filter(nnx.Not(Fp8Meta)), state.filter(nnx.Not(Fp8Meta)))
-            metas = _select(finite, new_state.filter(Fp8Meta), state.filter(Fp8Meta))
+            params_new, metas_new = nnx.filter_state(new_state, nnx.Not(Fp8Meta), Fp8Meta)
+            params_old, metas_old = nnx.filter_state(state, nnx.Not(Fp8Meta), Fp8Meta)
+            kept, metas = _select(update, params_new, params_old), _select(finite, metas_new, metas_old)
             new_state = nnx.merge_state(kept, metas)
         return new_state, loss
 
@@ -119,7 +120,7 @@ def _select(keep_new: jax.Array, new: Any, old: Any) -> Any:
 
 def _uncalibrated(state: Any) -> jax.Array:
     """Whether ``state`` holds FP8 amax histories and every one is all zero (a bool scalar)."""
-    leaves = jax.tree.leaves(state.filter(Fp8Meta))
+    leaves = jax.tree.leaves(nnx.filter_state(state, Fp8Meta))
     if not leaves:
         return jnp.bool_(False)
     return jnp.logical_not(functools.reduce(jnp.logical_or, [jnp.any(h != 0) for h in leaves]))
@@ -131,7 +132,7 @@ def fp8_uncalibrated(state: Any) -> bool:
     step, which fills the histories and applies no update. False for a model without FP8
     state. Reads the histories to the host: call it before a loop, not per step. Under several
     processes each reads its own copy of the (replicated) histories."""
-    leaves = jax.tree.leaves(state.filter(Fp8Meta))
+    leaves = jax.tree.leaves(nnx.filter_state(state, Fp8Meta))
     return bool(leaves) and not any(np.any(_host_value(h)) for h in leaves)
 
 

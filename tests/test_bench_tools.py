@@ -1075,6 +1075,39 @@ def test_fp8_accuracy_compares_window_means_against_the_first_run():
     assert rows[0]["max_window_rel"] == 0 and rows[0]["val_rel"] == 0
     assert abs(rows[1]["last_window_rel"] - 0.05) < 1e-9 and abs(rows[1]["max_window_rel"] - 0.05) < 1e-9
     assert abs(rows[1]["val_rel"] - 0.1) < 1e-9 and rows[1]["nonfinite_steps"] == 0
+    # signed changes: above the reference is positive
+    assert rows[1]["last_window_change"] == pytest.approx(0.05) and rows[1]["val_change"] == pytest.approx(0.1)
+    below = compare([ref, dict(off, losses=[3.8] * 100, val_loss=3.6, saturated=[0, 2, 1, 0] * 25)])
+    assert below[1]["last_window_change"] == pytest.approx(-0.05) and below[1]["val_change"] == pytest.approx(-0.1)
+    assert below[1]["saturated_steps"] == 50 and rows[1]["saturated_steps"] is None
+
+
+def test_fp8_accuracy_counts_saturated_tensors(capsys):
+    """A delayed scale lets values through up to ``fp8_max / scale`` (scale a power of two of
+    the history's max): a new amax beyond that saturated; rows without history do not count.
+    A delayed-scaling run records each step's count, a current-scaling run none."""
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks import fp8_accuracy as fa
+    from coda_jax.fp8 import E4M3, fp8_max, scale_from_history
+    from coda_jax.layers import CodaLlama, LlamaConfig
+
+    hist = np.array([[3.0, 1.0], [0.0, 0.0], [100.0, 5.0], [1.0, 1.0]], np.float32)
+    bounds = [fp8_max(E4M3) / float(scale_from_history(h, E4M3)) for h in hist[[0, 2, 3]]]
+    assert bounds == pytest.approx([3.5, 112.0, 1.75])
+    new = np.array([[3.4, 3.0], [9.0, 0.0], [113.0, 100.0], [1.75, 1.0]], np.float32)
+    assert fa.saturations([hist], [new]) == 1  # only 113 > 112 (row 1 has no history; 3.4 and 1.75 fit)
+    assert fa.saturations([hist, hist], [new, hist]) == 1
+    cfg = LlamaConfig.tiny(vocab_size=64, num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           num_kv_heads=1, head_dim=16)
+    ref = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla")
+    rng = np.random.default_rng(0)
+    data = lambda: iter([(lambda t: (t[:, :-1], t[:, 1:]))(rng.integers(0, 64, (2, 17))) for _ in range(3)])  # noqa: E731
+    val = data().__next__()
+    r = fa.train("xla:fp8", cfg, ref, data, val, steps=3, lr=1e-3, warmup=1)
+    assert len(r["saturated"]) == 3 and all(isinstance(c, int) and c >= 0 for c in r["saturated"])
+    assert "saturated" not in fa.train("xla:fp8-current", cfg, ref, data, val, steps=2, lr=1e-3, warmup=1)
 
 
 def test_fp8_accuracy_over_seeds_and_recipes(capsys, tmp_path, monkeypatch):

@@ -1045,10 +1045,10 @@ def test_fp8_first_step_calibrates_the_scales():
     state, loss = step(state, x, y)
     assert np.isfinite(float(loss)) and not training.fp8_uncalibrated(state)
     after = _host(state)
-    keep = lambda t: t.filter(nnx.Not(Fp8Meta))  # noqa: E731
+    keep = lambda t: nnx.filter_state(t, nnx.Not(Fp8Meta))  # noqa: E731
     for a, b in zip(jax.tree.leaves(keep(before)), jax.tree.leaves(keep(after))):
         np.testing.assert_array_equal(a, b)  # weights, moments and the step count
-    assert all(np.any(h[:, 0] > 0) for h in jax.tree.leaves(after.filter(Fp8Meta)))  # each block's amaxes
+    assert all(np.any(h[:, 0] > 0) for h in jax.tree.leaves(nnx.filter_state(after, Fp8Meta)))  # each block's amaxes
     err_calibrated = grads(state)
     print(f"\ngradient error against float32: scale 1 {err_fresh:.3f}, calibrated {err_calibrated:.3f}")
     assert err_calibrated < 0.5 * err_fresh
