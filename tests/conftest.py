@@ -14,8 +14,8 @@ from suite_options import apply_suite_options, apply_suite_xla_flags
 # 16 of the warp-specialized kernel tests. The pool is sized when JAX creates its CPU client,
 # so this must run before any test touches a device (see coda_jax/pallas/interpret.py).
 ensure_interpreter_threads()
-# XLA's CPU code unoptimized on CPU-only machines (tests/suite_options.py), also before any
-# test touches a device; subprocesses inherit it.
+# With CODA_JAX_TESTS_XLA_OPT=fast, XLA's CPU code unoptimized (tests/suite_options.py: opt-in),
+# also before any test touches a device; subprocesses inherit it.
 apply_suite_xla_flags()
 
 # The Pallas kernel cache is on by default (in ~/.cache/coda_jax/kernels); tests that lower
