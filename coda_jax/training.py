@@ -60,11 +60,12 @@ def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,
     FP8 calibration: under delayed scaling a fresh model (every amax history still zero) has
     no scale yet, and quantizes each tensor with scale 1: small gradients flush to zero in
     e5m2 and the step's weight gradients are mostly noise (docs/fp8.md#the-first-step). So a
-    step that starts from all-zero histories (under either scaling: one rule for every FP8
-    state) only records the amaxes: it returns its loss and the filled histories, and leaves
-    the parameters and the optimizer state (its step count too) as they were. :func:`fp8_uncalibrated` tells such a state apart, so that a
-    loop can spend that step on its first batch and then train on it (``train_llama.py``,
-    the benchmarks). A restored checkpoint keeps its histories: no step is spent.
+    step that starts from all-zero histories (one rule for every FP8 state, current scaling's
+    too) only records the amaxes: it returns its loss and the filled histories, and leaves the
+    parameters and the optimizer state (its step count too) as they were.
+    :func:`fp8_uncalibrated` tells such a state apart, so that a loop can spend that step on its
+    first batch and then train on it (``train_llama.py``, the benchmarks). A restored
+    checkpoint keeps its histories: no step is spent.
     """
     graphdef, _ = nnx.split((model, optimizer))
     jit_kw = {} if state_shardings is None else {"out_shardings": (state_shardings, None)}
@@ -128,10 +129,11 @@ def _uncalibrated(state: Any) -> jax.Array:
 
 def fp8_uncalibrated(state: Any) -> bool:
     """Whether ``state`` (``nnx.state((model, optimizer))``) is an FP8 model's that has no amax
-    history yet: its next :func:`make_steps` train step is a calibration
-    step, which fills the histories and applies no update. False for a model without FP8
-    state. Reads the histories to the host: call it before a loop, not per step. Under several
-    processes each reads its own copy of the (replicated) histories."""
+    history yet: its next :func:`make_steps` train step is a calibration step, which fills the
+    histories and applies no update. False for a model without FP8 state. The host-side twin of
+    the step's own (traced) check; it reads the histories to the host, so call it before a
+    loop, not per step. Under several processes each reads its own copy of the (replicated)
+    histories."""
     leaves = jax.tree.leaves(nnx.filter_state(state, Fp8Meta))
     return bool(leaves) and not any(np.any(_host_value(h)) for h in leaves)
 
