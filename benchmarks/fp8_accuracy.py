@@ -11,7 +11,8 @@ step (:func:`coda_jax.training.make_steps`). Runs: ``plain`` (the plain JAX Llam
 (:class:`benchmarks.plain_fp8_llama.PlainFp8Llama`), ``<backend>`` (CodaLlama in bf16) and
 ``<backend>:fp8`` (``LlamaConfig(fp8=Fp8Recipe())``), ``<backend>:fp8-current`` (current scaling),
 ``<backend>:fp8-head`` (the LM head in FP8 too), ``<backend>:fp8-zq8`` (the SwiGLU input saved in
-e4m3: ``Fp8Recipe(swiglu_input="e4m3")``), ``plain_fp8:fp8-head`` (the plain FP8 baseline's
+e4m3: ``Fp8Recipe(swiglu_input="e4m3")``), ``<backend>:fp8-margin1`` and ``:fp8-margin2``
+(``Fp8Recipe(margin=...)``: delayed scales with 2x or 4x more headroom), ``plain_fp8:fp8-head`` (the plain FP8 baseline's
 head in FP8), and two ablations of the plain FP8 baseline: ``plain_fp8:forward`` (only the
 projections' forward GEMMs in FP8, the backward as bf16's) and ``plain_fp8:backward`` (only
 their dgrad and wgrad in FP8). ``plain:f32`` and ``<backend>:f32`` compute in float32 (the parameters are
@@ -26,7 +27,9 @@ reference is negative), and the validation loss after the last step. A fresh FP8
 spends one step on its first batch calibrating its scales (``training.fp8_uncalibrated``), then
 trains on every batch as the others do. An FP8 run under delayed scaling also records, per step,
 how many of its tensors saturated (``saturated``: a new amax beyond what the history's scale let
-through, :func:`saturations`); the table gives the steps with any.
+through, :func:`saturations`), and per tensor the steps it saturated in (``saturated_by_tensor``,
+named by :func:`tensor_names`); the table gives the steps with any, and a line per run the
+tensors that saturated most often.
 
 ``--corpus python-stdlib`` trains on the interpreter's standard library sources (about 10 MB of
 Python without its tests) instead of the example's two novels (about 0.2 M tokens): 300 steps of
@@ -58,6 +61,8 @@ from benchmarks.plain_llama import PlainLlama
 from coda_jax import training
 from coda_jax.fp8 import Fp8Meta, Fp8Recipe
 from coda_jax.layers import PRESETS, CodaLlama, LlamaConfig
+from coda_jax.ops.fp8_cross_entropy import HEAD_TENSORS
+from coda_jax.ops.fp8_llama_block import SWIGLU_INPUT, TENSORS
 
 WINDOW = 25
 # Standard-library folders left out of ``--corpus python-stdlib``: tests (a third of the bytes,
@@ -66,7 +71,8 @@ STDLIB_SKIP = frozenset({"test", "tests", "site-packages", "dist-packages", "idl
 
 
 RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current"), "fp8-head": Fp8Recipe(lm_head=True),
-           "fp8-zq8": Fp8Recipe(swiglu_input="e4m3")}
+           "fp8-zq8": Fp8Recipe(swiglu_input="e4m3"), "fp8-margin1": Fp8Recipe(margin=1),
+           "fp8-margin2": Fp8Recipe(margin=2)}
 
 
 F32 = "f32"  # <run>:f32, float32 compute
@@ -120,8 +126,10 @@ def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: in
     state = jax.tree.map(jnp.copy, nnx.state((model, opt)))  # the step donates it; the reference keeps its own
     del model, opt
     losses, saturated, t0 = [], [], time.perf_counter()
+    by_tensor: dict[str, int] = {}
     # saturation is counted under delayed scaling (a current scale is the tensor's own amax)
     fp8 = bool(jax.tree.leaves(nnx.filter_state(state, Fp8Meta))) and getattr(recipe, "scaling", "delayed") == "delayed"
+    names = tensor_names(state) if fp8 else []
     # A float32 run's GEMMs at f32_precision (a GPU's default for float32 is TF32).
     with jax.default_matmul_precision(f32_precision if run.endswith(":" + F32) else None):
         for i, (x, y) in zip(range(steps), data()):
@@ -131,31 +139,71 @@ def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: in
             state, loss = step(state, jnp.asarray(x), jnp.asarray(y))
             losses.append(loss)
             if fp8:  # a small host read each step (the histories): the accuracy run's, not a timed one's
-                saturated.append(saturations(before, _histories(state)))
+                rows = saturated_rows(before, _histories(state), getattr(recipe, "margin", 0))
+                saturated.append(len(rows))
+                for name in (names[i][r] for i, r in rows):
+                    by_tensor[name] = by_tensor.get(name, 0) + 1
         losses = [float(v) for v in jax.device_get(losses)]
         val_loss = float(eval_step(state, *(jnp.asarray(v) for v in val)))
     return {"run": run, "losses": losses, "val_loss": val_loss, "wall_s": time.perf_counter() - t0,
-            **({"saturated": saturated} if fp8 else {})}
+            **({"saturated": saturated, "saturated_by_tensor": by_tensor} if fp8 else {})}
 
 
 def _histories(state) -> list[np.ndarray]:
     return [np.asarray(h) for h in jax.device_get(jax.tree.leaves(nnx.filter_state(state, Fp8Meta)))]
 
 
-def saturations(before: list[np.ndarray], after: list[np.ndarray]) -> int:
-    """How many FP8 tensors of a step saturated: their new amax (``after[..., 0]``) beyond the
-    largest value their delayed scale let through, ``fp8_max / scale`` with the scale from the
-    history the step started from (:func:`coda_jax.fp8.scale_from_history`, margin 0). That bound
-    is ``amax_hist * mantissa(fp8_max / amax_hist)`` (a power-of-two scale), the same for e4m3
-    and e5m2 (both maxima are 1.75 * 2**e). Rows without a history yet (all zero) are not
-    counted; nor is a current-scaling run's (its scale is the tensor's own amax)."""
-    count = 0
-    for b, a in zip(before, after):
+def tensor_names(state) -> list[list[str]]:
+    """Per :class:`Fp8Meta` leaf of ``state`` (a model's, or ``nnx.state((model, optimizer))``;
+    in :func:`_histories`' order), a name per row:
+    the leaf's path and the row's tensor (a CodaLlama block's :data:`TENSORS`, its head's
+    :data:`HEAD_TENSORS`, a plain FP8 projection's ``x``, ``w`` and ``g``), e.g.
+    ``blocks/3/fp8_meta:dz_gu``."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.filter_state(state, Fp8Meta))[0]
+    out = []
+    for path, leaf in flat:
+        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+        if keys and isinstance(keys[0], int):  # the state of (model, optimizer): the model's index
+            keys = keys[1:]
+        keys = [str(k) for k in keys if k not in ("value", "raw_value")]
+        rows = int(np.shape(leaf)[0]) if np.ndim(leaf) > 1 else 1
+        label = {"fp8_meta": TENSORS + (SWIGLU_INPUT,), "fp8_head_meta": HEAD_TENSORS}.get(keys[-1] if keys else "",
+                                                                                        ("x", "w", "g"))
+        out.append([f"{'/'.join(keys)}:{label[r] if r < len(label) else r}" for r in range(rows)])
+    return out
+
+
+def most_saturated(by_tensor: dict[str, int], top: int = 8) -> str:
+    """The ``top`` tensors of ``by_tensor`` (name -> steps saturated), the most often first, and
+    the same counts summed per tensor kind (the name after ``:``) over the blocks."""
+    kinds: dict[str, int] = {}
+    for name, n in by_tensor.items():
+        kinds[name.rsplit(":", 1)[-1]] = kinds.get(name.rsplit(":", 1)[-1], 0) + n
+    fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top])  # noqa: E731
+    return f"{fmt(by_tensor)}; per kind: {fmt(kinds)}"
+
+
+def saturated_rows(before: list[np.ndarray], after: list[np.ndarray], margin: int = 0) -> list[tuple[int, int]]:
+    """The ``(leaf, row)`` of each FP8 tensor that saturated in a step (:func:`saturations`)."""
+    out = []
+    for i, (b, a) in enumerate(zip(before, after)):
         hist = b.astype(np.float64).max(axis=-1)
         mant, _ = np.frexp(448.0 / np.where(hist > 0, hist, 1.0))  # in [0.5, 1)
-        bound = hist * 2.0 * mant
-        count += int(np.sum((hist > 0) & (a[..., 0].astype(np.float64) > bound)))
-    return count
+        bound = hist * 2.0 * mant * 2.0 ** margin
+        hit = (hist > 0) & (a[..., 0].astype(np.float64) > bound)
+        out.extend((i, int(r)) for r in np.flatnonzero(np.atleast_1d(hit)))
+    return out
+
+
+def saturations(before: list[np.ndarray], after: list[np.ndarray], margin: int = 0) -> int:
+    """How many FP8 tensors of a step saturated: their new amax (``after[..., 0]``) beyond the
+    largest value their delayed scale let through, ``fp8_max / scale`` with the scale from the
+    history the step started from (:func:`coda_jax.fp8.scale_from_history` with the recipe's
+    ``margin``). That bound is ``amax_hist * 2 * mantissa(fp8_max / amax_hist) * 2**margin`` (a
+    power-of-two scale), the same for e4m3 and e5m2 (both maxima are 1.75 * 2**e). Rows without
+    a history yet (all zero) are not counted; nor is a current-scaling run's (its scale is the
+    tensor's own amax)."""
+    return len(saturated_rows(before, after, margin))
 
 
 def compare(results: list[dict]) -> list[dict]:
@@ -226,6 +274,8 @@ def main(argv=None) -> list[dict]:
             r = results[-1][-1]
             print(f"seed {seed} {run}: last loss {r['losses'][-1]:.4f}, val {r['val_loss']:.4f} ({r['wall_s']:.0f} s)",
                   flush=True)
+            if r.get("saturated_by_tensor"):
+                print(f"  saturated most often (steps): {most_saturated(r['saturated_by_tensor'])}", flush=True)
             write()
         per_seed.append(compare(results[-1]))
         print_table(per_seed[-1], f"{title}, seed {seed}")

@@ -1099,6 +1099,12 @@ def test_fp8_accuracy_counts_saturated_tensors(capsys):
     new = np.array([[3.4, 3.0], [9.0, 0.0], [113.0, 100.0], [1.75, 1.0]], np.float32)
     assert fa.saturations([hist], [new]) == 1  # only 113 > 112 (row 1 has no history; 3.4 and 1.75 fit)
     assert fa.saturations([hist, hist], [new, hist]) == 1
+    assert fa.saturated_rows([hist, hist], [hist, new]) == [(1, 2)]
+    # a margin of 1 halves the scale: twice the headroom (113 < 224), 3.6 beyond row 0's 3.5 still fits
+    margin_bounds = [fp8_max(E4M3) / float(scale_from_history(h, E4M3, 1)) for h in hist[[0, 2, 3]]]
+    assert margin_bounds == pytest.approx([7.0, 224.0, 3.5])
+    assert fa.saturations([hist], [new], margin=1) == 0
+    assert fa.saturations([hist], [np.array([[7.1, 0], [0, 0], [224.5, 0], [3.4, 0]], np.float32)], margin=1) == 2
     cfg = LlamaConfig.tiny(vocab_size=64, num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2,
                            num_kv_heads=1, head_dim=16)
     ref = CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla")
@@ -1107,6 +1113,14 @@ def test_fp8_accuracy_counts_saturated_tensors(capsys):
     val = data().__next__()
     r = fa.train("xla:fp8", cfg, ref, data, val, steps=3, lr=1e-3, warmup=1)
     assert len(r["saturated"]) == 3 and all(isinstance(c, int) and c >= 0 for c in r["saturated"])
+    # per tensor: the steps each saturated in, named by block and row; their sum is the per-step counts'
+    assert sum(r["saturated_by_tensor"].values()) == sum(r["saturated"])
+    names = fa.tensor_names(nnx.state(CodaLlama(cfg.replace(fp8=fa.RECIPES["fp8"]), rngs=nnx.Rngs(0),
+                                                backend="xla")))
+    assert names == [[f"blocks/0/fp8_meta:{t}" for t in fa.TENSORS]]
+    assert set(r["saturated_by_tensor"]) <= set(names[0])
+    assert fa.most_saturated({"blocks/0/fp8_meta:y": 3, "blocks/1/fp8_meta:y": 2, "blocks/1/fp8_meta:o": 4}) == (
+        "blocks/1/fp8_meta:o 4, blocks/0/fp8_meta:y 3, blocks/1/fp8_meta:y 2; per kind: y 5, o 4")
     assert "saturated" not in fa.train("xla:fp8-current", cfg, ref, data, val, steps=2, lr=1e-3, warmup=1)
 
 
