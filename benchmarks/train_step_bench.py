@@ -507,7 +507,7 @@ def measure(spec: str, cfg, tokens, steps: int, rounds: int, lr: float = 3e-4, m
                   f"(medians of {clock.summary['samples']} samples over the timed rounds)", flush=True)
         # An FP8 step whose amaxes or gradients are not finite is skipped (Fp8Recipe.on_nonfinite):
         # the optimizer's step count then falls behind the steps run (and the loss behind the baselines').
-        applied = int(jax.device_get(state[1]["step"].value))
+        applied = int(jax.device_get(state[1]["step"][...]))
         prof = None
         if profile:
             state, prof = step_profile(compiled, state, inputs, targets, steps, profile_top)
