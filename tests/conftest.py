@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from coda_jax.pallas.interpret import ensure_interpreter_threads
-from suite_options import apply_suite_options, apply_suite_xla_flags
+from suite_options import apply_suite_compile_cache, apply_suite_options, apply_suite_xla_flags, suite_compile_cache_env
 
 # The Mosaic GPU interpreter blocks one CPU-client pool thread per simulated warpgroup at a
 # barrier; with the default pool (one thread per core) a 2-core machine hung about one run in
@@ -25,6 +25,9 @@ os.environ["CODA_JAX_KERNEL_CACHE_DIR"] = "off"
 
 # The routing rules off for the suite's small shapes (tests/suite_options.py).
 apply_suite_options()
+# One JAX persistent compilation cache for the session's processes (tests/suite_options.py):
+# made here in the first process, before xdist starts its workers (they inherit its path).
+apply_suite_compile_cache()
 
 
 def _hopper() -> bool:
@@ -91,28 +94,14 @@ def _clean_backend_state(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def subprocess_compile_cache(tmp_path_factory) -> dict[str, str]:
-    """Environment variables that give the suite's 8-device subprocesses
-    (tests/multi_device_cases.py) one JAX persistent compilation cache for this session,
-    shared by the xdist workers (a fresh directory each session: nothing outlives it).
-
-    Most of such a process's time is XLA compiling, and many of its programs recur from
-    process to process (each model's eager initialization ops, the one-device references).
-    An entry is keyed by the whole program, its compile options, XLA flags and JAX's version,
-    so a hit is the executable a compile would have made; host callbacks (the Pallas
-    interpreter's) are bound again on each load. Not for the suite's own processes:
-    tests/test_kernel_cache.py and tests/test_compile_time.py count their own cache's hits.
-    A size bound turns on JAX's file lock, so the two workers never read half a write.
-    ``CODA_JAX_TESTS_COMPILE_CACHE=off``: every subprocess compiles all its programs."""
-    if os.environ.get("CODA_JAX_TESTS_COMPILE_CACHE", "on") == "off":
-        return {}
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the workers' common directory
-    d = base / "jax-compile-cache"
-    d.mkdir(exist_ok=True)
-    return {"JAX_COMPILATION_CACHE_DIR": str(d), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
+def subprocess_compile_cache() -> dict[str, str]:
+    """Environment variables that give the suite's subprocesses (tests/multi_device_cases.py's
+    8-device processes) the session's JAX persistent compilation cache
+    (tests/suite_options.py: :func:`suite_compile_cache_env`); ``{}`` where it is off
+    (``CODA_JAX_TESTS_COMPILE_CACHE=off``, or a machine with a GPU). Most of such a process's
+    time is XLA compiling, and many of its programs recur from process to process (each
+    model's eager initialization ops, the one-device references)."""
+    return suite_compile_cache_env()
 
 
 def rel_err(out, ref) -> float:

@@ -72,3 +72,52 @@ def apply_suite_xla_flags() -> None:
     names = {f.split("=", 1)[0] for f in flags}
     flags += [f for f in FAST_COMPILE_FLAGS if f.split("=", 1)[0] not in names]
     os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
+# The suite's JAX persistent compilation cache: one directory per test session, shared by the
+# xdist workers and the subprocesses the tests start, removed when the session's first process
+# (the one that made it) exits. Many programs recur across tests (the XLA references, the
+# models' initialization and optimizer programs, the one-device references of the mesh cases):
+# a hit loads the executable a compile would have made (an entry is keyed by the whole
+# program, its compile options, XLA flags and JAX's version). On CPU-only machines, and
+# ``CODA_JAX_TESTS_COMPILE_CACHE=off`` turns it off. Tests that measure JAX's cache
+# (tests/test_compile_time.py) point their own processes at their own directories.
+COMPILE_CACHE_DIR_ENV = "CODA_JAX_TESTS_COMPILE_CACHE_DIR"
+
+
+def _compile_cache_on() -> bool:
+    return os.environ.get("CODA_JAX_TESTS_COMPILE_CACHE", "on") != "off" and _cpu_only()
+
+
+def suite_compile_cache_env() -> dict[str, str]:
+    """The environment variables that give a JAX process the suite's compilation cache (set up
+    by :func:`apply_suite_compile_cache` in this session), or ``{}`` where it is off. A size
+    bound turns on JAX's file lock, so concurrent processes never read half a write."""
+    d = os.environ.get(COMPILE_CACHE_DIR_ENV)
+    if not (_compile_cache_on() and d):
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": d, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
+
+
+def apply_suite_compile_cache() -> None:
+    """Turns on the suite's compilation cache in this process (before its first compile): the
+    session's directory if a parent process made one (:data:`COMPILE_CACHE_DIR_ENV`), else a
+    fresh one, removed at this process's exit."""
+    if not _compile_cache_on():
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    if not os.environ.get(COMPILE_CACHE_DIR_ENV):
+        d = tempfile.mkdtemp(prefix="coda-jax-tests-jax-cache-")
+        os.environ[COMPILE_CACHE_DIR_ENV] = d
+        atexit.register(shutil.rmtree, d, ignore_errors=True)
+    import jax
+
+    env = suite_compile_cache_env()
+    jax.config.update("jax_compilation_cache_dir", env["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+    jax.config.update("jax_compilation_cache_max_size", int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]))
