@@ -91,13 +91,18 @@ def _compile_cache_on() -> bool:
 
 def suite_compile_cache_env() -> dict[str, str]:
     """The environment variables that give a JAX process the suite's compilation cache (set up
-    by :func:`apply_suite_compile_cache` in this session), or ``{}`` where it is off. A size
-    bound turns on JAX's file lock, so concurrent processes never read half a write."""
+    by :func:`apply_suite_compile_cache` in this session), or ``{}`` where it is off.
+
+    No size bound: a bound turns on JAX's LRU eviction, whose every write lists the directory
+    and reads each entry's access time under a file lock, a cost that grows with the session's
+    thousands of entries. Without it a process may find an entry that another is still
+    writing; JAX then warns that the entry does not load and compiles (a truncated entry
+    does not deserialize), so a race costs a compile, never a wrong executable."""
     d = os.environ.get(COMPILE_CACHE_DIR_ENV)
     if not (_compile_cache_on() and d):
         return {}
     return {"JAX_COMPILATION_CACHE_DIR": d, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def apply_suite_compile_cache() -> None:
@@ -120,4 +125,3 @@ def apply_suite_compile_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", env["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
-    jax.config.update("jax_compilation_cache_max_size", int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]))

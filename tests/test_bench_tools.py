@@ -1156,8 +1156,10 @@ def test_fp8_accuracy_over_seeds_and_recipes(capsys, tmp_path, monkeypatch):
     for run in ("plain:f32", "xla:f32"):
         m = fa._model(run, cfg, ref)
         assert m.config.dtype == jnp.float32 and m.embed[...].dtype == jnp.float32
+        assert m.config.remat == "block"  # recomputed in the backward: float32 at 1B fits an H100
         assert bool(jnp.array_equal(m.embed[...], ref.embed[...]))
     assert fa._model("plain", cfg, ref).config.dtype == cfg.dtype
+    assert fa._model("plain", cfg, ref).config.remat == cfg.remat == "none"
     with pytest.raises(ValueError, match=":f32"):
         fa._model("plain_fp8:f32", None, None)
     rows = fa.main(["--steps", "2", "--batch", "2", "--seq", "16", "--layers", "1", "--runs", "xla,xla:fp8-current,xla:f32",
