@@ -18,7 +18,8 @@ projections' forward GEMMs in FP8, the backward as bf16's) and ``plain_fp8:backw
 their dgrad and wgrad in FP8). ``plain:f32`` and ``<backend>:f32`` compute in float32 (the parameters are
 float32 in every run), their GEMMs at ``--f32-precision`` (default ``float32``, exact float32
 products; a GPU's default is TF32, ``tensorfloat32``, several times faster), each block
-recomputed in the backward (``LlamaConfig(remat="block")``, so that they fit an H100 at 1B): the ground truth
+recomputed in the backward (``LlamaConfig(remat="block")``: without it the 1B float32 run
+ran out of an H100's memory): the ground truth
 against which a bf16 or FP8 run's distance says which of two runs that differ is the outlier,
 and two float32 implementations' distance the spread that the setting itself gives.
 The JSON (``--out``) is written after every run (``rows`` stays null until the last), so a
@@ -94,8 +95,9 @@ def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
         return PlainFp8Llama.from_coda(reference, lm_head=flag == "fp8-head",
                                        quantized=flag if flag in PLAIN_FP8_ABLATIONS else "both")
     if flag == F32:
-        # Each block recomputed in the backward (the same math): the 1B model's float32
-        # activations at 8 x 1024 tokens do not fit an H100's memory otherwise.
+        # Each block recomputed in the backward (the same math): without it the 1B model's
+        # float32 run at 8 x 1024 tokens ran out of an H100's memory (an estimate puts it at
+        # ~35 GB with recomputation; not yet run on a GPU).
         cfg = cfg.replace(dtype=jnp.float32, remat="block")
     elif flag:
         cfg = cfg.replace(fp8=RECIPES[flag])

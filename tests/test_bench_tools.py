@@ -1156,7 +1156,7 @@ def test_fp8_accuracy_over_seeds_and_recipes(capsys, tmp_path, monkeypatch):
     for run in ("plain:f32", "xla:f32"):
         m = fa._model(run, cfg, ref)
         assert m.config.dtype == jnp.float32 and m.embed[...].dtype == jnp.float32
-        assert m.config.remat == "block"  # recomputed in the backward: float32 at 1B fits an H100
+        assert m.config.remat == "block"  # recomputed in the backward (the 1B float32 run, H100 memory)
         assert bool(jnp.array_equal(m.embed[...], ref.embed[...]))
     assert fa._model("plain", cfg, ref).config.dtype == cfg.dtype
     assert fa._model("plain", cfg, ref).config.remat == cfg.remat == "none"
