@@ -45,14 +45,17 @@ def trace_settings(overrides: dict | None = None):
 def variant_config(name: str, call, num_sms: int = H100_SMS):
     """The configuration variant ``name`` asks for on ``call`` (before planning), or None where
     it cannot run the call (a candidate whose tile or K step does not fit it)."""
+    from coda_jax.epilogue import FP8_DTYPES
     from coda_jax.pallas import autotune as at
     from coda_jax.pallas.lowering import table_or_heuristic_config
 
     if name in ("heuristic", "table"):
         m, n, k = call.mnk
+        # FP8 operands: the FP8 heuristics and K step, as the lowering picks them
         return table_or_heuristic_config(call.epilogue, m, n, k, call.transpose_a, call.transpose_b,
                                          H100_KIND if name == "table" else None, num_sms,
-                                         promote_k=call.promote_k, loads=dict(call.loads))
+                                         fp8_operands=call.a.dtype in FP8_DTYPES, promote_k=call.promote_k,
+                                         loads=dict(call.loads))
     return at.candidate_configs(call, [name]).get(name)
 
 

@@ -145,6 +145,23 @@ def test_entries_with_a_loads_signature_serve_only_their_dtypes(table_file, monk
         assert variant_config("table", call, H100_SMS) == cfg
 
 
+def test_kernel_plans_plans_fp8_calls_on_the_fp8_heuristics():
+    """``benchmarks/kernel_plans.py``'s ``heuristic`` (and a table miss) for a GEMM of FP8
+    operands is the lowering's: the FP8 heuristics (a quantizing epilogue over K <= 4096 on
+    ping-pong) with the K step doubled, not the 16-bit choice."""
+    from benchmarks.kernel_plans import H100_SMS, variant_config
+
+    m, n, k = 8192, 2048, 2048
+    fp8 = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
+    call = at.KernelCall(programs.quantize_q8("e4m3"), fp8, jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+                         (("q_scale", jax.ShapeDtypeStruct((), jnp.float32)),
+                          ("x", jax.ShapeDtypeStruct((m, n), jnp.bfloat16))), False, True, (), (m, n, k))
+    cfg = variant_config("heuristic", call, H100_SMS)
+    assert cfg == lowering.table_or_heuristic_config(call.epilogue, m, n, k, False, True, None, H100_SMS,
+                                                     fp8_operands=True, loads=dict(call.loads))
+    assert cfg.pingpong and cfg.tile_k == 2 * CONFIG_TABLE["default"].tile_k
+
+
 def test_kernel_gemm_looks_up_with_its_loads(monkeypatch):
     """``PallasLowering.kernel_gemm`` hands its loads (here a column-split tile load) to the lookup."""
     seen = []
