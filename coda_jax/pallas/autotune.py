@@ -219,8 +219,8 @@ EXTENDED_CANDIDATES: dict[str, TuningConfig] = {
     "pingpong_minor_m_col_tiles_lean": dataclasses.replace(_D, schedule="pingpong", cluster_dimension=None,
                                                            grid_minor_dim="m", col_sum_tiles=True, **LEAN_EPILOGUE),
     # 64 x 128 consumer tiles on the ping-pong kernel (64 accumulator registers a thread,
-    # half the default's): for epilogues that spill beside a 128-row accumulator (Nsight
-    # Compute counted local-memory spills in both FP8 SwiGLU GEMMs' pair-block epilogues,
+    # half the default's): for heavy epilogues beside a 128-row accumulator (the FP8 SwiGLU
+    # GEMMs', where they lose: B is loaded and multiplied once per 64 rows;
     # docs/performance.md#kernels), and for the epilogue passes, all memory traffic, where
     # half-height tiles keep more loads and stores in flight per SM between the two consumers.
     "pingpong_minor_m_bytes_m64": dataclasses.replace(_D, tile_m=64, schedule="pingpong", cluster_dimension=None,
