@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -657,4 +658,13 @@ def _plot(history, path: Path):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        # The error and its newline in one write: Python's own handler writes them apart, and
+        # under the launcher (unbuffered, several processes on one stderr) another process's
+        # line could land between them.
+        sys.stderr.write(e.code + "\n")
+        sys.exit(1)
