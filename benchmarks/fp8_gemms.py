@@ -1,7 +1,7 @@
 """FP8 GEMMs on the GPU: XLA's (cuBLASLt) against coda-jax's lowerings, plain and fused.
 
     python -m benchmarks.fp8_gemms [--backends xla,pallas] [--shapes 8192x2048x3072,...] [--out DIR]
-    python -m benchmarks.fp8_gemms --block 1b:8:1024 [--backends xla,pallas]
+    python -m benchmarks.fp8_gemms --block 1b:8:1024 [--backends xla,pallas,cutedsl_fp8]
 
 Per ``M x K x N`` shape (``[M, K] @ [K, N]``), one process, interleaved medians
 (:func:`benchmarks.bench.interleaved_median_ms`):
@@ -58,6 +58,25 @@ SHAPES = ("8192x2048x3072", "8192x2048x2048", "8192x2048x16384", "8192x8192x2048
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
+# A backend name for ``--backends``: ``cutedsl_fp8`` is the cutedsl backend on its own FP8
+# kernel path (``CuteDslLowering(fp8_kernel=True)``), where plain ``cutedsl`` hands FP8 GEMMs
+# to XLA (docs/cutedsl.md#fp8).
+CUTEDSL_FP8 = "cutedsl_fp8"
+
+
+def backend_lowering(name: str):
+    """The lowering that runs the FP8 block's GEMMs for ``--backends`` entry ``name``."""
+    if name != CUTEDSL_FP8:
+        with cj.options(backend=name, routing=dict(xla_output_below=0)):
+            return lowering_for(FP8_LLAMA_BLOCK, name)
+    from coda_jax.backend import use_lowering
+    from coda_jax.ffi.lowering import CuteDslLowering
+
+    with cj.options(backend="cutedsl", routing=dict(xla_output_below=0)), \
+            use_lowering(CuteDslLowering(fp8_kernel=True)):
+        return lowering_for(FP8_LLAMA_BLOCK, "cutedsl")
+
+
 def fp8_gemm_targets(hlo: str) -> list[str]:
     """The custom-call targets of ``hlo`` (compiled HLO text) that are FP8 GEMMs."""
     return [t for t in _CUSTOM_CALL.findall(hlo) if "f8" in t.lower()]
@@ -106,8 +125,7 @@ def _cases(m: int, k: int, n: int, backends: list[str]):
         "xla_fp8_unfused": (jax.jit(xla_unfused), (a8, b8t, s, res, gamma, h_scale)),
     }
     for name in backends:
-        with cj.options(backend=name, routing=dict(xla_output_below=0)):
-            lw = lowering_for(FP8_LLAMA_BLOCK, name)
+        lw = backend_lowering(name)
         plain = jax.jit(lambda A, B, lw=lw: fp8_gemm(lw, programs.IDENTITY, A, B, {}, out_dtypes={"out": jnp.bfloat16})["out"])
         fused = jax.jit(lambda A, B, res, gamma, hs, lw=lw: fp8_gemm(
             lw, programs.RESIDUAL_RMS_Q8, A, B, {"residual": res, "gamma": gamma, "h_scale": hs},
@@ -151,8 +169,7 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
         label = f"{call.epilogue.name} nt {m}x{n}x{k}"  # K-major operands (checked above)
         row = {"call": label, "bare_cublaslt_ms": timer(bare, a, b, iters=iters), "ms": {}, "vs_bare": {}}
         for name in backends:
-            with cj.options(backend=name, routing=dict(xla_output_below=0)):
-                lw = lowering_for(FP8_LLAMA_BLOCK, name)
+            lw = backend_lowering(name)
             f = jax.jit(lambda a, b, l, lw=lw: lw.gemm(call.epilogue, a, b, l, **kw))
             row["ms"][name] = timer(f, a, b, loads, iters=iters)
             row["vs_bare"][name] = row["ms"][name] / row["bare_cublaslt_ms"]
@@ -164,8 +181,7 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
         m, n, _ = call.mnk
         row = {"call": f"{call.epilogue.name} pass {m}x{n}", "pass": True, "ms": {}, "vs_xla": {}}
         for name in dict.fromkeys(["xla", *backends]):
-            with cj.options(backend=name, routing=dict(xla_output_below=0)):
-                lw = lowering_for(FP8_LLAMA_BLOCK, name)
+            lw = backend_lowering(name)
             f = jax.jit(lambda l, lw=lw: epilogue_pass(lw, call.epilogue, m, n, l,
                                                        out_dtypes=dict(call.out_dtypes) or None))
             row["ms"][name] = timer(f, loads, iters=iters)
@@ -186,7 +202,8 @@ def pass_calls(calls: list) -> list:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backends", default="xla,pallas")
+    p.add_argument("--backends", default="xla,pallas",
+                   help=f"comma-separated: xla, pallas, cutedsl (its FP8 GEMMs on XLA), {CUTEDSL_FP8} (its FP8 kernel)")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--block", default=None, help="preset[-layers]:batch:seq: the FP8 GEMMs of that step instead")
     p.add_argument("--iters", type=int, default=40)

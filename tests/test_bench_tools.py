@@ -1203,6 +1203,19 @@ def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch, t
     assert json.loads((tmp_path / "fp8_block_gemms.json").read_text()) == rows
 
 
+def test_fp8_gemms_cutedsl_fp8_is_the_cutedsl_kernels_own_fp8_path(monkeypatch):
+    # "cutedsl_fp8" runs the CuTeDSL kernel's FP8 path; plain "cutedsl" hands FP8 GEMMs to XLA.
+    pytest.importorskip("cutlass")
+    from benchmarks import fp8_gemms
+    from coda_jax import backend as B
+
+    real = B.backend_unavailable_reason  # a Hopper GPU for cutedsl and pallas, here
+    monkeypatch.setattr(B, "backend_unavailable_reason", lambda n: None if n in ("cutedsl", "pallas") else real(n))
+    assert fp8_gemms.backend_lowering("cutedsl_fp8").inner.fp8_kernel is True
+    assert fp8_gemms.backend_lowering("cutedsl").inner.fp8_kernel is False
+    assert fp8_gemms.backend_lowering("pallas").inner.name == "pallas"
+
+
 def test_kernel_module_stats_counts_each_variant():
     # The step's FP8 SwiGLU backward lowered for CUDA under two variants; the lean epilogue's
     # module has fewer barriers, shuffles and FP8 casts. A variant that cannot run a call says so.
