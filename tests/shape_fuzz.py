@@ -18,6 +18,7 @@ Every case compares a backend against float32 math (the naive definitions in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 
@@ -169,3 +170,18 @@ def run_model(shape: Shape, backend: str, seed: int = 0) -> dict[str, float]:
     bad = {k: e for k, e in errs.items() if e > (MODEL_LOSS_TOL if k == "loss" else MODEL_GRAD_TOL)}
     assert not bad, f"{backend} {shape}: errors above tolerance {bad}"
     return errs
+
+
+def run_model_fp8(shape: Shape, backend: str, seed: int = 0, context=contextlib.nullcontext) -> None:
+    """``CodaLlama`` of ``shape`` trained in FP8 (the default recipe; at least two layers, so
+    that a block's output gradient comes back through the FP8 carry) on ``backend``, one step
+    traced under ``context()``, against the ``xla`` backend's FP8 step on the same weights,
+    tokens and calibrated scales (loss, every gradient, the new amax histories:
+    ``test_fp8.fp8_model_step_against_xla``, whose bounds apply). Ragged token counts make the
+    wgrads' K (the tokens) and the epilogues' rows ragged."""
+    from coda_jax.fp8 import Fp8Recipe
+    from test_fp8 import fp8_model_step_against_xla
+
+    cfg = model_config(shape).replace(fp8=Fp8Recipe(history=4), num_layers=max(2, shape.layers))
+    tokens = jax.random.randint(jax.random.key(seed), (shape.batch, shape.seq + 1), 0, shape.vocab)
+    fp8_model_step_against_xla(backend, cfg, tokens, context)

@@ -2,6 +2,8 @@
 Pallas kernels in GPU interpret mode (the draws marked ``ws_tile`` on a warp-specialized
 [64, 256] CTA tile, so that ragged and all-padding consumer tiles occur); every draw on xla."""
 
+import contextlib
+
 import pytest
 
 import shape_fuzz as F
@@ -11,6 +13,8 @@ from coda_jax.pallas.tuning import TuningConfig
 WS_TILE = TuningConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, warp_specialized=True, wg_dimension="n")
 OP_DRAWS = F.draw(seed=0, count=6, scale="cpu")
 MODEL_DRAWS = F.draw(seed=0, count=1, scale="cpu", ops=("model",))
+# seed 3's first model draw: 61 tokens, one sequence (no tile multiple in any GEMM's M or K)
+FP8_MODEL_DRAWS = F.draw(seed=3, count=1, scale="cpu", ops=("model",))
 
 
 def test_draws_are_seeded_and_ragged():
@@ -52,3 +56,23 @@ def test_op_draws_on_xla(shape):
 @pytest.mark.parametrize("_pallas", MODEL_DRAWS, ids=[f"model-{s.batch}x{s.seq}" for s in MODEL_DRAWS], indirect=True)
 def test_model_draw_on_pallas(_pallas):
     F.run_model(_pallas, "pallas")
+
+
+@pytest.mark.parametrize("shape", FP8_MODEL_DRAWS, ids=[f"model-{s.batch}x{s.seq}" for s in FP8_MODEL_DRAWS])
+def test_fp8_model_draw_on_pallas(shape):
+    # Every FP8 GEMM and quantizing pass on the kernels in the interpreter (however small its
+    # output), against the xla backend's FP8 step.
+    import coda_jax as cj
+
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+    @contextlib.contextmanager
+    def on_the_kernels():
+        try:
+            with interpret_mode(), cj.options(routing=dict(xla_output_below=0)):
+                yield
+        finally:
+            reset_gpu_interpret_mode_state()
+
+    assert shape.m % 64 and shape.batch == 1
+    F.run_model_fp8(shape, "pallas", seed=3, context=on_the_kernels)
