@@ -135,12 +135,13 @@ def _cases(m: int, k: int, n: int, backends: list[str]):
     return cases
 
 
-def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = None) -> list[dict]:
+def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = None,
+                programs: frozenset[str] | None = None) -> list[dict]:
     """Rows of ``--block spec``: each FP8 kernel call of the CodaLlama FP8 step, per backend its
     fused time and the ratio to cuBLASLt's bare FP8 GEMM of the same shape (see the module doc).
     With ``out``, ``fp8_block_gemms.json`` there is rewritten after each row, so a run cut short
     keeps what it measured. (Two layers give every call of a deeper model of the same width:
-    ``1b-2:8:1024``.)"""
+    ``1b-2:8:1024``.) ``programs``: only the calls (GEMMs and passes) of these epilogues."""
     from benchmarks.tune import model_step
     from coda_jax.epilogue import FP8_DTYPES
     from coda_jax.pallas import autotune as at
@@ -149,6 +150,8 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
     timer = at.kernel_ms if on_gpu else median_ms
     fn, args = model_step(spec if spec.endswith((":fp8", ":fp8-head")) else spec + ":fp8")
     every = at.kernel_calls(fn, *args)
+    if programs is not None:
+        every = [c for c in every if c.epilogue.name in programs]
     calls = [c for c in every if c.a.dtype in FP8_DTYPES]
     rows = []
 
@@ -206,12 +209,14 @@ def main(argv=None) -> list[dict]:
                    help=f"comma-separated: xla, pallas, cutedsl (its FP8 GEMMs on XLA), {CUTEDSL_FP8} (its FP8 kernel)")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--block", default=None, help="preset[-layers]:batch:seq: the FP8 GEMMs of that step instead")
+    p.add_argument("--programs", default="", help="--block: only the calls of these epilogues (comma-separated names)")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     if args.block:
-        return block_gemms(args.block, backends, args.iters, Path(args.out) if args.out else None)
+        return block_gemms(args.block, backends, args.iters, Path(args.out) if args.out else None,
+                           frozenset(args.programs.split(",")) if args.programs else None)
     rows = []
     for text in args.shapes.split(","):
         m, k, n = parse_shape(text)

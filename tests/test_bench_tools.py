@@ -1201,6 +1201,10 @@ def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch, t
     assert passes == ["quantize_e4m3"] * 5 + ["quantize_e5m2", "rms_input_q8", "rope_grad_q8"], passes
     assert all(r["vs_xla"] == {"xla": 1.0} for r in rows if r.get("pass"))
     assert json.loads((tmp_path / "fp8_block_gemms.json").read_text()) == rows
+    # --programs: only those epilogues' calls
+    with interpret_mode():
+        some = fp8_gemms.block_gemms("1b-1:1:128", ["xla"], iters=1, programs=frozenset({"identity_fp8", "quantize_e5m2"}))
+    assert {r["call"].split()[0] for r in some} == {"identity_fp8", "quantize_e5m2"}
 
 
 def test_fp8_gemms_cutedsl_fp8_is_the_cutedsl_kernels_own_fp8_path(monkeypatch):
