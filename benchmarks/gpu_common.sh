@@ -3,6 +3,8 @@
 # (xla,pallas, and cutedsl when .whl/cutlass_dsl.tar.zst was carried: the wheel is unpacked
 # with the carried .whl/zstd under $TMPDIR/site and put on PYTHONPATH); the GPU's name and
 # JAX's version in $OUT/gpu.txt; and pack_out.
+# The pack: ../shared/tools/pack_cutedsl.sh, then benchmarks/trim_cutedsl_pack.sh (the pack and
+# the working tree must fit one call's 64 MiB).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 OUT="${OUT:-$ROOT/gpu_out}"; mkdir -p "$OUT"
