@@ -136,12 +136,12 @@ def _cases(m: int, k: int, n: int, backends: list[str]):
 
 
 def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = None,
-                programs: frozenset[str] | None = None) -> list[dict]:
+                only: frozenset[str] | None = None) -> list[dict]:
     """Rows of ``--block spec``: each FP8 kernel call of the CodaLlama FP8 step, per backend its
     fused time and the ratio to cuBLASLt's bare FP8 GEMM of the same shape (see the module doc).
     With ``out``, ``fp8_block_gemms.json`` there is rewritten after each row, so a run cut short
     keeps what it measured. (Two layers give every call of a deeper model of the same width:
-    ``1b-2:8:1024``.) ``programs``: only the calls (GEMMs and passes) of these epilogues."""
+    ``1b-2:8:1024``.) ``only``: the calls (GEMMs and passes) of these epilogues alone."""
     from benchmarks.tune import model_step
     from coda_jax.epilogue import FP8_DTYPES
     from coda_jax.pallas import autotune as at
@@ -150,8 +150,8 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
     timer = at.kernel_ms if on_gpu else median_ms
     fn, args = model_step(spec if spec.endswith((":fp8", ":fp8-head")) else spec + ":fp8")
     every = at.kernel_calls(fn, *args)
-    if programs is not None:
-        every = [c for c in every if c.epilogue.name in programs]
+    if only is not None:
+        every = [c for c in every if c.epilogue.name in only]
     calls = [c for c in every if c.a.dtype in FP8_DTYPES]
     rows = []
 

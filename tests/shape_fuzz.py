@@ -173,7 +173,7 @@ def run_model(shape: Shape, backend: str, seed: int = 0) -> dict[str, float]:
 
 
 def run_model_fp8(shape: Shape, backend: str, seed: int = 0, context=contextlib.nullcontext) -> None:
-    """``CodaLlama`` of ``shape`` trained in FP8 (the default recipe; at least two layers, so
+    """``CodaLlama`` of ``shape`` trained in FP8 (the default recipe with a 4-step history; at least two layers, so
     that a block's output gradient comes back through the FP8 carry) on ``backend``, one step
     traced under ``context()``, against the ``xla`` backend's FP8 step on the same weights,
     tokens and calibrated scales (loss, every gradient, the new amax histories:

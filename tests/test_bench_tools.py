@@ -1203,7 +1203,7 @@ def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch, t
     assert json.loads((tmp_path / "fp8_block_gemms.json").read_text()) == rows
     # --programs: only those epilogues' calls
     with interpret_mode():
-        some = fp8_gemms.block_gemms("1b-1:1:128", ["xla"], iters=1, programs=frozenset({"identity_fp8", "quantize_e5m2"}))
+        some = fp8_gemms.block_gemms("1b-1:1:128", ["xla"], iters=1, only=frozenset({"identity_fp8", "quantize_e5m2"}))
     assert {r["call"].split()[0] for r in some} == {"identity_fp8", "quantize_e5m2"}
 
 
