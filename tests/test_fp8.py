@@ -839,18 +839,21 @@ def fp8_model_step_against_xla(backend: str, cfg: LlamaConfig, tokens: jax.Array
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1].filter(nnx.Param)),
                             jax.tree.leaves(want[1].filter(nnx.Param))):
         assert rel_err(a, b) < 0.25, (jax.tree_util.keystr(path), rel_err(a, b))
-    for a, b in zip(jax.tree.leaves(got[1].filter(Fp8Meta)), jax.tree.leaves(want[1].filter(Fp8Meta))):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1].filter(Fp8Meta)),
+                            jax.tree.leaves(want[1].filter(Fp8Meta))):
         a, b = np.asarray(a), np.asarray(b)
+        # On failure: which meta (block) and every row's new amax, got / want.
+        where = (jax.tree_util.keystr(path), {n: (float(x), float(y)) for n, x, y in zip(rows, a[:, 0], b[:, 0])})
         if a.shape[0] == len(rows) and "z" in rows:  # a block's, z saved in e4m3: its amax recorded
-            assert b[rows.index("z"), 0] > 0
+            assert b[rows.index("z"), 0] > 0, where
         for name, x, y in zip(rows, a[:, 0], b[:, 0]):
             if name.startswith("w_"):
-                assert x == y, (name, x, y)
+                assert x == y, (name, x, y, where)
             elif y > 0:
                 bound = 3e-2 if not name.startswith("d") else 0.25
-                assert abs(x - y) <= bound * y, (name, x, y)
+                assert abs(x - y) <= bound * y, (name, x, y, where)
             else:
-                assert x == 0, (name, x)  # a row the block does not record
+                assert x == 0, (name, x, where)  # a row the block does not record
 
 
 @pytest.mark.parametrize("swiglu_input", ["compute", "e4m3"])

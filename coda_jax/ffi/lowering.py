@@ -123,9 +123,10 @@ class CuteDslLowering(KernelLowering):
     def __init__(self, tuning: CuteDslTuning | None = None, *, plain_gemm: str | None = None,
                  latency_hints: bool = False, reserved_sms: int = 0, fp8_kernel: bool = False):
         super().__init__(plain_gemm=plain_gemm, latency_hints=latency_hints, reserved_sms=reserved_sms)
-        # The kernel's FP8 path (FP8 operands, quantizing outputs) is checked on the GPU, but its
-        # speed against cuBLASLt's FP8 GEMM is not measured: until it is, FP8 GEMMs go to XLA
-        # unless a lowering is built with fp8_kernel=True (docs/cutedsl.md#fp8).
+        # The kernel's FP8 path (FP8 operands, quantizing outputs) is checked on the GPU. Its
+        # mainloop runs at cuBLASLt's FP8 rate, but its fused FP8 epilogues trail the Pallas
+        # kernel's, and its step has not been timed against this backend's XLA FP8 path: FP8
+        # GEMMs go to XLA unless a lowering is built with fp8_kernel=True (docs/cutedsl.md#fp8).
         self.fp8_kernel = bool(fp8_kernel)
         if tuning is not None and not isinstance(tuning, CuteDslTuning):
             raise TypeError(f"tuning must be a CuteDslTuning, got {type(tuning).__name__}")
@@ -140,8 +141,8 @@ class CuteDslLowering(KernelLowering):
         """See :meth:`coda_jax.kernel_lowering.KernelLowering.fp8_rule`: :func:`fp8_rule`, on a
         lowering built with ``fp8_kernel=True``; otherwise every FP8 GEMM runs on XLA."""
         if not self.fp8_kernel:
-            return ("the CuTeDSL FP8 path is not yet measured against cuBLASLt's FP8 GEMM; build "
-                    "CuteDslLowering(fp8_kernel=True) to run it")
+            return ("the cutedsl backend hands FP8 GEMMs to XLA by default (docs/cutedsl.md#fp8); build "
+                    "CuteDslLowering(fp8_kernel=True) to run them on the CuTeDSL kernel")
         return fp8_rule(epilogue, a, b, transpose_a, transpose_b)
 
     def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
