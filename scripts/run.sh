@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # coda-jax developer entry point. Creates .venv with Python >= 3.12 on first use.
 #   bash scripts/run.sh train [train_llama.py args...]   train a small Llama (CPU-friendly default)
-#   bash scripts/run.sh test  [pytest args...]           run the test suite (CPU; kernels in GPU interpret mode;
-#                                                        one pytest-xdist worker per core, CODA_JAX_TEST_WORKERS=N to change)
+#   bash scripts/run.sh test  [pytest args...]           run the test suite's default tier (CPU; kernels in GPU interpret
+#                                                        mode; one pytest-xdist worker per core, CODA_JAX_TEST_WORKERS=N
+#                                                        to change); with --full (or CODA_JAX_TESTS=full) the full tier
+#                                                        (tests/tiers.py)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from coda_jax.pallas.interpret import ensure_interpreter_threads
+from tiers import default_tier
 from suite_options import apply_suite_compile_cache, apply_suite_options, apply_suite_xla_flags, suite_compile_cache_env
 
 # The Mosaic GPU interpreter blocks one CPU-client pool thread per simulated warpgroup at a
@@ -69,7 +70,37 @@ def _slow_rank(item) -> int:
     return next((i for i, p in enumerate(SLOW_FIRST) if nodeid.startswith(p)), len(SLOW_FIRST))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="the full tier: also the tests tests/tiers.py leaves out of the default run "
+                          "(also CODA_JAX_TESTS=full); they are marked slow")
+
+
+def full_tier(config) -> bool:
+    """Whether this run is the full tier (tests/tiers.py)."""
+    return config.getoption("--full") or os.environ.get("CODA_JAX_TESTS", "default") == "full"
+
+
+def _apply_tiers(config, items) -> None:
+    """The default tier deselects what tests/tiers.py leaves to the full one; the full tier
+    marks those tests ``slow`` (``--full -m slow`` runs only them). GPU tests are not tiered."""
+    ids = [item.nodeid.split("tests/", 1)[-1] for item in items]
+    config.coda_collected_ids = ids  # every worker collects the whole run (tests/test_tiers.py)
+    keep = default_tier(ids)
+    extra = [item for item, i in zip(items, ids) if i not in keep and "gpu" not in item.keywords]
+    if full_tier(config):
+        for item in extra:
+            item.add_marker(pytest.mark.slow)
+        return
+    if extra:
+        drop = set(map(id, extra))
+        config.hook.pytest_deselected(items=extra)
+        items[:] = [item for item in items if id(item) not in drop]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m and -k select: they see the tier's marks
 def pytest_collection_modifyitems(config, items):
+    _apply_tiers(config, items)
     items.sort(key=_slow_rank)  # stable: the rest keep their order
     if _hopper():
         return

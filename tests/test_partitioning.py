@@ -25,8 +25,11 @@ from suite_options import suite_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
-    "ops": ["ops_dp_auto", "ops_dp_explicit", "cutedsl_lowers", "wgrad_partials"],
-    "fsdp_gathers": ["fsdp_gathers_xla", "fsdp_gathers_pallas", "fsdp_head_explicit", "embedding_explicit"],
+    # The groups named *_auto and *_more run in the full tier only (tests/tiers.py).
+    "ops": ["ops_dp_explicit", "cutedsl_lowers", "wgrad_partials"],
+    "ops_auto": ["ops_dp_auto"],
+    "fsdp_gathers": ["fsdp_gathers_xla", "fsdp_gathers_pallas"],
+    "fsdp_gathers_more": ["fsdp_head_explicit", "embedding_explicit"],
     "fsdp_features": ["fsdp_features_xla", "fsdp_features_pallas"],
     # Pallas on the 2-D meshes only (its 8-way data / FSDP paths run on GPUs: tests/test_gpu_multi.py).
     "model_auto": ["model_xla_8_auto", "model_xla_2x4_auto", "model_pallas_2x4_auto"],
@@ -35,7 +38,8 @@ GROUPS = {
     "model_fp8": ["model_fp8_xla_8_auto", "model_fp8_xla_2x4_explicit", "model_fp8_pallas_2x4_auto"],
     # Data parallel FP8 wgrads contract each device's tokens: no gathered FP8 operands; under
     # FSDP the block weights are gathered as their e4m3 copies, not as float32 parameters.
-    "fp8_wgrads": ["fp8_wgrads_auto", "fp8_wgrads_explicit", "fp8_fsdp_gathers_auto", "fp8_fsdp_gathers_explicit"],
+    "fp8_wgrads": ["fp8_wgrads_explicit", "fp8_fsdp_gathers_explicit"],
+    "fp8_wgrads_auto": ["fp8_wgrads_auto", "fp8_fsdp_gathers_auto"],
     # Fp8Recipe(swiglu_input="e4m3"): z saved in e4m3 under data and FSDP axes.
     "model_fp8_zq8": ["model_fp8_zq8_xla_2x4_explicit", "model_fp8_zq8_pallas_2x4_auto"],
     # FP8 under a tensor axis (the partitioner splits the FP8 block by the weights' tensor splits).
@@ -49,8 +53,8 @@ GROUPS = {
     "step_bench": ["step_bench", "plain_explicit", "plain_tensor"],
     "kernel_cache": ["kernel_cache_auto", "kernel_cache_explicit"],
     # Pallas under Explicit (Auto tensor parallel on Pallas runs on GPUs: tests/test_gpu_multi.py).
-    "tensor_parallel": ["tp_xla_2x2x2_auto_float32", "tp_pallas_2x2x2_explicit_bfloat16",
-                        "tp_xla_2x1x4_explicit_float32", "tp_step_embedding"],
+    "tensor_parallel": ["tp_pallas_2x2x2_explicit_bfloat16", "tp_xla_2x1x4_explicit_float32", "tp_step_embedding"],
+    "tensor_parallel_auto": ["tp_xla_2x2x2_auto_float32"],
 }
 
 
