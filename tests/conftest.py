@@ -87,15 +87,15 @@ def _apply_tiers(config, items) -> None:
     ids = [item.nodeid.split("tests/", 1)[-1] for item in items]
     config.coda_collected_ids = ids  # every worker collects the whole run (tests/test_tiers.py)
     keep = default_tier(ids)
-    extra = [item for item, i in zip(items, ids) if i not in keep and "gpu" not in item.keywords]
+    kept, extra = [], []
+    for item, i in zip(items, ids):
+        (kept if i in keep or "gpu" in item.keywords else extra).append(item)
     if full_tier(config):
         for item in extra:
             item.add_marker(pytest.mark.slow)
-        return
-    if extra:
-        drop = set(map(id, extra))
+    elif extra:
         config.hook.pytest_deselected(items=extra)
-        items[:] = [item for item in items if id(item) not in drop]
+        items[:] = kept
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m and -k select: they see the tier's marks

@@ -166,10 +166,10 @@ def check_tables(nodeids: Iterable[str]) -> list[str]:
     """The entries of :data:`FULL_ONLY` and :data:`SWEEPS` that name no collected test (a renamed
     test would otherwise quietly move back to the default tier, or out of it)."""
     ids = list(nodeids)
-    bases = {_base(n)[0] for n in ids}
+    pids = {_base(n) for n in ids}
+    bases = {base for base, _ in pids}
     stale = [k for k in FULL_ONLY if not any(n.startswith(k) for n in ids)]
     stale += [k for k in SWEEPS if k not in bases]
-    pids = {(_base(n)[0], _base(n)[1]) for n in ids}
     stale += [f"{k}[{p}]" for k, rule in SWEEPS.items() if isinstance(rule, frozenset)
               for p in sorted(rule) if (k, p) not in pids]
     return stale
