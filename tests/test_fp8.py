@@ -819,15 +819,26 @@ def fp8_model_step_against_xla(backend: str, cfg: LlamaConfig, tokens: jax.Array
     and calibrated scales. With two or more layers the blocks hand their output gradients back
     through the FP8 carry, which the kernels' QKV dgrad epilogue writes. Bounds: the loss 1e-2;
     gradients 0.25 (bf16 values that another backend rounds differently cross e5m2's 25 %
-    steps); the weights' amaxes equal, the activations' 3e-2, the gradients' 0.25."""
+    steps); the weights' amaxes equal, the gradients' 0.25, the activations' 3e-2.
+
+    A later block's activations are a max over inputs that the earlier blocks wrote in e4m3, and
+    an element rounded to the neighbouring e4m3 value by another backend moves such a max by up
+    to a step (6-12 %): where a later block's activation amax is off by more than 3e-2, the step
+    runs again with the blocks before it on ``xla`` (the same inputs) and that block's amax must
+    then be within 3e-2; the whole-model bound for it is 0.1."""
     rows = block_tensors(cfg.fp8.swiglu_input)
     wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
 
-    def step(name, state):
+    def step(name, state, first_on_xla: int = 0):
         m = CodaLlama(cfg, rngs=nnx.Rngs(0), backend=name)
+        for block in list(m.blocks)[:first_on_xla]:  # these blocks on xla: the same inputs for the rest
+            block.backend = "xla"
         nnx.update(m, state)
         return nnx.jit(lambda m, t: nnx.value_and_grad(lambda mm: mm.loss(t[:, :-1], t[:, 1:]), argnums=wrt)(m))(
             m, tokens)
+
+    def block_amax(grads, block: int, name: str) -> float:
+        return float(np.asarray(grads[1].blocks[block].fp8_meta[...])[rows.index(name), 0])
 
     state = nnx.state(CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla"))
     _, g = step("xla", state)  # calibrate: the scales of a real step
@@ -839,9 +850,12 @@ def fp8_model_step_against_xla(backend: str, cfg: LlamaConfig, tokens: jax.Array
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1].filter(nnx.Param)),
                             jax.tree.leaves(want[1].filter(nnx.Param))):
         assert rel_err(a, b) < 0.25, (jax.tree_util.keystr(path), rel_err(a, b))
+    isolated = {}  # block -> the step with the blocks before it on xla
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1].filter(Fp8Meta)),
                             jax.tree.leaves(want[1].filter(Fp8Meta))):
         a, b = np.asarray(a), np.asarray(b)
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        block = keys[1] if keys[0] == "blocks" else None
         # On failure: which meta (block) and every row's new amax, got / want.
         where = (jax.tree_util.keystr(path), {n: (float(x), float(y)) for n, x, y in zip(rows, a[:, 0], b[:, 0])})
         if a.shape[0] == len(rows) and "z" in rows:  # a block's, z saved in e4m3: its amax recorded
@@ -849,9 +863,17 @@ def fp8_model_step_against_xla(backend: str, cfg: LlamaConfig, tokens: jax.Array
         for name, x, y in zip(rows, a[:, 0], b[:, 0]):
             if name.startswith("w_"):
                 assert x == y, (name, x, y, where)
+            elif y > 0 and name.startswith("d"):
+                assert abs(x - y) <= 0.25 * y, (name, x, y, where)
+            elif y > 0 and abs(x - y) > 3e-2 * y and block:  # a later block: on the same inputs?
+                assert abs(x - y) <= 0.1 * y, (name, x, y, where)
+                if block not in isolated:
+                    with context():
+                        isolated[block] = step(backend, state, first_on_xla=block)
+                x1 = block_amax(isolated[block], block, name)
+                assert abs(x1 - y) <= 3e-2 * y, (name, "on the inputs of the xla blocks before it", x1, y, where)
             elif y > 0:
-                bound = 3e-2 if not name.startswith("d") else 0.25
-                assert abs(x - y) <= bound * y, (name, x, y, where)
+                assert abs(x - y) <= 3e-2 * y, (name, x, y, where)
             else:
                 assert x == 0, (name, x, where)  # a row the block does not record
 
