@@ -67,6 +67,7 @@ from coda_jax.ops.fp8_cross_entropy import HEAD_TENSORS
 from coda_jax.ops.fp8_llama_block import SWIGLU_INPUT, TENSORS
 
 WINDOW = 25
+PROGRESS_EVERY = 50  # steps between progress lines
 # Standard-library folders left out of ``--corpus python-stdlib``: tests (a third of the bytes,
 # much of it generated data), installed packages, and demos.
 STDLIB_SKIP = frozenset({"test", "tests", "site-packages", "dist-packages", "idlelib", "lib2to3", "turtledemo"})
@@ -142,6 +143,9 @@ def train(run: str, cfg: LlamaConfig, reference: CodaLlama, data, val, steps: in
             before = _histories(state) if fp8 else None
             state, loss = step(state, jnp.asarray(x), jnp.asarray(y))
             losses.append(loss)
+            if i == 0 or (i + 1) % PROGRESS_EVERY == 0:  # a run cut by a time limit still shows how far it got
+                print(f"  {run}: step {i + 1} / {steps}, loss {float(loss):.4f}, {time.perf_counter() - t0:.0f} s",
+                      flush=True)
             if fp8:  # a small host read each step (the histories): the accuracy run's, not a timed one's
                 rows = saturated_rows(before, _histories(state), getattr(recipe, "margin", 0))
                 saturated.append(len(rows))

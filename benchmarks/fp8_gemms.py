@@ -1,7 +1,7 @@
 """FP8 GEMMs on the GPU: XLA's (cuBLASLt) against coda-jax's lowerings, plain and fused.
 
     python -m benchmarks.fp8_gemms [--backends xla,pallas] [--shapes 8192x2048x3072,...] [--out DIR]
-    python -m benchmarks.fp8_gemms --block 1b:8:1024 [--backends xla,pallas,cutedsl_fp8]
+    python -m benchmarks.fp8_gemms --block 1b:8:1024 [--backends xla,pallas,cutedsl]
 
 Per ``M x K x N`` shape (``[M, K] @ [K, N]``), one process, interleaved medians
 (:func:`benchmarks.bench.interleaved_median_ms`):
@@ -58,23 +58,10 @@ SHAPES = ("8192x2048x3072", "8192x2048x2048", "8192x2048x16384", "8192x8192x2048
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
-# A backend name for ``--backends``: ``cutedsl_fp8`` is the cutedsl backend on its own FP8
-# kernel path (``CuteDslLowering(fp8_kernel=True)``), where plain ``cutedsl`` hands FP8 GEMMs
-# to XLA (docs/cutedsl.md#fp8).
-CUTEDSL_FP8 = "cutedsl_fp8"
-
-
 def backend_lowering(name: str):
     """The lowering that runs the FP8 block's GEMMs for ``--backends`` entry ``name``."""
-    if name != CUTEDSL_FP8:
-        with cj.options(backend=name, routing=dict(xla_output_below=0)):
-            return lowering_for(FP8_LLAMA_BLOCK, name)
-    from coda_jax.backend import use_lowering
-    from coda_jax.ffi.lowering import CuteDslLowering
-
-    with cj.options(backend="cutedsl", routing=dict(xla_output_below=0)), \
-            use_lowering(CuteDslLowering(fp8_kernel=True)):
-        return lowering_for(FP8_LLAMA_BLOCK, "cutedsl")
+    with cj.options(backend=name, routing=dict(xla_output_below=0)):
+        return lowering_for(FP8_LLAMA_BLOCK, name)
 
 
 def fp8_gemm_targets(hlo: str) -> list[str]:
@@ -206,7 +193,7 @@ def pass_calls(calls: list) -> list:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="xla,pallas",
-                   help=f"comma-separated: xla, pallas, cutedsl (its FP8 GEMMs on XLA), {CUTEDSL_FP8} (its FP8 kernel)")
+                   help="comma-separated: xla, pallas, cutedsl")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--block", default=None, help="preset[-layers]:batch:seq: the FP8 GEMMs of that step instead")
     p.add_argument("--programs", default="", help="--block: only the calls of these epilogues (comma-separated names)")

@@ -20,8 +20,7 @@ with :func:`coda_jax.options.options`, and ``fp8=true`` for ``LlamaConfig(fp8=Fp
 (``fp8=current``: ``Fp8Recipe(scaling="current")``; with ``lm_head=true``: ``Fp8Recipe(lm_head=True)``;
 ``promote_k=N``: ``Fp8Recipe(promote_k=N)``, also a ``plain_fp8`` setting; ``swiglu_input=e4m3``:
 ``Fp8Recipe(swiglu_input="e4m3")``; ``cutedsl:fp8=true,
-fp8_kernel=true``: the CuTeDSL kernel's own FP8 path, where by default that backend hands its
-FP8 GEMMs to XLA), whose
+fp8_kernel=false``: that backend's FP8 GEMMs on XLA instead of its kernel), whose
 FP8 GEMM calls are checked as ``plain_fp8``'s; e.g. ``pallas:cross_entropy.save_logits=false``: the
 cross-entropy recomputes its logits; ``pallas:routing.xla_output_below=0,routing.plain_gemm=kernel``:
 every GEMM on the kernel). Per run: compile + first step (wall seconds), then ``--rounds`` rounds of
@@ -214,11 +213,10 @@ def parse_run(spec: str) -> RunSpec:
     for key in ("lm_head", "promote_k", "swiglu_input"):
         if key in items:
             raise ValueError(f"run {spec!r}: {key} is a setting of FP8 runs (plain_fp8, or fp8=true)")
-    if "fp8_kernel" in items:  # CuteDslLowering(fp8_kernel=True): the CuTeDSL kernel's own FP8 path
+    if "fp8_kernel" in items:  # CuteDslLowering(fp8_kernel=...): FP8 GEMMs on its kernel or on XLA
         if model != "cutedsl":
             raise ValueError(f"run {spec!r}: fp8_kernel is a setting of cutedsl runs")
-        if _flag(spec, "fp8_kernel", items.pop("fp8_kernel")):
-            model_args["fp8_kernel"] = True
+        model_args["fp8_kernel"] = _flag(spec, "fp8_kernel", items.pop("fp8_kernel"))
     try:
         pgle_runs = (int(pgle.get("JAX_PGLE_PROFILING_RUNS", "3"))
                      if pgle.get("JAX_ENABLE_PGLE", "").lower() in PGLE_ON else 0)
@@ -273,14 +271,14 @@ def run_context(run: RunSpec, mesh, tokens: int = 0, block_weights_per_width: in
 
 
 def _lowering(run: RunSpec):
-    """The lowering a run asks for: ``cutedsl:fp8_kernel=true`` runs the CuTeDSL kernel's FP8
-    path (``CuteDslLowering(fp8_kernel=True)``; by default the backend hands FP8 GEMMs to XLA)."""
-    if not run.model_args.get("fp8_kernel"):
+    """The lowering a run asks for: ``cutedsl:fp8_kernel=false`` hands the CuTeDSL backend's
+    FP8 GEMMs to XLA (``CuteDslLowering(fp8_kernel=False)``); otherwise the backend's own."""
+    if "fp8_kernel" not in run.model_args:
         return contextlib.nullcontext()
     from coda_jax.backend import use_lowering
     from coda_jax.ffi.lowering import CuteDslLowering
 
-    return use_lowering(CuteDslLowering(fp8_kernel=True))
+    return use_lowering(CuteDslLowering(fp8_kernel=run.model_args["fp8_kernel"]))
 
 
 # The shape is a tuple for multi-output fusions (the optimizer's update of p, m and v).

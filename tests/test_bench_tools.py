@@ -380,6 +380,7 @@ def test_train_step_bench_run_specs():
     with pytest.raises(ValueError, match="swiglu_input is a setting of FP8 runs"):
         tsb.parse_run("pallas:swiglu_input=e4m3")
     assert tsb.parse_run("cutedsl:fp8=true,fp8_kernel=true").model_args == {"fp8": "delayed", "fp8_kernel": True}
+    assert tsb.parse_run("cutedsl:fp8=true,fp8_kernel=false").model_args == {"fp8": "delayed", "fp8_kernel": False}
     with pytest.raises(ValueError, match="fp8_kernel is a setting of cutedsl runs"):
         tsb.parse_run("pallas:fp8=true,fp8_kernel=true")
     with pytest.raises(ValueError, match="fp8 must be true .delayed scaling., current or false"):
@@ -1207,16 +1208,15 @@ def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch, t
     assert {r["call"].split()[0] for r in some} == {"identity_fp8", "quantize_e5m2"}
 
 
-def test_fp8_gemms_cutedsl_fp8_is_the_cutedsl_kernels_own_fp8_path(monkeypatch):
-    # "cutedsl_fp8" runs the CuTeDSL kernel's FP8 path; plain "cutedsl" hands FP8 GEMMs to XLA.
+def test_fp8_gemms_cutedsl_is_the_cutedsl_kernels_own_fp8_path(monkeypatch):
+    # "cutedsl" runs the FP8 GEMMs on the CuTeDSL kernel (its default), not on XLA.
     pytest.importorskip("cutlass")
     from benchmarks import fp8_gemms
     from coda_jax import backend as B
 
     real = B.backend_unavailable_reason  # a Hopper GPU for cutedsl and pallas, here
     monkeypatch.setattr(B, "backend_unavailable_reason", lambda n: None if n in ("cutedsl", "pallas") else real(n))
-    assert fp8_gemms.backend_lowering("cutedsl_fp8").inner.fp8_kernel is True
-    assert fp8_gemms.backend_lowering("cutedsl").inner.fp8_kernel is False
+    assert fp8_gemms.backend_lowering("cutedsl").inner.fp8_kernel is True
     assert fp8_gemms.backend_lowering("pallas").inner.name == "pallas"
 
 

@@ -585,13 +585,14 @@ def test_promoted_fused_program_on_gpu():
     _compare_fp8(P.rms_dgrad_q8(True), 1000, 900, 2600, seed=20, promote_k=512)
 
 
-def test_the_default_lowering_hands_fp8_gemms_to_xla():
-    # Its fused FP8 epilogues trail the Pallas kernel's (docs/cutedsl.md#fp8): opt-in only.
-    from coda_jax.ffi.lowering import CUTEDSL
+def test_the_default_lowering_runs_fp8_gemms_on_the_kernel():
+    # The default lowering takes K-major FP8 GEMMs; fp8_kernel=False hands them all to XLA.
+    from coda_jax.ffi.lowering import CUTEDSL, CuteDslLowering
 
     a = jnp.zeros((256, 128), E4M3)
     b = jnp.zeros((256, 128), E4M3)
-    assert "hands FP8 GEMMs to XLA by default" in CUTEDSL.fp8_rule(E.dequantized(P.IDENTITY), a, b, False, True)
+    assert CUTEDSL.fp8_kernel and CUTEDSL.fp8_rule(E.dequantized(P.IDENTITY), a, b, False, True) is None
+    assert "fp8_kernel=False" in CuteDslLowering(fp8_kernel=False).fp8_rule(E.dequantized(P.IDENTITY), a, b, False, True)
 
 
 def test_unscaled_outputs_of_fp8_operands_default_to_bf16():
@@ -609,9 +610,8 @@ def test_unscaled_outputs_of_fp8_operands_default_to_bf16():
 
 
 def test_fp8_model_step_lowers_on_the_fp8_kernel(monkeypatch):
-    """A whole FP8 CodaLlama's loss and gradients on ``backend="cutedsl"`` under
-    ``CuteDslLowering(fp8_kernel=True)`` (what ``train_step_bench``'s ``cutedsl:fp8_kernel=true``
-    runs) lower for CUDA with the block's fused FP8 programs on the kernel, the long-K backward
+    """A whole FP8 CodaLlama's loss and gradients on ``backend="cutedsl"`` (its FP8 GEMMs on the
+    kernel, the default) lower for CUDA with the block's fused FP8 programs on the kernel, the long-K backward
     GEMMs promoted (``Fp8Recipe(promote_min_k=256)``: the wgrads over 256 tokens)."""
     from flax import nnx
 
@@ -640,7 +640,7 @@ def test_fp8_model_step_lowers_on_the_fp8_kernel(monkeypatch):
 
 @pytest.mark.gpu
 def test_fp8_model_step_on_the_fp8_kernel_on_gpu():
-    """One FP8 step of a 2-layer model on the CuTeDSL kernel's FP8 path against the ``xla``
+    """One FP8 step of a 2-layer model on the CuTeDSL kernel's FP8 path (the default) against the ``xla``
     backend's (cuBLASLt FP8 GEMMs, XLA epilogues): :func:`test_fp8.fp8_model_step_against_xla`,
     the long-K backward GEMMs promoted on both (``promote_min_k=1024``: the wgrads over 2048
     tokens)."""

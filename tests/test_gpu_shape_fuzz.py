@@ -8,7 +8,6 @@ backends against the ``xla`` backend's FP8 step), ``FUZZ_BACKENDS`` (default xla
 where the cutlass package imports).
 """
 
-import contextlib
 import importlib.util
 import os
 
@@ -55,17 +54,7 @@ def test_model_shape_fuzz_on_gpu(shape, backend):
     print(f"{backend} {_id(shape)}: loss rel err {errs['loss']:.2e}, worst grad {max(errs.values()):.2e}")
 
 
-def _fp8_context(backend: str):
-    """The cutedsl backend on its own FP8 kernel path (by default it hands FP8 GEMMs to XLA)."""
-    if backend != "cutedsl":
-        return contextlib.nullcontext
-    from coda_jax.backend import use_lowering
-    from coda_jax.ffi.lowering import CuteDslLowering
-
-    return lambda: use_lowering(CuteDslLowering(fp8_kernel=True))
-
-
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "xla"])
 @pytest.mark.parametrize("shape", MODEL_DRAWS, ids=[_id(s) for s in MODEL_DRAWS])
 def test_fp8_model_shape_fuzz_on_gpu(shape, backend):
-    F.run_model_fp8(shape, backend, seed=SEED, context=_fp8_context(backend))
+    F.run_model_fp8(shape, backend, seed=SEED)

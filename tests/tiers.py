@@ -49,8 +49,6 @@ FULL_ONLY: dict[str, str] = {
     "test_pallas_kernels.py::test_one_out_slot_ragged_on_every_schedule": "test_one_out_slot, ragged shapes elsewhere",
     "test_train_example.py::test_finetune_continues_from_a_run_and_reports_perplexity":
         "test_short_training_run_learns_and_resumes",
-    "test_cutedsl_fp8.py::test_fp8_model_step_lowers_on_the_fp8_kernel":
-        "test_quantizing_programs_lower (the kernel's FP8 path is opt-in, docs/cutedsl.md#fp8)",
     "test_compile_time.py::test_compile_time_second_process_hits_the_persistent_cache": "test_kernel_cache.py",
     "test_kernel_cache.py::test_a_cached_kernel_is_the_generated_kernel_byte_for_byte_in_a_new_process[in_a_worker]":
         "[here]",

@@ -115,18 +115,18 @@ class CuteDslLowering(KernelLowering):
       tuning: the kernel's :class:`~coda_jax.ffi.tuning.CuteDslTuning` (default: every choice
         left to the kernel's rules).
       plain_gemm, latency_hints, reserved_sms: see :class:`~coda_jax.kernel_lowering.KernelLowering`.
+      fp8_kernel: run FP8 GEMMs (FP8 operands, quantizing outputs) on this kernel (the default);
+        False hands every FP8 GEMM to XLA (cuBLASLt's FP8 GEMM, XLA epilogues).
     """
 
     name = "cutedsl"
     title = "CuTeDSL"
 
     def __init__(self, tuning: CuteDslTuning | None = None, *, plain_gemm: str | None = None,
-                 latency_hints: bool = False, reserved_sms: int = 0, fp8_kernel: bool = False):
+                 latency_hints: bool = False, reserved_sms: int = 0, fp8_kernel: bool = True):
         super().__init__(plain_gemm=plain_gemm, latency_hints=latency_hints, reserved_sms=reserved_sms)
-        # The kernel's FP8 path (FP8 operands, quantizing outputs) is checked on the GPU. Its
-        # mainloop runs at cuBLASLt's FP8 rate, but its fused FP8 epilogues trail the Pallas
-        # kernel's, and its step has not been timed against this backend's XLA FP8 path: FP8
-        # GEMMs go to XLA unless a lowering is built with fp8_kernel=True (docs/cutedsl.md#fp8).
+        # Its fused FP8 epilogues trail the Pallas kernel's, but a train step on them beats the
+        # same step with every FP8 GEMM on XLA (docs/cutedsl.md#fp8): the kernel by default.
         self.fp8_kernel = bool(fp8_kernel)
         if tuning is not None and not isinstance(tuning, CuteDslTuning):
             raise TypeError(f"tuning must be a CuteDslTuning, got {type(tuning).__name__}")
@@ -138,11 +138,10 @@ class CuteDslLowering(KernelLowering):
 
     def fp8_rule(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, transpose_a: bool,
                  transpose_b: bool) -> str | None:
-        """See :meth:`coda_jax.kernel_lowering.KernelLowering.fp8_rule`: :func:`fp8_rule`, on a
-        lowering built with ``fp8_kernel=True``; otherwise every FP8 GEMM runs on XLA."""
+        """See :meth:`coda_jax.kernel_lowering.KernelLowering.fp8_rule`: :func:`fp8_rule`; on a
+        lowering built with ``fp8_kernel=False`` every FP8 GEMM runs on XLA."""
         if not self.fp8_kernel:
-            return ("the cutedsl backend hands FP8 GEMMs to XLA by default (docs/cutedsl.md#fp8); build "
-                    "CuteDslLowering(fp8_kernel=True) to run them on the CuTeDSL kernel")
+            return "this lowering was built with fp8_kernel=False: its FP8 GEMMs run on XLA (docs/cutedsl.md#fp8)"
         return fp8_rule(epilogue, a, b, transpose_a, transpose_b)
 
     def kernel_gemm(self, epilogue: Epilogue, a: jax.Array, b: jax.Array, loads: Mapping[str, jax.Array],
