@@ -25,7 +25,10 @@ training step (the calls its Pallas kernels get, with their programs, shapes and
 cuBLASLt's bare FP8 GEMM of the same shape and layout (``a [M, K] @ b[N, K]^T`` -> bf16): the
 issue's "each FP8 fused GEMM within 10 % of cuBLASLt's FP8 GEMM". Per call and backend: the
 fused GEMM's time (``xla``: cuBLASLt's GEMM and the epilogue as XLA passes), and its ratio to
-the bare GEMM. Then the step's quantizing *epilogue passes* (programs over a zero accumulator,
+the bare GEMM; and the call's *floor*: the larger of the bare GEMM's time and the bytes the fused
+call must move at least (operands, loads, outputs, each once) at the memory's rate that a copy
+measures in the same run (:func:`copy_bytes_per_ms`). A heavy epilogue's floor is above the bare
+GEMM: ``vs_floor`` says how far each backend is from what that call can reach. Then the step's quantizing *epilogue passes* (programs over a zero accumulator,
 :mod:`coda_jax.ops.epilogue_pass`: the attention output, the QKV gradient, ...), each per
 backend against ``xla``, the same math as XLA fusions (the zero operands made inside the jitted
 function, so XLA folds the GEMM away). Times are CUPTI kernel time on a GPU
@@ -122,6 +125,19 @@ def _cases(m: int, k: int, n: int, backends: list[str]):
     return cases
 
 
+def copy_bytes_per_ms(timer, iters: int, nbytes: int) -> float:
+    """The memory's rate (bytes read plus bytes written, per ms) of one copy of an ``nbytes``
+    bf16 array, timed with ``timer`` (:func:`coda_jax.pallas.autotune.kernel_ms` on a GPU)."""
+    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda x: x * jnp.bfloat16(-1))  # read once, write once; not elided
+    return 2 * x.nbytes / timer(copy, x, iters=iters)
+
+
+def moved_bytes(call, a: jax.Array, b: jax.Array, loads, outputs) -> int:
+    """What a fused GEMM reads and writes at least: its operands, loads and outputs once each."""
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves((a, b, loads, outputs)))
+
+
 def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = None,
                 only: frozenset[str] | None = None) -> list[dict]:
     """Rows of ``--block spec``: each FP8 kernel call of the CodaLlama FP8 step, per backend its
@@ -141,6 +157,8 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
         every = [c for c in every if c.epilogue.name in only]
     calls = [c for c in every if c.a.dtype in FP8_DTYPES]
     rows = []
+    rate = copy_bytes_per_ms(timer, iters, 1 << 30 if on_gpu else 1 << 22)
+    print(f"BLOCK the memory's rate (a copy): {rate / 1e9:.2f} TB/s", flush=True)
 
     def emit(row):
         rows.append(row)
@@ -157,15 +175,22 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
         kw = dict(transpose_b=True, out_dtypes=dict(call.out_dtypes) or None)
         m, n, k = call.mnk
         label = f"{call.epilogue.name} nt {m}x{n}x{k}"  # K-major operands (checked above)
-        row = {"call": label, "bare_cublaslt_ms": timer(bare, a, b, iters=iters), "ms": {}, "vs_bare": {}}
+        xla = backend_lowering("xla")
+        outputs = jax.eval_shape(lambda a, b, l: xla.gemm(call.epilogue, a, b, l, **kw), a, b, loads)
+        nbytes = moved_bytes(call, a, b, loads, outputs)
+        row = {"call": label, "bare_cublaslt_ms": timer(bare, a, b, iters=iters), "bytes": nbytes,
+               "bytes_ms": nbytes / rate, "ms": {}, "vs_bare": {}, "vs_floor": {}}
+        row["floor_ms"] = max(row["bare_cublaslt_ms"], row["bytes_ms"])
         for name in backends:
             lw = backend_lowering(name)
             f = jax.jit(lambda a, b, l, lw=lw: lw.gemm(call.epilogue, a, b, l, **kw))
             row["ms"][name] = timer(f, a, b, loads, iters=iters)
             row["vs_bare"][name] = row["ms"][name] / row["bare_cublaslt_ms"]
+            row["vs_floor"][name] = row["ms"][name] / row["floor_ms"]
         emit(row)
-        print(f"BLOCK {label:48s} cuBLASLt bare {row['bare_cublaslt_ms']:.4f} ms  " + "  ".join(
-            f"{nm} {row['ms'][nm]:.4f} ms ({row['vs_bare'][nm]:.2f}x bare)" for nm in backends), flush=True)
+        print(f"BLOCK {label:48s} cuBLASLt bare {row['bare_cublaslt_ms']:.4f} ms, bytes {row['bytes_ms']:.4f} ms  "
+              + "  ".join(f"{nm} {row['ms'][nm]:.4f} ms ({row['vs_bare'][nm]:.2f}x bare, "
+                          f"{row['vs_floor'][nm]:.2f}x floor)" for nm in backends), flush=True)
     for call in pass_calls(every):
         _, _, loads = at.random_arguments(call)
         m, n, _ = call.mnk

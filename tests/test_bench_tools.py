@@ -1195,6 +1195,16 @@ def test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm(monkeypatch, t
     gemms = [r for r in rows if not r.get("pass")]
     assert gemms and all(r["call"].split()[0].endswith("_fp8") for r in gemms)
     assert all(r["vs_bare"]["xla"] == 1.0 and r["bare_cublaslt_ms"] == 2.0 for r in gemms)
+    # each call's floor: the bytes it moves at least at the copy's rate (2 x 4 MiB in 2.0 ms)
+    # beside the bare GEMM; a fused call moves more than its two operands
+    for r in gemms:
+        m, n, k = map(int, r["call"].split()[2].split("x"))
+        at_least = m * k + n * k + m * n  # FP8 operands, an output of one byte an element or more
+        assert r["bytes"] >= at_least, r
+        if r["call"].startswith("identity"):  # a bf16 output (and the operands' scales)
+            assert 0 <= r["bytes"] - (m * k + n * k + 2 * m * n) < 1024, r
+        assert r["bytes_ms"] == pytest.approx(r["bytes"] / (2 * (1 << 22) / 2.0))
+        assert r["floor_ms"] == max(2.0, r["bytes_ms"]) and r["vs_floor"]["xla"] == 2.0 / r["floor_ms"]
     # then the step's quantizing passes: the four weights and the attention output (e4m3), the
     # last block's output gradient (e5m2), the first block's norm input (e4m3) and the QKV
     # gradient (e5m2), each against its XLA form
