@@ -31,13 +31,16 @@ LSE_CHUNK = 8192
 
 def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, round_acc: bool = False,
          promote: bool = False) -> jax.Array:
-    """float32 ``op(a) @ op(b)``; full float32 precision for float32 operands. With
-    ``round_acc`` and 16-bit operands, the product is written in the operand dtype (float32
-    accumulation inside the GEMM, one rounding on the way out) and upcast after. ``promote``
-    (FP8 operands): at ``Precision.HIGHEST``, no fast accumulation."""
+    """float32 ``op(a) @ op(b)``; full float32 precision for float32 operands, unless the
+    caller chose one with ``jax.default_matmul_precision`` (e.g. ``"tensorfloat32"``), which
+    then applies as to any JAX GEMM. With ``round_acc`` and 16-bit operands, the product is
+    written in the operand dtype (float32 accumulation inside the GEMM, one rounding on the way
+    out) and upcast after. ``promote`` (FP8 operands): at ``Precision.HIGHEST``, no fast
+    accumulation."""
     ca = 0 if transpose_a else 1
     cb = 1 if transpose_b else 0
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 or promote else None
+    full_f32 = a.dtype == jnp.float32 and jax.config.jax_default_matmul_precision is None
+    precision = lax.Precision.HIGHEST if full_f32 or promote else None
     if a.dtype in FP8_DTYPES:  # an FP8 GEMM (cuBLASLt's on a GPU), scaled by the body afterwards
         out_dtype = jnp.bfloat16 if round_acc else jnp.float32
     else:

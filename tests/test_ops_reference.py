@@ -165,6 +165,28 @@ def test_plain_gemm_writes_the_dtype_asked_for(out_dtype):
     assert got.dtype == out_dtype and C.rel_err(got, want) < 1e-2
 
 
+def test_float32_gemms_at_full_precision_unless_the_caller_chose_one():
+    # The reference's float32 GEMMs run at HIGHEST; under jax.default_matmul_precision (a
+    # float32 model trained at TF32 on a GPU) they take the caller's precision, as jnp.dot does.
+    from jax import lax
+
+    from coda_jax import programs
+    from coda_jax.reference import REFERENCE
+
+    a = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (32, 48), jnp.float32)
+
+    def precisions():
+        f = lambda a, b: REFERENCE.gemm(programs.IDENTITY, a, b, {})["out"]  # noqa: E731
+        return [e.params["precision"] for e in jax.make_jaxpr(f)(a, b).jaxpr.eqns if e.primitive.name == "dot_general"]
+
+    highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+    assert precisions() == [highest]
+    with jax.default_matmul_precision("tensorfloat32"):
+        want = [e.params["precision"] for e in jax.make_jaxpr(jnp.dot)(a, b).jaxpr.eqns]
+        assert precisions() == want and want != [highest], want  # what jnp.dot takes there (TF32)
+
+
 def test_plain_gemm_helpers_match_jax():
     # coda_jax.ops.plain_gemm: the backward passes' plain GEMMs, in the dtypes they promise.
     from coda_jax.ops.plain_gemm import linear_grads, matmul, wgrad
