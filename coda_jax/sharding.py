@@ -317,11 +317,26 @@ def typed_like(v: jax.Array, like: jax.Array) -> jax.Array:
     mesh, see :mod:`coda_jax.partitioning`) returns replicated types; an op's output that
     stands for one of its inputs (the residual stream) keeps that input's type, so the
     cotangent passed through to the input in the custom backward has the input's type."""
-    sh = explicit_sharding(like)
-    if sh is None:
+    return typed_as(v, explicit_sharding(like))
+
+
+def typed_on_mesh(x: jax.Array) -> jax.Array:
+    """Under an Explicit-mode mesh, ``x`` made outside it (no mesh type: a batch given as a
+    plain array) typed as what it is there, replicated on every device; else ``x`` itself.
+    The layers then see one kind of input: every array typed on the mesh."""
+    mesh = context_mesh()
+    if mesh is None or not mesh.are_all_axes_explicit or explicit_sharding(x) is not None:
+        return x
+    return jax.sharding.reshard(x, P())
+
+
+def typed_as(v: jax.Array, sharding) -> jax.Array:
+    """``v`` with ``sharding`` (an Explicit-mode ``NamedSharding``, or ``None`` for ``v`` itself):
+    :func:`typed_like` for a custom backward that kept the input's sharding, not the input."""
+    if sharding is None:
         return v
     own = explicit_sharding(v)
-    return v if own is not None and own.spec == sh.spec else jax.sharding.reshard(v, sh.spec)
+    return v if own is not None and own.spec == sharding.spec else jax.sharding.reshard(v, sharding.spec)
 
 
 def reshape_tokens(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:

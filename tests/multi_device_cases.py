@@ -453,9 +453,10 @@ def _assert_matches(got, want, tol: float, label: str, tol_for=None) -> None:
         assert e < bound, f"{label}: {name} rel err {e:.3g}"
 
 
-def case_model(backend: str, shape: tuple[int, ...], mode: str) -> None:
+def case_model(backend: str, shape: tuple[int, ...], mode: str, replicated_tokens: bool = False) -> None:
     """CodaLlama's loss and every gradient on a ("data", "fsdp") mesh (FSDP-sharded state)
-    equal one device's."""
+    equal one device's. ``replicated_tokens``: the batch given unsharded; the kernels still
+    split it by tokens, and each op's input gradient keeps its input's (replicated) type."""
     from coda_jax.layers import LlamaConfig
     from coda_jax.sharding import batch_sharding, shard_state
 
@@ -466,13 +467,14 @@ def case_model(backend: str, shape: tuple[int, ...], mode: str) -> None:
     names = ("data", "fsdp")[:len(shape)]
     mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
     with jax.set_mesh(mesh):
-        got = step(shard_state(state, mesh), jax.device_put(tokens, batch_sharding(mesh)))
+        batch = tokens if replicated_tokens else jax.device_put(tokens, batch_sharding(mesh))
+        got = step(shard_state(state, mesh), batch)
     _assert_matches(got, want, 2e-2, f"{backend} {shape} {mode}")
-    print(f"OK model_{backend}_{'x'.join(map(str, shape))}_{mode}")
+    print(f"OK model_{backend}_{'x'.join(map(str, shape))}_{mode}{'_replicated' if replicated_tokens else ''}")
 
 
 def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: bool = False,
-                   swiglu_input: str = "compute") -> None:
+                   swiglu_input: str = "compute", replicated_tokens: bool = False) -> None:
     """An FP8 CodaLlama (``LlamaConfig(fp8=...)``): loss, gradients and the new amax histories
     (the histories' gradients) on a ("data", "fsdp") mesh, or with a third shape entry a
     ("data", "fsdp", "tensor") mesh, equal one device's: each amax is a max over the whole
@@ -481,7 +483,9 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: boo
     splits: heads, MLP features.) ``lm_head``: ``Fp8Recipe(lm_head=True)``; on a mesh whose
     fsdp or tensor axis divides the vocabulary the FP8 head is vocab-parallel (its amaxes
     reduced over the shard_map's axes, its histories returned by one shard). ``swiglu_input``:
-    ``Fp8Recipe(swiglu_input=...)`` ("e4m3": z saved in e4m3, its amax row recorded too)."""
+    ``Fp8Recipe(swiglu_input=...)`` ("e4m3": z saved in e4m3, its amax row recorded too).
+    ``replicated_tokens``: the batch given unsharded (replicated on every device); the blocks'
+    input gradients must keep its type (an Explicit mesh checks it while tracing)."""
     from flax import nnx
 
     from coda_jax.fp8 import Fp8Meta, Fp8Recipe
@@ -520,7 +524,7 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: boo
         if len(shape) == 3:  # the weights on their tensor splits (so the GEMMs split by features)
             blk = sharded["blocks"][0]
             assert "tensor" in str(blk["w_gu"][...].sharding.spec) and "tensor" in str(blk["w_down"][...].sharding.spec)
-        got = step(sharded, jax.device_put(tokens, batch_sharding(mesh)))
+        got = step(sharded, tokens if replicated_tokens else jax.device_put(tokens, batch_sharding(mesh)))
     if lm_head:
         head = np.asarray(got[1]["fp8_head_meta"][...])
         assert head[1, 0] > 0 and head[2, 0] > 0, head  # the weight's and dlogits' amaxes: recorded once
@@ -536,7 +540,7 @@ def case_model_fp8(backend: str, shape: tuple[int, ...], mode: str, lm_head: boo
     _assert_matches(got, want, tol, f"fp8 {backend} {shape} {mode} lm_head={lm_head}",
                     tol_for=lambda name: 0.1 if loose and name.startswith("[1]") and "fp8" not in name else None)
     print(f"OK model_fp8_{'head_' if lm_head else ''}{'zq8_' if swiglu_input == 'e4m3' else ''}{backend}_"
-          f"{'x'.join(map(str, shape))}_{mode}")
+          f"{'x'.join(map(str, shape))}_{mode}{'_replicated' if replicated_tokens else ''}")
 
 
 def case_fp8_wgrads_split_by_tokens(mode: str) -> None:
@@ -1061,6 +1065,18 @@ def case_cutedsl_lowers_under_mesh() -> None:
         txt = step.trace(state, tokens).lower(lowering_platforms=("cuda",)).as_text()
     assert "cutlass" in txt.lower() or "CuteDSL" in txt, "no CuTeDSL custom call in the tensor-parallel step"
     assert "reduce_scatter" in txt, "no reduce-scatter in the tensor-parallel step"
+    # The FP8 step under data parallelism: its FP8 GEMMs on the CuTeDSL kernel (the backend's
+    # default), inside the shard_map, with e4m3 operands.
+    from coda_jax.fp8 import Fp8Meta, Fp8Recipe
+
+    model = CodaLlama(cfg.replace(fp8=Fp8Recipe()), rngs=nnx.Rngs(0), backend="cutedsl")
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta))
+    tokens = jnp.zeros((8, 65), jnp.int32)
+    with jax.set_mesh(jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))):
+        step = nnx.jit(lambda m, t: nnx.value_and_grad(lambda mm: mm.loss(t[:, :-1], t[:, 1:]), argnums=wrt)(m))
+        txt = step.trace(model, tokens).lower(lowering_platforms=("cuda",)).as_text()
+    kernel_lines = [ln for ln in txt.splitlines() if "CuteDSL" in ln or "cutlass" in ln.lower()]
+    assert any("f8E4M3FN" in ln for ln in kernel_lines), "no CuTeDSL call on e4m3 operands in the FP8 step"
     print("OK cutedsl_lowers_under_mesh")
 
 
@@ -1202,6 +1218,9 @@ CASES = {
     **{f"model_fp8_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model_fp8(b, s, m))
        for b, s, m in (("xla", (8,), "auto"), ("xla", (2, 4), "explicit"), ("pallas", (2, 4), "auto"),
                        ("xla", (2, 2, 2), "auto"), ("xla", (1, 2, 4), "explicit"), ("pallas", (2, 1, 4), "explicit"))},
+    "model_pallas_2x4_explicit_replicated": lambda: case_model("pallas", (2, 4), "explicit", replicated_tokens=True),
+    "model_fp8_pallas_8_explicit_replicated": lambda: case_model_fp8("pallas", (8,), "explicit",
+                                                                     replicated_tokens=True),
     **{f"model_fp8_head_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model_fp8(b, s, m, True))
        for b, s, m in (("xla", (8,), "auto"), ("xla", (2, 4), "explicit"), ("xla", (2, 2, 2), "auto"))},
     **{f"model_fp8_zq8_{b}_{'x'.join(map(str, s))}_{m}": (lambda b=b, s=s, m=m: case_model_fp8(b, s, m,

@@ -33,12 +33,14 @@ GROUPS = {
     "fsdp_features": ["fsdp_features_xla", "fsdp_features_pallas"],
     # Pallas on the 2-D meshes only (its 8-way data / FSDP paths run on GPUs: tests/test_gpu_multi.py).
     "model_auto": ["model_xla_8_auto", "model_xla_2x4_auto", "model_pallas_2x4_auto"],
-    "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_2x4_explicit"],
+    "model_explicit": ["model_xla_8_explicit", "model_xla_2x4_explicit", "model_pallas_2x4_explicit",
+                       "model_pallas_2x4_explicit_replicated"],  # the batch given unsharded
     # FP8 (LlamaConfig(fp8=...)): loss, gradients and amax histories against one device.
     "model_fp8": ["model_fp8_xla_8_auto", "model_fp8_xla_2x4_explicit", "model_fp8_pallas_2x4_auto"],
     # Data parallel FP8 wgrads contract each device's tokens: no gathered FP8 operands; under
-    # FSDP the block weights are gathered as their e4m3 copies, not as float32 parameters.
-    "fp8_wgrads": ["fp8_wgrads_explicit", "fp8_fsdp_gathers_explicit"],
+    # FSDP the block weights are gathered as their e4m3 copies, not as float32 parameters; a
+    # batch given unsharded (replicated) under an Explicit mesh trains as one device.
+    "fp8_wgrads": ["fp8_wgrads_explicit", "fp8_fsdp_gathers_explicit", "model_fp8_pallas_8_explicit_replicated"],
     "fp8_wgrads_auto": ["fp8_wgrads_auto", "fp8_fsdp_gathers_auto"],
     # Fp8Recipe(swiglu_input="e4m3"): z saved in e4m3 under data and FSDP axes.
     "model_fp8_zq8": ["model_fp8_zq8_xla_2x4_explicit", "model_fp8_zq8_pallas_2x4_auto"],

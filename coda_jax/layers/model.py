@@ -25,7 +25,7 @@ from coda_jax.ops.linear_cross_entropy import linear_cross_entropy
 from coda_jax.ops.rms_norm_matmul import rms_norm_matmul
 from coda_jax.mesh_axes import context_mesh
 from coda_jax.pallas.interpret import interpret_enabled
-from coda_jax.sharding import cast_for_use, gathered, logical_param, reshape_tokens
+from coda_jax.sharding import cast_for_use, gathered, logical_param, reshape_tokens, typed_on_mesh
 
 
 def _run_block(block: CodaLlamaBlock, x, positions, carry, next_norm, grad_through_carry: bool):
@@ -122,6 +122,8 @@ class CodaLlama(nnx.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq] integers, got shape {tokens.shape}")
         b, s = tokens.shape
+        tokens = typed_on_mesh(tokens)  # a batch made outside an Explicit mesh: replicated on it
+        positions = None if positions is None else typed_on_mesh(positions)
         x = embedding_lookup(self.embed[...], tokens, c.dtype)
         carry = None
         n = len(self.blocks)
@@ -173,7 +175,7 @@ class CodaLlama(nnx.Module):
         c = self.config
         x, carry = self.hidden_states(tokens, positions)
         axis = vocab_parallel_axis(context_mesh(), c.vocab_size)
-        targets = reshape_tokens(targets, (targets.size,))
+        targets = reshape_tokens(typed_on_mesh(targets), (targets.size,))
         gamma = gathered(self.final_norm[...])
         kw = dict(eps=c.rms_norm_eps, ignore_index=ignore_index, z_loss=z_loss, backend=self.backend)
         # With an FP8 head the last block wrote the head's h in e4m3 (an Fp8Carry).

@@ -45,6 +45,7 @@ from coda_jax.ops.linear_cross_entropy import (VOCAB_CHUNK, check_args, final_no
                                                resolve_save_logits, row_losses_from_partials, vocab_shard)
 from coda_jax.ops.names import LINEAR_CROSS_ENTROPY
 from coda_jax.ops.norm_carry import rstd_from_partials
+from coda_jax.sharding import typed_like
 
 __all__ = ["HEAD_TENSORS", "fp8_linear_cross_entropy"]
 
@@ -144,7 +145,7 @@ def _row_losses_bwd(st, res, dloss):
         first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in st.amax_axes])
         new_meta = jnp.where(first, new_meta, 0.0)
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
-    return dx, dgamma, dw, zeros(h_in), zeros(sumsq_in), None, new_meta
+    return typed_like(dx, x), dgamma, dw, zeros(h_in), zeros(sumsq_in), None, new_meta
 
 
 def _grads_from_logits(st: _Static, meta, amax: dict, logits, targets, loads) -> tuple[Fp8Tensor, jax.Array]:

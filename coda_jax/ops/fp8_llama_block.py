@@ -71,7 +71,7 @@ from coda_jax.ops.epilogue_pass import epilogue_pass
 from coda_jax.ops.fp8_gemm import backward_gemm, fp8_gemm, quantizing_run
 from coda_jax.ops.norm_carry import NormCarry, rstd_from_partials
 from coda_jax.ops.rms_norm_matmul_rope import RopeVariant
-from coda_jax.sharding import gathered_from_split, reshape_tokens, typed_like
+from coda_jax.sharding import gathered_from_split, reshape_tokens, typed_as, typed_like
 
 # The quantized tensors of one block, in the order of the rows of its ``meta``; with
 # Fp8Recipe(swiglu_input="e4m3") one more row, the saved SwiGLU input z's (block_tensors).
@@ -383,7 +383,9 @@ def _block(lw_st, x, params, next_norm, carry, aux, meta):
 def _block_fwd(lw_st, x, params, next_norm, carry, aux, meta):
     lw, st = lw_st.value
     out, saved = _forward(lw, st, x, params, next_norm, carry, aux, meta)
-    return out, (lw_st, saved, params, aux, meta, next_norm, carry)
+    # x's sharding type under an Explicit mesh: its cotangent must have it (a replicated x
+    # gets a token-split gradient from the partitioned kernels otherwise)
+    return out, (lw_st, saved, params, aux, meta, next_norm, carry, _Static(explicit_sharding(x)))
 
 
 def _carry_cotangent(carry: Fp8Carry, dx_q: tuple[Fp8Tensor, jax.Array] | None) -> Fp8Carry:
@@ -408,11 +410,12 @@ def _gradient_from_carry(st: BlockShape, meta: jax.Array, dcarry: Fp8Carry) -> t
 
 
 def _block_bwd(res, cot):
-    lw_st, saved, params, aux, meta, next_norm, carry = res
+    lw_st, saved, params, aux, meta, next_norm, carry, x_sharding = res
     lw, st = lw_st.value
     dx2, dcarry = cot  # the carry is a cache of x_out: its cotangent holds data only under grad_carry
     dx2_q = _gradient_from_carry(st, meta, dcarry) if st.grad_from_carry else None
     dx, grads, daux, new_meta, dx_q = _backward(lw, st, saved, params, aux, meta, dx2, dx2_q)
+    dx = typed_as(dx, x_sharding.value)
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
     dcarry_in = None if carry is None else _carry_cotangent(carry, dx_q)
     return (None, dx, grads, zeros(next_norm), dcarry_in, daux, new_meta)

@@ -34,6 +34,7 @@ from coda_jax.ops.names import LINEAR_CROSS_ENTROPY
 from coda_jax.ops.norm_carry import NormCarry, resolve_carry, rstd_from_partials
 from coda_jax.ops.plain_gemm import matmul, wgrad
 from coda_jax.options import current_options
+from coda_jax.sharding import typed_like
 
 REDUCTIONS = ("mean", "sum", "none")
 # Vocab columns per backward chunk: the largest dlogits block alive is [M, VOCAB_CHUNK].
@@ -176,7 +177,7 @@ def _row_losses_bwd(lowering, eps, z_loss, save, logits_dtype, vocab_axis, res, 
     # Linear in (g_h, zdz): with a vocab axis, each shard's dx and d_gamma are its partial
     # sums over its columns, and the caller's shard_map sums them.
     dx, dgamma = final_norm_backward(x, gamma, rstd, g_h, zdz)
-    return dx, dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), None
+    return typed_like(dx, x), dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), None
 
 
 def _grads_from_logits(lowering, logits, w, xg, targets, loads):

@@ -44,7 +44,7 @@ def _residual_rms_bwd(lowering, res, cot):
     y, w, gamma = res
     dx, _ = cot  # the carry is a cache: no gradient flows through it
     dy, dw = linear_grads(lowering, y, w, dx)
-    return dy, dw, dx, jnp.zeros_like(gamma)
+    return typed_like(dy, y), dw, dx, jnp.zeros_like(gamma)
 
 
 _residual_rms.defvjp(_residual_rms_fwd, _residual_rms_bwd)
@@ -63,7 +63,7 @@ def _residual_fwd(lowering, y, w, residual):
 def _residual_bwd(lowering, res, dx):
     y, w = res
     dy, dw = linear_grads(lowering, y, w, dx)
-    return dy, dw, dx
+    return typed_like(dy, y), dw, dx
 
 
 _residual.defvjp(_residual_fwd, _residual_bwd)

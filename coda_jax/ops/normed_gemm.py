@@ -49,6 +49,7 @@ from coda_jax.epilogue import Epilogue
 from coda_jax.lowering import GemmLowering, fuses_epilogue_at
 from coda_jax.ops.norm_carry import rstd_from_partials
 from coda_jax.ops.plain_gemm import wgrad
+from coda_jax.sharding import typed_like
 
 
 class NormedGemmVariant(Protocol):
@@ -188,11 +189,12 @@ def _normed_gemm_bwd(lowering, variant, eps, return_residual, res, cot):
     dout, dres = cot if return_residual else (cot, None)
     if getattr(variant, "cotangent_is_dz", False) and w.shape[1] > x.shape[1]:
         dx, dgamma, dw = norm_gemm_backward_unscaled(lowering, x, gamma, w, rstd, dout, dres)
-        return dx, dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), jax.tree.map(jnp.zeros_like, aux)
+        daux = jax.tree.map(jnp.zeros_like, aux)
+        return typed_like(dx, x), dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
     dz, zdz_sum, daux = variant.backward(saved, dout, aux)
     # rstd * dz fuses into the XLA pass that makes dz (the variants' backward is elementwise).
     dx, dgamma, dw = norm_gemm_backward(lowering, x, gamma, w, rstd, dz * rstd[:, None], zdz_sum, dres, h)
-    return dx, dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
+    return typed_like(dx, x), dgamma, dw, jnp.zeros_like(h), jnp.zeros_like(sumsq), daux
 
 
 normed_gemm.defvjp(_normed_gemm_fwd, _normed_gemm_bwd)

@@ -78,7 +78,7 @@ def _swiglu_mlp_bwd(lowering, eps, residual, res, cot):
     dx, dgamma, dw_gu = norm_gemm_backward(lowering, x, gamma, w_gu, rstd, sd["dz"], jnp.sum(sd["zdz"], axis=0),
                                            dres=dx_out if residual else None, h=h)
     dgn = None if gamma_next is None else jnp.zeros_like(gamma_next)
-    return dx, dgamma, dw_gu, dw_down, dgn, jnp.zeros_like(h), jnp.zeros_like(sumsq)
+    return typed_like(dx, x), dgamma, dw_gu, dw_down, dgn, jnp.zeros_like(h), jnp.zeros_like(sumsq)
 
 
 _swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
