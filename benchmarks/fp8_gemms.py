@@ -28,7 +28,8 @@ fused GEMM's time (``xla``: cuBLASLt's GEMM and the epilogue as XLA passes), and
 the bare GEMM; and the call's *floor*: the larger of the bare GEMM's time and the bytes the fused
 call must move at least (operands, loads, outputs, each once) at the memory's rate that a copy
 measures in the same run (:func:`copy_bytes_per_ms`). A heavy epilogue's floor is above the bare
-GEMM: ``vs_floor`` says how far each backend is from what that call can reach. Then the step's quantizing *epilogue passes* (programs over a zero accumulator,
+GEMM: ``vs_floor`` says how far each backend is from what that call can reach. Then the step's
+quantizing *epilogue passes* (programs over a zero accumulator,
 :mod:`coda_jax.ops.epilogue_pass`: the attention output, the QKV gradient, ...), each per
 backend against ``xla``, the same math as XLA fusions (the zero operands made inside the jitted
 function, so XLA folds the GEMM away). Times are CUPTI kernel time on a GPU
@@ -133,7 +134,7 @@ def copy_bytes_per_ms(timer, iters: int, nbytes: int) -> float:
     return 2 * x.nbytes / timer(copy, x, iters=iters)
 
 
-def moved_bytes(call, a: jax.Array, b: jax.Array, loads, outputs) -> int:
+def moved_bytes(a: jax.Array, b: jax.Array, loads, outputs) -> int:
     """What a fused GEMM reads and writes at least: its operands, loads and outputs once each."""
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves((a, b, loads, outputs)))
 
@@ -157,6 +158,7 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
         every = [c for c in every if c.epilogue.name in only]
     calls = [c for c in every if c.a.dtype in FP8_DTYPES]
     rows = []
+    xla = backend_lowering("xla")  # its outputs' shapes: what each call writes
     rate = copy_bytes_per_ms(timer, iters, 1 << 30 if on_gpu else 1 << 22)
     print(f"BLOCK the memory's rate (a copy): {rate / 1e9:.2f} TB/s", flush=True)
 
@@ -175,9 +177,8 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
         kw = dict(transpose_b=True, out_dtypes=dict(call.out_dtypes) or None)
         m, n, k = call.mnk
         label = f"{call.epilogue.name} nt {m}x{n}x{k}"  # K-major operands (checked above)
-        xla = backend_lowering("xla")
         outputs = jax.eval_shape(lambda a, b, l: xla.gemm(call.epilogue, a, b, l, **kw), a, b, loads)
-        nbytes = moved_bytes(call, a, b, loads, outputs)
+        nbytes = moved_bytes(a, b, loads, outputs)
         row = {"call": label, "bare_cublaslt_ms": timer(bare, a, b, iters=iters), "bytes": nbytes,
                "bytes_ms": nbytes / rate, "ms": {}, "vs_bare": {}, "vs_floor": {}}
         row["floor_ms"] = max(row["bare_cublaslt_ms"], row["bytes_ms"])
