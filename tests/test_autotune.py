@@ -380,6 +380,28 @@ def test_candidates_respect_the_pair_block():
         at.candidate_configs(step_call(programs.RESIDUAL_RMS), ["bogus"])
 
 
+def test_candidate_names_take_field_overrides():
+    # "base+field=value": a known candidate with TuningConfig fields changed, so a sweep can try
+    # a winner's neighbours (its tile band, its stages) without a new named candidate.
+    call = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((256, 512), jnp.bfloat16), (), False, False, (), (256, 512, 256))
+    name = "pingpong_minor_m+grid_tile_width=16+pingpong_turns=true+cluster_dimension=none"
+    got = at.candidate_configs(call, ["pingpong_minor_m", name])
+    base = at.known_candidates()["pingpong_minor_m"]
+    assert got[name] == dataclasses.replace(base, grid_tile_width=16, pingpong_turns=True, cluster_dimension=None)
+    assert got[name] != got["pingpong_minor_m"]
+    for bad, rule in [("bogus+grid_tile_width=8", "unknown candidate 'bogus'"),
+                      ("default+tile_q=8", "TuningConfig field"), ("default+grid_tile_width", "TuningConfig field"),
+                      ("default+grid_tile_width=wide", "takes an integer"), ("default+pingpong_turns=2", "true or false"),
+                      ("default+schedule=serial", "schedule must be")]:
+        with pytest.raises(ValueError, match=rule):
+            at.candidate_configs(call, [bad])
+    # A table entry won by such a name is an incumbent of the next sweep.
+    table = {"entries": [{"program": "residual_rms", "layout": "nn", "m": 256, "n": 512, "k": 256,
+                          "config": {}, "candidate": name, "ms": 1.0, "heuristic_ms": 1.1}]}
+    assert list(at.incumbents(table).values()) == [name]
+
+
 def test_fp8_calls_get_candidates_with_the_fp8_k_step():
     # An FP8 call is timed with each candidate's K step doubled (as the heuristics run FP8), so
     # that its table entry holds what was measured; K steps under 64 (FP8 rows < 128 B) are left out.

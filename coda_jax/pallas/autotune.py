@@ -300,10 +300,47 @@ def known_candidates() -> dict[str, TuningConfig]:
     return {**CANDIDATES, **EXTENDED_CANDIDATES, **PROMOTED_CANDIDATES}
 
 
+def _field_value(field: dataclasses.Field, text: str, name: str) -> Any:
+    """``text`` parsed as the value of ``TuningConfig`` field ``field`` (its default's type)."""
+    default = field.default
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"candidate {name!r}: {field.name} takes true or false, got {text!r}")
+        return text.lower() in ("true", "1")
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"candidate {name!r}: {field.name} takes an integer, got {text!r}") from None
+    return None if text.lower() == "none" else text
+
+
+def resolve_candidate(name: str) -> TuningConfig:
+    """The configuration a candidate name stands for: a known candidate
+    (:func:`known_candidates`), optionally followed by ``+field=value`` overrides of its
+    :class:`~coda_jax.pallas.tuning.TuningConfig` fields, e.g.
+    ``"pingpong_minor_m_bytes_wide_s3+grid_tile_width=16"`` (an FP8 call's ``tile_k`` is given
+    in 16-bit elements, as the candidates' own, and doubled with theirs). ``ValueError`` naming
+    the candidate for an unknown base name or field, or a value of the wrong type."""
+    base, *overrides = name.split("+")
+    known = known_candidates()
+    if base not in known:
+        raise ValueError(f"unknown candidate {base!r}; known: {sorted(known)}, 'extended', 'promoted', 'all'")
+    fields = {f.name: f for f in dataclasses.fields(TuningConfig)}
+    changes = {}
+    for item in overrides:
+        field, sep, text = item.partition("=")
+        if not sep or field not in fields:
+            raise ValueError(f"candidate {name!r}: an override is field=value with a TuningConfig field, got {item!r}")
+        changes[field] = _field_value(fields[field], text, name)
+    return dataclasses.replace(known[base], **changes)  # TuningConfig.__post_init__ checks the values
+
+
 def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[str, TuningConfig]:
     """The named candidates (default: :data:`CANDIDATES`; ``"extended"``:
     :data:`EXTENDED_CANDIDATES`; ``"promoted"``: :data:`PROMOTED_CANDIDATES`, for promoting
-    calls only; ``"all"``: every one) that can run ``call``: those whose tile
+    calls only; ``"all"``: every one; a name with ``+field=value`` overrides:
+    :func:`resolve_candidate`) that can run ``call``: those whose tile
     holds the epilogue's pair block and whose K step suits the call's layout, less those whose
     difference does not apply to the program (column-sum settings without a column sum, a
     skipped pass GEMM under a program that reads its accumulator). The heuristic's own
@@ -321,11 +358,9 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
     chosen = [x for name in (names or list(CANDIDATES)) for x in groups.get(name, [name])]
     out = {}
     for name in dict.fromkeys(chosen):
-        if name not in known:
-            raise ValueError(f"unknown candidate {name!r}; known: {sorted(known)}, 'extended', 'promoted', 'all'")
-        if name in PROMOTED_CANDIDATES and not call.promote_k:
+        cfg = resolve_candidate(name)
+        if name.split("+")[0] in PROMOTED_CANDIDATES and not call.promote_k:
             continue
-        cfg = known[name]
         if fp8:
             if cfg.tile_k < 64:
                 continue
@@ -579,7 +614,8 @@ def incumbents(table: dict[str, Any] | None) -> dict[tuple, str]:
     (not the heuristic): pass it to :func:`autotune` so that a sweep of other candidates
     measures each GEMM's current winner beside them, in the same process."""
     known = known_candidates()
-    return {row_key(e): e["candidate"] for e in (table or {}).get("entries", []) if e.get("candidate") in known}
+    return {row_key(e): e["candidate"] for e in (table or {}).get("entries", [])
+            if str(e.get("candidate")).split("+")[0] in known}
 
 
 def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,
