@@ -333,6 +333,8 @@ def resolve_candidate(name: str) -> TuningConfig:
         if not sep or field not in fields:
             raise ValueError(f"candidate {name!r}: an override is field=value with a TuningConfig field, got {item!r}")
         changes[field] = _field_value(fields[field], text, name)
+    if not changes:
+        return known[base]
     return dataclasses.replace(known[base], **changes)  # TuningConfig.__post_init__ checks the values
 
 
