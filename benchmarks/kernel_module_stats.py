@@ -5,7 +5,7 @@
 
 Each distinct kernel call of the step (``--model`` as in ``benchmarks/tune.py``; ``--programs``
 keeps those epilogues) is lowered for CUDA on the CPU under each configuration variant
-(``table``, ``heuristic`` or an autotuner candidate, :func:`coda_jax.pallas.autotune.known_candidates`),
+(``table``, ``heuristic`` or an autotuner candidate, :func:`coda_jax.pallas.autotune.resolve_candidate`),
 and the Mosaic GPU module that Pallas hands to Mosaic GPU (before LLVM's optimizations) is
 counted: warpgroup barriers, lane shuffles, selects, FP8 pair casts, byte permutes, float
 multiplies and adds, NaN-propagating maxes, and lines. A consumer's epilogue is emitted once
@@ -121,12 +121,12 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="table,heuristic",
                     help="comma-separated: table, heuristic, or candidate names of coda_jax.pallas.autotune")
     args = ap.parse_args(argv)
-    from coda_jax.pallas.autotune import known_candidates
+    from coda_jax.pallas.autotune import candidate_name_errors
 
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in ("table", "heuristic") and v not in known_candidates()]
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; known: table, heuristic, {', '.join(sorted(known_candidates()))}")
+    errors = candidate_name_errors(variants, also=("table", "heuristic"))
+    if errors:
+        ap.error("--variants: " + "; ".join(errors))
     rows = stats(args.model, variants, {p for p in args.programs.split(",") if p} or None)
     cols = list(COUNTS) + ["lines"]
     print(f"\n{args.model}: the Mosaic GPU module of each kernel call, per variant (counts of its text)\n")

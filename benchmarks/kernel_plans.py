@@ -9,7 +9,8 @@ of the step (``--model`` as in ``tune.py``: ``preset[-layers]:batch:seq`` or ``o
 what each variant becomes on an H100 (132 SMs): schedule, operand stages, chunk width, load
 slots and output slots. Variants: ``table`` (the shipped tuned table's entry for an H100, else
 the heuristics), ``heuristic`` (the heuristics alone: shape class, per-program changes, wave
-fit) and the names of :func:`coda_jax.pallas.autotune.known_candidates`.
+fit) and the autotuner's candidate names (:func:`coda_jax.pallas.autotune.resolve_candidate`:
+known candidates, with ``+field=value`` overrides, also of ``heuristic``).
 
 It needs no GPU: the step is traced abstractly with the Pallas backend in interpret mode
 (set here), and only the plans are computed. The cross-entropy keeps its logits, as on the
@@ -105,7 +106,7 @@ def main(argv=None) -> None:
                          "(coda_jax.options.parse_overrides)")
     args = ap.parse_args(argv)
     from coda_jax.options import OptionError, parse_overrides
-    from coda_jax.pallas.autotune import known_candidates
+    from coda_jax.pallas.autotune import candidate_name_errors
 
     try:
         overrides = parse_overrides(args.options, source="--options")
@@ -113,9 +114,9 @@ def main(argv=None) -> None:
         ap.error(str(e))
 
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in ("table", "heuristic") and v not in known_candidates()]
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; known: table, heuristic, {', '.join(sorted(known_candidates()))}")
+    errors = candidate_name_errors(variants, also=("table", "heuristic"))
+    if errors:
+        ap.error("--variants: " + "; ".join(errors))
     for spec in args.model:
         rows = plans(spec, variants, overrides=overrides)
         print(f"\n{spec}: planned configuration per kernel call (schedule, stages, chunk columns, "

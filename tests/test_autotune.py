@@ -396,10 +396,29 @@ def test_candidate_names_take_field_overrides():
                       ("default+schedule=serial", "schedule must be")]:
         with pytest.raises(ValueError, match=rule):
             at.candidate_configs(call, [bad])
-    # A table entry won by such a name is an incumbent of the next sweep.
-    table = {"entries": [{"program": "residual_rms", "layout": "nn", "m": 256, "n": 512, "k": 256,
-                          "config": {}, "candidate": name, "ms": 1.0, "heuristic_ms": 1.1}]}
-    assert list(at.incumbents(table).values()) == [name]
+    # "heuristic+...": the call's own heuristic configuration (as the tuner times it) with overrides;
+    # an FP8 call's K step doubled after, as every candidate's.
+    from coda_jax.lowering import gpu_sm_count
+    from coda_jax.pallas.lowering import heuristic_config, table_or_heuristic_config
+
+    heur = heuristic_config(programs.RESIDUAL_RMS, 256, 512, 256, gpu_sm_count())
+    assert heur == table_or_heuristic_config(programs.RESIDUAL_RMS, 256, 512, 256, False, False, None, gpu_sm_count())
+    got = at.candidate_configs(call, ["heuristic+grid_minor_dim=m"])
+    assert got == {"heuristic+grid_minor_dim=m": dataclasses.replace(heur, grid_minor_dim="m")}
+    fp8 = dataclasses.replace(call, epilogue=E.dequantized(programs.IDENTITY),
+                              a=jax.ShapeDtypeStruct((256, 256), jnp.float8_e4m3fn),
+                              b=jax.ShapeDtypeStruct((512, 256), jnp.float8_e4m3fn), loads=(), transpose_b=True)
+    heur8 = heuristic_config(fp8.epilogue, 256, 512, 256, gpu_sm_count(), fp8_operands=True)
+    got8 = at.candidate_configs(fp8, ["heuristic+grid_tile_width=8"])["heuristic+grid_tile_width=8"]
+    assert got8 == dataclasses.replace(heur8, grid_tile_width=8, tile_k=2 * heur8.tile_k)
+    with pytest.raises(ValueError, match="needs \\+field=value overrides"):
+        at.candidate_configs(call, ["heuristic"])
+    # A table entry won by such a name is an incumbent of the next sweep ("heuristic" alone is not).
+    entry = {"program": "residual_rms", "layout": "nn", "m": 256, "n": 512, "k": 256, "config": {}, "ms": 1.0,
+             "heuristic_ms": 1.1}
+    for cand, want in [(name, [name]), ("heuristic+grid_minor_dim=m", ["heuristic+grid_minor_dim=m"]),
+                       ("heuristic", [])]:
+        assert list(at.incumbents({"entries": [dict(entry, candidate=cand)]}).values()) == want
 
 
 def test_fp8_calls_get_candidates_with_the_fp8_k_step():

@@ -1036,8 +1036,13 @@ def test_kernel_plans_prints_each_calls_plan(capsys):
                        "cross_entropy.save_logits=false"])
     recompute = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| ") and "program" not in l]
     assert not any(l.startswith("| rms_lse_logits |") for l in recompute)
-    with pytest.raises(SystemExit):
-        kernel_plans.main(["--model", "1b-1:8:1024", "--variants", "heuristic,no_such_candidate"])
+    # A candidate with overrides, of the heuristic's configuration too (the autotuner's names)
+    kernel_plans.main(["--model", "1b-1:8:1024", "--variants", "heuristic+epilogue_out_slots=1"])
+    over = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| residual_rms | ")]
+    assert over and all(l.rstrip(" |").endswith("1o") for l in over)
+    for bad in ("heuristic,no_such_candidate", "one_out_slot+no_such_field=1"):
+        with pytest.raises(SystemExit):
+            kernel_plans.main(["--model", "1b-1:8:1024", "--variants", bad])
     with pytest.raises(SystemExit):
         kernel_plans.main(["--model", "1b-1:8:1024", "--options", "cross_entropy.save_logits=maybe"])
 

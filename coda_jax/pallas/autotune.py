@@ -34,7 +34,7 @@ from coda_jax.epilogue import FP8_DTYPES, Epilogue, OutputKind
 from coda_jax.lowering import gpu_sm_count
 from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
 from coda_jax.pallas.gemm_epilogue import plan_epilogue
-from coda_jax.pallas.lowering import PallasLowering, kernel_load_dtype, kernel_shape
+from coda_jax.pallas.lowering import PallasLowering, heuristic_config, kernel_load_dtype, kernel_shape
 from coda_jax.pallas.tuned import config_fields, layout_name, loads_signature, parse_table, tables_disabled
 from coda_jax.pallas.tuning import CONFIG_TABLE, FP8_COL_SUM_CONFIG, LEAN_EPILOGUE, TuningConfig, for_fp8_operands
 
@@ -315,17 +315,31 @@ def _field_value(field: dataclasses.Field, text: str, name: str) -> Any:
     return None if text.lower() == "none" else text
 
 
-def resolve_candidate(name: str) -> TuningConfig:
+# The base name of a candidate that is the call's own heuristic configuration with overrides.
+HEURISTIC = "heuristic"
+
+
+def resolve_candidate(name: str, heuristic: TuningConfig | None = None) -> TuningConfig:
     """The configuration a candidate name stands for: a known candidate
-    (:func:`known_candidates`), optionally followed by ``+field=value`` overrides of its
-    :class:`~coda_jax.pallas.tuning.TuningConfig` fields, e.g.
-    ``"pingpong_minor_m_bytes_wide_s3+grid_tile_width=16"`` (an FP8 call's ``tile_k`` is given
-    in 16-bit elements, as the candidates' own, and doubled with theirs). ``ValueError`` naming
-    the candidate for an unknown base name or field, or a value of the wrong type."""
+    (:func:`known_candidates`), or ``"heuristic"`` (the call's heuristic configuration,
+    ``heuristic``, with the K step of 16-bit operands), followed by ``+field=value`` overrides
+    of its :class:`~coda_jax.pallas.tuning.TuningConfig` fields, e.g.
+    ``"pingpong_minor_m_bytes_wide_s3+grid_tile_width=16"`` or ``"heuristic+grid_minor_dim=m"``
+    (an FP8 call's ``tile_k`` is given in 16-bit elements, as the candidates' own, and doubled
+    with theirs). ``ValueError`` naming the candidate for an unknown base name or field, a value
+    of the wrong type, or ``"heuristic"`` without an override (the heuristic is timed anyway)."""
     base, *overrides = name.split("+")
     known = known_candidates()
-    if base not in known:
-        raise ValueError(f"unknown candidate {base!r}; known: {sorted(known)}, 'extended', 'promoted', 'all'")
+    if base == HEURISTIC:
+        if not overrides:
+            raise ValueError("candidate 'heuristic' needs +field=value overrides: the heuristic itself is timed "
+                             "beside every candidate")
+        if heuristic is None:
+            raise ValueError(f"candidate {name!r}: the call's heuristic configuration is needed to resolve it")
+        known = {HEURISTIC: heuristic}
+    elif base not in known:
+        raise ValueError(f"unknown candidate {base!r}; known: {sorted(known)}, 'heuristic+...', 'extended', "
+                         "'promoted', 'all'")
     fields = {f.name: f for f in dataclasses.fields(TuningConfig)}
     changes = {}
     for item in overrides:
@@ -338,11 +352,26 @@ def resolve_candidate(name: str) -> TuningConfig:
     return dataclasses.replace(known[base], **changes)  # TuningConfig.__post_init__ checks the values
 
 
+def candidate_name_errors(names: list[str], also: tuple[str, ...] = ()) -> list[str]:
+    """What is wrong with each of ``names`` that is not a candidate :func:`resolve_candidate`
+    takes (nor one of ``also``, a tool's own names), without a call: one message per bad name."""
+    errors = []
+    for name in names:
+        if name in also:
+            continue
+        try:
+            resolve_candidate(name, heuristic=CONFIG_TABLE["default"])  # a stand-in: only the names are checked
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
 def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[str, TuningConfig]:
     """The named candidates (default: :data:`CANDIDATES`; ``"extended"``:
     :data:`EXTENDED_CANDIDATES`; ``"promoted"``: :data:`PROMOTED_CANDIDATES`, for promoting
-    calls only; ``"all"``: every one; a name with ``+field=value`` overrides:
-    :func:`resolve_candidate`) that can run ``call``: those whose tile
+    calls only; ``"all"``: every one; a name with ``+field=value`` overrides, of a known
+    candidate or of the call's heuristic configuration: :func:`resolve_candidate`) that can
+    run ``call``: those whose tile
     holds the epilogue's pair block and whose K step suits the call's layout, less those whose
     difference does not apply to the program (column-sum settings without a column sum, a
     skipped pass GEMM under a program that reads its accumulator). The heuristic's own
@@ -359,8 +388,12 @@ def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[
     groups = {"extended": list(EXTENDED_CANDIDATES), "promoted": list(PROMOTED_CANDIDATES), "all": list(known)}
     chosen = [x for name in (names or list(CANDIDATES)) for x in groups.get(name, [name])]
     out = {}
+    heuristic = None
+    if any(x.split("+")[0] == HEURISTIC for x in chosen):
+        m, n, k = call.mnk
+        heuristic = heuristic_config(epi, m, n, k, gpu_sm_count(), fp8_operands=fp8)
     for name in dict.fromkeys(chosen):
-        cfg = resolve_candidate(name)
+        cfg = resolve_candidate(name, heuristic)
         if name.split("+")[0] in PROMOTED_CANDIDATES and not call.promote_k:
             continue
         if fp8:
@@ -616,8 +649,12 @@ def incumbents(table: dict[str, Any] | None) -> dict[tuple, str]:
     (not the heuristic): pass it to :func:`autotune` so that a sweep of other candidates
     measures each GEMM's current winner beside them, in the same process."""
     known = known_candidates()
+    def resolvable(name: str) -> bool:
+        base, _, overrides = name.partition("+")
+        return base in known or (base == HEURISTIC and bool(overrides))
+
     return {row_key(e): e["candidate"] for e in (table or {}).get("entries", [])
-            if str(e.get("candidate")).split("+")[0] in known}
+            if resolvable(str(e.get("candidate")))}
 
 
 def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,

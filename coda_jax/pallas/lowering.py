@@ -78,8 +78,18 @@ def table_or_heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, transp
              if device_kind else None)
     if tuned:
         return tuned
-    cfg = fit_waves(_heuristic_config(epilogue, m, n, k, fp8_operands), m, n, num_sms, pw)
+    cfg = heuristic_config(epilogue, m, n, k, num_sms, fp8_operands=fp8_operands)
     return for_fp8_operands(cfg) if fp8_operands else cfg
+
+
+def heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, num_sms: int, *,
+                     fp8_operands: bool = False) -> TuningConfig:
+    """The heuristics' configuration of an ``[m, k] @ [k, n]`` GEMM running ``epilogue`` on
+    ``num_sms`` SMs, wave fit included, with the K step of 16-bit operands (for FP8 operands
+    :func:`~coda_jax.pallas.tuning.for_fp8_operands` doubles it, as
+    :func:`table_or_heuristic_config` does)."""
+    pw = epilogue.pair_width if epilogue.pair_block is not None else None
+    return fit_waves(_heuristic_config(epilogue, m, n, k, fp8_operands), m, n, num_sms, pw)
 
 
 def _heuristic_config(epilogue: Epilogue, m: int, n: int, k: int, fp8_operands: bool) -> TuningConfig:
