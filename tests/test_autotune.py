@@ -392,7 +392,8 @@ def test_candidate_names_take_field_overrides():
     assert got[name] != got["pingpong_minor_m"]
     for bad, rule in [("bogus+grid_tile_width=8", "unknown candidate 'bogus'"),
                       ("default+tile_q=8", "TuningConfig field"), ("default+grid_tile_width", "TuningConfig field"),
-                      ("default+grid_tile_width=wide", "takes an integer"), ("default+pingpong_turns=2", "true or false"),
+                      ("default+grid_tile_width=wide", "takes an integer"),
+                      ("default+pingpong_turns=2", "true or false"),
                       ("default+schedule=serial", "schedule must be")]:
         with pytest.raises(ValueError, match=rule):
             at.candidate_configs(call, [bad])
