@@ -533,18 +533,11 @@ def backend_variant(label):
             yield base
         return
     if base == "pallas" and "=" in variant:  # e.g. pallas@cluster_dimension=None+grid_tile_width=8
-        import ast
         import dataclasses
 
         from coda_jax.pallas import tuning
 
-        fields = {}
-        for item in variant.split("+"):
-            key, _, value = item.partition("=")
-            try:
-                fields[key] = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                fields[key] = value  # a bare string: pallas@grid_minor_dim=m
+        fields = tuning.config_overrides(variant.split("+"), f"backend variant {label!r}")
         with _default_config(dataclasses.replace(tuning.CONFIG_TABLE["default"], **fields)):
             yield base
         return

@@ -412,6 +412,12 @@ def test_backend_variant_replaces_and_restores_pallas_config_fields():
     with pytest.raises(ValueError, match="grid_minor_dim must be"):
         with bench.backend_variant("pallas@grid_minor_dim=k"):
             pass
+    # Each value parsed as its field's type (tuning.config_overrides, the autotuner's too).
+    for bad, rule in [("pallas@grid_tile_width=wide", "backend variant .* takes an integer"),
+                      ("pallas@no_field=1", "TuningConfig field")]:
+        with pytest.raises(ValueError, match=rule):
+            with bench.backend_variant(bad):
+                pass
     assert tuning.CONFIG_TABLE["default"] is saved
 
 
@@ -738,14 +744,17 @@ def test_a_config_variant_reaches_the_tuned_tables_entries():
 
     entries = lambda: [e.config for path in tuned.SHIPPED_TABLES  # noqa: E731
                        for e in tuned.load_table(str(path)).entries if e.config is not None]
-    # A field no shipped entry sets (tuned entries do set swizzle_epilogue, epilogue_regs), so
-    # every entry takes the variant's value.
+    # A field no shipped entry sets (tuned entries do set swizzle_epilogue, epilogue_regs and
+    # grid_tile_width), so every entry takes the variant's value.
     raw = [e.get("config") or {} for path in tuned.SHIPPED_TABLES for e in json.loads(Path(path).read_text())["entries"]]
-    assert not any("grid_tile_width" in c for c in raw)
-    assert entries() and not any(c.grid_tile_width == 7 for c in entries())
-    with bench.backend_variant("pallas@grid_tile_width=7"):
-        assert all(c.grid_tile_width == 7 for c in entries())
-    assert not any(c.grid_tile_width == 7 for c in entries())
+    from coda_jax.pallas.tuning import CONFIG_TABLE
+
+    flipped = not CONFIG_TABLE["default"].col_sum_tiles
+    assert not any("col_sum_tiles" in c for c in raw)
+    assert entries() and not any(c.col_sum_tiles == flipped for c in entries())
+    with bench.backend_variant(f"pallas@col_sum_tiles={flipped}"):
+        assert all(c.col_sum_tiles == flipped for c in entries())
+    assert not any(c.col_sum_tiles == flipped for c in entries())
 
 
 def test_tune_sweep_programs_get_the_loads_they_declare():

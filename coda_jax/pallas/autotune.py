@@ -36,7 +36,8 @@ from coda_jax.pallas.kernel_calls import KernelCall, record_kernel_calls
 from coda_jax.pallas.gemm_epilogue import plan_epilogue
 from coda_jax.pallas.lowering import PallasLowering, heuristic_config, kernel_load_dtype, kernel_shape
 from coda_jax.pallas.tuned import config_fields, layout_name, loads_signature, parse_table, tables_disabled
-from coda_jax.pallas.tuning import CONFIG_TABLE, FP8_COL_SUM_CONFIG, LEAN_EPILOGUE, TuningConfig, for_fp8_operands
+from coda_jax.pallas.tuning import (CONFIG_TABLE, FP8_COL_SUM_CONFIG, LEAN_EPILOGUE, TuningConfig, config_overrides,
+                                    for_fp8_operands)
 
 _D = CONFIG_TABLE["default"]
 # The wide candidates' settings (EXTENDED_CANDIDATES' "*_wide*"): 32-column pair chunks past
@@ -300,21 +301,6 @@ def known_candidates() -> dict[str, TuningConfig]:
     return {**CANDIDATES, **EXTENDED_CANDIDATES, **PROMOTED_CANDIDATES}
 
 
-def _field_value(field: dataclasses.Field, text: str, name: str) -> Any:
-    """``text`` parsed as the value of ``TuningConfig`` field ``field`` (its default's type)."""
-    default = field.default
-    if isinstance(default, bool):
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"candidate {name!r}: {field.name} takes true or false, got {text!r}")
-        return text.lower() in ("true", "1")
-    if isinstance(default, int):
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"candidate {name!r}: {field.name} takes an integer, got {text!r}") from None
-    return None if text.lower() == "none" else text
-
-
 # The base name of a candidate that is the call's own heuristic configuration with overrides.
 HEURISTIC = "heuristic"
 
@@ -340,13 +326,7 @@ def resolve_candidate(name: str, heuristic: TuningConfig | None = None) -> Tunin
     elif base not in known:
         raise ValueError(f"unknown candidate {base!r}; known: {sorted(known)}, 'heuristic+...', 'extended', "
                          "'promoted', 'all'")
-    fields = {f.name: f for f in dataclasses.fields(TuningConfig)}
-    changes = {}
-    for item in overrides:
-        field, sep, text = item.partition("=")
-        if not sep or field not in fields:
-            raise ValueError(f"candidate {name!r}: an override is field=value with a TuningConfig field, got {item!r}")
-        changes[field] = _field_value(fields[field], text, name)
+    changes = config_overrides(overrides, f"candidate {name!r}")
     if not changes:
         return known[base]
     return dataclasses.replace(known[base], **changes)  # TuningConfig.__post_init__ checks the values

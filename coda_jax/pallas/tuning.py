@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from coda_jax.epilogue import Epilogue, OutputKind
 
@@ -357,6 +358,33 @@ def choose_fp8_config(m: int, n: int, k: int, epilogue: Epilogue) -> TuningConfi
     if quantizes:
         return dataclasses.replace(cfg, **FP8_EPILOGUE_CONFIG)
     return cfg
+
+
+def config_overrides(items: list[str], source: str) -> dict[str, Any]:
+    """``["field=value", ...]`` as ``{field: value}`` for ``dataclasses.replace`` of a
+    :class:`TuningConfig`, each value parsed as its field's type: integers, ``true`` / ``false``
+    (or ``1`` / ``0``), strings, ``none`` for the fields that take None. ``ValueError`` naming
+    ``source`` and the rule for an unknown field or a value of the wrong type (the values
+    themselves are checked by ``TuningConfig`` when it is built)."""
+    fields = {f.name: f for f in dataclasses.fields(TuningConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"{source}: an override is field=value with a TuningConfig field, got {item!r}")
+        default = fields[name].default
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{source}: {name} takes true or false, got {text!r}")
+            out[name] = text.lower() in ("true", "1")
+        elif isinstance(default, int):
+            try:
+                out[name] = int(text)
+            except ValueError:
+                raise ValueError(f"{source}: {name} takes an integer, got {text!r}") from None
+        else:
+            out[name] = None if text.lower() == "none" else text
+    return out
 
 
 def for_fp8_operands(cfg: TuningConfig) -> TuningConfig:
