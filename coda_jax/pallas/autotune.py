@@ -322,14 +322,14 @@ def resolve_candidate(name: str, heuristic: TuningConfig | None = None) -> Tunin
                              "beside every candidate")
         if heuristic is None:
             raise ValueError(f"candidate {name!r}: the call's heuristic configuration is needed to resolve it")
-        known = {HEURISTIC: heuristic}
-    elif base not in known:
+        cfg = heuristic
+    elif base in known:
+        cfg = known[base]
+    else:
         raise ValueError(f"unknown candidate {base!r}; known: {sorted(known)}, 'heuristic+...', 'extended', "
                          "'promoted', 'all'")
     changes = config_overrides(overrides, f"candidate {name!r}")
-    if not changes:
-        return known[base]
-    return dataclasses.replace(known[base], **changes)  # TuningConfig.__post_init__ checks the values
+    return dataclasses.replace(cfg, **changes) if changes else cfg  # TuningConfig checks the values
 
 
 def candidate_name_errors(names: list[str], also: tuple[str, ...] = ()) -> list[str]:
@@ -628,13 +628,8 @@ def incumbents(table: dict[str, Any] | None) -> dict[tuple, str]:
     """{:func:`row_key`: candidate name} of a table's entries won by a candidate
     (not the heuristic): pass it to :func:`autotune` so that a sweep of other candidates
     measures each GEMM's current winner beside them, in the same process."""
-    known = known_candidates()
-    def resolvable(name: str) -> bool:
-        base, _, overrides = name.partition("+")
-        return base in known or (base == HEURISTIC and bool(overrides))
-
     return {row_key(e): e["candidate"] for e in (table or {}).get("entries", [])
-            if resolvable(str(e.get("candidate")))}
+            if not candidate_name_errors([str(e.get("candidate"))])}
 
 
 def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 20, rtol: float = 2e-3,
