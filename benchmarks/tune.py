@@ -344,7 +344,8 @@ def model_sweep(args, out: Path):
                           incumbent=at.incumbents(table) if args.with_incumbents else None,
                           skip_programs=tuple(p for p in args.skip_programs.split(",") if p),
                           only_programs=tuple(p for p in args.programs.split(",") if p),
-                          skip_keys=at.table_keys(table) if args.untuned_only else frozenset())
+                          skip_keys=at.table_keys(table) if args.untuned_only else frozenset(),
+                          neighbours=tuple(x for x in args.neighbours.split(",") if x))
         if args.heat:
             new["heat_s"] = args.heat
         table = at.merge_tables(table, new)
@@ -384,6 +385,10 @@ def main():
     ap.add_argument("--with-incumbents", action="store_true",
                     help="--model: also time each GEMM's winner in the table merged into (so a sweep of "
                          "other --variants keeps the best of both)")
+    ap.add_argument("--neighbours", default="",
+                    help="--model: comma-separated overrides, each field=value[+field=value], that every GEMM also "
+                         "tries on its table's winner (with --with-incumbents) and on its heuristic configuration, "
+                         "e.g. grid_tile_width=8,grid_tile_width=16,grid_minor_dim=m; alone, only those are timed")
     ap.add_argument("--skip-programs", default="", help="--model: comma-separated epilogue names not to tune")
     ap.add_argument("--resume", default=None, help="--model: an earlier tune_model.json; its calls that have every wanted candidate are not measured again")
     args = ap.parse_args()

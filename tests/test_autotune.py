@@ -742,6 +742,44 @@ def test_autotune_measures_each_gemms_incumbent_beside_the_sweep(monkeypatch):
     assert [(e["program"], e["m"]) for e in out["entries"]] == [("rms_lse", 32)]
 
 
+def test_neighbours_are_tried_on_each_gemms_incumbent_and_heuristic(monkeypatch):
+    """``neighbours``: every GEMM also times its incumbent and its own heuristic configuration
+    with each neighbour's overrides (a neighbour's field replacing the incumbent's own override
+    of it); without ``names`` only those and the incumbents are timed; a bad neighbour is
+    refused before anything is traced."""
+    bases = ["a+grid_tile_width=16+tile_k=128", "heuristic"]
+    nbs = ("grid_tile_width=8", "grid_minor_dim=m+pingpong_turns=true")
+    assert at.neighbour_names(bases, nbs) == [
+        "a+grid_tile_width=8+tile_k=128", "a+grid_tile_width=16+tile_k=128+grid_minor_dim=m+pingpong_turns=true",
+        "heuristic+grid_tile_width=8", "heuristic+grid_minor_dim=m+pingpong_turns=true"]
+    monkeypatch.setattr(at.jax, "local_devices", lambda: [_FakeGpu()])
+    c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), _RESIDUAL_LOAD, False, False, (), (8, 8, 8))
+    c2 = dataclasses.replace(c1, mnk=(16, 8, 8))
+    monkeypatch.setattr(at, "kernel_calls", lambda fn, *a: [c1, c2])
+    measured = []
+
+    def fake_tune(call, names, *a):
+        measured.append((call.mnk, sorted(names)))
+        return {"program": call.epilogue.name, "layout": "nn", "m": call.mnk[0], "n": 8, "k": 8, "heuristic_ms": 1.0,
+                "results": {n: {"ms": 0.5 if n == "heuristic+grid_minor_dim=m" else 0.9, "config": {}} for n in names}}
+
+    monkeypatch.setattr(at, "tune_call", fake_tune)
+    table = {"entries": [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8,
+                          "candidate": "pingpong+grid_tile_width=16"}]}
+    out = at.autotune(lambda: None, log=lambda s: None, incumbent=at.incumbents(table),
+                      neighbours=("grid_tile_width=8", "grid_minor_dim=m"))
+    assert measured == [((8, 8, 8), sorted(["pingpong+grid_tile_width=16", "pingpong+grid_tile_width=8",
+                                            "pingpong+grid_tile_width=16+grid_minor_dim=m",
+                                            "heuristic+grid_tile_width=8", "heuristic+grid_minor_dim=m"])),
+                        ((16, 8, 8), ["heuristic+grid_minor_dim=m", "heuristic+grid_tile_width=8"])]
+    assert [e["candidate"] for e in out["entries"]] == ["heuristic+grid_minor_dim=m"] * 2
+    measured.clear()
+    with pytest.raises(ValueError, match="neighbours: .*TuningConfig field"):
+        at.autotune(lambda: None, log=lambda s: None, neighbours=("tile_q=8",))
+    assert measured == []
+
+
 def test_sustained_timer_heats_before_timing(monkeypatch):
     """``sustained_kernel_ms`` calls the kernel back to back for ``heat_s`` seconds, then
     returns the CUPTI timer's reading taken after the heat; with ``log`` it also reports the

@@ -346,6 +346,21 @@ def candidate_name_errors(names: list[str], also: tuple[str, ...] = ()) -> list[
     return errors
 
 
+def neighbour_names(bases: list[str], neighbours: tuple[str, ...]) -> list[str]:
+    """Each base candidate name (overrides of its own allowed) with each neighbour's overrides
+    (``"field=value[+field=value]"``) added; a neighbour's field replaces the base's own override
+    of it: ``neighbour_names(["a+grid_tile_width=16"], ("grid_tile_width=8",))`` ->
+    ``["a+grid_tile_width=8"]``."""
+    out = []
+    for base in bases:
+        root, *own = base.split("+")
+        for nb in neighbours:
+            fields = dict(item.partition("=")[::2] for item in own)
+            fields.update(item.partition("=")[::2] for item in nb.split("+"))
+            out.append("+".join([root, *(f"{k}={v}" for k, v in fields.items())]))
+    return list(dict.fromkeys(out))
+
+
 def candidate_configs(call: KernelCall, names: list[str] | None = None) -> dict[str, TuningConfig]:
     """The named candidates (default: :data:`CANDIDATES`; ``"extended"``:
     :data:`EXTENDED_CANDIDATES`; ``"promoted"``: :data:`PROMOTED_CANDIDATES`, for promoting
@@ -636,7 +651,8 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
              min_gain: float = 0.02, budget_s: float | None = None, rows: list | None = None,
              log: Callable[[str], None] = print, timer: Callable[..., float] = kernel_ms,
              incumbent: dict[tuple, str] | None = None, skip_programs: tuple[str, ...] = (),
-             only_programs: tuple[str, ...] = (), skip_keys: frozenset[tuple] = frozenset()) -> dict[str, Any]:
+             only_programs: tuple[str, ...] = (), skip_keys: frozenset[tuple] = frozenset(),
+             neighbours: tuple[str, ...] = ()) -> dict[str, Any]:
     """A tuned table (the JSON object of :mod:`coda_jax.pallas.tuned`) for ``fn(*args)``'s
     kernel calls on the current GPU. ``budget_s``: stop starting new calls after that many
     seconds (the table then holds the calls tuned so far). ``rows``: a list that receives
@@ -648,7 +664,13 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
     ``only_programs``: if given, only calls of these epilogues are tuned. ``skip_keys``: GEMM keys
     (:func:`row_key`) not to tune (:func:`table_keys` of the table in use: tune only the calls it
     has no entry for, where device time is short). An entry without a loads' signature counts for
-    every call of its GEMM in both (:func:`unsigned_key`)."""
+    every call of its GEMM in both (:func:`unsigned_key`). ``neighbours``: overrides
+    (``"field=value[+field=value]"``) each call also tries on its incumbent and on its own
+    heuristic configuration (:func:`neighbour_names`); with them and no ``names``, only those
+    (and the incumbents) are timed."""
+    bad = candidate_name_errors([f"{HEURISTIC}+{nb}" for nb in neighbours])
+    if bad:
+        raise ValueError("neighbours: " + "; ".join(bad))
     dev = jax.local_devices()[0]
     if dev.platform != "gpu":
         raise RuntimeError(f"autotune times kernels on a GPU; the default device is {dev.platform!r}")
@@ -670,7 +692,9 @@ def autotune(fn: Callable, *args, names: list[str] | None = None, iters: int = 2
         row = done.get(key)
         held = incumbent.get(key) or incumbent.get(unsigned_key(key))
         extra = [held] if held else []
-        wanted = list(candidate_configs(call, list(names or CANDIDATES) + extra))
+        extra += neighbour_names(extra + [HEURISTIC], neighbours)
+        base_names = list(names) if names else ([] if neighbours else list(CANDIDATES))
+        wanted = list(candidate_configs(call, base_names + extra))
         if row is None or set(wanted) - set(row["results"]):
             if budget_s is not None and time.perf_counter() - t0 > budget_s:
                 log(f"TUNE budget of {budget_s:.0f} s spent; {left} calls left untuned")
