@@ -679,23 +679,35 @@ def test_tune_model_spec_errors_name_the_format(spec):
 _RESIDUAL_LOAD = (("residual", jax.ShapeDtypeStruct((8, 8), jnp.bfloat16)),)
 
 
-def test_autotune_resumes_only_calls_with_every_wanted_candidate(monkeypatch):
-    """``rows`` from an earlier run: a call with all wanted candidates is not measured again;
-    one that lacks some is measured again in full (old candidates too, in the same run)."""
+def _fake_sweep(monkeypatch, calls, ms, **fields):
+    """:func:`autotune` on a fake GPU over ``calls``, each call's candidates timed by a fake
+    ``tune_call`` at ``ms(name)`` (the heuristic at 1.0; ``fields``: more fields of each row).
+    Returns the list that receives ``(mnk, sorted candidate names)`` per call measured."""
     monkeypatch.setattr(at.jax, "local_devices", lambda: [_FakeGpu()])
-    c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), _RESIDUAL_LOAD, False, False, (), (8, 8, 8))
-    c2 = dataclasses.replace(c1, mnk=(16, 8, 8))
-    monkeypatch.setattr(at, "kernel_calls", lambda fn, *a: [c1, c2])
+    monkeypatch.setattr(at, "kernel_calls", lambda fn, *a: list(calls))
     measured = []
 
     def fake_tune(call, names, *a):
         measured.append((call.mnk, sorted(names)))
-        return {"program": "residual_rms", "layout": "nn", "m": call.mnk[0], "n": 8, "k": 8, "heuristic_ms": 1.0,
-                "loads": "residual:bfloat16",
-                "results": {n: {"ms": 0.5 if n == "band8" else 1.0, "config": {}} for n in names}}
+        return {"program": call.epilogue.name, "layout": "nn", "m": call.mnk[0], "n": 8, "k": 8, "heuristic_ms": 1.0,
+                **fields, "results": {n: {"ms": ms(n), "config": {}} for n in names}}
 
     monkeypatch.setattr(at, "tune_call", fake_tune)
+    return measured
+
+
+def _residual_calls():
+    """Two residual_rms calls, 8 and 16 rows."""
+    c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), _RESIDUAL_LOAD, False, False, (), (8, 8, 8))
+    return c1, dataclasses.replace(c1, mnk=(16, 8, 8))
+
+
+def test_autotune_resumes_only_calls_with_every_wanted_candidate(monkeypatch):
+    """``rows`` from an earlier run: a call with all wanted candidates is not measured again;
+    one that lacks some is measured again in full (old candidates too, in the same run)."""
+    measured = _fake_sweep(monkeypatch, _residual_calls(), lambda n: 0.5 if n == "band8" else 1.0,
+                           loads="residual:bfloat16")
     sig = {"loads": "residual:bfloat16"}
     old = [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8, **sig, "heuristic_ms": 1.0,
             "results": {"default": {"ms": 1.0, "config": {}}, "band8": {"ms": 0.9, "config": {}}}},
@@ -713,20 +725,9 @@ def test_autotune_measures_each_gemms_incumbent_beside_the_sweep(monkeypatch):
     only that GEMM's), so the entry written is the best of both; skipped programs are not
     measured and get no entry. The table's entries have no loads' signature (tables from before
     signatures): they stand for the GEMM's calls of any tile-load dtypes."""
-    monkeypatch.setattr(at.jax, "local_devices", lambda: [_FakeGpu()])
-    c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), _RESIDUAL_LOAD, False, False, (), (8, 8, 8))
-    c2 = dataclasses.replace(c1, mnk=(16, 8, 8))
+    c1, c2 = _residual_calls()
     c3 = dataclasses.replace(c1, epilogue=programs.RMS_LSE, mnk=(32, 8, 8))
-    monkeypatch.setattr(at, "kernel_calls", lambda fn, *a: [c1, c2, c3])
-    measured = []
-
-    def fake_tune(call, names, *a):
-        measured.append((call.mnk, sorted(names)))
-        return {"program": call.epilogue.name, "layout": "nn", "m": call.mnk[0], "n": 8, "k": 8, "heuristic_ms": 1.0,
-                "results": {n: {"ms": 0.5 if n == "pingpong" else 0.9, "config": {}} for n in names}}
-
-    monkeypatch.setattr(at, "tune_call", fake_tune)
+    measured = _fake_sweep(monkeypatch, (c1, c2, c3), lambda n: 0.5 if n == "pingpong" else 0.9)
     table = {"entries": [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8, "candidate": "pingpong"},
                          {"program": "residual_rms", "layout": "nn", "m": 16, "n": 8, "k": 8, "candidate": "heuristic"}]}
     assert at.incumbents(table) == {("residual_rms", "nn", 8, 8, 8, 0, None): "pingpong"}
@@ -752,19 +753,7 @@ def test_neighbours_are_tried_on_each_gemms_incumbent_and_heuristic(monkeypatch)
     assert at.neighbour_names(bases, nbs) == [
         "a+grid_tile_width=8+tile_k=128", "a+grid_tile_width=16+tile_k=128+grid_minor_dim=m+pingpong_turns=true",
         "heuristic+grid_tile_width=8", "heuristic+grid_minor_dim=m+pingpong_turns=true"]
-    monkeypatch.setattr(at.jax, "local_devices", lambda: [_FakeGpu()])
-    c1 = at.KernelCall(programs.RESIDUAL_RMS, jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), _RESIDUAL_LOAD, False, False, (), (8, 8, 8))
-    c2 = dataclasses.replace(c1, mnk=(16, 8, 8))
-    monkeypatch.setattr(at, "kernel_calls", lambda fn, *a: [c1, c2])
-    measured = []
-
-    def fake_tune(call, names, *a):
-        measured.append((call.mnk, sorted(names)))
-        return {"program": call.epilogue.name, "layout": "nn", "m": call.mnk[0], "n": 8, "k": 8, "heuristic_ms": 1.0,
-                "results": {n: {"ms": 0.5 if n == "heuristic+grid_minor_dim=m" else 0.9, "config": {}} for n in names}}
-
-    monkeypatch.setattr(at, "tune_call", fake_tune)
+    measured = _fake_sweep(monkeypatch, _residual_calls(), lambda n: 0.5 if n == "heuristic+grid_minor_dim=m" else 0.9)
     table = {"entries": [{"program": "residual_rms", "layout": "nn", "m": 8, "n": 8, "k": 8,
                           "candidate": "pingpong+grid_tile_width=16"}]}
     out = at.autotune(lambda: None, log=lambda s: None, incumbent=at.incumbents(table),
