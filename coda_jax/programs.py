@@ -537,3 +537,61 @@ ignored): :func:`ce_grad_from_logits`'s ``dlogits`` (with the final norm's ``rst
 ``gscale`` by the caller) written in e5m2 with its transposed copy (the wgrad's operand) and amax,
 and the row partials of ``zdz = sum_V(logits * dlogits)``. One read of the logits: as XLA
 fusions, the transposed copy made XLA transpose the float32 logits first (docs/fp8.md#lm-head)."""
+
+
+# ---------------------------------------------------------------- optimizer --------
+_ADAMW_SCALARS = ("g_div", "g_mul", "bc1", "bc2", "wd", "neg_lr")
+
+
+def _adamw_body(b1: float, b2: float, eps: float):
+    """The AdamW step of :func:`adamw_q8` and :func:`adamw_cast`, its new weight also under
+    the name ``copy`` (the output a backend writes in the copy's dtype)."""
+
+    def body(acc, ctx, p, g, mu, nu, g_div, g_mul, bc1, bc2, wd, neg_lr, copy_scale=None):
+        g = g / g_div * g_mul
+        mu_new = (1.0 - b1) * g + b1 * mu
+        nu_new = (1.0 - b2) * (g * g) + b2 * nu
+        p_new = p + neg_lr * ((mu_new / bc1) / (jnp.sqrt(nu_new / bc2) + eps) + wd * p)
+        return {"p_new": p_new, "mu_new": mu_new, "nu_new": nu_new, "copy": p_new}
+
+    return body
+
+
+def _adamw_program(name: str, b1: float, b2: float, eps: float, copy: E.Output, scale: tuple) -> E.Epilogue:
+    f32 = jnp.float32
+    return E.Epilogue(
+        name=name,
+        loads=(E.tile("p"), E.tile("g"), E.tile("mu"), E.tile("nu"), *map(E.scalar, _ADAMW_SCALARS + scale)),
+        outputs=(E.tile_out("p_new", f32), E.tile_out("mu_new", f32), E.tile_out("nu_new", f32), copy),
+        body=_adamw_body(b1, b2, eps),
+        reads_acc=False,
+    )
+
+
+@E.program_factory
+def adamw_q8(b1: float, b2: float, eps: float) -> E.Epilogue:
+    """One AdamW step of a float32 weight ``p`` ``[M, N]`` (the update of ``optax.adamw``
+    after ``optax.clip_by_global_norm``) that also writes the new weight in e4m3 as ``copy``,
+    with its transposed copy and amax: the FP8 copies an FP8 GEMM reads, from the pass that
+    produces the weight (run by :func:`coda_jax.ops.epilogue_pass.epilogue_pass`: no GEMM
+    under it).
+
+    Tile loads: ``p``, the gradient ``g``, the moments ``mu``, ``nu`` (float32). Scalars:
+    ``g_div``, ``g_mul`` (the clip: ``g / g_div * g_mul``; 1 and 1 when the global norm is
+    under the limit, else the norm and the limit), ``bc1``, ``bc2`` (the bias corrections
+    ``1 - b1^t``, ``1 - b2^t``), ``wd`` (weight decay), ``neg_lr`` (minus the step's
+    learning rate) and ``copy_scale`` (the e4m3 copy's scale). The math, in optax's order::
+
+        mu' = (1 - b1) g + b1 mu        nu' = (1 - b2) g^2 + b2 nu
+        p'  = p + neg_lr * ((mu' / bc1) / (sqrt(nu' / bc2) + eps) + wd p)
+
+    ``b1``, ``b2``, ``eps`` are constants of the program (Python floats)."""
+    copy = E.fp8_out("copy", _E4M3, scale="copy_scale", transpose=True)
+    return _adamw_program("adamw_q8", b1, b2, eps, copy, ("copy_scale",))
+
+
+@E.program_factory
+def adamw_cast(b1: float, b2: float, eps: float) -> E.Epilogue:
+    """:func:`adamw_q8`'s step with the new weight's bfloat16 copy as ``copy`` (what a bf16
+    GEMM reads of a float32 weight, e.g. the LM head's): no scale, no transposed copy."""
+    return _adamw_program("adamw_cast", b1, b2, eps, E.tile_out("copy", jnp.bfloat16), ())

@@ -25,14 +25,19 @@ from flax import nnx
 from coda_jax.fp8 import Fp8Meta, Fp8Recipe
 
 
+def cosine_schedule(lr: float, warmup: int, steps: int) -> optax.Schedule:
+    """The learning rate of :func:`adamw_cosine` by step: linear warm-up from 0 to ``lr`` over
+    ``warmup`` steps, cosine decay to ``lr / 10`` at ``steps``."""
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1)
+
+
 def adamw_cosine(lr: float, warmup: int, steps: int, *, weight_decay: float = 0.1,
                  clip_norm: float = 1.0) -> optax.GradientTransformation:
     """AdamW (``b1`` 0.9, ``b2`` 0.95, ``weight_decay``) after global-norm clipping at
     ``clip_norm``, with linear warm-up from 0 to ``lr`` over ``warmup`` steps and cosine decay
     to ``lr / 10`` at ``steps``: the Llama recipe."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1)
     return optax.chain(optax.clip_by_global_norm(clip_norm),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+                       optax.adamw(cosine_schedule(lr, warmup, steps), b1=0.9, b2=0.95, weight_decay=weight_decay))
 
 
 def make_steps(model: nnx.Module, optimizer: nnx.Optimizer,

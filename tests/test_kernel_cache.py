@@ -304,7 +304,7 @@ def test_every_program_pickles_and_rebuilds_as_itself():
 
     made = [programs.rms_swiglu(True), programs.rms_swiglu(False), programs.rms_rope(64, None, False),
             programs.rms_rope(64, 1e-6, True), programs.rms_dgrad(True), programs.rms_dgrad(False),
-            programs.rms_dgrad(True, True)]
+            programs.rms_dgrad(True, True), programs.adamw_q8(0.9, 0.95, 1e-8), programs.adamw_cast(0.9, 0.95, 1e-8)]
     consts = [v for v in vars(programs).values() if isinstance(v, E.Epilogue)]
     for epi in made + consts:
         back = pickle.loads(pickle.dumps(epi))

@@ -61,6 +61,7 @@ FULL_ONLY: dict[str, str] = {
     # The benchmark tools (the library's users do not run them; the GPU runs do).
     "test_bench_tools.py::test_train_step_bench_runs_plain_and_coda_under_each_runs_options": "a tool",
     "test_bench_tools.py::test_fp8_accuracy_over_seeds_and_recipes": "a tool",
+    "test_adamw_copies.py::test_optimizer_copies_probe_checks_and_times_each_variant": "a tool",
     "test_bench_tools.py::test_fp8_accuracy_counts_saturated_tensors": "a tool",
     "test_bench_tools.py::test_fp8_block_gemms_time_each_fp8_call_against_the_bare_gemm": "a tool",
     "test_bench_tools.py::test_gpu_bench_script_runs_step_op_bench_and_summary_and_packs_its_files": "a tool",

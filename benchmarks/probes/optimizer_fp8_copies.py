@@ -1,0 +1,182 @@
+"""What the FP8 step would save if the optimizer wrote the weights' FP8 copies.
+
+    python -m benchmarks.probes.optimizer_fp8_copies --preset 8b --layers 4 [--backend pallas]
+        [--candidates pingpong_minor_m_lean_m64_no_gemm,...] [--out DIR]
+
+Today each FP8 block quantizes its four float32 weights at the start of the step (one
+``quantize_q8`` epilogue pass a weight: 4 bytes read, 2 written an element; 2.0 ms of the
+8B-width step of 4 layers, run 417), and the bf16 LM head casts its float32 weight (1.0 ms
+there, run 385). The pass that produces the weight is the optimizer's
+update; :func:`coda_jax.ops.adamw_copies.adamw_q8_step` writes the copies from its registers. On
+the step's real parameter tree (random values of a CodaLlama's shapes) and its optimizer
+(:func:`coda_jax.training.adamw_cosine`), device time (CUPTI) of:
+
+* ``optax``: the update of every parameter as the train step runs it (XLA's fusions);
+* ``optax+passes``: the same, then the block weights' e4m3 copies from ``quantize_q8`` passes
+  and the LM head weight's bf16 cast (what the step pays now, in its forward);
+* ``fused``: the same update with each block weight's leaf (and its moments) taken from
+  ``adamw_q8_step`` instead, and the LM head weight's from ``adamw_cast_step``, copies
+  included: XLA must drop optax's work for those leaves.
+
+The ``fused`` update is checked against ``optax``'s (the weights and moments to 1e-6) and its
+copies against the passes' (>= 99.9 % bit-equal: the same math, another fusion). ``--candidates``
+times the fused update on other Pallas configurations too (the passes have no tuned entry: the
+heuristic's otherwise). Prints one ``OPT`` line per variant and writes
+``optimizer_fp8_copies.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from coda_jax import programs, training
+from coda_jax.backend import lowering_for
+from coda_jax.layers import CodaLlama
+from coda_jax.layers.config import PRESETS
+from coda_jax.ops.adamw_copies import adamw_cast_step, adamw_q8_step, adamw_scalars
+from coda_jax.ops.epilogue_pass import epilogue_pass
+from coda_jax.ops.fp8_gemm import quantizing_run
+from coda_jax.ops.names import FP8_LLAMA_BLOCK
+from coda_jax.pallas.lowering import PallasLowering
+
+BLOCK_WEIGHTS = ("w_qkv", "w_o", "w_gu", "w_down")
+LR, WARMUP, STEPS, WD, CLIP, B1, B2, EPS = 3e-4, 10, 1000, 0.1, 1.0, 0.9, 0.95, 1e-8
+
+
+def parameter_tree(preset: str, layers: int | None) -> dict[str, jax.ShapeDtypeStruct]:
+    """``{path: shape}`` of a CodaLlama's parameters (``nnx.Param``), without allocating them."""
+    cfg = PRESETS[preset]()
+    if layers:
+        cfg = cfg.replace(num_layers=layers)
+    model = nnx.eval_shape(lambda: CodaLlama(cfg, rngs=nnx.Rngs(0), backend="xla"))
+    return {"/".join(map(str, path)): jax.ShapeDtypeStruct(v.shape, v.dtype)
+            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def is_block_weight(path: str) -> bool:
+    return path.rsplit("/", 1)[-1] in BLOCK_WEIGHTS
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="8b", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--backend", default="pallas")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--candidates", default="", help="also time the fused update on these Pallas candidates "
+                    "(coda_jax.pallas.autotune names, e.g. pingpong_minor_m_lean_m64_no_gemm)")
+    ap.add_argument("--no-time", dest="time", action="store_false", help="the checks only (no GPU needed)")
+    args = ap.parse_args(argv)
+    from coda_jax.pallas import autotune as at
+
+    shapes = parameter_tree(args.preset, args.layers)
+    if "lm_head" in shapes:  # the embedding table's update is the same in every variant (8 GB of state at 8B): left out
+        shapes.pop("embed")
+    keys = iter(jax.random.split(jax.random.key(0), 3 * len(shapes)))
+    params = {p: jax.random.normal(next(keys), s.shape, jnp.float32) * 0.02 for p, s in shapes.items()}
+    grads = {p: jax.random.normal(next(keys), s.shape, jnp.float32) * 1e-3 for p, s in shapes.items()}
+    tx = training.adamw_cosine(LR, WARMUP, STEPS, weight_decay=WD, clip_norm=CLIP)
+    schedule = training.cosine_schedule(LR, WARMUP, STEPS)
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(grads, state, params)  # moments and count of a step already taken
+    low = lowering_for(FP8_LLAMA_BLOCK, args.backend)
+    scale = jnp.float32(2.0 ** 10)  # e4m3 covers |w| up to 0.44: random weights of std 0.02 fit
+
+    def optax_update(params, grads, state):
+        updates, new_state = tx.update(grads, state, params)
+        return jax.tree.map(lambda p, u: p + u, params, updates), new_state
+
+    def copies_by_pass(params):
+        out = {}
+        for p in filter(is_block_weight, params):
+            m, n = params[p].shape
+            _, t, amax = quantizing_run(lambda e, l, od: epilogue_pass(low, e, m, n, l, out_dtypes=od or None),
+                                        programs.quantize_q8("e4m3"), {"x": params[p]}, "q", jnp.float32, scale=scale)
+            out[p] = (t.data, t.data_t, amax)
+        return out
+
+    head = "lm_head" if "lm_head" in params else "embed"  # the LM head's weight (tied: the embedding)
+
+    def with_passes(params, grads, state):
+        new, new_state = optax_update(params, grads, state)
+        # The step reads the weights after the update, in its forward: not in the update's fusions.
+        after = jax.lax.optimization_barrier(new)
+        copies = copies_by_pass(after)
+        copies[head] = (after[head].astype(jnp.bfloat16),)
+        return new, new_state, copies
+
+    def fused(params, grads, state, low=low):
+        new, new_state = optax_update(params, grads, state)
+        adam = state[1][0]
+        s = adamw_scalars(adam.count, schedule(state[1][2].count), b1=B1, b2=B2, weight_decay=WD,
+                          grad_norm=optax.tree.norm(grads), max_norm=CLIP)
+        mu, nu, copies = dict(new_state[1][0].mu), dict(new_state[1][0].nu), {}
+        for p in filter(is_block_weight, params):
+            new[p], mu[p], nu[p], t, amax = adamw_q8_step(low, params[p], grads[p], adam.mu[p], adam.nu[p], s, scale,
+                                                          b1=B1, b2=B2, eps=EPS)
+            copies[p] = (t.data, t.data_t, amax)
+        new[head], mu[head], nu[head], bf16 = adamw_cast_step(low, params[head], grads[head], adam.mu[head],
+                                                              adam.nu[head], s, b1=B1, b2=B2, eps=EPS)
+        copies[head] = (bf16,)
+        new_adam = new_state[1][0]._replace(mu=mu, nu=nu)
+        return new, (new_state[0], (new_adam, *new_state[1][1:])), copies
+
+    fns = {"optax": optax_update, "optax+passes": with_passes, "fused": fused}
+    # The checks on the block weights only (XLA drops the rest): the whole state three times
+    # over would not fit beside the inputs at the 8B width.
+    blocks = [p for p in params if is_block_weight(p)] + [head]
+
+    def block_leaves(f):
+        def g(*a):
+            out = f(*a)
+            return ({p: out[0][p] for p in blocks}, {p: out[1][1][0].nu[p] for p in blocks},
+                    out[2] if len(out) > 2 else None)
+        return jax.jit(g)
+
+    (ref_w, ref_nu, _), (f_w, f_nu, f_copies), (_, _, p_copies) = (
+        block_leaves(fns[v])(params, grads, state) for v in ("optax", "fused", "optax+passes"))
+    worst = max(float(jnp.linalg.norm(f_w[p] - ref_w[p]) / jnp.linalg.norm(ref_w[p])) for p in blocks)
+    worst_m = max(float(jnp.linalg.norm(f_nu[p] - ref_nu[p]) / jnp.linalg.norm(ref_nu[p])) for p in blocks)
+    equal = min(float(np.mean(np.asarray(f_copies[p][i]).view(np.uint8) == np.asarray(p_copies[p][i]).view(np.uint8)))
+                for p in blocks for i in range(len(f_copies[p])) if f_copies[p][i].ndim)
+    print(f"CHECK fused against optax: weights {worst:.2e}, second moments {worst_m:.2e} (relative); copies "
+          f"against the passes' {equal:.4%} bit-equal", flush=True)
+    if worst > 1e-6 or worst_m > 1e-6 or equal < 0.999:
+        raise SystemExit("fused update differs from optax's")
+    del ref_w, ref_nu, f_w, f_nu, f_copies, p_copies
+    n_block = sum(int(np.prod(shapes[p].shape)) for p in shapes if is_block_weight(p))
+    n_all = sum(int(np.prod(s.shape)) for s in shapes.values())
+    row = {"preset": args.preset, "layers": args.layers, "backend": args.backend, "block_weight_elements": n_block,
+           "parameter_elements": n_all, "ms": {}}
+    if not args.time:
+        return row
+    for name in filter(None, args.candidates.split(",")):  # the fused passes on other configurations
+        cfg = at.resolve_candidate(name)
+        fns[f"fused@{name}"] = functools.partial(fused, low=PallasLowering(cfg, plain_gemm="pallas"))
+    for name, f in fns.items():
+        # One call a measurement: CUPTI's timer keeps every call's outputs (the new state) alive.
+        f = jax.jit(f)
+        row["ms"][name] = statistics.median(at.kernel_ms(f, params, grads, state, iters=1) for _ in range(args.iters))
+        print(f"OPT {name:14s} {row['ms'][name]:.3f} ms", flush=True)
+    row["saved_ms"] = row["ms"]["optax+passes"] - min(v for k, v in row["ms"].items() if k.startswith("fused"))
+    print(f"OPT saved by the fused update: {row['saved_ms']:.3f} ms a step ({n_block / 1e6:.0f} M block-weight "
+          f"elements of {n_all / 1e6:.0f} M parameters)", flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "optimizer_fp8_copies.json").write_text(json.dumps(row, indent=1))
+    return row
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""One AdamW step of a float32 weight that also writes the copy a GEMM reads of it.
+
+An FP8 GEMM reads each weight in e4m3, in both layouts (Hopper's FP8 wgmma takes both
+operands K-major: the forward reads ``W^T``, the dgrad ``W``). Quantized at the start of a
+step, the float32 weight is read once more for that (4 bytes an element, against the 2 the
+copies write). The optimizer's update is the pass that produces the weight: run as an epilogue
+pass (:func:`coda_jax.programs.adamw_q8`) it writes the new weight, its moments and the copies
+from the same registers, and the read is gone. :func:`adamw_cast_step` does the same for a
+weight a bf16 GEMM reads (the LM head's bf16 cast).
+
+The math is ``optax.chain(optax.clip_by_global_norm(max_norm), optax.adamw(lr, b1, b2, eps,
+weight_decay=wd))`` followed by ``optax.apply_updates``, for one leaf; the global norm of
+the gradients (over every leaf) and the step's learning rate come in as scalars
+(:func:`adamw_scalars`). ``tests/test_adamw_copies.py`` checks it against optax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import programs
+from coda_jax.fp8 import Fp8Tensor
+from coda_jax.lowering import GemmLowering
+from coda_jax.ops.epilogue_pass import epilogue_pass
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AdamWScalars:
+    """The step's scalars of :func:`coda_jax.programs.adamw_q8` (float32 ``[]`` each)."""
+
+    g_div: jax.Array
+    g_mul: jax.Array
+    bc1: jax.Array
+    bc2: jax.Array
+    wd: jax.Array
+    neg_lr: jax.Array
+
+
+def adamw_scalars(count: Any, lr: Any, *, b1: float, b2: float, weight_decay: float, grad_norm: Any,
+                  max_norm: float) -> AdamWScalars:
+    """The scalars of one step: ``count`` the optimizer's step count *before* it (optax's
+    ``ScaleByAdamState.count``; int32), ``lr`` the learning rate at that count, ``grad_norm``
+    the global norm of all gradients (``optax.tree.norm``), ``max_norm`` the clip."""
+    f32 = jnp.float32
+    t = (jnp.asarray(count, jnp.int32) + 1).astype(f32)  # optax's count_inc
+    grad_norm = jnp.asarray(grad_norm, f32)
+    under = grad_norm < max_norm  # optax.clip_by_global_norm's trigger: the gradient unchanged
+    return AdamWScalars(
+        g_div=jnp.where(under, 1.0, grad_norm).astype(f32),
+        g_mul=jnp.where(under, 1.0, max_norm).astype(f32),
+        bc1=(1.0 - jnp.asarray(b1, f32) ** t).astype(f32),
+        bc2=(1.0 - jnp.asarray(b2, f32) ** t).astype(f32),
+        wd=jnp.asarray(weight_decay, f32),
+        neg_lr=-jnp.asarray(lr, f32),
+    )
+
+
+def _check(p, g, mu, nu) -> None:
+    if p.ndim != 2:
+        raise ValueError(f"adamw: p must be a matrix [M, N], got shape {p.shape}")
+    for name, x in (("p", p), ("g", g), ("mu", mu), ("nu", nu)):
+        if x.shape != p.shape or x.dtype != jnp.float32:
+            raise ValueError(f"adamw: {name} must be float32 of p's shape {p.shape}, got {x.dtype} {x.shape}")
+
+
+def _loads(p, g, mu, nu, scalars: AdamWScalars) -> dict[str, jax.Array]:
+    scalar_loads = {f.name: getattr(scalars, f.name) for f in dataclasses.fields(scalars)}
+    return {"p": p, "g": g, "mu": mu, "nu": nu, **scalar_loads}
+
+
+def adamw_q8_step(lowering: GemmLowering, p: jax.Array, g: jax.Array, mu: jax.Array, nu: jax.Array,
+                  scalars: AdamWScalars, q_scale: jax.Array, *, b1: float = 0.9, b2: float = 0.95,
+                  eps: float = 1e-8, **kw: Any) -> tuple[jax.Array, jax.Array, jax.Array, Fp8Tensor, jax.Array]:
+    """AdamW on weight ``p`` ``[M, N]`` (float32; ``g``, ``mu``, ``nu`` likewise) and the new
+    weight in e4m3 at ``q_scale`` (a float32 scalar: delayed scaling, chosen before the step).
+
+    Returns ``(p_new, mu_new, nu_new, Fp8Tensor, amax)``: the Fp8Tensor holds ``p_new`` in
+    e4m3 ``[M, N]``, its transpose ``[N, M]`` and ``1 / q_scale``; ``amax`` is ``max|p_new|``.
+    ``kw`` goes to :func:`coda_jax.ops.epilogue_pass.epilogue_pass` (e.g. ``replicated``)."""
+    _check(p, g, mu, nu)
+    if jnp.shape(q_scale) != ():
+        raise ValueError(f"adamw: q_scale must be a scalar, got shape {jnp.shape(q_scale)}")
+    m, n = p.shape
+    q_scale = jnp.asarray(q_scale, jnp.float32)
+    outs = epilogue_pass(lowering, programs.adamw_q8(float(b1), float(b2), float(eps)), m, n,
+                         {**_loads(p, g, mu, nu, scalars), "copy_scale": q_scale}, **kw)
+    return (outs["p_new"], outs["mu_new"], outs["nu_new"], Fp8Tensor(outs["copy"], outs["copy_t"], 1.0 / q_scale),
+            jnp.max(outs["copy_amax"]))
+
+
+def adamw_cast_step(lowering: GemmLowering, p: jax.Array, g: jax.Array, mu: jax.Array, nu: jax.Array,
+                    scalars: AdamWScalars, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+                    **kw: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`adamw_q8_step` with the new weight's bfloat16 copy ``[M, N]`` instead of the FP8
+    copies (a bf16 GEMM's operand, e.g. the LM head's): ``(p_new, mu_new, nu_new, copy)``."""
+    _check(p, g, mu, nu)
+    m, n = p.shape
+    outs = epilogue_pass(lowering, programs.adamw_cast(float(b1), float(b2), float(eps)), m, n,
+                         _loads(p, g, mu, nu, scalars), **kw)
+    return outs["p_new"], outs["mu_new"], outs["nu_new"], outs["copy"]
