@@ -1,8 +1,8 @@
 """AdamW steps that also write the weight's copies, as epilogue passes
 (``coda_jax.ops.adamw_copies``: e4m3 in both layouts, or bf16): the reference lowering against
 optax's AdamW after global-norm clipping, over several steps; the Pallas kernel (GPU interpret
-mode, outputs poisoned) against the reference; the kernel's code generation for CUDA at a real
-weight's shape; the checks on its inputs; and the probe that times it on a GPU."""
+mode, outputs poisoned) against the reference; the Pallas and CuTeDSL kernels' code generation
+for CUDA; the checks on its inputs; and the probe that times it on a GPU."""
 
 from __future__ import annotations
 
@@ -194,3 +194,32 @@ def test_optimizer_copies_probe_checks_and_times_each_variant(monkeypatch, tmp_p
     assert json.loads((tmp_path / "optimizer_fp8_copies.json").read_text())["saved_ms"] == 1.75
     assert 0 < row["block_weight_elements"] < row["parameter_elements"]
     assert "100.0000% bit-equal" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("program", ["adamw_q8", "adamw_cast"])
+def test_cutedsl_pass_lowers_for_cuda(program, monkeypatch):
+    """The CuTeDSL kernel lowers the same declarations for CUDA (on the CPU, compiled for
+    Hopper: ``CUTE_DSL_ARCH=sm_90a``), with the results' shapes and dtypes."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    pytest.importorskip("cutlass")
+    pytest.importorskip("cutlass.jax")
+    from coda_jax.ffi.lowering import CuteDslLowering
+    from coda_jax.ops.epilogue_pass import epilogue_pass
+
+    epi = getattr(programs, program)(B1, B2, EPS)
+    m, n = 200, 384
+    tile = jax.ShapeDtypeStruct((m, n), F32)
+    one = jax.ShapeDtypeStruct((), F32)
+    loads = {"p": tile, "g": tile, "mu": tile, "nu": tile,
+             **{l.name: one for l in epi.loads if l.kind is E.LoadKind.SCALAR}}
+    low = CuteDslLowering(None, plain_gemm="kernel")
+    with cj.options(routing=dict(xla_output_below=0)):
+        traced = jax.jit(lambda l: epilogue_pass(low, epi, m, n, l)).trace(loads)
+        assert "CuteDSL" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    out = traced.out_info
+    for name in ("p_new", "mu_new", "nu_new"):
+        assert (out[name].shape, out[name].dtype) == ((m, n), F32)
+    if program == "adamw_q8":
+        assert (out["copy"].dtype, out["copy_t"].shape) == (E4M3, (n, m))
+    else:
+        assert (out["copy"].shape, out["copy"].dtype) == ((m, n), jnp.bfloat16)
