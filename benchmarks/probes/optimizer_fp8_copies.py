@@ -19,7 +19,8 @@ the step's real parameter tree (random values of a CodaLlama's shapes) and its o
   included: XLA must drop optax's work for those leaves.
 
 The ``fused`` update is checked against ``optax``'s (the weights and moments to 1e-6) and its
-copies against the passes' (>= 99.9 % bit-equal: the same math, another fusion). ``--candidates``
+copies against the passes' (>= 99.9 % bit-equal: the same math, another fusion). ``--copies bf16``:
+the block weights' bf16 casts of the bf16 step instead of their e4m3 copies. ``--candidates``
 times the fused update on other Pallas configurations too (the passes have no tuned entry: the
 heuristic's otherwise). Prints one ``OPT`` line per variant and writes
 ``optimizer_fp8_copies.json`` under ``--out``.
@@ -74,6 +75,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--backend", default="pallas")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--copies", default="fp8", choices=["fp8", "bf16"],
+                    help="the block weights' copies: e4m3 in both layouts (the FP8 step) or bf16 (the bf16 step)")
     ap.add_argument("--candidates", default="", help="also time the fused update on these Pallas candidates "
                     "(coda_jax.pallas.autotune names, e.g. pingpong_minor_m_lean_m64_no_gemm)")
     ap.add_argument("--no-time", dest="time", action="store_false", help="the checks only (no GPU needed)")
@@ -100,6 +103,9 @@ def main(argv=None) -> dict:
     def copies_by_pass(params):
         out = {}
         for p in filter(is_block_weight, params):
+            if args.copies == "bf16":  # the bf16 step's cast of the weight
+                out[p] = (params[p].astype(jnp.bfloat16),)
+                continue
             m, n = params[p].shape
             _, t, amax = quantizing_run(lambda e, l, od: epilogue_pass(low, e, m, n, l, out_dtypes=od or None),
                                         programs.quantize_q8("e4m3"), {"x": params[p]}, "q", jnp.float32, scale=scale)
@@ -123,6 +129,11 @@ def main(argv=None) -> dict:
                           grad_norm=optax.tree.norm(grads), max_norm=CLIP)
         mu, nu, copies = dict(new_state[1][0].mu), dict(new_state[1][0].nu), {}
         for p in filter(is_block_weight, params):
+            if args.copies == "bf16":
+                new[p], mu[p], nu[p], bf16 = adamw_cast_step(low, params[p], grads[p], adam.mu[p], adam.nu[p], s,
+                                                             b1=B1, b2=B2, eps=EPS)
+                copies[p] = (bf16,)
+                continue
             new[p], mu[p], nu[p], t, amax = adamw_q8_step(low, params[p], grads[p], adam.mu[p], adam.nu[p], s, scale,
                                                           b1=B1, b2=B2, eps=EPS)
             copies[p] = (t.data, t.data_t, amax)
@@ -157,8 +168,8 @@ def main(argv=None) -> dict:
     del ref_w, ref_nu, f_w, f_nu, f_copies, p_copies
     n_block = sum(int(np.prod(shapes[p].shape)) for p in shapes if is_block_weight(p))
     n_all = sum(int(np.prod(s.shape)) for s in shapes.values())
-    row = {"preset": args.preset, "layers": args.layers, "backend": args.backend, "block_weight_elements": n_block,
-           "parameter_elements": n_all, "ms": {}}
+    row = {"preset": args.preset, "layers": args.layers, "backend": args.backend, "copies": args.copies,
+           "block_weight_elements": n_block, "parameter_elements": n_all, "ms": {}}
     if not args.time:
         return row
     for name in filter(None, args.candidates.split(",")):  # the fused passes on other configurations
