@@ -122,11 +122,17 @@ def main(argv=None) -> dict:
         copies[head] = (after[head].astype(jnp.bfloat16),)
         return new, new_state, copies
 
+    adamw = optax.adamw(schedule, b1=B1, b2=B2, eps=EPS, weight_decay=WD)  # adamw_cosine's, after its clip
+
     def fused(params, grads, state, low=low):
-        new, new_state = optax_update(params, grads, state)
+        # adamw_cosine's chain spelled out, so that the global norm is computed once, here.
+        norm = optax.tree.norm(grads)
+        clipped = jax.tree.map(lambda t: jax.lax.select(norm < CLIP, t, (t / norm) * CLIP), grads)
+        updates, inner = adamw.update(clipped, state[1], params)
+        new, new_state = jax.tree.map(lambda p, u: p + u, params, updates), (state[0], inner)
         adam = state[1][0]
-        s = adamw_scalars(adam.count, schedule(state[1][2].count), b1=B1, b2=B2, weight_decay=WD,
-                          grad_norm=optax.tree.norm(grads), max_norm=CLIP)
+        s = adamw_scalars(adam.count, schedule(state[1][2].count), b1=B1, b2=B2, weight_decay=WD, grad_norm=norm,
+                          max_norm=CLIP)
         mu, nu, copies = dict(new_state[1][0].mu), dict(new_state[1][0].nu), {}
         for p in filter(is_block_weight, params):
             if args.copies == "bf16":
