@@ -31,7 +31,7 @@ from coda_jax.ops.epilogue_pass import epilogue_pass
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AdamWScalars:
-    """The step's scalars of :func:`coda_jax.programs.adamw_q8` (float32 ``[]`` each)."""
+    """The step's scalars of :func:`coda_jax.programs.adamw_q8` and ``adamw_cast`` (float32 ``[]`` each)."""
 
     g_div: jax.Array
     g_mul: jax.Array
