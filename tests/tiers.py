@@ -121,7 +121,7 @@ SWEEPS: dict[str, tuple[int, ...] | frozenset[str]] = {
     "test_pallas_fp8.py::test_amax_and_copy_mask_padding":
         frozenset({"single", "pingpong", "one_out_slot", "folded_rows"}),
     "test_pallas_fp8.py::test_ce_grad_pass": frozenset({"pingpong_no_gemm", "shipped0", "shipped1"}),
-    "test_pallas_fp8.py::test_input_norm_pass": frozenset({"pingpong_no_gemm", "shipped0", "shipped1"}),
+    "test_pallas_fp8.py::test_input_norm_pass": frozenset({"pingpong_no_gemm", "shipped0"}),
 }
 
 
