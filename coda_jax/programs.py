@@ -540,7 +540,7 @@ fusions, the transposed copy made XLA transpose the float32 logits first (docs/f
 
 
 # ---------------------------------------------------------------- optimizer --------
-_ADAMW_SCALARS = ("g_div", "g_mul", "bc1", "bc2", "wd", "neg_lr")
+ADAMW_SCALARS = ("g_div", "g_mul", "bc1", "bc2", "wd", "neg_lr")  # the scalar loads of every AdamW program
 
 
 def _adamw_body(b1: float, b2: float, eps: float):
@@ -561,7 +561,7 @@ def _adamw_program(name: str, b1: float, b2: float, eps: float, copy: E.Output, 
     f32 = jnp.float32
     return E.Epilogue(
         name=name,
-        loads=(E.tile("p"), E.tile("g"), E.tile("mu"), E.tile("nu"), *map(E.scalar, _ADAMW_SCALARS + scale)),
+        loads=(E.tile("p"), E.tile("g"), E.tile("mu"), E.tile("nu"), *map(E.scalar, ADAMW_SCALARS + scale)),
         outputs=(E.tile_out("p_new", f32), E.tile_out("mu_new", f32), E.tile_out("nu_new", f32), copy),
         body=_adamw_body(b1, b2, eps),
         reads_acc=False,

@@ -42,8 +42,8 @@ def _optax_steps(p, b, grads, lr, wd, max_norm):
 
 def _ours(lowering, p, mu, nu, count, g, g_other, lr, wd, max_norm, q_scale):
     norm = optax.tree.norm({"w": g, "b": g_other})
-    s = adamw_scalars(count, lr, b1=B1, b2=B2, weight_decay=wd, grad_norm=norm, max_norm=max_norm)
-    return adamw_q8_step(lowering, p, g, mu, nu, s, q_scale, b1=B1, b2=B2, eps=EPS)
+    s = adamw_scalars(count, lr, b1=B1, b2=B2, weight_decay=wd, grad_norm=norm, max_norm=max_norm, eps=EPS)
+    return adamw_q8_step(lowering, p, g, mu, nu, s, q_scale)
 
 
 @pytest.mark.parametrize("max_norm", [1.0, 1e9], ids=["clipped", "unclipped"])
@@ -148,8 +148,8 @@ def test_cast_step_matches_optax_and_writes_the_bf16_copy(_interpret):
 
     def step(low):
         s = adamw_scalars(0, lr, b1=B1, b2=B2, weight_decay=wd, grad_norm=optax.tree.norm({"w": gw, "b": gb}),
-                          max_norm=1.0)
-        return adamw_cast_step(low, p, gw, zero, zero, s, b1=B1, b2=B2, eps=EPS)
+                          max_norm=1.0, eps=EPS)
+        return adamw_cast_step(low, p, gw, zero, zero, s)
 
     want = step(REFERENCE)
     assert rel_err(want[0], params["w"]) < 1e-6 and rel_err(want[1], adam.mu["w"]) < 1e-6

@@ -17,6 +17,7 @@ the gradients (over every leaf) and the step's learning rate come in as scalars
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -28,10 +29,13 @@ from coda_jax.lowering import GemmLowering
 from coda_jax.ops.epilogue_pass import epilogue_pass
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(programs.ADAMW_SCALARS),
+                   meta_fields=["b1", "b2", "eps"])
 @dataclasses.dataclass(frozen=True)
 class AdamWScalars:
-    """The step's scalars of :func:`coda_jax.programs.adamw_q8` and ``adamw_cast`` (float32 ``[]`` each)."""
+    """One step's scalar loads of :func:`coda_jax.programs.adamw_q8` and ``adamw_cast``
+    (float32 ``[]`` each), and the AdamW constants the program is built with (Python floats:
+    the bias corrections ``bc1``, ``bc2`` are computed from the same ``b1``, ``b2``)."""
 
     g_div: jax.Array
     g_mul: jax.Array
@@ -39,13 +43,23 @@ class AdamWScalars:
     bc2: jax.Array
     wd: jax.Array
     neg_lr: jax.Array
+    b1: float
+    b2: float
+    eps: float
+
+    def program_args(self) -> tuple[float, float, float]:
+        return self.b1, self.b2, self.eps
+
+    def loads(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name) for name in programs.ADAMW_SCALARS}
 
 
 def adamw_scalars(count: Any, lr: Any, *, b1: float, b2: float, weight_decay: float, grad_norm: Any,
-                  max_norm: float) -> AdamWScalars:
+                  max_norm: float, eps: float = 1e-8) -> AdamWScalars:
     """The scalars of one step: ``count`` the optimizer's step count *before* it (optax's
     ``ScaleByAdamState.count``; int32), ``lr`` the learning rate at that count, ``grad_norm``
-    the global norm of all gradients (``optax.tree.norm``), ``max_norm`` the clip."""
+    the global norm of all gradients (``optax.tree.norm``), ``max_norm`` the clip; ``b1``,
+    ``b2``, ``eps`` as given to ``optax.adamw``."""
     f32 = jnp.float32
     t = (jnp.asarray(count, jnp.int32) + 1).astype(f32)  # optax's count_inc
     grad_norm = jnp.asarray(grad_norm, f32)
@@ -57,6 +71,7 @@ def adamw_scalars(count: Any, lr: Any, *, b1: float, b2: float, weight_decay: fl
         bc2=(1.0 - jnp.asarray(b2, f32) ** t).astype(f32),
         wd=jnp.asarray(weight_decay, f32),
         neg_lr=-jnp.asarray(lr, f32),
+        b1=float(b1), b2=float(b2), eps=float(eps),
     )
 
 
@@ -68,14 +83,9 @@ def _check(p, g, mu, nu) -> None:
             raise ValueError(f"adamw: {name} must be float32 of p's shape {p.shape}, got {x.dtype} {x.shape}")
 
 
-def _loads(p, g, mu, nu, scalars: AdamWScalars) -> dict[str, jax.Array]:
-    scalar_loads = {f.name: getattr(scalars, f.name) for f in dataclasses.fields(scalars)}
-    return {"p": p, "g": g, "mu": mu, "nu": nu, **scalar_loads}
-
-
 def adamw_q8_step(lowering: GemmLowering, p: jax.Array, g: jax.Array, mu: jax.Array, nu: jax.Array,
-                  scalars: AdamWScalars, q_scale: jax.Array, *, b1: float = 0.9, b2: float = 0.95,
-                  eps: float = 1e-8, **kw: Any) -> tuple[jax.Array, jax.Array, jax.Array, Fp8Tensor, jax.Array]:
+                  scalars: AdamWScalars, q_scale: jax.Array,
+                  **kw: Any) -> tuple[jax.Array, jax.Array, jax.Array, Fp8Tensor, jax.Array]:
     """AdamW on weight ``p`` ``[M, N]`` (float32; ``g``, ``mu``, ``nu`` likewise) and the new
     weight in e4m3 at ``q_scale`` (a float32 scalar: delayed scaling, chosen before the step).
 
@@ -87,19 +97,18 @@ def adamw_q8_step(lowering: GemmLowering, p: jax.Array, g: jax.Array, mu: jax.Ar
         raise ValueError(f"adamw: q_scale must be a scalar, got shape {jnp.shape(q_scale)}")
     m, n = p.shape
     q_scale = jnp.asarray(q_scale, jnp.float32)
-    outs = epilogue_pass(lowering, programs.adamw_q8(float(b1), float(b2), float(eps)), m, n,
-                         {**_loads(p, g, mu, nu, scalars), "copy_scale": q_scale}, **kw)
+    outs = epilogue_pass(lowering, programs.adamw_q8(*scalars.program_args()), m, n,
+                         {"p": p, "g": g, "mu": mu, "nu": nu, **scalars.loads(), "copy_scale": q_scale}, **kw)
     return (outs["p_new"], outs["mu_new"], outs["nu_new"], Fp8Tensor(outs["copy"], outs["copy_t"], 1.0 / q_scale),
             jnp.max(outs["copy_amax"]))
 
 
 def adamw_cast_step(lowering: GemmLowering, p: jax.Array, g: jax.Array, mu: jax.Array, nu: jax.Array,
-                    scalars: AdamWScalars, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                    **kw: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                    scalars: AdamWScalars, **kw: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """:func:`adamw_q8_step` with the new weight's bfloat16 copy ``[M, N]`` instead of the FP8
     copies (a bf16 GEMM's operand, e.g. the LM head's): ``(p_new, mu_new, nu_new, copy)``."""
     _check(p, g, mu, nu)
     m, n = p.shape
-    outs = epilogue_pass(lowering, programs.adamw_cast(float(b1), float(b2), float(eps)), m, n,
-                         _loads(p, g, mu, nu, scalars), **kw)
+    outs = epilogue_pass(lowering, programs.adamw_cast(*scalars.program_args()), m, n,
+                         {"p": p, "g": g, "mu": mu, "nu": nu, **scalars.loads()}, **kw)
     return outs["p_new"], outs["mu_new"], outs["nu_new"], outs["copy"]
