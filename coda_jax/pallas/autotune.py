@@ -463,7 +463,8 @@ def kernel_ms(fn: Callable, *args, iters: int = 20) -> float:
 
     jax.block_until_ready(fn(*args))
     _, times = profiler.measure(fn, iterations=iters)(*args)
-    return statistics.median(times)
+    # One iteration gives a float, several a list.
+    return statistics.median(times) if isinstance(times, (list, tuple)) else float(times)
 
 
 def sustained_kernel_ms(fn: Callable, *args, iters: int = 20, heat_s: float = 1.5,
