@@ -184,13 +184,16 @@ def test_optimizer_copies_probe_checks_and_times_each_variant(monkeypatch, tmp_p
     from benchmarks.probes import optimizer_fp8_copies as probe
     from coda_jax.pallas import autotune as at
 
-    times = iter([3.0, 3.0, 5.0, 5.0, 3.5, 3.5, 3.25, 3.25])
+    cand = "pingpong_minor_m_lean_m64_no_gemm"
+    want = {"optax": 3.0, "optax+passes": 5.0, "fused": 3.5, "xla_copies": 4.5, "passes": 2.0, "fused_alone": 1.5,
+            f"fused@{cand}": 3.25, f"fused_alone@{cand}": 1.25}
+    times = iter(t for t in want.values() for _ in range(2))  # --iters 2: two measurements a variant
     monkeypatch.setattr(at, "kernel_ms", lambda f, *a, iters: next(times))
     row = probe.main(["--preset", "tiny", "--layers", "1", "--backend", "xla", "--out", str(tmp_path), "--iters", "2",
-                      "--candidates", "pingpong_minor_m_lean_m64_no_gemm"])
-    assert row["ms"] == {"optax": 3.0, "optax+passes": 5.0, "fused": 3.5,
-                         "fused@pingpong_minor_m_lean_m64_no_gemm": 3.25}
-    assert row["saved_ms"] == 1.75
+                      "--candidates", cand])
+    assert row["ms"] == want
+    assert row["saved_ms"] == 1.75  # optax+passes against the fastest fused update (not its kernels alone)
+    assert row["saved_by_xla_copies_ms"] == 0.5
     assert json.loads((tmp_path / "optimizer_fp8_copies.json").read_text())["saved_ms"] == 1.75
     assert 0 < row["block_weight_elements"] < row["parameter_elements"]
     assert "100.0000% bit-equal" in capsys.readouterr().out

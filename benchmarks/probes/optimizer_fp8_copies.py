@@ -184,17 +184,24 @@ def main(argv=None) -> dict:
                     out[2] if len(out) > 2 else None)
         return jax.jit(g)
 
-    (ref_w, ref_nu, _), (f_w, f_nu, f_copies), (_, _, p_copies), (_, _, x_copies) = (
-        block_leaves(fns[v])(params, grads, state) for v in ("optax", "fused", "optax+passes", "xla_copies"))
-    worst = max(float(jnp.linalg.norm(f_w[p] - ref_w[p]) / jnp.linalg.norm(ref_w[p])) for p in copied)
-    worst_m = max(float(jnp.linalg.norm(f_nu[p] - ref_nu[p]) / jnp.linalg.norm(ref_nu[p])) for p in copied)
-    equal = min(float(np.mean(np.asarray(c[p][i]).view(np.uint8) == np.asarray(p_copies[p][i]).view(np.uint8)))
-                for c in (f_copies, x_copies) for p in copied for i in range(len(c[p])) if c[p][i].ndim)
-    print(f"CHECK fused against optax: weights {worst:.2e}, second moments {worst_m:.2e} (relative); copies "
-          f"(fused, xla_copies) against the passes' {equal:.4%} bit-equal", flush=True)
+    # One variant's results alive beside the reference's at a time (four fit no H100 at the 8B width).
+    ref_w, ref_nu, _ = block_leaves(fns["optax"])(params, grads, state)
+    p_copies = block_leaves(fns["optax+passes"])(params, grads, state)[2]
+    worst = worst_m = 0.0
+    equal = 1.0
+    for v in ("fused", "xla_copies"):
+        w, nu, c = block_leaves(fns[v])(params, grads, state)
+        worst = max(worst, *(float(jnp.linalg.norm(w[p] - ref_w[p]) / jnp.linalg.norm(ref_w[p])) for p in copied))
+        worst_m = max(worst_m, *(float(jnp.linalg.norm(nu[p] - ref_nu[p]) / jnp.linalg.norm(ref_nu[p]))
+                                 for p in copied))
+        equal = min(equal, *(float(np.mean(np.asarray(c[p][i]).view(np.uint8) == np.asarray(p_copies[p][i]).view(
+            np.uint8))) for p in copied for i in range(len(c[p])) if c[p][i].ndim))
+        del w, nu, c
+    print(f"CHECK fused and xla_copies against optax: weights {worst:.2e}, second moments {worst_m:.2e} (relative); "
+          f"copies against the passes' {equal:.4%} bit-equal", flush=True)
     if worst > 1e-6 or worst_m > 1e-6 or equal < 0.999:
         raise SystemExit("fused update differs from optax's")
-    del ref_w, ref_nu, f_w, f_nu, f_copies, p_copies, x_copies
+    del ref_w, ref_nu, p_copies
     n_block = sum(int(np.prod(shapes[p].shape)) for p in shapes if is_block_weight(p))
     n_all = sum(int(np.prod(s.shape)) for s in shapes.values())
     row = {"preset": args.preset, "layers": args.layers, "backend": args.backend, "copies": args.copies,
