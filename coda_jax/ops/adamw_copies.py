@@ -8,6 +8,10 @@ pass (:func:`coda_jax.programs.adamw_q8`) it writes the new weight, its moments 
 from the same registers, and the read is gone. :func:`adamw_cast_step` does the same for a
 weight a bf16 GEMM reads (the LM head's bf16 cast).
 
+The train step does not use them: on the Pallas kernel the pass streams its 30 bytes an
+element at about three quarters of a copy's rate, slower than optax's XLA update followed by
+the quantizing passes (docs/fp8.md#the-weights-copies-from-the-optimizer-built-and-measured-slower-not-in-the-step).
+
 The math is ``optax.chain(optax.clip_by_global_norm(max_norm), optax.adamw(lr, b1, b2, eps,
 weight_decay=wd))`` followed by ``optax.apply_updates``, for one leaf; the global norm of
 the gradients (over every leaf) and the step's learning rate come in as scalars
