@@ -129,34 +129,38 @@ def main(argv=None) -> dict:
 
     adamw = optax.adamw(schedule, b1=B1, b2=B2, eps=EPS, weight_decay=WD)  # adamw_cosine's, after its clip
 
+    def step_scalars(state, grad_norm):
+        return adamw_scalars(state[1][0].count, schedule(state[1][2].count), b1=B1, b2=B2, weight_decay=WD,
+                             grad_norm=grad_norm, max_norm=CLIP, eps=EPS)
+
+    def fused_leaves(low, params, grads, state, s):
+        # Each copied leaf's AdamW pass: {leaf: (new weight, mu, nu, its copies)}.
+        adam, out = state[1][0], {}
+        for p in copied:
+            args_p = (low, params[p], grads[p], adam.mu[p], adam.nu[p], s)
+            if p in cast:
+                *new, bf16 = adamw_cast_step(*args_p)
+                out[p] = (*new, (bf16,))
+            else:
+                *new, t, amax = adamw_q8_step(*args_p, scale)
+                out[p] = (*new, (t.data, t.data_t, amax))
+        return out
+
     def fused(params, grads, state, low=low):
         # adamw_cosine's chain spelled out, so that the global norm is computed once, here.
         norm = optax.tree.norm(grads)
         clipped = jax.tree.map(lambda t: jax.lax.select(norm < CLIP, t, (t / norm) * CLIP), grads)
         updates, inner = adamw.update(clipped, state[1], params)
         new = optax.apply_updates(params, updates)
-        adam = state[1][0]
-        s = adamw_scalars(adam.count, schedule(state[1][2].count), b1=B1, b2=B2, weight_decay=WD, grad_norm=norm,
-                          max_norm=CLIP, eps=EPS)
         mu, nu, copies = dict(inner[0].mu), dict(inner[0].nu), {}
-        for p in copied:
-            args_p = (low, params[p], grads[p], adam.mu[p], adam.nu[p], s)
-            if p in cast:
-                new[p], mu[p], nu[p], bf16 = adamw_cast_step(*args_p)
-                copies[p] = (bf16,)
-            else:
-                new[p], mu[p], nu[p], t, amax = adamw_q8_step(*args_p, scale)
-                copies[p] = (t.data, t.data_t, amax)
+        for p, leaf in fused_leaves(low, params, grads, state, step_scalars(state, norm)).items():
+            new[p], mu[p], nu[p], copies[p] = leaf
         return new, (state[0], (inner[0]._replace(mu=mu, nu=nu), *inner[1:])), copies
 
     def fused_alone(params, grads, state, low=low):
-        # The fused update's kernels by themselves (the scalars from the state, no global norm):
-        # what the copied leaves cost, against ``passes`` plus optax's share for them.
-        s = adamw_scalars(state[1][0].count, schedule(state[1][2].count), b1=B1, b2=B2, weight_decay=WD,
-                          grad_norm=jnp.float32(0.5), max_norm=CLIP, eps=EPS)
-        mu, nu = state[1][0].mu, state[1][0].nu
-        return {p: (adamw_cast_step(low, params[p], grads[p], mu[p], nu[p], s) if p in cast else
-                    adamw_q8_step(low, params[p], grads[p], mu[p], nu[p], s, scale)) for p in copied}
+        # The fused update's kernels by themselves (a fixed global norm): what the copied leaves
+        # cost, against ``passes`` plus optax's share for them.
+        return fused_leaves(low, params, grads, state, step_scalars(state, jnp.float32(0.5)))
 
     def xla_copies(params, grads, state):
         # optax's update with the copies written by XLA's own fusions of it: the cast and the
@@ -174,8 +178,8 @@ def main(argv=None) -> dict:
 
     fns = {"optax": optax_update, "optax+passes": with_passes, "fused": fused, "xla_copies": xla_copies,
            "passes": lambda params, grads, state: copies_by_pass(params), "fused_alone": fused_alone}
-    # The checks on the block weights only (XLA drops the rest): the whole state three times
-    # over would not fit beside the inputs at the 8B width.
+    # The checks on the block weights only (XLA drops the rest): the whole state of several
+    # variants would not fit beside the inputs at the 8B width.
 
     def block_leaves(f):
         def g(*a):
@@ -209,9 +213,9 @@ def main(argv=None) -> dict:
     if not args.time:
         return row
     for name in filter(None, args.candidates.split(",")):  # the fused passes on other configurations
-        cfg = at.resolve_candidate(name)
-        fns[f"fused@{name}"] = functools.partial(fused, low=PallasLowering(cfg, plain_gemm="pallas"))
-        fns[f"fused_alone@{name}"] = functools.partial(fused_alone, low=PallasLowering(cfg, plain_gemm="pallas"))
+        cand_low = PallasLowering(at.resolve_candidate(name), plain_gemm="pallas")
+        fns[f"fused@{name}"] = functools.partial(fused, low=cand_low)
+        fns[f"fused_alone@{name}"] = functools.partial(fused_alone, low=cand_low)
     for name, f in fns.items():
         # One call a measurement: CUPTI's timer keeps every call's outputs (the new state) alive.
         f = jax.jit(f)
