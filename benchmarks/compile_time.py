@@ -16,13 +16,13 @@ For each backend (``plain``: the plain JAX Llama of ``plain_llama.py``), two fre
 
 and count JAX's persistent-cache hits and misses (``jax.monitoring`` events). With
 ``--cache-dir`` the cache is on (every entry kept: minimum compile time 0, any size), so the
-second process's ``*_first_s`` minus ``*_next_s`` is the compile time the cache saves; the
-CuTeDSL kernels also get ``CUTE_DSL_CACHE_DIR`` under it (the DSL's own file cache: its kernels
-compile while JAX lowers, before JAX's cache is consulted). A backend named
-``pallas@kernel_cache`` is ``pallas`` with coda-jax's kernel cache on where it is by default,
-beside JAX's cache under ``--cache-dir`` (``coda_jax/pallas/kernel_cache.py``: a warm process
-skips Mosaic GPU's code generation; every other backend runs with it off);
-its results add ``kernel_cache_hits`` / ``kernel_cache_misses``. Prints one JSON line per
+second process's ``*_first_s`` minus ``*_next_s`` is the compile time the cache saves. A
+backend named ``pallas@kernel_cache`` (``cutedsl@kernel_cache``) is ``pallas`` (``cutedsl``)
+with coda-jax's kernel caches on where they are by default, beside JAX's cache under
+``--cache-dir`` (``coda_jax/pallas/kernel_cache.py``: a warm process skips Mosaic GPU's code
+generation; ``coda_jax/ffi/kernel_cache.py``: CuTeDSL's compile, which runs while JAX lowers,
+before JAX's cache is asked); every other backend runs with them off. Its results add
+``kernel_cache_hits`` / ``kernel_cache_misses``. Prints one JSON line per
 process.
 """
 
@@ -150,11 +150,13 @@ def _module_facts(name: str, lowered, backend: str, dump_dir: str | None = None)
 
 
 def _kernel_cache_counts(args) -> dict:
-    """The kernel cache's hits and misses, for a ``pallas@kernel_cache`` process."""
+    """The kernel cache's hits and misses, for a ``pallas@kernel_cache`` or ``cutedsl@kernel_cache`` process."""
     if not args.backend.endswith(KERNEL_CACHE_SUFFIX):
         return {}
-    from coda_jax.pallas.kernel_cache import active_kernel_cache
-
+    if args.backend.startswith("cutedsl"):
+        from coda_jax.ffi.kernel_cache import active_cache as active_kernel_cache
+    else:
+        from coda_jax.pallas.kernel_cache import active_kernel_cache
     kc = active_kernel_cache()
     return {"kernel_cache_hits": kc.stats.hits if kc else 0, "kernel_cache_misses": kc.stats.misses if kc else 0}
 
@@ -222,7 +224,6 @@ def main(argv=None) -> list[dict]:
                 env.pop("CODA_JAX_PALLAS_INTERPRET", None)  # the compiled kernels, not the interpreter
             if args.cache_dir:
                 cmd += ["--cache-dir", args.cache_dir]
-                env.setdefault("CUTE_DSL_CACHE_DIR", str(Path(args.cache_dir) / "cute_dsl"))
             # The kernel cache's default: on beside JAX's persistent cache (--cache-dir). The
             # @kernel_cache variant gets that default, every other backend runs without it.
             env.pop("CODA_JAX_KERNEL_CACHE_DIR", None)

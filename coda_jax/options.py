@@ -142,14 +142,16 @@ class XlaOptions:
 
 @dataclasses.dataclass(frozen=True)
 class KernelCacheOptions:
-    """The on-disk cache of compiled Pallas kernels (:mod:`coda_jax.pallas.kernel_cache`).
+    """The on-disk caches of the kernels: the Pallas kernels' generated modules
+    (:mod:`coda_jax.pallas.kernel_cache`) and the CuTeDSL kernels' compiled objects
+    (:mod:`coda_jax.ffi.kernel_cache`, in the ``cutedsl`` subdirectory).
 
     Attributes:
-      directory: where it lives; ``"off"``: no cache; ``"default"`` (default): beside JAX's
+      directory: where they live; ``"off"``: no cache; ``"default"`` (default): beside JAX's
         persistent compilation cache when that is on, else ``$XDG_CACHE_HOME/coda_jax/kernels``
         (``~/.cache/coda_jax/kernels``); entries are keyed by GPU and versions.
-      workers: processes that build kernels for the cache in parallel while a step is traced
-        (``0``: build in this process); ``"auto"`` (default): from the CPU count.
+      workers: processes that build Pallas kernels for the cache in parallel while a step is
+        traced (``0``: build in this process); ``"auto"`` (default): from the CPU count.
     """
 
     directory: str | None = None

@@ -291,3 +291,40 @@ def test_cross_entropy_op_on_gpu():
     t = r.ints((M,), v).at[1].set(-100)
     f = lambda b, x, g, w: cj.linear_cross_entropy(x, g, w, t, z_loss=1e-3, reduction="none", backend=b)  # noqa: E731
     _op_parity(f, (x, g, w), (0, 1, 2))
+
+
+def test_kernels_from_the_cache_run_as_compiled_on_gpu(tmp_path):
+    """coda_jax/ffi/kernel_cache.py: the forward and backward of an op, compiled and written to
+    a fresh cache, then read back from disk by a fresh cache (the lowering's and cutlass's
+    in-memory kernels emptied): bit-equal results, both within TOL of the reference."""
+    from cutlass.jax import compile as cute_compile
+
+    from coda_jax.ffi import kernel_cache as KC
+    from coda_jax.ffi import lowering as L
+
+    r = Inputs(jax.random.key(6))
+    x, g, w = r.normal((M, D), BF), r.normal((D,), BF, 0.1, 1.0), r.normal((D, 2 * 2048), BF, D ** -0.5)
+
+    def run(backend):
+        loss = lambda x, g, w: jnp.sum(cj.rms_norm_matmul_swiglu(x, g, w, backend=backend).astype(jnp.float32) ** 2)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, g, w)  # a fresh jit: lowered again
+
+    def fresh():
+        L._build.cache_clear()
+        cute_compile.release_compile_cache()
+        with cj.options(kernel_cache=cj.KernelCacheOptions(directory=str(tmp_path / "other"))):
+            KC.active_cache()  # the next cache object in tmp_path holds nothing in memory
+
+    def cached_run():
+        fresh()
+        with cj.options(kernel_cache=cj.KernelCacheOptions(directory=str(tmp_path))):
+            return jax.device_get(run("cutedsl")), KC.active_cache().stats
+
+    (first, s1), (second, s2) = cached_run(), cached_run()
+    assert s1.misses >= 2 and s1.writes == s1.misses and s1.hits == 0, s1
+    assert s2.hits == s1.misses and s2.misses == 0, s2
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        assert (a == b).all()
+    want = run("xla")
+    for got, ref in zip(jax.tree.leaves(first), jax.tree.leaves(want)):
+        assert rel_err(got, ref) <= TOL

@@ -5,7 +5,7 @@ function-level import is still a dependency; one of them hid an ops -> layers im
 checked against the rank of the importing module:
 
 * spec (``epilogue``, ``programs``, ``options``): nothing above it;
-* backends (``lowering``, ``kernel_lowering``, ``reference``, ``reference_backend``,
+* backends (``lowering``, ``kernel_lowering``, ``kernel_cache_dir``, ``reference``, ``reference_backend``,
   ``partitioning``, ``coda_jax.pallas.*``, ``coda_jax.ffi.*``): no ops (but the op-name
   registry ``ops.names``, a leaf of constants) and no layers;
 * ops (``coda_jax.ops.*``): no layers.
@@ -18,8 +18,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "coda_jax"
 SPEC = {"coda_jax.epilogue", "coda_jax.programs", "coda_jax.options"}
-BACKENDS = {"coda_jax.lowering", "coda_jax.kernel_lowering", "coda_jax.reference", "coda_jax.reference_backend",
-            "coda_jax.partitioning"}
+BACKENDS = {"coda_jax.lowering", "coda_jax.kernel_lowering", "coda_jax.kernel_cache_dir", "coda_jax.reference",
+            "coda_jax.reference_backend", "coda_jax.partitioning"}
 
 
 def _module(path: Path) -> str:

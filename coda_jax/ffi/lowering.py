@@ -20,7 +20,8 @@ Tuning (tile width, pipeline depth, raster group, consumer schedule) is a
 
 Kernels are built once per (epilogue, padded shapes, layouts, dtypes, tile config) and
 cached here; ``cutlass_call`` then compiles each one once (``compile_key`` skips IR
-regeneration on cache hits), so a training step does not recompile.
+regeneration on cache hits), so a training step does not recompile, and the compiled kernels
+are kept on disk for later processes (:mod:`coda_jax.ffi.kernel_cache`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import jax.numpy as jnp
 
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind, default_out_dtype
 from coda_jax.ffi.interpret import check_lowerable, trace_body
+from coda_jax.ffi.kernel_cache import KEY_TAG, body_key
+from coda_jax.ffi.kernel_cache import install as install_kernel_cache
 from coda_jax.ffi.tuning import CuteDslTuning
 from coda_jax.kernel_lowering import KernelLowering, pad_loads, pad_operands, slice_output
 from coda_jax.lowering import gpu_sm_count, join_columns, split_columns, with_latency_hint
@@ -98,12 +101,13 @@ def _build(epi: Epilogue, plan):
     shape = (TILE_M, epi.pair_block if epi.pair_block is not None else plan.tile_n)
     traced = trace_body(epi, shape, dict(plan.load_dtypes))
     check_lowerable(traced, f"epilogue {epi.name!r}")
-    return build_launcher(epi, traced, plan)
+    return build_launcher(epi, traced, plan), body_key(traced)
 
 
 def _cutlass_call(launch, out_types, in_specs, out_specs, key):
     from cutlass.jax import cutlass_call  # optional package: imported on use
 
+    install_kernel_cache()  # compiled kernels kept on disk across processes (coda_jax/ffi/kernel_cache.py)
     return cutlass_call(launch, output_shape_dtype=tuple(out_types), input_spec=tuple(in_specs),
                         output_spec=tuple(out_specs), compile_key=key)
 
@@ -193,7 +197,7 @@ class CuteDslLowering(KernelLowering):
                           operand_dtype=op_dt, load_dtypes=load_dtypes, out_dtypes=dtypes,
                           pingpong=pingpong, b_dtype=None if b_dt == op_dt else b_dt, promote_every=every,
                           **({"group_m": tuning.group_m} if tuning.group_m else {}))
-        launch = _build(epilogue, plan)
+        launch, body = _build(epilogue, plan)
         out_types = []  # one per result (Epilogue.result_names)
         for o in epilogue.outputs:
             if o.kind is OutputKind.TILE:
@@ -212,7 +216,7 @@ class CuteDslLowering(KernelLowering):
                     TensorSpec(static=True, mode=None if transpose_b else (1, 0))]
         in_specs += [TensorSpec(static=True) for _ in args]
         out_specs = [TensorSpec(static=True) for _ in out_types]
-        call = _cutlass_call(launch, out_types, in_specs, out_specs, ("coda_jax.ffi", epilogue, plan))
+        call = _cutlass_call(launch, out_types, in_specs, out_specs, (KEY_TAG, epilogue, plan, body))
         if (hint := self.latency_hint(mp, np_, kp, (a_p, b_p, *args, *out_types))) is not None:
             call = with_latency_hint(call, hint)  # XLA's scheduler is told what the kernel costs
         res = dict(zip(epilogue.result_names(), call(a_p, b_p, *args)))

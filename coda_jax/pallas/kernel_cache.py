@@ -48,12 +48,11 @@ from jax.interpreters import mlir
 
 import coda_jax
 from coda_jax.epilogue import Epilogue
+from coda_jax.kernel_cache_dir import JAX_CACHE_SUBDIR, default_directory, gpu_arch  # noqa: F401 (re-exported)
 from coda_jax.options import current_options
 from coda_jax.pallas.kernel_entries import FORMAT, entry_path, export_kernel, read_entry, write_entry
 from coda_jax.pallas.kernel_workers import Job, KernelWorkers
 
-JAX_CACHE_SUBDIR = "coda_jax_kernels"  # the default cache, inside JAX's persistent cache dir
-_OFF = ("off", "0", "false", "none")
 # Workers lower on the CPU platform, where Mosaic GPU targets sm_90a: used only when this
 # process targets the same (a Hopper GPU, or none).
 WORKER_ARCHS = ("9.0", "none")
@@ -127,7 +126,7 @@ class KernelCache:
     def _submit(self, key: str, ident: tuple, avals):
         """Sends the kernel to a worker; None if there are none or the job cannot travel
         (an epilogue whose closure body does not pickle: see ``program_factory``)."""
-        if self.workers <= 0 or _gpu_arch() not in WORKER_ARCHS or not self._writable():
+        if self.workers <= 0 or gpu_arch() not in WORKER_ARCHS or not self._writable():
             return None
         epilogue, shape, config, load_dtypes, latency_ns = ident
         job = Job(str(self.directory), key, epilogue, shape, config, load_dtypes,
@@ -292,21 +291,13 @@ def _flat(fn: Callable) -> Callable:
     return coda_kernel
 
 
-def _gpu_arch() -> str:
-    """The default device's compute capability (Mosaic GPU lowers for it), or ``none``."""
-    try:
-        return str(getattr(jax.local_devices()[0], "compute_capability", "none"))
-    except RuntimeError:
-        return "none"
-
-
 def _key_and_outputs(kernel: Callable, ident: tuple, avals: Sequence[jax.ShapeDtypeStruct]):
     """``(the entry's key, the kernel's output types)``, from one trace of the kernel. The
     key is a SHA-256 of the kernel's jaxpr, ``ident``, the argument types, the GPU
     architecture and the library versions."""
     jaxpr = jax.make_jaxpr(kernel)(*avals)
     parts = [f"format={FORMAT}", f"jax={jax.__version__}", f"jaxlib={jaxlib.__version__}",
-             f"coda_jax={coda_jax.__version__}", f"arch={_gpu_arch()}", repr(_stable(ident)),
+             f"coda_jax={coda_jax.__version__}", f"arch={gpu_arch()}", repr(_stable(ident)),
              repr([(tuple(a.shape), str(a.dtype)) for a in avals]), str(jaxpr)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest(), jaxpr.out_avals
 
@@ -371,32 +362,6 @@ def disable_kernel_cache() -> None:
     _set_active(None, default_directory())
 
 
-def default_directory() -> str | None:
-    """Where the cache lives unless :func:`enable_kernel_cache` / :func:`disable_kernel_cache`
-    said otherwise:
-
-    1. the option ``kernel_cache.directory`` (``$CODA_JAX_KERNEL_CACHE_DIR``) unless it is
-       ``"default"``; ``off``, ``0``, ``false`` or ``none``: no cache;
-    2. else ``<JAX's persistent cache dir>/coda_jax_kernels`` when JAX's persistent
-       compilation cache is on in a local directory;
-    3. else ``$XDG_CACHE_HOME/coda_jax/kernels`` (``~/.cache/coda_jax/kernels``), as Triton
-       keeps its kernels in ``~/.triton/cache``.
-    """
-    chosen = current_options().kernel_cache.directory
-    if chosen != "default":
-        return None if chosen.lower() in _OFF else chosen
-    jax_dir = None
-    try:
-        if jax.config.jax_enable_compilation_cache:
-            jax_dir = jax.config.jax_compilation_cache_dir
-    except AttributeError:  # a jax without these options
-        pass
-    if jax_dir and "://" not in str(jax_dir):  # (a remote JAX cache, gs://...: not written by coda-jax)
-        return os.path.join(os.path.expanduser(str(jax_dir)), JAX_CACHE_SUBDIR)
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "coda_jax", "kernels")
-
-
 def active_kernel_cache() -> KernelCache | None:
     """The cache in use: the one :func:`enable_kernel_cache` set, else the one in
     :func:`default_directory` (re-read when it changes), or None."""
@@ -437,11 +402,15 @@ def clear(directory: str | os.PathLike) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m coda_jax.pallas.kernel_cache [--clear] [--dir DIR]``: where the kernel
-    cache is and how big, or empty it."""
+    caches are (the Pallas one, and the CuTeDSL one in its ``cutedsl`` subdirectory) and how
+    big, or empty them."""
     import argparse
 
+    from coda_jax.ffi import kernel_cache as cutedsl_cache  # (imports no CuTeDSL)
+
     p = argparse.ArgumentParser(prog="python -m coda_jax.pallas.kernel_cache",
-                                description="coda-jax's Pallas kernel cache: where it is, its size; --clear empties it.")
+                                description="coda-jax's kernel caches (Pallas; CuTeDSL in cutedsl/): where they "
+                                            "are, their size; --clear empties them.")
     p.add_argument("--dir", default=None, help="a cache directory (default: where this process would use one)")
     p.add_argument("--clear", action="store_true", help="remove every entry")
     args = p.parse_args(argv)
@@ -449,11 +418,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if directory is None:
         print(f"kernel cache: off (option kernel_cache.directory={current_options().kernel_cache.directory!r})")
         return 0
-    if args.clear:
-        print(f"kernel cache: removed {clear(directory)} entries from {Path(directory).expanduser()}")
-        return 0
-    info = describe(directory)
-    print(f"kernel cache: {info['directory']}: {info['entries']} entries, {info['bytes'] / 2 ** 20:.1f} MiB")
+    caches = ((describe, clear, directory, "kernel cache"),
+              (cutedsl_cache.describe, cutedsl_cache.clear, Path(directory).expanduser() / cutedsl_cache.SUBDIR,
+               "CuTeDSL kernel cache"))
+    for describe_dir, clear_dir, where, title in caches:
+        if args.clear:
+            print(f"{title}: removed {clear_dir(where)} entries from {Path(where).expanduser()}")
+        else:
+            info = describe_dir(where)
+            print(f"{title}: {info['directory']}: {info['entries']} entries, {info['bytes'] / 2 ** 20:.1f} MiB")
     return 0
 
 

@@ -1,0 +1,50 @@
+"""Where coda-jax's kernel caches live, for both kernel backends.
+
+The Pallas kernel cache (:mod:`coda_jax.pallas.kernel_cache`) keeps its entries in this
+directory, the CuTeDSL kernel cache (:mod:`coda_jax.ffi.kernel_cache`) in its ``cutedsl``
+subdirectory. One option chooses both: ``kernel_cache.directory`` (docs/compile_cache.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from coda_jax.options import current_options
+
+JAX_CACHE_SUBDIR = "coda_jax_kernels"  # the default directory, inside JAX's persistent cache dir
+OFF = ("off", "0", "false", "none")
+
+
+def default_directory() -> str | None:
+    """The kernel caches' directory, or None (off):
+
+    1. the option ``kernel_cache.directory`` (``$CODA_JAX_KERNEL_CACHE_DIR``) unless it is
+       ``"default"``; ``off``, ``0``, ``false`` or ``none``: no cache;
+    2. else ``<JAX's persistent cache dir>/coda_jax_kernels`` when JAX's persistent
+       compilation cache is on in a local directory;
+    3. else ``$XDG_CACHE_HOME/coda_jax/kernels`` (``~/.cache/coda_jax/kernels``), as Triton
+       keeps its kernels in ``~/.triton/cache``.
+    """
+    chosen = current_options().kernel_cache.directory
+    if chosen != "default":
+        return None if chosen.lower() in OFF else chosen
+    jax_dir = None
+    try:
+        if jax.config.jax_enable_compilation_cache:
+            jax_dir = jax.config.jax_compilation_cache_dir
+    except AttributeError:  # a jax without these options
+        pass
+    if jax_dir and "://" not in str(jax_dir):  # (a remote JAX cache, gs://...: not written by coda-jax)
+        return os.path.join(os.path.expanduser(str(jax_dir)), JAX_CACHE_SUBDIR)
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "coda_jax", "kernels")
+
+
+def gpu_arch() -> str:
+    """The default device's compute capability (the kernels are built for it), or ``none``."""
+    try:
+        return str(getattr(jax.local_devices()[0], "compute_capability", "none"))
+    except RuntimeError:
+        return "none"
