@@ -403,12 +403,20 @@ def test_the_command_line_tells_where_and_how_big_and_clears(tmp_path, monkeypat
     KC.enable_kernel_cache(tmp_path, workers=0)
     _lower(_gemm(programs.RESIDUAL_RMS), *_residual_rms_args())
     (tmp_path / "notes.txt").write_text("not an entry")
+    cute = tmp_path / "cutedsl"  # the CuTeDSL cache's entries (coda_jax/ffi/kernel_cache.py): reported and cleared too
+    cute.mkdir()
+    for name in ("a", "b"):
+        (cute / f"{name}.cutedsl.bin").write_bytes(b"x" * 10)
     info = KC.describe(tmp_path)
     assert info["entries"] == 1 and info["bytes"] == next(tmp_path.glob("*.kernel.pkl")).stat().st_size > 0
     monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", str(tmp_path))
-    assert KC.main([]) == 0 and "1 entries" in capsys.readouterr().out
-    assert KC.main(["--clear"]) == 0 and "removed 1 entries" in capsys.readouterr().out
-    assert KC.describe(tmp_path)["entries"] == 0 and (tmp_path / "notes.txt").exists()
+    assert KC.main([]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "1 entries" in out[0] and out[1] == f"CuTeDSL kernel cache: {cute}: 2 entries, 0.0 MiB", out
+    assert KC.main(["--clear"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 1 entries" in out and f"removed 2 entries from {cute}" in out, out
+    assert KC.describe(tmp_path)["entries"] == 0 and (tmp_path / "notes.txt").exists() and not list(cute.iterdir())
     monkeypatch.setenv("CODA_JAX_KERNEL_CACHE_DIR", "off")
     assert KC.main([]) == 0 and "off" in capsys.readouterr().out
     assert KC.describe(tmp_path / "missing") == {"directory": str(tmp_path / "missing"), "entries": 0, "bytes": 0}
