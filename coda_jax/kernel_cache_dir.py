@@ -8,6 +8,8 @@ subdirectory. One option chooses both: ``kernel_cache.directory`` (docs/compile_
 from __future__ import annotations
 
 import os
+import warnings
+from pathlib import Path
 
 import jax
 
@@ -48,3 +50,19 @@ def gpu_arch() -> str:
         return str(getattr(jax.local_devices()[0], "compute_capability", "none"))
     except RuntimeError:
         return "none"
+
+
+def writable(directory: Path, title: str, without: str) -> bool:
+    """Makes ``directory`` and says whether a cache can write its entries there; if not (a
+    read-only or foreign directory), warns: ``title`` names the cache, ``without`` what the
+    process does instead."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        ok, reason = os.access(directory, os.W_OK | os.X_OK), "not writable"
+    except OSError as err:
+        ok, reason = False, str(err)
+    if not ok:
+        warnings.warn(f"{title}: cannot write to {directory} ({reason}); {without} (set the option "
+                      "kernel_cache.directory or $CODA_JAX_KERNEL_CACHE_DIR to another directory, or to 'off')",
+                      RuntimeWarning, stacklevel=5)
+    return ok

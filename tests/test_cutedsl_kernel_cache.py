@@ -138,3 +138,16 @@ def test_the_body_key_follows_the_math_not_the_function():
     keys = [KC.body_key(I.trace_body(E.Epilogue("probe", body=body(c), **decl), (128, 128), {"x": jnp.float32}))
             for c in (1.0, 1.0, 2.0, jnp.arange(128.0), jnp.arange(128.0) + 1)]
     assert keys[0] == keys[1] and len(set(keys)) == 4, keys
+
+
+def test_an_unwritable_directory_is_reported_once_and_the_kernels_compiled_here(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with _cache_in(blocker), pytest.warns(RuntimeWarning, match="cannot write") as caught:
+        digest = lowered()
+        stats = KC.active_cache().stats
+    assert [str(w.message).count("cannot write") for w in caught] == [1], [str(w.message) for w in caught]
+    assert stats.misses >= 2 and stats.writes == 0 and stats.hits == 0, stats
+    L._build.cache_clear()
+    with _cache_in(tmp_path / "ok"):
+        assert lowered() == digest

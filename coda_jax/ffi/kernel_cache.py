@@ -43,7 +43,7 @@ import numpy as np
 
 import coda_jax
 from coda_jax.epilogue import Epilogue
-from coda_jax.kernel_cache_dir import default_directory, gpu_arch
+from coda_jax.kernel_cache_dir import default_directory, gpu_arch, writable
 
 SUBDIR = "cutedsl"
 KEY_TAG = "coda_jax.ffi"  # the first item of every compile key coda-jax passes to cutlass_call
@@ -162,7 +162,7 @@ class CuteKernelCache:
         path = self.path(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory) yet
             return None
         except OSError as err:
             data, reason = b"", str(err)
@@ -198,16 +198,8 @@ class CuteKernelCache:
 
     def _writable(self) -> bool:
         if self._can_write is None:
-            try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                self._can_write, reason = os.access(self.directory, os.W_OK | os.X_OK), "not writable"
-            except OSError as err:
-                self._can_write, reason = False, str(err)
-            if not self._can_write:
-                warnings.warn(f"coda-jax CuTeDSL kernel cache: cannot write to {self.directory} ({reason}); kernels "
-                              "are compiled in this process and not kept (set the option kernel_cache.directory "
-                              "or $CODA_JAX_KERNEL_CACHE_DIR to another directory, or to 'off')",
-                              RuntimeWarning, stacklevel=4)
+            self._can_write = writable(self.directory, "coda-jax CuTeDSL kernel cache",
+                                       "kernels are compiled in this process and not kept")
         return self._can_write
 
 

@@ -48,7 +48,7 @@ from jax.interpreters import mlir
 
 import coda_jax
 from coda_jax.epilogue import Epilogue
-from coda_jax.kernel_cache_dir import JAX_CACHE_SUBDIR, default_directory, gpu_arch  # noqa: F401 (re-exported)
+from coda_jax.kernel_cache_dir import JAX_CACHE_SUBDIR, default_directory, gpu_arch, writable  # noqa: F401 (re-exported)
 from coda_jax.options import current_options
 from coda_jax.pallas.kernel_entries import FORMAT, entry_path, export_kernel, read_entry, write_entry
 from coda_jax.pallas.kernel_workers import Job, KernelWorkers
@@ -176,16 +176,8 @@ class KernelCache:
         """Whether entries can be written here; if not (a read-only or foreign directory),
         warns once, and kernels are then generated in this process and kept in memory."""
         if self._can_write is None:
-            try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                self._can_write = os.access(self.directory, os.W_OK | os.X_OK)
-                reason = "not writable"
-            except OSError as err:
-                self._can_write, reason = False, str(err)
-            if not self._can_write:
-                warnings.warn(f"coda-jax kernel cache: cannot write to {self.directory} ({reason}); kernels are "
-                              f"generated in this process and not kept (set the option kernel_cache.directory "
-                              "or $CODA_JAX_KERNEL_CACHE_DIR to another directory, or to 'off')", RuntimeWarning, stacklevel=4)
+            self._can_write = writable(self.directory, "coda-jax kernel cache",
+                                       "kernels are generated in this process and not kept")
         return self._can_write
 
     def _store(self, key: str, exported) -> None:
