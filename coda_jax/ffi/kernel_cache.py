@@ -160,21 +160,20 @@ class CuteKernelCache:
 
     def _read(self, key: str) -> bytes | None:
         path = self.path(key)
+        head = len(_MAGIC) + 8
         try:
             data = path.read_bytes()
+            reason = "not an entry of this format"
         except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory) yet
             return None
         except OSError as err:
             data, reason = b"", str(err)
-        head = len(_MAGIC) + 8
         if data.startswith(_MAGIC) and len(data) >= head + 32:
             (size,) = struct.unpack("<Q", data[len(_MAGIC):head])
             module, digest = data[head:head + size], data[head + size:]
             if len(module) == size and hashlib.sha256(module).digest() == digest:
                 return module
             reason = "truncated or corrupted"
-        elif data:
-            reason = "not an entry of this format"
         self.stats.bad_entries += 1
         warnings.warn(f"coda-jax CuTeDSL kernel cache: {path} is unreadable ({reason}); compiling the kernel again",
                       RuntimeWarning, stacklevel=2)
