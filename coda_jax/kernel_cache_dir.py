@@ -1,4 +1,4 @@
-"""Where coda-jax's kernel caches live, for both kernel backends.
+"""Where coda-jax's kernel caches live, for both kernel backends, and how their entries sit on disk.
 
 The Pallas kernel cache (:mod:`coda_jax.pallas.kernel_cache`) keeps its entries in this
 directory, the CuTeDSL kernel cache (:mod:`coda_jax.ffi.kernel_cache`) in its ``cutedsl``
@@ -8,8 +8,11 @@ subdirectory. One option chooses both: ``kernel_cache.directory`` (docs/compile_
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 import jax
 
@@ -66,3 +69,36 @@ def writable(directory: Path, title: str, without: str) -> bool:
                       "kernel_cache.directory or $CODA_JAX_KERNEL_CACHE_DIR to another directory, or to 'off')",
                       RuntimeWarning, stacklevel=5)
     return ok
+
+
+def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Writes one entry through ``write(file)`` so that a reader never sees a partial file
+    (a temporary file in the same directory, renamed; removed if writing fails)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def describe_entries(directory: str | os.PathLike, suffix: str) -> dict[str, Any]:
+    """``{"directory", "entries", "bytes"}`` of the files ending in ``suffix`` in a cache
+    directory (missing: 0 entries)."""
+    d = Path(directory).expanduser()
+    files = list(d.glob(f"*{suffix}")) if d.is_dir() else []
+    return {"directory": str(d), "entries": len(files), "bytes": sum(f.stat().st_size for f in files)}
+
+
+def clear_entries(directory: str | os.PathLike, suffix: str) -> int:
+    """Removes a cache directory's entries (files ending in ``suffix``) and leftover temporary
+    files; returns how many entries it removed. Other files are left alone."""
+    d = Path(directory).expanduser()
+    if not d.is_dir():
+        return 0
+    entries = list(d.glob(f"*{suffix}"))
+    for f in [*entries, *d.glob("*.tmp")]:
+        f.unlink(missing_ok=True)
+    return len(entries)

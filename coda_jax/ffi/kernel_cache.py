@@ -32,7 +32,6 @@ import hashlib
 import importlib.metadata
 import os
 import struct
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -43,7 +42,8 @@ import numpy as np
 
 import coda_jax
 from coda_jax.epilogue import Epilogue
-from coda_jax.kernel_cache_dir import default_directory, gpu_arch, writable
+from coda_jax.kernel_cache_dir import (clear_entries, default_directory, describe_entries, gpu_arch, write_atomically,
+                                       writable)
 
 SUBDIR = "cutedsl"
 KEY_TAG = "coda_jax.ffi"  # the first item of every compile key coda-jax passes to cutlass_call
@@ -183,11 +183,8 @@ class CuteKernelCache:
         if not self._writable():
             return
         data = _MAGIC + struct.pack("<Q", len(module)) + module + hashlib.sha256(module).digest()
-        try:  # atomic: a reader sees the whole entry or none
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path(key))
+        try:
+            write_atomically(self.path(key), lambda f: f.write(data))
         except OSError as err:  # a full disk, a directory removed meanwhile: keep going without it
             self._can_write = False
             warnings.warn(f"coda-jax CuTeDSL kernel cache: could not write {self.path(key)} ({err}); not writing "
@@ -251,18 +248,10 @@ def install() -> bool:
 
 def describe(directory: str | os.PathLike) -> dict[str, Any]:
     """``{"directory", "entries", "bytes"}`` of a cache directory (missing: 0 entries)."""
-    d = Path(directory).expanduser()
-    files = list(d.glob(f"*{_SUFFIX}")) if d.is_dir() else []
-    return {"directory": str(d), "entries": len(files), "bytes": sum(f.stat().st_size for f in files)}
+    return describe_entries(directory, _SUFFIX)
 
 
 def clear(directory: str | os.PathLike) -> int:
     """Removes a cache directory's entries (and leftover temporary files); returns how many
     entries it removed."""
-    d = Path(directory).expanduser()
-    if not d.is_dir():
-        return 0
-    entries = list(d.glob(f"*{_SUFFIX}"))
-    for f in [*entries, *d.glob("*.tmp")]:
-        f.unlink(missing_ok=True)
-    return len(entries)
+    return clear_entries(directory, _SUFFIX)

@@ -48,9 +48,10 @@ from jax.interpreters import mlir
 
 import coda_jax
 from coda_jax.epilogue import Epilogue
-from coda_jax.kernel_cache_dir import JAX_CACHE_SUBDIR, default_directory, gpu_arch, writable  # noqa: F401 (re-exported)
+from coda_jax.kernel_cache_dir import (JAX_CACHE_SUBDIR, clear_entries, default_directory,  # noqa: F401 (re-exported)
+                                       describe_entries, gpu_arch, writable)
 from coda_jax.options import current_options
-from coda_jax.pallas.kernel_entries import FORMAT, entry_path, export_kernel, read_entry, write_entry
+from coda_jax.pallas.kernel_entries import ENTRY_SUFFIX, FORMAT, entry_path, export_kernel, read_entry, write_entry
 from coda_jax.pallas.kernel_workers import Job, KernelWorkers
 
 # Workers lower on the CPU platform, where Mosaic GPU targets sm_90a: used only when this
@@ -375,21 +376,13 @@ def _set_active(cache: KernelCache | None, default_seen: str | None) -> KernelCa
 
 def describe(directory: str | os.PathLike) -> dict[str, Any]:
     """``{"directory", "entries", "bytes"}`` of a cache directory (missing: 0 entries)."""
-    d = Path(directory).expanduser()
-    files = list(d.glob("*.kernel.pkl")) if d.is_dir() else []
-    return {"directory": str(d), "entries": len(files), "bytes": sum(f.stat().st_size for f in files)}
+    return describe_entries(directory, ENTRY_SUFFIX)
 
 
 def clear(directory: str | os.PathLike) -> int:
     """Removes a cache directory's entries (and leftover temporary files); returns how many
     entries it removed. Other files are left alone."""
-    d = Path(directory).expanduser()
-    if not d.is_dir():
-        return 0
-    entries = list(d.glob("*.kernel.pkl"))
-    for f in [*entries, *d.glob("*.tmp")]:
-        f.unlink(missing_ok=True)
-    return len(entries)
+    return clear_entries(directory, ENTRY_SUFFIX)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

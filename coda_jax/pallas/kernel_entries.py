@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import pickle
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+
+from coda_jax.kernel_cache_dir import write_atomically
 
 # The Mosaic GPU custom call has no export compatibility guarantee: entries are keyed by the
 # exact jax / jaxlib versions, so one is only ever read by the versions that wrote it.
@@ -23,8 +23,11 @@ CUSTOM_CALL = "mosaic_gpu_v2"
 FORMAT = 1  # bump when the entry layout changes
 
 
+ENTRY_SUFFIX = ".kernel.pkl"
+
+
 def entry_path(directory: Path, key: str) -> Path:
-    return directory / f"{key}.kernel.pkl"
+    return directory / f"{key}{ENTRY_SUFFIX}"
 
 
 def export_kernel(kernel: Callable, avals: Sequence[jax.ShapeDtypeStruct]):
@@ -57,14 +60,7 @@ def write_entry(directory: Path, key: str, exported) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     # The VJP hook is a closure (not picklable) and never used: the ops have custom VJPs.
     entry = {"format": FORMAT, "key": key, "exported": dataclasses.replace(exported, _get_vjp=None)}
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, entry_path(directory, key))
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(entry_path(directory, key), lambda f: pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def read_entry(directory: Path, key: str):
