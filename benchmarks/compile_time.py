@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_CALL_STAGES = ("trace", "lower", "compile", "first_run")
 CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
-BACKENDS = ("plain", "xla", "pallas", "cutedsl", "pallas@kernel_cache")
+BACKENDS = ("plain", "xla", "pallas", "cutedsl", "pallas@kernel_cache", "cutedsl@kernel_cache")
 KERNEL_CACHE_SUFFIX = "@kernel_cache"
 
 

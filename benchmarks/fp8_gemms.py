@@ -145,14 +145,24 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
     fused time and the ratio to cuBLASLt's bare FP8 GEMM of the same shape (see the module doc).
     With ``out``, ``fp8_block_gemms.json`` there is rewritten after each row, so a run cut short
     keeps what it measured. (Two layers give every call of a deeper model of the same width:
-    ``1b-2:8:1024``.) ``only``: the calls (GEMMs and passes) of these epilogues alone."""
+    ``1b-2:8:1024``.) ``only``: the calls (GEMMs and passes) of these epilogues alone. The
+    kernel backends run every call on their kernels, the plain ones too (which the step hands
+    to cuBLASLt by default, the option ``routing.plain_gemm``: the ``xla`` column is that
+    route); a promoted call is run promoted and set against cuBLASLt at ``HIGHEST``."""
     from benchmarks.tune import model_step
-    from coda_jax.epilogue import FP8_DTYPES
     from coda_jax.pallas import autotune as at
 
     on_gpu = jax.devices()[0].platform == "gpu"
     timer = at.kernel_ms if on_gpu else median_ms
     fn, args = model_step(spec if spec.endswith((":fp8", ":fp8-head")) else spec + ":fp8")
+    with cj.options(routing=cj.RoutingOptions(plain_gemm="kernel")):
+        return _block_rows(fn, args, backends, iters, out, only, timer, on_gpu)
+
+
+def _block_rows(fn, args, backends, iters, out, only, timer, on_gpu) -> list[dict]:
+    from coda_jax.epilogue import FP8_DTYPES
+    from coda_jax.pallas import autotune as at
+
     every = at.kernel_calls(fn, *args)
     if only is not None:
         every = [c for c in every if c.epilogue.name in only]
@@ -172,11 +182,13 @@ def block_gemms(spec: str, backends: list[str], iters: int, out: Path | None = N
         if call.transpose_a or not call.transpose_b:
             raise ValueError(f"{call.epilogue.name}: an FP8 call with a non-K-major operand")
         a, b, loads = at.random_arguments(call)
-        bare = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+        # A promoted call (Fp8Recipe.promote_k) against cuBLASLt's promoting GEMM (HIGHEST).
+        precision = jax.lax.Precision.HIGHEST if call.promote_k else None
+        bare = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
                                                         preferred_element_type=jnp.bfloat16))
-        kw = dict(transpose_b=True, out_dtypes=dict(call.out_dtypes) or None)
+        kw = dict(transpose_b=True, out_dtypes=dict(call.out_dtypes) or None, promote_k=call.promote_k)
         m, n, k = call.mnk
-        label = f"{call.epilogue.name} nt {m}x{n}x{k}"  # K-major operands (checked above)
+        label = f"{call.epilogue.name} nt {m}x{n}x{k}{' promoted' if call.promote_k else ''}"  # K-major operands
         outputs = jax.eval_shape(lambda a, b, l: xla.gemm(call.epilogue, a, b, l, **kw), a, b, loads)
         nbytes = moved_bytes(a, b, loads, outputs)
         row = {"call": label, "bare_cublaslt_ms": timer(bare, a, b, iters=iters), "bytes": nbytes,

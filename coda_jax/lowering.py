@@ -303,14 +303,29 @@ def check_plain_gemm(backend: str, choice: str | None) -> str | None:
     raise ValueError(f"plain_gemm must be 'xla', 'kernel' or {backend!r}, got {choice!r}")
 
 
+# The plain GEMMs (nothing to fuse): the identity epilogue, and its FP8 form
+# (coda_jax.epilogue.dequantized: the accumulator times one scalar, which cuBLASLt's FP8 GEMM
+# applies itself as its alpha).
+PLAIN_PROGRAMS = ("identity", "identity_fp8")
+
+
+def is_scaled_fp8_gemm(epilogue: Epilogue, a: jax.Array, out_dtypes: Mapping[str, Any]) -> bool:
+    """Whether this call is a plain FP8 GEMM (``dequantized(IDENTITY)`` on FP8 operands) that
+    writes a 16-bit output: XLA runs it as one cuBLASLt FP8 GEMM scaling its own output
+    (the reference lowering writes it in that form)."""
+    return (epilogue.name == "identity_fp8" and a.dtype in FP8_DTYPES
+            and jnp.dtype(out_dtypes["out"]).itemsize == 2)
+
+
 def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plain_choice: str | None = None,
                   by_size: bool = True) -> bool:
     """Whether kernel backend ``backend`` runs this ``[m, k] @ [k, n]`` GEMM and its epilogue
     through the reference lowering (XLA's GEMM and a fusion of the body) instead of its kernel,
     by the options of :class:`coda_jax.options.RoutingOptions` in force:
 
-    * the identity epilogue (a plain GEMM): ``plain_choice`` (the lowering's argument, as
-      :func:`check_plain_gemm` returns it), else ``routing.plain_gemm``;
+    * the plain GEMMs (:data:`PLAIN_PROGRAMS`: the identity epilogue and its FP8 form):
+      ``plain_choice`` (the lowering's argument, as :func:`check_plain_gemm` returns it), else
+      ``routing.plain_gemm``;
     * a fused program: when its output has fewer than ``routing.xla_output_below`` elements
       (``m * n``), or when ``routing.xla_programs`` names it (up to its ``m*n*k`` cap, in units
       of ``2**30``). Why these defaults: docs/performance.md#routing.
@@ -320,7 +335,7 @@ def routes_to_xla(backend: str, epilogue: Epilogue, m: int, n: int, k: int, plai
     each device runs, which the backend's lowering decides on its shard.
     """
     routing = current_options().routing
-    if epilogue.name == "identity":
+    if epilogue.name in PLAIN_PROGRAMS:
         return (plain_choice or routing.plain_gemm) == "xla"
     below = routing.xla_output_below if by_size else 0
     if m * n < below:

@@ -62,8 +62,9 @@ class RoutingOptions:
 
     Attributes:
       plain_gemm: where GEMMs with nothing to fuse (the identity epilogue: backward dgrad /
-        wgrad GEMMs) run: ``"xla"`` (default: cuBLAS is faster on a bare GEMM) or
-        ``"kernel"`` (the backend's own kernel).
+        wgrad GEMMs; in FP8 the same GEMMs scaled by one scalar, which cuBLASLt's FP8 GEMM
+        applies itself) run: ``"xla"`` (default: cuBLAS / cuBLASLt is faster on a bare GEMM)
+        or ``"kernel"`` (the backend's own kernel).
       xla_output_below: fused GEMMs whose output (``M * N`` elements on one device) is smaller
         than this run on XLA (default ``2**22``: below it the kernel's small-tile class is
         slower than cuBLAS and the fusion saves little); ``0`` keeps every fused GEMM on the

@@ -63,7 +63,7 @@ from jax.sharding import PartitionSpec as P
 from coda_jax import mesh_axes
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, OutputKind, default_out_dtype
 from coda_jax.log import log_once
-from coda_jax.lowering import GemmLowering, gemm_dims, routes_to_xla
+from coda_jax.lowering import PLAIN_PROGRAMS, GemmLowering, gemm_dims, routes_to_xla
 # The mesh axes, the context mesh and the FSDP split live in coda_jax.mesh_axes (read by
 # coda_jax.sharding too); they stay importable from here.
 from coda_jax.mesh_axes import (FSDP_AXIS, FSDP_SPLITS, axis_size, context_mesh, features_split,  # noqa: F401
@@ -314,9 +314,14 @@ class PartitionedLowering:
         program handed to XLA for its small output (:func:`~coda_jax.lowering.xla_output_below`)
         takes the kernel's path here: that rule is about each device's shard, and the backend's
         lowering applies it there, inside the ``shard_map`` (left to XLA's partitioner, the
-        reference formulation of the wgrad programs gathered the tokens, 8 CPU devices)."""
+        reference formulation of the wgrad programs gathered the tokens, 8 CPU devices). So do
+        the plain FP8 GEMMs a kernel backend hands to cuBLASLt (``routing.plain_gemm``): each
+        device runs its own on its tokens; left to the partitioner, the wgrads' K-major
+        operands were gathered along the tokens (8 CPU devices)."""
         if self.inner.name == "xla":
             return True
+        if a.dtype in FP8_DTYPES and epilogue.name in PLAIN_PROGRAMS:
+            return False
         fp8_rule = getattr(self.inner, "fp8_rule", None)  # a lowering without one runs FP8 GEMMs itself
         if (a.dtype in FP8_DTYPES or epilogue.quantizes) and fp8_rule is not None and fp8_rule(
                 epilogue, a, b, transpose_a, transpose_b) is not None:

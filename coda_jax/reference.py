@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from coda_jax.epilogue import FP8_DTYPES, Epilogue, LoadKind, Output, OutputKind, default_out_dtype, saturate_cast
-from coda_jax.lowering import check_out_splits, check_promote_k, join_columns, split_columns
+from coda_jax.lowering import check_out_splits, check_promote_k, is_scaled_fp8_gemm, join_columns, split_columns
 from coda_jax.mesh_axes import explicit_sharding
 from coda_jax.options import current_options
 
@@ -50,6 +50,23 @@ def _dot(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, round
         out_sharding=_contracted_out_sharding(a, b, ca, cb),
     )
     return out.astype(jnp.float32)
+
+
+def _scaled_fp8_dot(a: jax.Array, b: jax.Array, scale: jax.Array, transpose_a: bool, transpose_b: bool,
+                    out_dtype: Any, promote: bool) -> jax.Array:
+    """``(op(a) @ op(b)) * scale`` of FP8 operands written in the 16-bit ``out_dtype``: the dot
+    writes ``out_dtype`` and the scalar multiplies its output, the form XLA's GEMM rewriter
+    turns into one cuBLASLt FP8 GEMM with ``scale`` as its ``alpha`` (a float32 product scaled
+    afterwards is a pass over ``[M, N]`` float32 of its own: docs/performance.md#routing).
+    The recipes' scales are powers of two (:func:`coda_jax.fp8.scale_from_history`), so
+    ``scale`` is exact in ``out_dtype`` and the product is rounded once, as the exact path
+    rounds it; another scale is rounded to ``out_dtype`` first (and on the CPU the product
+    twice). ``promote``: at ``Precision.HIGHEST``, no fast accumulation."""
+    ca, cb = (0 if transpose_a else 1), (1 if transpose_b else 0)
+    out = lax.dot_general(a, b, (((ca,), (cb,)), ((), ())),
+                          precision=lax.Precision.HIGHEST if promote else None, preferred_element_type=out_dtype,
+                          out_sharding=_contracted_out_sharding(a, b, ca, cb))
+    return out * jnp.asarray(scale).astype(out_dtype)
 
 
 def _contracted_out_sharding(a: jax.Array, b: jax.Array, ca: int, cb: int):
@@ -243,6 +260,8 @@ class ReferenceLowering:
         # docs/performance.md#multi-gpu).
         plain_16 = (epilogue.name == "identity" and a.dtype == b.dtype == jnp.dtype(dtypes["out"])
                     and jnp.dtype(a.dtype).itemsize == 2)
+        if is_scaled_fp8_gemm(epilogue, a, dtypes):
+            return {"out": _scaled_fp8_dot(a, b, loads["acc_scale"], transpose_a, transpose_b, dtypes["out"], promote)}
         acc = _dot(a, b, transpose_a, transpose_b, self.round_acc or plain_16, promote)
         res = self._run_body(epilogue, acc, _prepare_loads(epilogue, loads), n, 0)
         return self._finish(epilogue, res, m, n, dtypes, loads)

@@ -28,6 +28,8 @@ def test_the_kernel_cache_variant_needs_the_cache_dir():
 
     assert compile_time.parse_args(["--backends", "plain,pallas@kernel_cache", "--cache-dir", "/tmp/x"]).backends == [
         "plain", "pallas@kernel_cache"]
+    both = ["cutedsl", "cutedsl@kernel_cache"]
+    assert compile_time.parse_args(["--backends", ",".join(both), "--cache-dir", "/tmp/x"]).backends == both
     with pytest.raises(SystemExit):
         compile_time.parse_args(["--backends", "pallas@kernel_cache"])
     with pytest.raises(SystemExit):

@@ -281,3 +281,30 @@ def test_swiglu_programs_on_pingpong_candidates_on_gpu(name):
     cfg = for_fp8_operands(known_candidates()[name])
     _run(E.dequantized(programs.SWIGLU_DGRAD_Q8), 2000, 2048, 1024, dtypes=(E5M2, E4M3), config=cfg, seed=47)
     _run(E.dequantized(programs.rms_swiglu_q8(True)), 2000, 4096, 1024, config=cfg, out_dtypes={"z": BF16}, seed=48)
+
+
+@pytest.mark.parametrize("promote_k", [0, 512])
+def test_plain_fp8_gemm_routed_to_xla_is_one_cublaslt_call(promote_k):
+    """``routing.plain_gemm="xla"`` (the default) on an FP8 plain GEMM: the compiled program is
+    one cuBLASLt FP8 GEMM that applies the scale itself (no fusion writes the ``[M, N]``
+    output), within bf16 rounding of the exact scaled product."""
+    import re
+
+    import jax.numpy as jnp
+
+    from test_pallas_fp8 import _operands
+    from op_cases import rel_err
+
+    m, n, k = 1024, 2048, 8192
+    a, b = _operands(m, n, k, False, True, (E4M3, E5M2), seed=9)
+    scale = jnp.float32(0.37)
+    f = jax.jit(lambda a, b, s: PallasLowering().gemm(E.dequantized(programs.IDENTITY), a, b, {"acc_scale": s},
+                                                      transpose_b=True, out_dtypes={"out": BF16},
+                                                      promote_k=promote_k)["out"])
+    hlo = f.lower(a, b, scale).compile().as_text()
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    assert targets == ["__cublas$lt$matmul$f8"], targets
+    wide = [ln for ln in hlo.splitlines() if " fusion(" in ln and f"[{m},{n}]" in ln.split("=")[1].split("fusion(")[0]]
+    assert not wide, wide  # no pass over the output: the scale is cuBLASLt's alpha
+    exact = jnp.dot(a.astype(F32), b.astype(F32).T, precision="highest") * scale
+    assert rel_err(f(a, b, scale), exact) < 1e-2

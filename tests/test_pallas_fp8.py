@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import coda_jax as cj
 from coda_jax import log as coda_log
 from coda_jax import epilogue as E
 from coda_jax import programs
@@ -233,6 +234,41 @@ def test_fp8_operands_identity(dtypes, out):
     # The lowering's own configuration (the small shape class, K step doubled to 128): the
     # single-warpgroup kernel over two K steps (K 200 -> 256), ragged M and N.
     _compare(E.dequantized(programs.IDENTITY), 100, 150, 200, dtypes=dtypes, out_dtypes={"out": out}, seed=1)
+
+
+@pytest.mark.parametrize("promote_k", [0, 512])
+def test_plain_fp8_gemms_go_to_cublaslt_by_default(promote_k, monkeypatch):
+    """The option ``routing.plain_gemm`` (default ``"xla"``) covers the FP8 plain GEMM
+    (``dequantized(IDENTITY)``, the wgrads and plain dgrads): the kernel backend hands it to
+    XLA as a dot of the FP8 operands that writes bf16 itself, times the scale (the form XLA
+    folds into one cuBLASLt FP8 GEMM; ``Precision.HIGHEST`` where promoted), not a float32
+    product and a pass. ``plain_gemm="kernel"`` keeps it on the kernel; a float32 output is a
+    float32 product."""
+    ran = []
+    real = PallasLowering.kernel_gemm
+    monkeypatch.setattr(PallasLowering, "kernel_gemm", lambda self, epi, *a, **k: (ran.append(epi.name),
+                                                                                      real(self, epi, *a, **k))[1])
+    a, b = _operands(136, 256, 384, False, True, (E5M2, E4M3), seed=4)
+    scale = jnp.float32(0.37)
+    epi = E.dequantized(programs.IDENTITY)
+    exact = jnp.dot(a.astype(F32), b.astype(F32).T, precision="highest") * scale
+
+    def gemm(lowering, out=BF16):
+        f = jax.jit(lambda a, b, s: lowering.gemm(epi, a, b, {"acc_scale": s}, transpose_b=True,
+                                                  out_dtypes={"out": out}, promote_k=promote_k)["out"])
+        return f(a, b, scale), f.lower(a, b, scale).as_text()
+
+    routed, hlo = gemm(PallasLowering(SMALL8))
+    assert ran == [] and routed.dtype == BF16 and rel_err(routed, exact) < 1e-2
+    dots = [ln for ln in hlo.splitlines() if "dot_general" in ln]
+    assert len(dots) == 1 and "-> tensor<136x256xbf16>" in dots[0], dots  # the dot writes bf16 itself
+    assert ("HIGHEST" in dots[0]) == bool(promote_k), dots
+    assert "stablehlo.multiply" in hlo and "f32>" not in hlo.split("dot_general")[1].split("\n")[0]
+    kernel, _ = gemm(PallasLowering(SMALL8, plain_gemm="kernel"))
+    assert ran == ["identity_fp8"] and rel_err(kernel, exact) < 1e-2
+    wide, hlo32 = gemm(PallasLowering(SMALL8), out=F32)
+    assert ran == ["identity_fp8"] and rel_err(wide, exact) < 1e-5  # float32 out: the exact product, on XLA
+    assert "-> tensor<136x256xf32>" in hlo32
 
 
 @pytest.mark.parametrize("dtypes,config", [((E4M3, E4M3), WS_N8), ((E5M2, E4M3), WS_N8), ((E5M2, E4M3), PINGPONG8),
@@ -891,7 +927,8 @@ def check_fp8_lm_head(m: int, d: int, v: int, save: bool, monkeypatch) -> None:
             return fp8_linear_cross_entropy(x, g, w, t, meta, recipe=Fp8Recipe(), save_logits=save, backend=backend)
         return jax.jit(jax.value_and_grad(f, (0, 1, 2, 3)))(x, g, w, meta)
 
-    got = run("pallas")
+    with cj.options(routing=cj.RoutingOptions(plain_gemm="kernel")):  # its plain FP8 GEMMs too
+        got = run("pallas")
     with interpret_mode(False):
         want = run("xla")
     kernels = {"rms_lse_logits_fp8", "ce_grad_q8", "identity_fp8"} if save else {"rms_lse_fp8", "ce_grad_fp8", "accumulate_fp8",
