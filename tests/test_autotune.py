@@ -810,13 +810,20 @@ def test_sustained_timer_heats_before_timing(monkeypatch):
 def test_planned_config_is_what_the_lowering_builds(monkeypatch, spec, names):
     """:func:`autotune.planned_config` (no GPU, no operands) plans every kernel call of a
     one-layer 1B step as :class:`PallasLowering` does when it builds the call, for the
-    default configuration and two that free SMEM (in FP8: promoted calls too)."""
+    default configuration and two that free SMEM (in FP8: promoted calls too, the plain
+    GEMMs' kept on the kernel for it: by default they run on cuBLASLt)."""
     from benchmarks.tune import model_step
-    from coda_jax.pallas import lowering as pl_lowering
 
     monkeypatch.setenv("CODA_JAX_PALLAS_INTERPRET", "1")
     fn, args = model_step(spec)
-    calls = at.kernel_calls(fn, *args)
+    with cj.options(routing=cj.RoutingOptions(plain_gemm="kernel")):
+        _check_planned_configs(at.kernel_calls(fn, *args), names, spec, monkeypatch)
+
+
+def _check_planned_configs(calls, names, spec, monkeypatch) -> None:
+    """The body of :func:`test_planned_config_is_what_the_lowering_builds` on ``calls``."""
+    from coda_jax.pallas import lowering as pl_lowering
+
     assert len(calls) >= 8
     built = []
     orig = pl_lowering.plan_epilogue
